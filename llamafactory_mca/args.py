@@ -1,0 +1,360 @@
+"""The argument hierarchy LLaMA-Factory parses under ``USE_MCA=1``.
+
+``DistributingParallelArguments`` holds what goes into Megatron's ``TransformerConfig``;
+``MegatronArguments`` adds the engine knobs (DDP, optimizer, packing); the two ``TrainingArguments``
+classes mix them into Hugging Face's, so one YAML recipe carries LLaMA-Factory, Trainer and Megatron
+keys. Every cross-field check runs in ``__post_init__``, before any process group or GPU exists, and
+raises a ``ValueError`` that names the fields, their values and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+import transformers
+
+
+logger = logging.getLogger(__name__)
+
+DISPATCHERS = ("allgather", "alltoall")
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom")
+ROUTER_DTYPES = ("fp32", "fp64")
+DROP_POLICIES = ("probs", "position")
+LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+OPTIMIZERS = ("adam", "sgd")
+
+
+def _split_csv(value: Any) -> Any:
+    """Accept ``"a,b"`` from a command line and ``[a, b]`` from YAML alike."""
+    if isinstance(value, str):
+        return [item.strip() for item in value.split(",") if item.strip()]
+    return value
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _one_of(name: str, value: Any, choices: tuple) -> None:
+    _require(value is None or value in choices, f"{name}={value!r} is not one of {', '.join(choices)}.")
+
+
+@dataclass
+class DistributingParallelArguments:
+    """What Megatron's TransformerConfig receives: parallel layout, recompute, fusions, MoE, fp8.
+
+    Layout sizes default to 1. The model-side knobs default to None: a checkpoint's own
+    ``mca_config.json`` holds them too, and a None here never overrides it.
+    """
+
+    tensor_model_parallel_size: int = field(default=1, metadata={"help": "Tensor parallel size (TP)."})
+    pipeline_model_parallel_size: int = field(default=1, metadata={"help": "Pipeline parallel size (PP)."})
+    virtual_pipeline_model_parallel_size: Optional[int] = field(
+        default=None, metadata={"help": "Model chunks per pipeline stage (VPP, interleaved schedule)."}
+    )
+    context_parallel_size: int = field(default=1, metadata={"help": "Context parallel size (CP)."})
+    expert_model_parallel_size: int = field(default=1, metadata={"help": "Expert parallel size (EP)."})
+    expert_tensor_parallel_size: Optional[int] = field(
+        default=None, metadata={"help": "Tensor parallel size inside expert layers (ETP); default 1."}
+    )
+    sequence_parallel: bool = field(default=False, metadata={"help": "Sequence parallelism (needs TP > 1)."})
+    pipeline_model_parallel_layout: Optional[str] = field(
+        default=None,
+        metadata={"help": "Megatron layout string, e.g. 'Et*3|t*3L'; its stage count sets the virtual size."},
+    )
+    recompute_granularity: Optional[str] = field(default=None, metadata={"help": "full or selective."})
+    recompute_method: Optional[str] = field(default=None, metadata={"help": "uniform or block (full only)."})
+    recompute_num_layers: Optional[int] = field(default=None, metadata={"help": "Layers per recompute unit."})
+    recompute_modules: Optional[str] = field(
+        default=None, metadata={"help": f"Selective recompute modules, list or comma-separated: {RECOMPUTE_MODULES}."}
+    )
+    moe_layer_recompute: Optional[bool] = field(default=None, metadata={"help": "Recompute whole MoE layers."})
+    bias_activation_fusion: Optional[bool] = field(default=None, metadata={"help": "Fuse bias + activation."})
+    apply_rope_fusion: Optional[bool] = field(default=None, metadata={"help": "Fused RoPE (needs TE)."})
+    moe_token_dispatcher_type: Optional[str] = field(default=None, metadata={"help": "allgather or alltoall."})
+    moe_router_load_balancing_type: Optional[str] = field(default=None, metadata={"help": f"{LOAD_BALANCING}."})
+    moe_aux_loss_coeff: Optional[float] = field(default=None, metadata={"help": "Load-balancing loss weight."})
+    moe_z_loss_coeff: Optional[float] = field(default=None, metadata={"help": "Router z-loss weight."})
+    moe_grouped_gemm: Optional[bool] = field(default=None, metadata={"help": "Run local experts as one grouped GEMM."})
+    moe_expert_capacity_factor: Optional[float] = field(default=None, metadata={"help": "Token drop capacity."})
+    moe_token_drop_policy: Optional[str] = field(default=None, metadata={"help": "probs or position."})
+    moe_pad_expert_input_to_capacity: Optional[bool] = field(default=None, metadata={"help": "Pad to capacity."})
+    moe_shared_expert_overlap: Optional[bool] = field(default=None, metadata={"help": "Overlap shared experts."})
+    moe_router_dtype: Optional[str] = field(default=None, metadata={"help": "fp32 or fp64 router math."})
+    mtp_num_layers: Optional[int] = field(default=None, metadata={"help": "Multi-token-prediction layers."})
+    calculate_per_token_loss: Optional[bool] = field(default=None, metadata={"help": "Per-token loss scaling."})
+    variable_seq_lengths: Optional[bool] = field(
+        default=None, metadata={"help": "Micro-batches of different lengths (set automatically when needed)."}
+    )
+    fp8: Optional[str] = field(default=None, metadata={"help": "fp8 format: e4m3 or hybrid (needs TE)."})
+    fp8_recipe: Optional[str] = field(default=None, metadata={"help": f"fp8 recipe: {FP8_RECIPES}."})
+    fp8_param: Optional[bool] = field(default=None, metadata={"help": "Keep parameters in fp8."})
+    attention_backend: Optional[str] = field(
+        default=None, metadata={"help": f"{ATTENTION_BACKENDS}; auto picks TE or the native kernels."}
+    )
+    additional_configs: Optional[str] = field(
+        default=None, metadata={"help": "Extra TransformerConfig fields: a dict, a JSON string or a JSON file path."}
+    )
+
+    def __post_init__(self) -> None:
+        self.recompute_modules = _split_csv(self.recompute_modules)
+        self.additional_configs = self._load_additional_configs(self.additional_configs)
+        self._check_parallel_arguments()
+
+    @staticmethod
+    def _load_additional_configs(value: Any) -> Optional[dict]:
+        if value is None or isinstance(value, dict):
+            return value
+        if isinstance(value, str) and value.strip().startswith("{"):
+            return json.loads(value)
+        if isinstance(value, str) and os.path.isfile(value):
+            with open(value, encoding="utf-8") as f:
+                return json.load(f)
+        raise ValueError(f"additional_configs={value!r} is neither a dict, a JSON string nor an existing JSON file.")
+
+    def _check_parallel_arguments(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                     "expert_model_parallel_size", "expert_tensor_parallel_size",
+                     "virtual_pipeline_model_parallel_size"):
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, int) and value >= 1),
+                     f"{name}={value!r} must be a positive integer.")
+        _one_of("moe_token_dispatcher_type", self.moe_token_dispatcher_type, DISPATCHERS)
+        _one_of("recompute_granularity", self.recompute_granularity, RECOMPUTE_GRANULARITIES)
+        _one_of("recompute_method", self.recompute_method, RECOMPUTE_METHODS)
+        _one_of("fp8", self.fp8, FP8_FORMATS)
+        _one_of("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
+        _one_of("moe_router_dtype", self.moe_router_dtype, ROUTER_DTYPES)
+        _one_of("moe_token_drop_policy", self.moe_token_drop_policy, DROP_POLICIES)
+        _one_of("moe_router_load_balancing_type", self.moe_router_load_balancing_type, LOAD_BALANCING)
+        _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        if self.sequence_parallel and tp == 1:
+            raise ValueError(
+                "sequence_parallel=True needs tensor_model_parallel_size > 1 (got 1): sequence parallelism splits "
+                "activations across the TP group. Set tensor_model_parallel_size >= 2 or sequence_parallel: false."
+            )
+        if self.expert_model_parallel_size > 1 and tp > 1 and not self.sequence_parallel:
+            logger.warning(
+                "expert_model_parallel_size=%d with tensor_model_parallel_size=%d: turning sequence_parallel on, "
+                "as Megatron's MoE layers require it.", self.expert_model_parallel_size, tp,
+            )
+            self.sequence_parallel = True
+
+        if self.pipeline_model_parallel_layout is not None:
+            from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+            stages = PipelineParallelLayerLayout.get_num_stages_from_str(self.pipeline_model_parallel_layout)
+            _require(stages % pp == 0,
+                     f"pipeline_model_parallel_layout={self.pipeline_model_parallel_layout!r} has {stages} stages, "
+                     f"not a multiple of pipeline_model_parallel_size={pp}. Give pp x vpp stages separated by '|'.")
+            vpp = stages // pp
+            _require(self.virtual_pipeline_model_parallel_size in (None, vpp) or vpp == 1,
+                     f"virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size} contradicts "
+                     f"pipeline_model_parallel_layout ({stages} stages / pp {pp} = {vpp}). Drop one of them.")
+            self.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
+        if self.virtual_pipeline_model_parallel_size is not None and self.virtual_pipeline_model_parallel_size > 1:
+            _require(pp > 1,
+                     f"virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size} needs "
+                     "pipeline_model_parallel_size > 1 (got 1). Raise pipeline_model_parallel_size or drop the VPP size.")
+        if self.virtual_pipeline_model_parallel_size == 1:
+            self.virtual_pipeline_model_parallel_size = None
+
+        self._check_recompute()
+        self._check_moe()
+        self._check_fp8()
+
+    def _check_recompute(self) -> None:
+        granularity = self.recompute_granularity
+        if granularity is None:
+            for name in ("recompute_method", "recompute_num_layers", "recompute_modules"):
+                _require(getattr(self, name) is None,
+                         f"{name}={getattr(self, name)!r} has no effect without recompute_granularity. "
+                         "Set recompute_granularity: full (with recompute_method) or selective (with recompute_modules).")
+            return
+        if granularity == "full":
+            _require(self.recompute_modules is None,
+                     f"recompute_modules={self.recompute_modules} applies to recompute_granularity=selective, not full. "
+                     "Drop recompute_modules or use recompute_granularity: selective.")
+            # Megatron needs both; the guide's recipes give only the granularity: recompute every layer.
+            if self.recompute_method is None and self.recompute_num_layers is None:
+                self.recompute_method, self.recompute_num_layers = "uniform", 1
+            _require(self.recompute_method is not None,
+                     f"recompute_num_layers={self.recompute_num_layers} needs recompute_method (uniform or block).")
+            _require(self.recompute_num_layers is not None and self.recompute_num_layers >= 1,
+                     f"recompute_method={self.recompute_method!r} needs recompute_num_layers >= 1 "
+                     f"(got {self.recompute_num_layers}).")
+        else:
+            for name in ("recompute_method", "recompute_num_layers"):
+                _require(getattr(self, name) is None,
+                         f"{name}={getattr(self, name)!r} applies to recompute_granularity=full, not selective. "
+                         f"Drop {name} or use recompute_granularity: full.")
+            unknown = sorted(set(self.recompute_modules or ()) - set(RECOMPUTE_MODULES))
+            _require(not unknown, f"recompute_modules has unknown entries {unknown}; choose from {RECOMPUTE_MODULES}.")
+
+    def _check_moe(self) -> None:
+        if self.moe_pad_expert_input_to_capacity:
+            _require(self.moe_expert_capacity_factor is not None,
+                     "moe_pad_expert_input_to_capacity=True needs moe_expert_capacity_factor (e.g. 1.0).")
+        if self.moe_shared_expert_overlap:
+            _require(self.moe_token_dispatcher_type in (None, "alltoall"),
+                     f"moe_shared_expert_overlap=True needs moe_token_dispatcher_type=alltoall "
+                     f"(got {self.moe_token_dispatcher_type}).")
+        if self.variable_seq_lengths and self.moe_token_dispatcher_type == "allgather":
+            raise ValueError(
+                "variable_seq_lengths=True is refused with moe_token_dispatcher_type=allgather: that dispatcher "
+                "needs one sequence length for all micro-batches. Use moe_token_dispatcher_type: alltoall."
+            )
+        if self.mtp_num_layers is not None:
+            _require(self.mtp_num_layers >= 0, f"mtp_num_layers={self.mtp_num_layers} must be >= 0.")
+
+    def _check_fp8(self) -> None:
+        if self.fp8 is None:
+            for name in ("fp8_recipe", "fp8_param"):
+                _require(not getattr(self, name),
+                         f"{name}={getattr(self, name)!r} needs fp8 set to e4m3 or hybrid (got fp8=None).")
+            return
+        from .compat import has_transformer_engine
+
+        _require(has_transformer_engine(),
+                 f"fp8={self.fp8!r} needs Transformer Engine, which is not installed. "
+                 "Install llamafactory-mca[te] (NGC PyTorch images have it) or drop fp8.")
+
+    def get_config_dict(self) -> dict[str, Any]:
+        """The TransformerConfig overrides: every set field, with additional_configs merged on top."""
+        names = [f.name for f in fields(DistributingParallelArguments) if f.name != "additional_configs"]
+        config = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        config.update(self.additional_configs or {})
+        return config
+
+
+@dataclass
+class MegatronArguments(DistributingParallelArguments):
+    """Engine knobs: Megatron DDP, the optimizer, and how batches are built."""
+
+    accumulate_allreduce_grads_in_fp32: bool = field(
+        default=False, metadata={"help": "Accumulate and all-reduce gradients in fp32 (on by default with bf16)."}
+    )
+    use_distributed_optimizer: bool = field(default=False, metadata={"help": "Shard optimizer states over DP."})
+    overlap_grad_reduce: bool = field(default=False, metadata={"help": "Overlap gradient reduce with backward."})
+    delay_grad_reduce: bool = field(default=True, metadata={"help": "Delay grad reduce to the last micro-batch."})
+    overlap_param_gather: bool = field(default=False, metadata={"help": "Overlap parameter all-gather (dist opt)."})
+    ddp_bucket_size: Optional[int] = field(default=None, metadata={"help": "DDP bucket size in elements."})
+    ddp_average_in_collective: bool = field(default=False, metadata={"help": "Average in the collective."})
+    check_for_nan_in_loss_and_grad: bool = field(default=True, metadata={"help": "Skip steps with inf/nan grads."})
+    optimizer: str = field(default="adam", metadata={"help": "adam or sgd."})
+    optimizer_cpu_offload: bool = field(default=False, metadata={"help": "Keep optimizer states on CPU."})
+    save_hf_model: bool = field(default=False, metadata={"help": "Also write HF safetensors in each checkpoint."})
+    sequence_packing: bool = field(default=False, metadata={"help": "Pack rows into THD micro-batches."})
+
+    def __post_init__(self) -> None:
+        DistributingParallelArguments.__post_init__(self)
+        _one_of("optimizer", self.optimizer, OPTIMIZERS)
+        if self.overlap_param_gather:
+            _require(self.use_distributed_optimizer and self.overlap_grad_reduce,
+                     f"overlap_param_gather=True needs use_distributed_optimizer=True and overlap_grad_reduce=True "
+                     f"(got {self.use_distributed_optimizer} and {self.overlap_grad_reduce}). Set both, or drop "
+                     "overlap_param_gather.")
+        if self.optimizer_cpu_offload:
+            _require(self.use_distributed_optimizer,
+                     "optimizer_cpu_offload=True needs use_distributed_optimizer=True (Megatron's hybrid CPU optimizer).")
+        if self.ddp_bucket_size is not None:
+            _require(self.ddp_bucket_size > 0, f"ddp_bucket_size={self.ddp_bucket_size} must be positive.")
+
+    @classmethod
+    def from_json_file(cls, path: str) -> "MegatronArguments":
+        """Rebuild the arguments a run saved with ``to_json_file`` (unknown keys are ignored)."""
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        names = {f.name for f in fields(cls) if f.init}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def to_json_file(self, path: str) -> None:
+        names = [f.name for f in fields(MegatronArguments)]
+        data = {name: getattr(self, name) for name in names}
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+
+    def allow_variable_seq_lengths(self) -> bool:
+        """Whether micro-batches may differ in length: the MoE allgather dispatcher forbids it, padding
+        every batch to one length instead; everything else takes the longest row of each micro-batch."""
+        if self.variable_seq_lengths is not None:
+            return self.variable_seq_lengths
+        return self.moe_token_dispatcher_type != "allgather"
+
+
+@dataclass
+class _HostCompatArguments:
+    """Keys LLaMA-Factory recipes carry that transformers 5 dropped or that live in LLaMA-Factory's own
+    TrainingArguments subclass, which is bypassed under USE_MCA. Without them a common recipe fails with
+    "Some keys are not used"."""
+
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "Deprecated; accepted for old recipes."})
+    enable_torch_profiler: bool = field(default=False, metadata={"help": "Collect torch profiler traces."})
+    profiler_output_dir: Optional[str] = field(default=None, metadata={"help": "Where profiler traces go."})
+    profiler_wait_steps: int = field(default=1, metadata={"help": "Profiler wait steps."})
+    profiler_warmup_steps: int = field(default=1, metadata={"help": "Profiler warm-up steps."})
+    profiler_active_steps: int = field(default=1, metadata={"help": "Profiler active steps."})
+    profiler_repeat: int = field(default=1, metadata={"help": "Profiler cycles."})
+    profiler_record_shapes: bool = field(default=True, metadata={"help": "Record shapes."})
+    profiler_profile_memory: bool = field(default=True, metadata={"help": "Profile memory."})
+    profiler_with_stack: bool = field(default=True, metadata={"help": "Record stacks."})
+    profile_modules: Optional[str] = field(default=None, metadata={"help": "Module patterns to time."})
+    fp8_enable_fsdp_float8_all_gather: bool = field(default=False, metadata={"help": "Unused under MCA."})
+
+
+class _McaTrainingMixin:
+    """The shared ``__post_init__``: our checks first (no process group yet), then Hugging Face's."""
+
+    def _mca_post_init(self, hf_cls: type) -> None:
+        MegatronArguments.__post_init__(self)
+        if self.deepspeed:
+            raise ValueError(
+                f"deepspeed={self.deepspeed!r} cannot be combined with USE_MCA=1: Megatron-Core does the sharding "
+                "itself. Remove the deepspeed key (use use_distributed_optimizer: true for ZeRO-1-like sharding)."
+            )
+        if self.bf16 and self.fp16:
+            raise ValueError("bf16=True and fp16=True: choose one precision.")
+        if self.bf16 and not self.accumulate_allreduce_grads_in_fp32:
+            self.accumulate_allreduce_grads_in_fp32 = True
+        from .cpu_mode import cpu_mode_needed
+
+        if cpu_mode_needed():
+            self.use_cpu = True  # no GPU: gloo, and Hugging Face's bf16-needs-a-GPU check stays quiet
+        hf_cls.__post_init__(self)
+
+    def resolve_layout(self, world_size: Optional[int] = None, seq_length: Optional[int] = None):
+        """The second check, once the world size is known: see ``parallel.ParallelLayout``."""
+        from .parallel import ParallelLayout
+
+        return ParallelLayout.from_args(self, world_size=world_size, seq_length=seq_length)
+
+
+@dataclass
+class TrainingArguments(_McaTrainingMixin, MegatronArguments, _HostCompatArguments, transformers.TrainingArguments):
+    def __post_init__(self) -> None:
+        self._mca_post_init(transformers.TrainingArguments)
+
+
+@dataclass
+class Seq2SeqTrainingArguments(
+    _McaTrainingMixin, MegatronArguments, _HostCompatArguments, transformers.Seq2SeqTrainingArguments
+):
+    def __post_init__(self) -> None:
+        self._mca_post_init(transformers.Seq2SeqTrainingArguments)
+
+
+def megatron_args_dict(args: MegatronArguments) -> dict[str, Any]:
+    """Only our own fields, e.g. for logging or saving beside a checkpoint."""
+    return {f.name: getattr(args, f.name) for f in fields(MegatronArguments)}

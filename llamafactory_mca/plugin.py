@@ -1,0 +1,140 @@
+"""How LLaMA-Factory finds us under ``USE_MCA=1`` without a line of it being edited.
+
+LLaMA-Factory 0.9.x, when ``USE_MCA=1``, imports its argument classes from a module named
+``mcore_adapter`` and its pt/sft/dpo workflows from ``llamafactory.train.mca``. The installed startup
+hook (``llamafactory_mca.pth``, one line) calls :func:`install` only when ``USE_MCA`` is on; install
+puts an import finder first on ``sys.meta_path`` that answers those two names with our modules.
+``LLAMAFACTORY_MCA_DISABLE=1`` turns the hook off.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import sys
+import types
+from typing import Optional
+
+
+logger = logging.getLogger("llamafactory_mca")
+
+ADAPTER_NAME = "mcore_adapter"
+WORKFLOW_NAME = "llamafactory.train.mca"
+_TRUE = ("1", "true", "y", "yes", "on")
+
+# What each aliased name exposes, and where it comes from.
+_EXPORTS = {
+    ADAPTER_NAME: ("llamafactory_mca.args", ("TrainingArguments", "Seq2SeqTrainingArguments")),
+    WORKFLOW_NAME: ("llamafactory_mca.workflow", ("run_pt", "run_sft", "run_dpo")),
+}
+
+
+def env_enabled(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() in _TRUE
+
+
+class _AliasLoader(importlib.abc.Loader):
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[types.ModuleType]:
+        return None  # default module creation
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        source, names = _EXPORTS[module.__name__]
+        target = importlib.import_module(source)
+        for name in names:
+            setattr(module, name, getattr(target, name))
+        module.__path__ = []  # a package, so `mcore_adapter.x` fails with a clear ModuleNotFoundError
+        module.__llamafactory_mca__ = source
+
+
+class McaFinder(importlib.abc.MetaPathFinder):
+    """Answers ``mcore_adapter`` and ``llamafactory.train.mca`` with llamafactory_mca's modules."""
+
+    def find_spec(self, fullname: str, path=None, target=None) -> Optional[importlib.machinery.ModuleSpec]:
+        if fullname not in _EXPORTS:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(), is_package=True)
+
+
+def _other_mcore_adapter() -> Optional[str]:
+    """Where a separately installed (ROLL) mcore_adapter lives, if any."""
+    for finder in sys.meta_path:
+        if isinstance(finder, McaFinder) or not hasattr(finder, "find_spec"):
+            continue
+        try:
+            spec = finder.find_spec(ADAPTER_NAME, None)
+        except Exception:
+            continue
+        if spec is not None:
+            return spec.origin or str(spec.submodule_search_locations)
+    return None
+
+
+def _should_announce() -> bool:
+    """Once per launch: the launcher and rank 0, not torchrun's own agent or the other ranks."""
+    if os.path.basename(sys.argv[0] if sys.argv else "") == "torchrun":
+        return False
+    return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
+
+
+def _default_cpu_nproc() -> None:
+    """LLaMA-Factory's launcher asks torchrun for get_device_count() processes: 0 without GPUs.
+    On such a machine start as many processes as the recipe's layout needs (at least one)."""
+    if "NPROC_PER_NODE" in os.environ or len(sys.argv) < 3 or sys.argv[1] != "train":
+        return
+    if not os.path.basename(sys.argv[0]).startswith(("llamafactory-cli", "lmf", "llamafactory-mca")):
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    os.environ["NPROC_PER_NODE"] = str(recipe_world_size(sys.argv[2]))
+
+
+def recipe_world_size(path: str) -> int:
+    """The smallest world the recipe's parallel sizes fit in (1 if unreadable: the parser reports why)."""
+    try:
+        import yaml
+
+        with open(path, encoding="utf-8") as f:
+            recipe = yaml.safe_load(f) or {}
+        size = lambda key: int(recipe.get(key) or 1)  # noqa: E731
+        dense = size("tensor_model_parallel_size") * size("pipeline_model_parallel_size") * size("context_parallel_size")
+        experts = size("expert_model_parallel_size") * size("expert_tensor_parallel_size") * size(
+            "pipeline_model_parallel_size")
+        return max(dense, experts) if max(dense, experts) % min(dense, experts) == 0 else dense * experts
+    except Exception:
+        return 1
+
+
+_INSTALLED = False
+
+
+def install() -> None:
+    """Activate the backend in this process (idempotent)."""
+    global _INSTALLED
+    if _INSTALLED or env_enabled("LLAMAFACTORY_MCA_DISABLE"):
+        return
+    _INSTALLED = True
+    other = _other_mcore_adapter()
+    sys.meta_path.insert(0, McaFinder())
+    _default_cpu_nproc()
+    if _should_announce():
+        from . import __version__
+
+        line = f"[llamafactory_mca] USE_MCA=1: Megatron-Core backend llamafactory_mca {__version__} is active"
+        if other:
+            line += f" (ROLL's mcore_adapter at {other} is installed too and is not used)"
+        print(line, file=sys.stderr)
+
+
+def startup_hook() -> None:
+    """Called by the installed .pth file at interpreter start: inert unless USE_MCA is on."""
+    if env_enabled("USE_MCA") and not env_enabled("LLAMAFACTORY_MCA_DISABLE"):
+        try:
+            install()
+        except Exception as err:  # never break an interpreter at start-up
+            print(f"[llamafactory_mca] activation failed: {err!r}", file=sys.stderr)

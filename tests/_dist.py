@@ -1,0 +1,44 @@
+"""Run a function on N CPU processes over gloo: the multi-process harness of the test suite."""
+
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args, results) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        results[rank] = ("ok", fn(*args))
+    except BaseException:
+        results[rank] = ("error", traceback.format_exc())
+    finally:
+        from llamafactory_mca.parallel import destroy
+
+        destroy()
+
+
+def run_distributed(fn, world_size: int, *args, retries: int = 3) -> list:
+    """Call ``fn(*args)`` on every rank; return each rank's result. A taken port is retried."""
+    ctx = mp.get_context("spawn")
+    for attempt in range(retries):
+        with ctx.Manager() as manager:
+            results = manager.dict()
+            mp.start_processes(_entry, args=(world_size, free_port(), fn, args, results), nprocs=world_size,
+                               join=True, start_method="spawn")
+            results = dict(results)
+        errors = {r: v for r, (status, v) in results.items() if status == "error"}
+        if errors and attempt + 1 < retries and all("EADDRINUSE" in e or "Address already in use" in e
+                                                     for e in errors.values()):
+            continue
+        assert not errors, "\n".join(f"rank {r}:\n{e}" for r, e in sorted(errors.items()))
+        return [results[r][1] for r in range(world_size)]
+    raise AssertionError("unreachable")

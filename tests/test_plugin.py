@@ -1,0 +1,89 @@
+"""Activation through the installed startup hook: USE_MCA=1 switches LLaMA-Factory to us, nothing else changes."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+
+def _run(args, env_extra=None, timeout=300, cwd=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("USE_MCA", "LLAMAFACTORY_MCA_DISABLE")}
+    env.update(env_extra or {})
+    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def _python(code, env_extra=None):
+    return _run([sys.executable, "-c", code], env_extra)
+
+
+BAD = {
+    "model_name_or_path": "unused", "stage": "sft", "do_train": True, "finetuning_type": "full",
+    "dataset": "identity", "template": "qwen3_nothink",
+    "use_distributed_optimizer": True, "overlap_param_gather": True,  # but no overlap_grad_reduce
+}
+
+
+@pytest.mark.parametrize("command", [["llamafactory-cli", "train"], ["llamafactory-mca", "train"]])
+def test_invalid_recipe_fails_with_our_message(tmp_path, command):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(yaml.safe_dump({**BAD, "output_dir": str(tmp_path / "out")}))
+    env = {"USE_MCA": "1"} if command[0] == "llamafactory-cli" else {}
+    result = _run([*command, str(recipe)], env, cwd=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "overlap_param_gather=True needs use_distributed_optimizer=True and overlap_grad_reduce=True" in output
+    assert "Megatron-Core backend llamafactory_mca" in output
+    assert not (tmp_path / "out").exists()
+
+
+def test_use_mca_resolves_llamafactory_imports_to_us():
+    code = (
+        "from llamafactory.hparams import parser\n"
+        "from llamafactory.hparams.training_args import TrainingArguments as LF\n"
+        "import llamafactory.train.mca as mca, llamafactory_mca.args as a, llamafactory_mca.workflow as w\n"
+        "assert parser._TRAIN_MCA_ARGS[2] is a.TrainingArguments, parser._TRAIN_MCA_ARGS\n"
+        "assert issubclass(LF, a.Seq2SeqTrainingArguments)\n"
+        "assert mca.run_sft is w.run_sft and mca.run_pt is w.run_pt and mca.run_dpo is w.run_dpo\n"
+        "print('resolved')\n"
+    )
+    result = _python(code, {"USE_MCA": "1"})
+    assert result.returncode == 0, result.stderr
+    assert "resolved" in result.stdout
+
+
+def test_without_use_mca_llamafactory_is_untouched(tmp_path):
+    version = _run(["llamafactory-cli", "version"])
+    assert version.returncode == 0 and "LLaMA Factory" in version.stdout
+    assert "llamafactory_mca" not in version.stdout + version.stderr
+    code = (
+        "import importlib.util, sys\n"
+        "from llamafactory.hparams.parser import get_train_args\n"
+        "from llamafactory.hparams.training_args import TrainingArguments\n"
+        "assert importlib.util.find_spec('mcore_adapter') is None\n"
+        f"base = dict(model_name_or_path='x', stage='sft', do_train=True, dataset='identity', output_dir={str(tmp_path)!r})\n"
+        "try:\n"
+        "    get_train_args({**base, 'tensor_model_parallel_size': 2})\n"
+        "except ValueError as err:\n"
+        "    assert 'tensor_model_parallel_size' in str(err)\n"
+        "    print('rejected')\n"
+        "assert 'llamafactory_mca' not in sys.modules\n"
+    )
+    result = _python(code)
+    assert result.returncode == 0, result.stderr
+    assert "rejected" in result.stdout
+
+
+def test_disable_switch_turns_the_hook_off():
+    result = _python("import importlib.util; print(importlib.util.find_spec('mcore_adapter'))",
+                     {"USE_MCA": "1", "LLAMAFACTORY_MCA_DISABLE": "1"})
+    assert result.returncode == 0 and result.stdout.strip() == "None"
+
+
+def test_version_command_names_every_component():
+    result = _run(["llamafactory-mca", "version"])
+    assert result.returncode == 0, result.stderr
+    for name in ("llamafactory-mca", "llamafactory", "megatron-core", "torch", "CUDA", "transformer-engine",
+                 "flash-attn"):
+        assert name in result.stdout
