@@ -88,6 +88,13 @@ class ParallelLayout:
                    seq_length=seq_length)
 
 
+def min_world_size(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int = 1) -> int:
+    """The fewest processes a layout fits in: dense layers need tp·pp·cp, expert layers ep·etp·pp."""
+    import math
+
+    return math.lcm(tp * pp * cp, ep * etp * pp)
+
+
 def init_distributed(timeout_minutes: int = 30) -> None:
     """Join the process group torchrun (or a test's spawn) describes; gloo without GPUs, NCCL with."""
     from .compat import apply_megatron_fixes

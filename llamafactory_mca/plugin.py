@@ -99,13 +99,14 @@ def recipe_world_size(path: str) -> int:
     try:
         import yaml
 
+        from .parallel import min_world_size
+
         with open(path, encoding="utf-8") as f:
             recipe = yaml.safe_load(f) or {}
         size = lambda key: int(recipe.get(key) or 1)  # noqa: E731
-        dense = size("tensor_model_parallel_size") * size("pipeline_model_parallel_size") * size("context_parallel_size")
-        experts = size("expert_model_parallel_size") * size("expert_tensor_parallel_size") * size(
-            "pipeline_model_parallel_size")
-        return max(dense, experts) if max(dense, experts) % min(dense, experts) == 0 else dense * experts
+        return min_world_size(size("tensor_model_parallel_size"), size("pipeline_model_parallel_size"),
+                              size("context_parallel_size"), size("expert_model_parallel_size"),
+                              size("expert_tensor_parallel_size"))
     except Exception:
         return 1
 

@@ -1,0 +1,266 @@
+"""AutoConfig / AutoModel: a Hugging Face checkpoint (or one of ours) in, this rank's model chunks out.
+
+``AutoModel.from_pretrained(path, args)`` builds only the chunks this rank owns (its pipeline stage,
+one chunk per virtual stage) in the layout ``args`` asks for, and reads only its slices of the HF
+safetensors. A path holding ``mca_config.json`` is one of our checkpoints (training or
+``llamafactory-mca convert``): its dist checkpoint is loaded instead, resharded to the current layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Optional
+
+import torch
+
+from .config import MCA_CONFIG_NAME, McaConfig, rope_inv_freq
+from .hf_io import SafetensorsSource
+from .loading import dims_for, load_hf_weights
+from .mapping import WeightTable
+from .registry import get_family
+
+
+logger = logging.getLogger(__name__)
+
+DIST_DIR = "dist_ckpt"  # where a checkpoint folder keeps its Megatron dist checkpoint
+
+
+def dist_checkpoint_dir(path: str) -> Optional[str]:
+    """The dist-checkpoint folder of one of our checkpoints (``path`` itself or ``path/dist_ckpt``)."""
+    for candidate in (os.path.join(path, DIST_DIR), path):
+        if os.path.isfile(os.path.join(candidate, "metadata.json")):
+            return candidate
+    return None
+
+
+class AutoConfig:
+    @staticmethod
+    def from_pretrained(path: str, args: Any = None, trust_remote_code: bool = False) -> McaConfig:
+        """McaConfig from ``mca_config.json`` (our checkpoints) or from a HF ``config.json``."""
+        ours = os.path.join(path, MCA_CONFIG_NAME)
+        if os.path.isfile(ours):
+            config = McaConfig.from_json_file(ours)
+            get_family(config.hf_model_type)  # fails clearly for an unknown type
+            return config
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"{path} is neither a Hugging Face model folder (no config.json) nor a "
+                             f"llamafactory_mca checkpoint (no {MCA_CONFIG_NAME}).")
+        from transformers import AutoConfig as HfAutoConfig
+
+        hf = HfAutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return get_family(hf.model_type).config_from_hf(hf)
+
+
+def _engine_fields(config: McaConfig, args: Any) -> dict[str, Any]:
+    """TransformerConfig fields that depend on the run, not the model."""
+    from ..compat import has_transformer_engine
+    from ..cpu_mode import cpu_mode_needed
+
+    bf16, fp16 = bool(getattr(args, "bf16", False)), bool(getattr(args, "fp16", False))
+    dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
+    fields: dict[str, Any] = dict(
+        bf16=bf16, fp16=fp16, params_dtype=dtype, pipeline_dtype=dtype,
+        use_cpu_initialization=cpu_mode_needed(),
+        gradient_accumulation_fusion=False,  # needs apex/TE's fused wgrad kernel
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=has_transformer_engine(),
+        deallocate_pipeline_outputs=True,
+        variable_seq_lengths=args.allow_variable_seq_lengths() if hasattr(args, "allow_variable_seq_lengths")
+        else True,
+    )
+    if not has_transformer_engine():
+        fields["apply_rope_fusion"] = False
+    # alltoall is the fast dispatcher, and the only one Megatron allows with variable sequence lengths
+    # (it checks even for dense models).
+    fields["moe_token_dispatcher_type"] = "alltoall"
+    if config.num_experts:
+        fields["moe_router_dtype"] = "fp32"
+    return fields
+
+
+def build_transformer_config(config: McaConfig, args: Any = None):
+    """Architecture (config) + engine defaults + the run's explicit overrides (args), in that order."""
+    from . import spec
+
+    overrides = args.get_config_dict() if args is not None else {}
+    engine = {k: v for k, v in _engine_fields(config, args).items() if k not in overrides}
+    if not config.num_experts:  # MoE knobs in a recipe shared between dense and MoE models
+        overrides = {k: v for k, v in overrides.items() if not k.startswith("moe_")}
+    tc = config.to_transformer_config(overrides, **engine)
+    prepare = getattr(spec, "prepare_config", None)
+    if prepare is not None:
+        prepare(tc)
+    return tc
+
+
+class McaModel:
+    """This rank's model chunks (one GPTModel per virtual pipeline stage) and the config they came from."""
+
+    def __init__(self, config: McaConfig, transformer_config, chunks: list[torch.nn.Module]) -> None:
+        self.config = config
+        self.transformer_config = transformer_config
+        self.chunks = chunks
+
+    def parameters(self):
+        for chunk in self.chunks:
+            yield from chunk.parameters()
+
+    def named_parameters(self):
+        for i, chunk in enumerate(self.chunks):
+            for name, param in chunk.named_parameters():
+                yield (f"chunk{i}.{name}" if len(self.chunks) > 1 else name), param
+
+    def train(self, mode: bool = True) -> "McaModel":
+        for chunk in self.chunks:
+            chunk.train(mode)
+        return self
+
+    def eval(self) -> "McaModel":
+        return self.train(False)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Megatron's sharded state dict for dist checkpointing (keys are global: any layout reloads it)."""
+        if len(self.chunks) == 1:
+            return {"model": self.chunks[0].sharded_state_dict()}
+        return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(self.chunks)}
+
+    def load_hf_weights(self, path: str) -> SafetensorsSource:
+        from megatron.core import parallel_state as ps
+
+        src = SafetensorsSource(path)
+        table = WeightTable(get_family(self.config.hf_model_type).weights(self.config))
+        dims = dims_for(self.config, ps.get_tensor_model_parallel_world_size())
+        load_hf_weights(self.chunks, src, table, dims, self.config.num_experts)
+        return src
+
+    def load_dist_checkpoint(self, directory: str, strict: bool = True) -> None:
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.validation import StrictHandling
+
+        state = dist_checkpointing.load(self.sharded_state_dict(), directory,
+                                        strict=StrictHandling.ASSUME_OK_UNEXPECTED if not strict
+                                        else StrictHandling.RAISE_UNEXPECTED)
+        for i, chunk in enumerate(self.chunks):
+            chunk.load_state_dict(state["model" if len(self.chunks) == 1 else f"model{i}"], strict=False)
+
+    def save_pretrained(self, directory: str, dtype: Optional[torch.dtype] = None) -> None:
+        """Hugging Face safetensors + config.json, gathered from every rank (all ranks must call it).
+
+        Writes a dist checkpoint beside the target and merges it on rank 0 — the same streaming path as
+        ``scripts/megatron_merge.py``, so both exports cannot disagree.
+        """
+        from megatron.core import dist_checkpointing
+
+        from .export import export_hf
+
+        staging = directory.rstrip("/") + ".dist_tmp"
+        rank = torch.distributed.get_rank()
+        if rank == 0:
+            os.makedirs(staging, exist_ok=True)
+        torch.distributed.barrier()
+        dist_checkpointing.save(self.sharded_state_dict(), staging)
+        if rank == 0:
+            self.config.save_pretrained(staging)
+            export_hf(staging, directory, dtype=dtype)
+            import shutil
+
+            shutil.rmtree(staging)
+        torch.distributed.barrier()
+
+
+def _current_layout():
+    from megatron.core import parallel_state as ps
+
+    from ..parallel import ParallelLayout
+
+    return ParallelLayout(
+        world_size=torch.distributed.get_world_size(), tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(), vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
+        cp=ps.get_context_parallel_world_size(), ep=ps.get_expert_model_parallel_world_size(),
+        etp=ps.get_expert_tensor_parallel_world_size(), dp=ps.get_data_parallel_world_size(),
+        expert_dp=ps.get_expert_data_parallel_world_size(), micro_batch_size=1, grad_accum=1)
+
+
+class AutoModel:
+    @staticmethod
+    def from_config(config: McaConfig, args: Any = None) -> McaModel:
+        """Build this rank's chunks with random weights (process groups must exist)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.models.gpt import GPTModel
+
+        from . import spec
+
+        check_layout(config, _current_layout(), getattr(args, "pipeline_model_parallel_layout", None) is not None)
+        tc = build_transformer_config(config, args)
+        layer_spec = spec.get_layer_spec(tc)
+        tp = ps.get_tensor_model_parallel_world_size()
+        vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+        inv_freq = rope_inv_freq(config, tc.kv_channels)
+        chunks = []
+        for stage in range(vpp or 1):
+            vp_stage = stage if vpp else None
+            chunk = GPTModel(
+                config=tc, transformer_layer_spec=layer_spec, vocab_size=config.padded_vocab_size(tp),
+                max_sequence_length=config.max_position_embeddings,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                share_embeddings_and_output_weights=config.tie_word_embeddings,
+                position_embedding_type="rope", rotary_base=config.rotary_base, vp_stage=vp_stage,
+            )
+            if inv_freq is not None:
+                chunk.rotary_pos_emb.inv_freq = inv_freq.to(chunk.rotary_pos_emb.inv_freq.device)
+            if torch.cuda.is_available():
+                chunk.cuda()
+            chunks.append(chunk)
+        return McaModel(config, tc, chunks)
+
+    @staticmethod
+    def from_pretrained(path: str, args: Any = None, trust_remote_code: bool = False) -> McaModel:
+        start = time.perf_counter()
+        config = AutoConfig.from_pretrained(path, args, trust_remote_code)
+        model = AutoModel.from_config(config, args)
+        dist = dist_checkpoint_dir(path) if os.path.isfile(os.path.join(path, MCA_CONFIG_NAME)) else None
+        if dist is not None:
+            model.load_dist_checkpoint(dist, strict=False)
+            what = f"dist checkpoint {dist}"
+        else:
+            src = model.load_hf_weights(path)
+            what = f"{len(src.files_opened)} safetensors file(s), {src.bytes_read / 2**20:.1f} MiB read on this rank"
+        if torch.distributed.get_rank() == 0:
+            logger.info("Loaded %s (%s) in %.1fs from %s", config.hf_model_type, what,
+                        time.perf_counter() - start, path)
+        return model
+
+
+def check_layout(config: McaConfig, layout: Any, custom_pipeline_layout: bool = False) -> None:
+    """Model-vs-layout checks (``layout``: a parallel.ParallelLayout), run before any process group exists."""
+    t = config.transformer
+    tp, pp, vpp, ep, etp = layout.tp, layout.pp, layout.vpp or 1, layout.ep, layout.etp
+    heads, groups = t["num_attention_heads"], t.get("num_query_groups") or t["num_attention_heads"]
+    problems = []
+    if heads % tp:
+        problems.append(f"tensor_model_parallel_size={tp} does not divide num_attention_heads={heads}")
+    if groups % tp:
+        problems.append(f"tensor_model_parallel_size={tp} does not divide the key/value heads "
+                        f"(num_key_value_heads={groups})")
+    if not config.num_experts and t["ffn_hidden_size"] % tp:
+        problems.append(f"tensor_model_parallel_size={tp} does not divide ffn_hidden_size={t['ffn_hidden_size']}")
+    if config.num_experts:
+        if config.num_experts % ep:
+            problems.append(f"expert_model_parallel_size={ep} does not divide num_experts={config.num_experts}")
+        if t["moe_ffn_hidden_size"] % etp:
+            problems.append(f"expert_tensor_parallel_size={etp} does not divide moe_ffn_hidden_size="
+                            f"{t['moe_ffn_hidden_size']}")
+    layers, stages = t["num_layers"], pp * vpp
+    if not custom_pipeline_layout:
+        if stages > layers:
+            problems.append(f"pipeline_model_parallel_size={pp} x virtual size {vpp} = {stages} stages is more "
+                            f"than num_layers={layers}")
+        elif layers % stages:
+            problems.append(f"num_layers={layers} does not split evenly into pipeline_model_parallel_size={pp} x "
+                            f"virtual size {vpp} stages (give pipeline_model_parallel_layout for an uneven split)")
+    if problems:
+        raise ValueError(f"{config.hf_model_type}: " + "; ".join(problems) + ".")

@@ -1,0 +1,122 @@
+"""McaConfig: a model's architecture in Megatron terms, plus what it takes to go back to Hugging Face.
+
+A family's ``config_from_hf`` fills ``transformer`` (TransformerConfig keyword arguments that describe
+the architecture) and the model-level fields. The run's layout and engine knobs are laid on top only
+when the TransformerConfig is built (``to_transformer_config``), so ``mca_config.json`` in a
+checkpoint describes the model, never the layout it happened to be trained in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+
+MCA_CONFIG_NAME = "mca_config.json"
+
+# Activation names stored in JSON; TransformerConfig wants callables.
+_ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}
+
+
+@dataclass
+class McaConfig:
+    hf_model_type: str
+    transformer: dict[str, Any]
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    rotary_base: float = 10000.0
+    rope_parameters: Optional[dict[str, Any]] = None  # HF rope dict, replayed for inv_freq (llama3, linear)
+    sliding_window: Optional[int] = None  # only valid when every training sequence fits inside it
+    hf_config: dict[str, Any] = field(default_factory=dict)  # the source config.json, for the way back
+
+    # ---- persistence -------------------------------------------------------------------------------------------
+    def save_pretrained(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, MCA_CONFIG_NAME), "w", encoding="utf-8") as f:
+            json.dump(dataclasses.asdict(self), f, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json_file(cls, path: str) -> "McaConfig":
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    # ---- Megatron ----------------------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.transformer["num_layers"]
+
+    @property
+    def num_experts(self) -> Optional[int]:
+        return self.transformer.get("num_moe_experts")
+
+    def padded_vocab_size(self, tensor_parallel_size: int) -> int:
+        """Megatron pads the vocabulary to a multiple of tp × 128; the padding is trimmed on export."""
+        multiple = 128 * tensor_parallel_size
+        return -(-self.vocab_size // multiple) * multiple
+
+    def to_transformer_config(self, overrides: dict[str, Any], **engine: Any):
+        """TransformerConfig = architecture + the run's overrides (``args.get_config_dict()``) + engine fields."""
+        from megatron.core.transformer import TransformerConfig
+
+        kwargs = dict(self.transformer)
+        activation = kwargs.pop("activation", "silu")
+        kwargs["activation_func"] = _ACTIVATIONS[activation]
+        kwargs.update({k: v for k, v in overrides.items() if v is not None})
+        kwargs.update(engine)
+        known = {f.name for f in dataclasses.fields(TransformerConfig)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"Unknown TransformerConfig fields {unknown} (from additional_configs or the model "
+                             f"config); megatron-core's TransformerConfig has no such fields.")
+        return TransformerConfig(**kwargs)
+
+
+def rope_settings(hf_config: Any) -> tuple[float, Optional[dict[str, Any]]]:
+    """(rope theta, scaling dict or None) from a transformers 4.x or 5.x config."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params is None:  # transformers 4.x
+        scaling = getattr(hf_config, "rope_scaling", None)
+        theta = float(getattr(hf_config, "rope_theta", 10000.0))
+        return theta, (dict(scaling) if scaling else None)
+    params = dict(params)
+    theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    return theta, (None if kind == "default" else params)
+
+
+SUPPORTED_ROPE = ("default", "linear", "llama3")
+
+
+def rope_inv_freq(config: McaConfig, head_dim: int) -> Optional[torch.Tensor]:
+    """HF's inverse frequencies for scaled RoPE kinds; None for plain RoPE (Megatron computes the same)."""
+    if not config.rope_parameters:
+        return None
+    from transformers import AutoConfig as HfAutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    kind = config.rope_parameters.get("rope_type", config.rope_parameters.get("type"))
+    hf = HfAutoConfig.for_model(config.hf_model_type, **{k: v for k, v in config.hf_config.items() if k != "model_type"})
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](hf, torch.device("cpu"))
+    if attention_scaling != 1.0:
+        raise ValueError(f"rope_type={kind!r} scales attention by {attention_scaling}; not supported.")
+    if inv_freq.numel() * 2 != head_dim:
+        raise ValueError(f"rope inv_freq has {inv_freq.numel()} entries for head_dim={head_dim}; partial rotary "
+                         "is not supported.")
+    return inv_freq.float()
+
+
+def check_rope(model_type: str, rope_parameters: Optional[dict[str, Any]]) -> None:
+    if not rope_parameters:
+        return
+    kind = rope_parameters.get("rope_type", rope_parameters.get("type"))
+    if kind not in SUPPORTED_ROPE:
+        raise ValueError(f"{model_type}: rope scaling {kind!r} is not supported by llamafactory_mca; supported: "
+                         f"{', '.join(SUPPORTED_ROPE)}. Training it would silently give a different model.")

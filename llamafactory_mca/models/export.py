@@ -1,0 +1,105 @@
+"""Megatron dist checkpoint → Hugging Face safetensors, one tensor group at a time, in one CPU process.
+
+The streaming primitive is ``iter_hf_tensors``: a generator of ``(hf_name, tensor)`` that reads one
+layer (or one expert) region of one global tensor, turns it back into HF tensors with the family's
+ops, and forgets it. ``export_hf``, ``McaModel.save_pretrained`` and ``scripts/megatron_merge.py``
+all consume it, so a model larger than host memory can be merged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Iterator, Optional
+
+import torch
+
+from .config import MCA_CONFIG_NAME, McaConfig
+from .dist_reader import DistCheckpointReader
+from .hf_io import ShardedWriter, copy_side_files, write_hf_config
+from .loading import dims_for
+from .mapping import WeightTable, fill
+from .registry import get_family
+
+
+logger = logging.getLogger(__name__)
+
+# Canonical (separate-norm) names → how Megatron's specs store them in a dist checkpoint.
+_STORED_ALIASES = {
+    "decoder.layers.input_layernorm.": ("decoder.layers.self_attention.linear_qkv.layer_norm_",),
+    "decoder.layers.pre_mlp_layernorm.": ("decoder.layers.mlp.linear_fc1.layer_norm_",),
+}
+
+
+def stored_keys(pattern: str) -> list[str]:
+    """Dist-checkpoint keys a canonical pattern may be stored under (layers/experts become tensor axes)."""
+    key = pattern.replace("decoder.layers.*.", "decoder.layers.").replace(
+        ".mlp.experts.local_experts.*.", ".mlp.experts.experts.")
+    candidates = [key]
+    for ours, theirs in _STORED_ALIASES.items():
+        if key.startswith(ours):
+            candidates += [alias + key[len(ours):] for alias in theirs]
+    return candidates
+
+
+def _index_ranges(pattern: str, config: McaConfig) -> list[tuple[int, ...]]:
+    stars = pattern.count("*")
+    if stars == 0:
+        return [()]
+    layers = range(config.num_layers)
+    if stars == 1:
+        return [(i,) for i in layers]
+    return [(i, e) for i in layers for e in range(config.num_experts or 0)]
+
+
+def iter_hf_tensors(reader: DistCheckpointReader, config: McaConfig, dtype: Optional[torch.dtype] = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, tensor) for every exported HF tensor, layer by layer, reading one region at a time."""
+    table = WeightTable(get_family(config.hf_model_type).weights(config))
+    dims = dims_for(config, 1)
+    available = set(reader.keys())
+    ops = [op for op in table.ops if op.export]
+    # Non-layer tensors first, then each layer's tensors together (one layer's group in memory at a time).
+    order = [(op, idx) for op in ops if "*" not in op.mca for idx in [()]]
+    for layer in range(config.num_layers):
+        for op in ops:
+            if "*" in op.mca:
+                order += [(op, idx) for idx in _index_ranges(op.mca, config) if idx[0] == layer]
+    for op, index in order:
+        key = next((k for k in stored_keys(op.mca) if k in available), None)
+        if key is None:
+            raise ValueError(f"the checkpoint at {reader.path} has no tensor for {op.mca} (looked for "
+                             f"{stored_keys(op.mca)}); was it written by llamafactory_mca for a "
+                             f"{config.hf_model_type} model?")
+        tensor = reader.read(key, index)
+        for pattern, hf_tensor in zip(op.hf, op.to_hf(tensor, dims)):
+            yield fill(pattern, index[: pattern.count("*")]), (hf_tensor if dtype is None else hf_tensor.to(dtype))
+
+
+def export_hf(checkpoint: str, output: str, dtype: Optional[torch.dtype] = None,
+              max_shard_bytes: int = 5 * 1024**3) -> dict:
+    """Write HF safetensors, config.json and tokenizer files for the checkpoint at ``checkpoint``."""
+    from .auto import dist_checkpoint_dir
+
+    start = time.perf_counter()
+    config_path = os.path.join(checkpoint, MCA_CONFIG_NAME)
+    dist = dist_checkpoint_dir(checkpoint)
+    if not os.path.isfile(config_path) or dist is None:
+        raise ValueError(f"{checkpoint} is not a llamafactory_mca checkpoint: it needs {MCA_CONFIG_NAME} and a Megatron "
+                         "dist checkpoint (metadata.json) in it or in its dist_ckpt/ folder. Point --checkpoint_path "
+                         "at an output_dir/checkpoint-N folder.")
+    config = McaConfig.from_json_file(config_path)
+    reader = DistCheckpointReader(dist)
+    writer = ShardedWriter(output, max_shard_bytes)
+    stored_dtype = None
+    for name, tensor in iter_hf_tensors(reader, config, dtype):
+        stored_dtype = stored_dtype or tensor.dtype
+        writer.add(name, tensor)
+    writer.finish()
+    write_hf_config(config.hf_config, output, dtype or stored_dtype)
+    copied = copy_side_files(checkpoint, output)
+    seconds = time.perf_counter() - start
+    logger.info("Merged %s into %s: %.1f MiB in %.1fs (%s)", checkpoint, output, writer.total_bytes / 2**20,
+                seconds, ", ".join(copied) or "no tokenizer files")
+    return {"bytes": writer.total_bytes, "seconds": seconds, "side_files": copied}

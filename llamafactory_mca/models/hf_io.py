@@ -1,0 +1,152 @@
+"""Hugging Face safetensors in and out, a slice at a time.
+
+Reading: each rank opens only the files that hold tensors it needs and reads only its slices
+(``safe_open(...).get_slice``), so its peak host memory while loading is about its own shard.
+Writing: sharded safetensors plus ``model.safetensors.index.json``, one tensor group at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Iterable, Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+# Files that travel with a model besides its weights.
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+              "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json")
+
+
+class SafetensorsSource:
+    """HF tensors by name from a folder of safetensors files; counts what it reads (tests use that)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        index = os.path.join(path, INDEX_NAME)
+        if os.path.isfile(index):
+            with open(index, encoding="utf-8") as f:
+                self.weight_map: dict[str, str] = json.load(f)["weight_map"]
+        elif os.path.isfile(os.path.join(path, SINGLE_NAME)):
+            with safe_open(os.path.join(path, SINGLE_NAME), "pt") as f:
+                self.weight_map = {name: SINGLE_NAME for name in f.keys()}
+        else:
+            raise ValueError(f"{path} holds no Hugging Face safetensors weights (neither {SINGLE_NAME} nor "
+                             f"{INDEX_NAME}). Point model_name_or_path at a model folder saved with save_pretrained.")
+        self._handles: dict[str, object] = {}
+        self.bytes_read = 0
+        self.tensors_read = 0
+
+    def keys(self) -> list[str]:
+        return list(self.weight_map)
+
+    @property
+    def files_opened(self) -> list[str]:
+        return sorted(self._handles)
+
+    def _slice(self, name: str):
+        if name not in self.weight_map:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.path}")
+        file = self.weight_map[name]
+        if file not in self._handles:
+            full = os.path.join(self.path, file)
+            if not os.path.isfile(full):
+                raise ValueError(f"{full} is listed in {INDEX_NAME} but missing: the checkpoint is incomplete "
+                                 "(re-download or re-save it).")
+            try:
+                self._handles[file] = safe_open(full, "pt")
+            except Exception as err:
+                raise ValueError(f"{full} cannot be read, it is truncated or corrupt ({err}). Re-download it.") from err
+        return self._handles[file].get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def get(self, name: str, dim: Optional[int] = None, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
+        piece = self._slice(name)
+        if dim is None:
+            index: tuple = (slice(None),)
+        else:
+            index = (slice(None),) * dim + (slice(start, stop),)
+        try:
+            tensor = piece[index]
+        except Exception as err:
+            raise ValueError(f"reading {name!r} from {self.path} failed ({err}): the file is truncated or corrupt.") \
+                from err
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        self.tensors_read += 1
+        return tensor
+
+
+class ShardedWriter:
+    """Writes tensors into ``model-0000k-of-0000n.safetensors`` files of at most ``max_shard_bytes``."""
+
+    def __init__(self, directory: str, max_shard_bytes: int = 5 * 1024**3) -> None:
+        self.directory = directory
+        self.max_shard_bytes = max_shard_bytes
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._files: list[tuple[str, list[str]]] = []
+        self.total_bytes = 0
+        os.makedirs(directory, exist_ok=True)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + size > self.max_shard_bytes:
+            self._flush()
+        self._pending[name] = tensor.contiguous()
+        self._pending_bytes += size
+        self.total_bytes += size
+
+    def add_all(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in tensors:
+            self.add(name, tensor)
+
+    def _flush(self) -> None:
+        part = f"part-{len(self._files):05d}.safetensors"
+        save_file(self._pending, os.path.join(self.directory, part), metadata={"format": "pt"})
+        self._files.append((part, list(self._pending)))
+        self._pending, self._pending_bytes = {}, 0
+
+    def finish(self) -> None:
+        if self._pending or not self._files:
+            self._flush()
+        if len(self._files) == 1:
+            os.replace(os.path.join(self.directory, self._files[0][0]), os.path.join(self.directory, SINGLE_NAME))
+            return
+        weight_map = {}
+        count = len(self._files)
+        for k, (part, names) in enumerate(self._files):
+            final = f"model-{k + 1:05d}-of-{count:05d}.safetensors"
+            os.replace(os.path.join(self.directory, part), os.path.join(self.directory, final))
+            weight_map.update({name: final for name in names})
+        with open(os.path.join(self.directory, INDEX_NAME), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, f, indent=2)
+
+
+def copy_side_files(source: str, target: str) -> list[str]:
+    """Tokenizer, processor and generation files that sit beside the weights."""
+    copied = []
+    os.makedirs(target, exist_ok=True)
+    for name in SIDE_FILES:
+        if name != "config.json" and os.path.isfile(os.path.join(source, name)):
+            shutil.copy(os.path.join(source, name), os.path.join(target, name))
+            copied.append(name)
+    return copied
+
+
+def write_hf_config(hf_config: dict, directory: str, dtype: Optional[torch.dtype]) -> None:
+    config = dict(hf_config)
+    if dtype is not None:
+        name = str(dtype).replace("torch.", "")
+        config["torch_dtype"] = name
+        config["dtype"] = name
+    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)

@@ -1,0 +1,224 @@
+"""The closed set of weight-mapping ops; each implements both directions so they cannot drift apart.
+
+Names are full state-dict names with ``*`` for the layer index (and a second ``*`` for the expert
+index). The Megatron side is the single-rank ("canonical") name — what a world-size-1 model with
+per-expert (sequential) experts calls the tensor, with global layer and expert indices. How a tensor
+is split over tensor-parallel ranks is not the op's business to decide: the loader passes a
+``Shard`` read off the Megatron parameter itself; the op only knows how its HF tensors line up with
+that split (a fused QKV splits by query group, a fused gate/up splits each half).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Protocol
+
+import torch
+
+
+class Shard(NamedTuple):
+    """This rank's part of a canonical tensor: ``size`` equal pieces along ``dim``, piece ``rank``."""
+
+    dim: int
+    rank: int
+    size: int
+
+    def bounds(self, length: int) -> tuple[int, int]:
+        step = length // self.size
+        return self.rank * step, (self.rank + 1) * step
+
+
+class Source(Protocol):
+    """Where HF tensors come from: safetensors files (slice reads) or a dict in memory."""
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def get(self, name: str, dim: Optional[int] = None, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
+        """The tensor, or its [start:stop) slice along ``dim``."""
+        ...
+
+
+class DictSource:
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def get(self, name, dim=None, start=0, stop=None):
+        tensor = self.tensors[name]
+        return tensor if dim is None else tensor.narrow(dim, start, (stop if stop is not None else tensor.shape[dim]) - start)
+
+
+def fill(pattern: str, indices: tuple[int, ...]) -> str:
+    """``fill("a.*.b.*.c", (3, 5)) == "a.3.b.5.c"``."""
+    parts = pattern.split("*")
+    if len(parts) - 1 != len(indices):
+        raise ValueError(f"{pattern!r} takes {len(parts) - 1} indices, got {indices}")
+    out = parts[0]
+    for index, part in zip(indices, parts[1:]):
+        out += str(index) + part
+    return out
+
+
+@dataclass(frozen=True)
+class Op:
+    mca: str
+    hf: tuple[str, ...]
+    export: bool = True  # False: loaded from HF, never written back (a tied output layer)
+
+    def load(self, src: Source, names: list[str], shard: Optional[Shard], dims: "Dims") -> torch.Tensor:
+        """This rank's piece (``shard``) or all (None) of the Megatron tensor, reading only what it needs."""
+        raise NotImplementedError
+
+    def to_hf(self, tensor: torch.Tensor, dims: "Dims") -> list[torch.Tensor]:
+        """The full Megatron tensor back to its HF tensors, in the order of ``self.hf``."""
+        raise NotImplementedError
+
+
+class Dims(NamedTuple):
+    """The few sizes the fused ops need."""
+
+    num_heads: int
+    num_query_groups: int
+    head_dim: int
+    vocab_size: int
+    padded_vocab_size: int
+
+
+def _part(src: Source, name: str, shard: Optional[Shard]) -> torch.Tensor:
+    if shard is None:
+        return src.get(name)
+    return src.get(name, shard.dim, *shard.bounds(src.shape(name)[shard.dim]))
+
+
+@dataclass(frozen=True)
+class Rename(Op):
+    """One HF tensor is the Megatron tensor. ``vocab``: rows padded up to the padded vocabulary."""
+
+    vocab: bool = False
+
+    def load(self, src, names, shard, dims):
+        (name,) = names
+        if not self.vocab:
+            return _part(src, name, shard)
+        lo, hi = (0, dims.padded_vocab_size) if shard is None else shard.bounds(dims.padded_vocab_size)
+        if shard is not None and shard.dim != 0:
+            raise ValueError(f"{self.mca}: the vocabulary is split along dim 0, not {shard.dim}")
+        real = src.get(name, 0, lo, min(hi, dims.vocab_size)) if lo < dims.vocab_size else None
+        rows = 0 if real is None else real.shape[0]
+        if rows == hi - lo:
+            return real
+        width = src.shape(name)[1:]
+        pad = torch.zeros((hi - lo - rows, *width), dtype=(real.dtype if real is not None else torch.float32))
+        return pad if real is None else torch.cat([real, pad])
+
+    def to_hf(self, tensor, dims):
+        return [tensor[: dims.vocab_size] if self.vocab else tensor]
+
+
+@dataclass(frozen=True)
+class FusedQKV(Op):
+    """q, k, v → Megatron's linear_qkv, interleaved per query group: [g0: q.. k v][g1: q.. k v]...
+
+    Tensor parallelism splits whole query groups, so a rank reads one contiguous block of q, k and v.
+    Works for weights [rows, hidden] and biases [rows].
+    """
+
+    def _rows(self, dims: Dims) -> tuple[int, int]:
+        return dims.num_heads // dims.num_query_groups * dims.head_dim, dims.head_dim
+
+    def load(self, src, names, shard, dims):
+        groups, first = dims.num_query_groups, 0
+        if shard is not None:
+            if shard.dim != 0:
+                raise ValueError(f"{self.mca}: linear_qkv is column-parallel (dim 0), not dim {shard.dim}")
+            groups = dims.num_query_groups // shard.size
+            first = shard.rank * groups
+        q_rows, kv_rows = self._rows(dims)
+        q = src.get(names[0], 0, first * q_rows, (first + groups) * q_rows)
+        k, v = (src.get(n, 0, first * kv_rows, (first + groups) * kv_rows) for n in names[1:])
+        tail = q.shape[1:]
+        parts = [q.reshape(groups, q_rows, *tail), k.reshape(groups, kv_rows, *tail), v.reshape(groups, kv_rows, *tail)]
+        return torch.cat(parts, dim=1).reshape(-1, *tail)
+
+    def to_hf(self, tensor, dims):
+        q_rows, kv_rows = self._rows(dims)
+        grouped = tensor.reshape(dims.num_query_groups, q_rows + 2 * kv_rows, *tensor.shape[1:])
+        q, k, v = torch.split(grouped, [q_rows, kv_rows, kv_rows], dim=1)
+        return [t.reshape(-1, *tensor.shape[1:]).contiguous() for t in (q, k, v)]
+
+
+@dataclass(frozen=True)
+class GatedMLP(Op):
+    """gate, up → Megatron's linear_fc1 = [gate; up]. Under TP each rank holds [gate_r; up_r]."""
+
+    def load(self, src, names, shard, dims):
+        if shard is not None and shard.dim != 0:
+            raise ValueError(f"{self.mca}: linear_fc1 is column-parallel (dim 0), not dim {shard.dim}")
+        return torch.cat([_part(src, n, shard) for n in names], dim=0)
+
+    def to_hf(self, tensor, dims):
+        return [t.contiguous() for t in torch.chunk(tensor, 2, dim=0)]
+
+
+def gated_mlp(mca: str, hf: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj") -> list[Op]:
+    """A SwiGLU MLP at ``mca`` (…linear_fc1/fc2) from HF's ``hf`` (…gate/up/down); for experts both prefixes
+    carry a second ``*`` for the expert index."""
+    return [GatedMLP(f"{mca}.linear_fc1.weight", (f"{hf}.{gate}.weight", f"{hf}.{up}.weight")),
+            Rename(f"{mca}.linear_fc2.weight", (f"{hf}.{down}.weight",))]
+
+
+def dense_layer(attn: str = "self_attn", mlp: str = "mlp", qkv_bias: bool = False) -> list[Op]:
+    """The Llama-style decoder layer every family here shares (``mlp=""``: the MLP is mapped elsewhere)."""
+    prefix, hf = "decoder.layers.*.", "model.layers.*."
+    ops: list[Op] = [
+        Rename(prefix + "input_layernorm.weight", (hf + "input_layernorm.weight",)),
+        FusedQKV(prefix + "self_attention.linear_qkv.weight",
+                 tuple(f"{hf}{attn}.{p}_proj.weight" for p in "qkv")),
+        Rename(prefix + "self_attention.linear_proj.weight", (f"{hf}{attn}.o_proj.weight",)),
+        Rename(prefix + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",)),
+    ]
+    if qkv_bias:
+        ops.append(FusedQKV(prefix + "self_attention.linear_qkv.bias", tuple(f"{hf}{attn}.{p}_proj.bias" for p in "qkv")))
+    if mlp:
+        ops += gated_mlp(prefix + "mlp", hf + mlp)
+    return ops
+
+
+def embeddings(tied: bool) -> list[Op]:
+    return [
+        Rename("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), vocab=True),
+        Rename("decoder.final_layernorm.weight", ("model.norm.weight",)),
+        Rename("output_layer.weight", ("model.embed_tokens.weight",) if tied else ("lm_head.weight",),
+               vocab=True, export=not tied),
+    ]
+
+
+class WeightTable:
+    """Looks ops up by canonical Megatron name (with concrete indices) and lists every HF name they cover."""
+
+    def __init__(self, ops: list[Op]) -> None:
+        self.ops = ops
+        self._by_mca = {op.mca: op for op in ops}
+        if len(self._by_mca) != len(ops):
+            raise ValueError("two ops map the same Megatron tensor")
+
+    @staticmethod
+    def pattern_of(name: str) -> tuple[str, tuple[int, ...]]:
+        """``decoder.layers.3.mlp.experts.local_experts.5.x`` → (``decoder.layers.*.mlp...local_experts.*.x``, (3, 5))."""
+        parts, indices = [], []
+        for part in name.split("."):
+            if part.isdigit():
+                parts.append("*")
+                indices.append(int(part))
+            else:
+                parts.append(part)
+        return ".".join(parts), tuple(indices)
+
+    def lookup(self, mca_name: str) -> tuple[Op, list[str]]:
+        pattern, indices = self.pattern_of(mca_name)
+        op = self._by_mca.get(pattern)
+        if op is None:
+            raise KeyError(f"no weight mapping for Megatron tensor {mca_name!r}")
+        return op, [fill(p, indices[: p.count("*")]) for p in op.hf]

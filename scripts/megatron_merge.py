@@ -1,0 +1,16 @@
+"""Megatron dist checkpoint (written by llamafactory_mca, any TP/PP/VPP/EP layout) → Hugging Face weights.
+
+    python scripts/megatron_merge.py --checkpoint_path saves/x/checkpoint-50 --output_path saves/hf --bf16
+
+Runs on CPU in one plain process (no GPU, no torchrun) and streams tensor group by tensor group.
+LLaMA-Factory's own merge flags (parallel sizes, --moe_grouped_gemm, --convert_model_max_length) are
+accepted so existing commands keep working; the layout is read from the checkpoint.
+"""
+
+import sys
+
+from llamafactory_mca.models.convert import merge_main
+
+
+if __name__ == "__main__":
+    sys.exit(merge_main())
