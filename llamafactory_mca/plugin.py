@@ -73,11 +73,15 @@ def _other_mcore_adapter() -> Optional[str]:
     return None
 
 
+_ANNOUNCED = "LLAMAFACTORY_MCA_ANNOUNCED"
+
+
 def _should_announce() -> bool:
-    """Once per launch: the launcher and rank 0, not torchrun's own agent or the other ranks."""
-    if os.path.basename(sys.argv[0] if sys.argv else "") == "torchrun":
+    """Once per launch: the first process; its children (torchrun, ranks, checkpoint writers) inherit the mark."""
+    if os.environ.get(_ANNOUNCED):
         return False
-    return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
+    os.environ[_ANNOUNCED] = "1"
+    return True
 
 
 def _default_cpu_nproc() -> None:

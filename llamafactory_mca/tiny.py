@@ -57,31 +57,78 @@ def save_tiny_model(name: str, directory: str, seed: int = 0, dtype: torch.dtype
     return directory
 
 
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOPICS = ["cats", "rivers", "stars", "bread", "trains", "music", "rain", "chess", "ships", "gardens"]
+SENTENCES = [
+    "Tell me something about {topic} please .",
+    "Here is a short fact : {topic} are often loved by many people around the world .",
+    "Explain {topic} in one sentence .",
+    "Sure , {topic} are interesting and simple to describe .",
+    "Human : Assistant : system user assistant ### Instruction Response",
+]
 
 
-def save_tiny_tokenizer(directory: str, corpus: list[str] | None = None, vocab_size: int = 200) -> str:
-    """A byte-level BPE tokenizer (trained here on a few sentences) with Qwen-style chat tokens."""
+def corpus() -> list[str]:
+    return [s.format(topic=t) for t in TOPICS for s in SENTENCES]
+
+
+def save_tiny_tokenizer(directory: str, texts: list[str] | None = None) -> str:
+    """A word-level tokenizer trained here on ``texts`` (no download) with Qwen-style ChatML tokens.
+
+    Every word of ``texts`` is in the vocabulary, so a model with ``vocab_size >= len(tokenizer)`` sees no
+    out-of-range ids. Works with LLaMA-Factory's qwen/qwen3_nothink/default templates.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    corpus = corpus or [
-        "The quick brown fox jumps over the lazy dog.", "Megatron trains large language models in parallel.",
-        "Hello, how are you today? I am fine, thank you.", "Write a short poem about the sea and the sky.",
-        "Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12.", "LLaMA-Factory fine-tunes models with simple YAML recipes.",
-    ]
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(corpus * 4, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=SPECIAL[1:], chat_template=CHAT_TEMPLATE)
+    tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer.train_from_iterator(texts or corpus(),
+                                  trainers.WordLevelTrainer(special_tokens=["<unk>", *SPECIAL_TOKENS]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"],
+                                   chat_template=CHAT_TEMPLATE)
     os.makedirs(directory, exist_ok=True)
     fast.save_pretrained(directory)
     return directory
+
+
+def alpaca_rows(n_rows: int, ranking: bool = False) -> list[dict[str, str]]:
+    """Rows of varied length whose words all come from ``corpus()``."""
+    rows = []
+    for i in range(n_rows):
+        topic = TOPICS[i % len(TOPICS)]
+        answer = " ".join([SENTENCES[1].format(topic=topic)] * (1 + i % 3))
+        row = {"instruction": SENTENCES[0].format(topic=topic), "input": ""}
+        if ranking:
+            row |= {"chosen": answer, "rejected": SENTENCES[3].format(topic=topic)}
+        else:
+            row["output"] = answer
+        rows.append(row)
+    return rows
+
+
+def write_alpaca_dataset(directory: str, n_rows: int, name: str = "tiny_alpaca", ranking: bool = False,
+                         rows: list[dict[str, str]] | None = None) -> str:
+    """An alpaca-format JSON file plus LLaMA-Factory's ``dataset_info.json``; returns the dataset directory.
+
+    ``ranking=True`` writes preference rows (``chosen``/``rejected``) for the pairwise (DPO) stage.
+    """
+    import json
+
+    path = os.path.join(directory, "data")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, f"{name}.json"), "w", encoding="utf-8") as f:
+        json.dump(rows if rows is not None else alpaca_rows(n_rows, ranking), f, indent=1)
+    info: dict[str, Any] = {"file_name": f"{name}.json"}
+    if ranking:
+        info |= {"ranking": True,
+                 "columns": {"prompt": "instruction", "query": "input", "chosen": "chosen", "rejected": "rejected"}}
+    with open(os.path.join(path, "dataset_info.json"), "w", encoding="utf-8") as f:
+        json.dump({name: info}, f, indent=1)
+    return path

@@ -1,17 +1,224 @@
-"""run_pt / run_sft / run_dpo, reached through LLaMA-Factory's own dispatch under USE_MCA=1."""
+"""run_pt / run_sft / run_dpo, reached through LLaMA-Factory's own dispatch under USE_MCA=1.
+
+LLaMA-Factory does what it is good at — tokenizer, template, dataset_info.json, cutoff_len,
+mask_history, train_on_prompt, val_size — and hands us tokenized rows; we plan micro-batches, build
+the model in the requested layout and train with Megatron-Core. Every check that can fail runs
+before process groups, GPUs or data are touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+import torch
 
 
-def _missing(stage: str):
-    raise NotImplementedError(f"llamafactory_mca: the {stage} workflow is not built yet (training issue).")
+logger = logging.getLogger("llamafactory_mca")
+
+SUPPORTED_STAGES = ("pt", "sft", "dpo")
+SUPPORTED_FINETUNING = ("full", "freeze")
 
 
 def run_pt(model_args, data_args, training_args, finetuning_args, callbacks=None):
-    _missing("pt")
+    _run("pt", model_args, data_args, training_args, finetuning_args, callbacks)
 
 
 def run_sft(model_args, data_args, training_args, finetuning_args, callbacks=None):
-    _missing("sft")
+    _run("sft", model_args, data_args, training_args, finetuning_args, callbacks)
 
 
 def run_dpo(model_args, data_args, training_args, finetuning_args, callbacks=None):
-    _missing("dpo")
+    _run("dpo", model_args, data_args, training_args, finetuning_args, callbacks)
+
+
+def check_request(stage: str, model_args: Any, data_args: Any, training_args: Any, finetuning_args: Any) -> None:
+    """Refuse what the Megatron path does not do, naming the key and the fix."""
+    if stage not in SUPPORTED_STAGES:
+        raise ValueError(f"stage={stage!r} is not supported with USE_MCA=1; supported: {', '.join(SUPPORTED_STAGES)}. "
+                         "Unset USE_MCA to run it with LLaMA-Factory's default trainer.")
+    if finetuning_args.finetuning_type not in SUPPORTED_FINETUNING:
+        raise ValueError(f"finetuning_type={finetuning_args.finetuning_type!r} is not supported with USE_MCA=1; "
+                         f"supported: {', '.join(SUPPORTED_FINETUNING)}. Use finetuning_type: full (or freeze), or "
+                         "unset USE_MCA for LoRA/OFT with LLaMA-Factory's default trainer.")
+    if getattr(model_args, "adapter_name_or_path", None):
+        raise ValueError("adapter_name_or_path is not supported with USE_MCA=1: merge the adapter first "
+                         "(llamafactory-cli export) and train the merged model.")
+    if getattr(model_args, "quantization_bit", None):
+        raise ValueError(f"quantization_bit={model_args.quantization_bit} is not supported with USE_MCA=1.")
+    if data_args.streaming:
+        raise ValueError("streaming=True is not supported with USE_MCA=1: micro-batches are planned over the whole "
+                         "tokenized dataset (deterministic, resumable packing). Set streaming: false.")
+    if stage == "dpo" and finetuning_args.pref_loss not in ("sigmoid", "hinge", "ipo", "orpo", "simpo"):
+        raise ValueError(f"pref_loss={finetuning_args.pref_loss!r} is not supported with USE_MCA=1; supported: "
+                         "sigmoid, hinge, ipo, orpo, simpo.")
+    if stage == "dpo" and getattr(finetuning_args, "ld_alpha", None):
+        raise ValueError("ld_alpha is not supported with USE_MCA=1.")
+    _check_output_dir(training_args.output_dir)
+
+
+def _check_output_dir(output_dir: str) -> None:
+    probe = output_dir
+    while probe and not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"output_dir={output_dir!r} exists and is not a folder.")
+    if not os.access(probe or ".", os.W_OK):
+        raise ValueError(f"output_dir={output_dir!r} is not writable ({probe or '.'} refuses writes). Choose a "
+                         "folder you can write to.")
+
+
+def _check_model_fits(config: Any, cutoff_len: int) -> None:
+    if config.sliding_window is not None and cutoff_len > config.sliding_window:
+        raise ValueError(f"{config.hf_model_type}: the model uses sliding-window attention (window "
+                         f"{config.sliding_window}), which llamafactory_mca does not implement; it matches full "
+                         f"attention only when sequences fit in the window. Set cutoff_len <= {config.sliding_window}.")
+
+
+def _packing_request(data_args: Any, training_args: Any) -> tuple[bool, int]:
+    """(pack?, the user's cutoff_len). LLaMA-Factory lowers cutoff_len by one when its packing is on."""
+    packing = bool(training_args.sequence_packing or data_args.packing or data_args.neat_packing)
+    cutoff = data_args.cutoff_len + (1 if data_args.packing else 0)
+    return packing, cutoff
+
+
+def _load_rows(stage: str, template: Any, model_args: Any, data_args: Any, training_args: Any,
+               tokenizer_module: dict, cutoff_len: int) -> dict:
+    """LLaMA-Factory's tokenized rows, one sequence per row, cutoff_len + 1 tokens (shifted later)."""
+    from llamafactory.data import get_dataset
+
+    saved = data_args.cutoff_len, data_args.packing, data_args.neat_packing
+    data_args.cutoff_len, data_args.packing, data_args.neat_packing = cutoff_len + 1, False, False
+    try:
+        return get_dataset(template, model_args, data_args, training_args, stage="rm" if stage == "dpo" else stage,
+                           **tokenizer_module)
+    finally:
+        data_args.cutoff_len, data_args.packing, data_args.neat_packing = saved
+
+
+def _side_files(config: Any, layout: Any, tokenizer_module: dict, grouped: Optional[bool]):
+    """What each checkpoint carries besides weights: configs, layout, tokenizer, processor."""
+    from .models.convert import write_layout
+    from .models.hf_io import write_hf_config
+
+    def write(directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        config.save_pretrained(directory)
+        write_layout(directory, layout, grouped)
+        if not os.path.isfile(os.path.join(directory, "config.json")):
+            write_hf_config(config.hf_config, directory, None)
+        tokenizer_module["tokenizer"].save_pretrained(directory)
+        if tokenizer_module.get("processor") is not None:
+            tokenizer_module["processor"].save_pretrained(directory)
+
+    return write
+
+
+def _attach_reference_logps(trainer: Any, finetuning_args: Any, training_args: Any, train_dataset: Any,
+                            eval_dataset: Any) -> None:
+    """DPO's reference log-probs, computed once before training by the frozen initial model (or ref_model)."""
+    from .data import DataPlan
+    from .models.auto import AutoModel
+
+    reference = None
+    if finetuning_args.ref_model:
+        reference = AutoModel.from_pretrained(finetuning_args.ref_model, training_args)
+    plans = []
+    for dataset, plan in ((train_dataset, trainer.train_data), (eval_dataset, trainer.eval_data)):
+        if plan is None:
+            plans.append(None)
+            continue
+        chosen, rejected = trainer.compute_reference_logps(plan, reference)
+        for name in ("ref_chosen_logps", "ref_rejected_logps"):
+            if name in dataset.column_names:
+                dataset = dataset.remove_columns(name)
+        dataset = dataset.add_column("ref_chosen_logps", chosen.tolist()).add_column("ref_rejected_logps",
+                                                                                      rejected.tolist())
+        plans.append(DataPlan(dataset, plan.config, log=False))
+    trainer.replace_data(*plans)
+    del reference
+
+
+def _run(stage: str, model_args, data_args, training_args, finetuning_args, callbacks=None) -> None:
+    from llamafactory.data import get_template_and_fix_tokenizer
+    from llamafactory.extras.ploting import plot_loss
+    from llamafactory.model import load_tokenizer
+
+    from . import parallel
+    from .log import setup_logging
+    from .data import BatchingConfig, DataPlan, format_stats
+    from .models import spec
+    from .models.auto import AutoConfig, AutoModel, check_layout
+    from .models.freeze import apply_freeze
+    from .trainer.loss import PreferenceConfig
+    from .trainer.metrics import count_parameters, memory_estimate_gib, model_parameter_count, startup_summary
+    from .trainer.trainer import McaTrainer
+
+    setup_logging()
+    check_request(stage, model_args, data_args, training_args, finetuning_args)
+    packing, cutoff_len = _packing_request(data_args, training_args)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    layout = training_args.resolve_layout(world_size, seq_length=cutoff_len)
+    config = AutoConfig.from_pretrained(model_args.model_name_or_path, training_args, model_args.trust_remote_code)
+    check_layout(config, layout, training_args.pipeline_model_parallel_layout is not None)
+    _check_model_fits(config, cutoff_len)
+
+    parallel.initialize(layout, training_args.seed)
+    tokenizer_module = load_tokenizer(model_args)
+    tokenizer = tokenizer_module["tokenizer"]
+    template = get_template_and_fix_tokenizer(tokenizer, data_args)
+    if len(tokenizer) > config.vocab_size:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {config.vocab_size}: "
+                         "resizing embeddings is not supported with USE_MCA=1. Use a tokenizer that fits the model "
+                         "(or resize and save the model with transformers first).")
+    dataset_module = _load_rows(stage, template, model_args, data_args, training_args, tokenizer_module, cutoff_len)
+
+    model = AutoModel.from_pretrained(model_args.model_name_or_path, training_args, model_args.trust_remote_code)
+    if finetuning_args.finetuning_type == "freeze":
+        apply_freeze(model, finetuning_args)
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    batching = dict(cutoff_len=cutoff_len, packing=packing, pad_multiple=layout.pad_multiple, pad_token_id=pad_id)
+    train_plan = DataPlan(dataset_module["train_dataset"], BatchingConfig.from_args(training_args, **batching),
+                          log=False)
+    eval_dataset = dataset_module.get("eval_dataset")
+    if isinstance(eval_dataset, dict):
+        raise ValueError("several eval datasets (eval_dataset with a dict) are not supported with USE_MCA=1.")
+    eval_plan = None if eval_dataset is None else DataPlan(
+        eval_dataset, BatchingConfig.from_args(training_args, for_eval=True, **batching), log=False)
+
+    preference = None
+    if stage == "dpo":
+        preference = PreferenceConfig(loss=finetuning_args.pref_loss, beta=finetuning_args.pref_beta,
+                                      label_smoothing=finetuning_args.dpo_label_smoothing,
+                                      ftx=finetuning_args.pref_ftx, simpo_gamma=finetuning_args.simpo_gamma)
+
+    grouped = getattr(model.transformer_config, "moe_grouped_gemm", None) if config.num_experts else None
+    trainer = McaTrainer(
+        model=model, args=training_args, layout=layout, train_data=train_plan, eval_data=eval_plan,
+        tokenizer=tokenizer, processor=tokenizer_module.get("processor"), callbacks=callbacks, preference=preference,
+        save_side_files=_side_files(config, layout, tokenizer_module, grouped),
+    )
+    if preference is not None and preference.needs_reference:
+        _attach_reference_logps(trainer, finetuning_args, training_args, dataset_module["train_dataset"],
+                                eval_dataset)
+
+    if torch.distributed.get_rank() == 0:
+        on_rank = count_parameters(model.chunks)
+        logger.info("\n" + startup_summary(
+            layout=layout, args=training_args, model_type=config.hf_model_type,
+            params_total=model_parameter_count(config), params_on_rank=on_rank,
+            kernels=spec.describe_kernels(model.transformer_config), tokens_per_step=trainer.tokens_per_step(),
+            steps=trainer.max_steps, data_stats=format_stats(train_plan.stats),
+            memory=memory_estimate_gib(on_rank, training_args, layout.dp)))
+
+    result = trainer.train(training_args.resume_from_checkpoint)
+    trainer.save_model()
+    trainer.log_metrics("train", result.metrics)
+    trainer.save_metrics("train", result.metrics)
+    trainer.save_state()
+    if trainer.is_world_process_zero() and finetuning_args.plot_loss:
+        keys = ["loss"] + (["eval_loss"] if eval_plan is not None else [])
+        plot_loss(training_args.output_dir, keys=keys + (["rewards/accuracies"] if stage == "dpo" else []))
+    parallel.destroy()

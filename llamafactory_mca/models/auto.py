@@ -68,6 +68,8 @@ def _engine_fields(config: McaConfig, args: Any) -> dict[str, Any]:
         persist_layer_norm=False,
         bias_dropout_fusion=has_transformer_engine(),
         deallocate_pipeline_outputs=True,
+        # Our losses return (sum, count): the step's loss is a per-token mean over the whole global batch.
+        calculate_per_token_loss=True,
         variable_seq_lengths=args.allow_variable_seq_lengths() if hasattr(args, "allow_variable_seq_lengths")
         else True,
     )

@@ -62,7 +62,9 @@ def _merge_parser() -> argparse.ArgumentParser:
 def merge_main(argv: Optional[list[str]] = None) -> int:
     from .export import export_hf
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from ..log import setup_logging
+
+    setup_logging()
     args = _merge_parser().parse_args(argv)
     checkpoint = args.checkpoint_path or (args.paths[0] if args.paths else None)
     output = args.output_path or (args.paths[1] if len(args.paths) > 1 else None)

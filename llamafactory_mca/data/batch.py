@@ -1,0 +1,88 @@
+"""``MicroBatch``: what one forward/backward pass of the Megatron schedule receives.
+
+Two layouts share one type so the trainer has a single code path:
+
+- packed (THD): ``b == 1``; the sequences lie end to end and ``cu_seqlens`` marks their boundaries. Each
+  sequence is padded up to the pad multiple on its own; the padding sits at the end of its sequence, so with
+  causal attention no real token ever attends to it, and the boundaries may count it (``cu_seqlens`` and
+  ``cu_seqlens_padded`` are the same tensor).
+- padded (BSHD): ``b`` rows, right-padded to one length; ``cu_seqlens`` is None.
+
+For DPO both layouts say where the pair's sequences are: packed, sequences ``2i`` and ``2i + 1`` are the
+chosen and rejected answers of pair ``i``; padded, rows ``[0, n)`` are chosen and ``[n, 2n)`` rejected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+
+IGNORE_INDEX = -100  # LLaMA-Factory's IGNORE_INDEX (llamafactory.extras.constants); kept here to import nothing heavy
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch on CPU (``to(device)`` moves it). Labels are already shifted inside every sequence."""
+
+    tokens: torch.Tensor  # [b, s] int64
+    labels: torch.Tensor  # [b, s] int64, IGNORE_INDEX where no loss
+    loss_mask: torch.Tensor  # [b, s] float32, 1.0 where a target counts
+    position_ids: torch.Tensor  # [b, s] int64, restarting at 0 in every packed sequence
+    cu_seqlens: torch.Tensor | None  # [n + 1] int32, packed only: padded boundaries of the n sequences
+    max_seqlen: int  # longest (padded) sequence
+    num_tokens: int  # all positions, padding included
+    num_real_tokens: int  # positions holding a real token
+    num_loss_tokens: int  # positions whose target counts
+    num_pairs: int = 0  # DPO: pairs in this micro-batch; 0 otherwise
+    ref_chosen_logps: torch.Tensor | None = None  # [num_pairs] float32, when the dataset carries them
+    ref_rejected_logps: torch.Tensor | None = None
+    is_padding: bool = False  # a stand-in that keeps ranks in step (eval tail); it must add nothing to any loss
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    @property
+    def num_sequences(self) -> int:
+        return self.cu_seqlens.numel() - 1 if self.packed else self.tokens.shape[0]
+
+    def packed_seq_params(self) -> PackedSeqParams | None:
+        """Megatron's THD description of this micro-batch, or None for a padded one."""
+        if not self.packed:
+            return None
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=self.cu_seqlens,
+            cu_seqlens_kv=self.cu_seqlens,
+            cu_seqlens_q_padded=self.cu_seqlens,
+            cu_seqlens_kv_padded=self.cu_seqlens,
+            max_seqlen_q=self.max_seqlen,
+            max_seqlen_kv=self.max_seqlen,
+        )
+
+    def to(self, device: str | torch.device, non_blocking: bool = True) -> MicroBatch:
+        """A copy whose tensors live on ``device`` (pinned-memory copies may overlap with compute)."""
+        moved = {
+            f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return replace(self, **moved)
+
+    def without_loss(self) -> MicroBatch:
+        """The same shapes with every target masked: a stand-in micro-batch for ranks that ran out of data."""
+        return replace(
+            self,
+            labels=torch.full_like(self.labels, IGNORE_INDEX),
+            loss_mask=torch.zeros_like(self.loss_mask),
+            num_loss_tokens=0,
+            is_padding=True,
+        )

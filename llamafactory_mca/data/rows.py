@@ -1,0 +1,147 @@
+"""LLaMA-Factory's tokenized rows: their kind, a cheap one-pass length scan, and the shifted sequences.
+
+Our workflow asks ``get_dataset`` for ``cutoff_len + 1`` tokens per row because the shift happens here,
+inside each sequence: ``tokens = ids[:-1]`` and ``targets = labels[1:]`` (pretraining: ``ids[1:]``). A row
+therefore gives at most ``cutoff_len`` positions, and no target ever belongs to a neighbouring sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .batch import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+
+PT, SFT, PAIRWISE = "pt", "sft", "pairwise"
+_PREFIXES = {PT: ("",), SFT: ("",), PAIRWISE: ("chosen_", "rejected_")}
+REF_LOGP_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
+
+
+def detect_kind(column_names: list[str]) -> str:
+    """``pairwise`` (LLaMA-Factory's "rm" processing, used for DPO), ``sft`` (has labels) or ``pt``."""
+    if "chosen_input_ids" in column_names:
+        missing = [f"{p}{c}" for p in _PREFIXES[PAIRWISE] for c in ("input_ids", "labels")
+                   if f"{p}{c}" not in column_names]
+        if missing:
+            raise ValueError(f"Pairwise dataset lacks columns {missing}; got {column_names}.")
+        return PAIRWISE
+    if "input_ids" not in column_names:
+        raise ValueError(f"Dataset has no input_ids column (got {column_names}); is it tokenized?")
+    return SFT if "labels" in column_names else PT
+
+
+def columns_for(kind: str, column_names: list[str]) -> list[str]:
+    """The columns collation reads: ids, labels, and the reference log-probs when precomputed."""
+    wanted = [f"{p}{c}" for p in _PREFIXES[kind] for c in ("input_ids", "labels") if kind != PT or c != "labels"]
+    if kind == PAIRWISE:
+        wanted += [c for c in REF_LOGP_COLUMNS if c in column_names]
+    return wanted
+
+
+@dataclass(frozen=True)
+class RowTable:
+    """Per-row facts from one scan: enough to plan every epoch without touching the tokens again."""
+
+    kind: str
+    lengths: np.ndarray  # int64 [rows, sequences per row]: positions after truncation and shift
+    keep: np.ndarray  # bool [rows]: non-empty and with at least one loss token (both sides of a pair)
+    loss_tokens: np.ndarray  # int64 [rows]
+    num_empty: int
+    num_no_loss: int
+    num_truncated: int
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.keep)
+
+    @property
+    def sequences_per_row(self) -> int:
+        return self.lengths.shape[1]
+
+
+def _list_lengths(column: Any) -> np.ndarray:
+    import pyarrow.compute as pc
+
+    return pc.fill_null(pc.list_value_length(column), 0).to_numpy().astype(np.int64)
+
+
+def _loss_counts(labels: Any, cutoff_len: int) -> np.ndarray:
+    """Targets that count per row: labels[1 : cutoff_len + 1] that are not IGNORE_INDEX, vectorised."""
+    lengths = _list_lengths(labels)
+    values = labels.flatten().to_numpy(zero_copy_only=False)
+    rows = np.repeat(np.arange(len(lengths)), lengths)
+    within = np.arange(len(values)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    counts = (values != IGNORE_INDEX) & (within >= 1) & (within <= cutoff_len)
+    return np.bincount(rows, weights=counts, minlength=len(lengths)).astype(np.int64)
+
+
+def scan_rows(dataset: Dataset, kind: str, cutoff_len: int, batch_size: int = 1024) -> RowTable:
+    """Lengths and loss presence of every row, read through Arrow in batches (no Python per token)."""
+    prefixes = _PREFIXES[kind]
+    lengths, losses, truncated = [], [], []
+    for table in dataset.with_format("arrow").iter(batch_size=batch_size):
+        seq_lengths, seq_losses, seq_truncated = [], [], []
+        for prefix in prefixes:
+            ids = table.column(f"{prefix}input_ids").combine_chunks()
+            count = _list_lengths(ids)
+            positions = np.clip(np.minimum(count, cutoff_len + 1) - 1, 0, None)
+            seq_lengths.append(positions)
+            seq_truncated.append(count > cutoff_len + 1)
+            if kind == PT:
+                seq_losses.append(positions)
+            else:
+                seq_losses.append(_loss_counts(table.column(f"{prefix}labels").combine_chunks(), cutoff_len))
+        lengths.append(np.stack(seq_lengths, axis=1))
+        losses.append(np.stack(seq_losses, axis=1))
+        truncated.append(np.any(np.stack(seq_truncated, axis=1), axis=1))
+    width = len(prefixes)
+    lengths_all = np.concatenate(lengths) if lengths else np.zeros((0, width), dtype=np.int64)
+    losses_all = np.concatenate(losses) if losses else np.zeros((0, width), dtype=np.int64)
+    truncated_all = np.concatenate(truncated) if truncated else np.zeros(0, dtype=bool)
+    empty = np.any(lengths_all == 0, axis=1)
+    no_loss = ~empty & np.any(losses_all == 0, axis=1)
+    return RowTable(
+        kind=kind,
+        lengths=lengths_all,
+        keep=~empty & ~no_loss,
+        loss_tokens=losses_all.sum(axis=1),
+        num_empty=int(empty.sum()),
+        num_no_loss=int(no_loss.sum()),
+        num_truncated=int(truncated_all.sum()),
+    )
+
+
+@dataclass
+class Sample:
+    """One planned unit: a row (pt/sft) or a pair (chosen, rejected), as shifted (tokens, targets) arrays."""
+
+    sequences: list[tuple[np.ndarray, np.ndarray]]
+    ref_logps: tuple[float, float] | None = None
+
+
+def make_sample(row: dict[str, Any], kind: str, cutoff_len: int) -> Sample:
+    """Truncate to ``cutoff_len + 1`` tokens, then shift inside the sequence."""
+    sequences = []
+    for prefix in _PREFIXES[kind]:
+        ids = np.asarray(row[f"{prefix}input_ids"][: cutoff_len + 1], dtype=np.int64)
+        labels = ids if kind == PT else np.asarray(row[f"{prefix}labels"][: cutoff_len + 1], dtype=np.int64)
+        sequences.append((ids[:-1], labels[1:]))
+    ref = None
+    if kind == PAIRWISE and all(row.get(c) is not None for c in REF_LOGP_COLUMNS):
+        ref = (float(row[REF_LOGP_COLUMNS[0]]), float(row[REF_LOGP_COLUMNS[1]]))
+    return Sample(sequences, ref)
+
+
+def fetch_samples(dataset: Dataset, indices: list[int], kind: str, cutoff_len: int) -> list[Sample]:
+    """One batched read for a micro-batch's rows (``Dataset.__getitem__`` with a list is a single Arrow take)."""
+    if not indices:
+        return []
+    columns = dataset[list(indices)]
+    rows = [{name: values[i] for name, values in columns.items()} for i in range(len(indices))]
+    return [make_sample(row, kind, cutoff_len) for row in rows]

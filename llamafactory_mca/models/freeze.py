@@ -1,0 +1,50 @@
+"""LLaMA-Factory's ``finetuning_type: freeze`` on Megatron modules: the same layers and modules train."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+# LLaMA-Factory names the HF modules of a decoder layer and of the model; these are their Megatron names.
+LAYER_MODULES = {"self_attn": "self_attention", "mlp": "mlp", "input_layernorm": "input_layernorm",
+                 "post_attention_layernorm": "pre_mlp_layernorm", "block_sparse_moe": "mlp"}
+EXTRA_MODULES = {"embed_tokens": "embedding.", "lm_head": "output_layer.", "norm": "decoder.final_layernorm."}
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.([a-z_]+)\.")
+
+
+def trainable_layer_ids(num_layers: int, trainable_layers: int, use_llama_pro: bool = False) -> list[int]:
+    """LLaMA-Factory's rule: the last n layers (n > 0), the first -n (n < 0), or every (L/n)-th (LLaMA Pro)."""
+    if use_llama_pro:
+        if num_layers % trainable_layers:
+            raise ValueError(f"num_layers={num_layers} is not divisible by freeze_trainable_layers={trainable_layers}.")
+        stride = num_layers // trainable_layers
+        return list(range(stride - 1, num_layers + stride - 1, stride))
+    if trainable_layers > 0:
+        return list(range(max(0, num_layers - trainable_layers), num_layers))
+    return list(range(min(-trainable_layers, num_layers)))
+
+
+def apply_freeze(model: Any, finetuning_args: Any) -> int:
+    """Freeze everything except the chosen layers/modules; returns the number of trainable parameters here."""
+    config = model.config
+    layers = set(trainable_layer_ids(config.num_layers, finetuning_args.freeze_trainable_layers,
+                                     getattr(finetuning_args, "use_llama_pro", False)))
+    modules = list(finetuning_args.freeze_trainable_modules)
+    unknown = [m for m in modules if m != "all" and m not in LAYER_MODULES]
+    extras = list(finetuning_args.freeze_extra_modules or [])
+    unknown += [m for m in extras if m not in EXTRA_MODULES]
+    if unknown:
+        raise ValueError(f"freeze modules {unknown} are not known; choose layer modules from "
+                         f"{sorted(LAYER_MODULES)} (or all) and extra modules from {sorted(EXTRA_MODULES)}.")
+    wanted = {LAYER_MODULES[m] for m in modules if m != "all"}
+    trainable = 0
+    for chunk in model.chunks:
+        numbers = {f"decoder.layers.{i}.": layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)}
+        for name, param in chunk.named_parameters():
+            train = any(name.startswith(EXTRA_MODULES[m]) for m in extras)
+            match = _LAYER.match(name)
+            if match and numbers.get(f"decoder.layers.{match.group(1)}.") in layers:
+                train = train or "all" in modules or match.group(2) in wanted
+            param.requires_grad_(train)
+            trainable += param.numel() if train else 0
+    return trainable

@@ -1,0 +1,133 @@
+"""From the data plan to what one rank's model chunks eat, one optimizer step at a time.
+
+A step is ``gradient_accumulation_steps`` micro-batches of this data-parallel rank. Each micro-batch
+gets what the model and loss need: targets with the ignore index replaced (Megatron's cross entropy
+indexes with them), sequence ids for per-sequence sums (DPO), the sequence lengths (FLOPs), and —
+with context parallelism — only this rank's 2 of the 2·cp load-balanced chunks of every sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Iterator, Optional
+
+import torch
+from megatron.core import parallel_state as ps
+
+from ..data import MicroBatch
+
+
+@dataclass
+class ModelBatch:
+    """A micro-batch as the forward step consumes it."""
+
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+    model_labels: torch.Tensor
+    loss_mask: torch.Tensor
+    seq_ids: torch.Tensor
+    cu_seqlens: Optional[torch.Tensor]
+    max_seqlen: int
+    seqlens: list[int]
+    num_real_tokens: int
+    num_pairs: int = 0
+    ref_chosen_logps: Optional[torch.Tensor] = None
+    ref_rejected_logps: Optional[torch.Tensor] = None
+    rows: Optional[torch.Tensor] = None  # dataset rows of the pairs (reference log-prob precompute)
+
+    def packed_seq_params(self):
+        if self.cu_seqlens is None:
+            return None
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
+                               cu_seqlens_q_padded=self.cu_seqlens, cu_seqlens_kv_padded=self.cu_seqlens,
+                               max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
+
+    def to(self, device: torch.device) -> "ModelBatch":
+        moved = {k: v.to(device, non_blocking=True) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        return replace(self, **moved)
+
+
+def _seq_ids(batch: MicroBatch) -> torch.Tensor:
+    """Per position, the index of its sequence; DPO pairs as 2i (chosen) and 2i+1 (rejected)."""
+    if batch.cu_seqlens is not None:
+        lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).long()
+        ids = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+        return ids.view(1, -1)
+    rows, length = batch.tokens.shape
+    order = torch.arange(rows)
+    if batch.num_pairs:
+        n = batch.num_pairs
+        order = torch.where(order < n, 2 * order, 2 * (order - n) + 1)
+    return order.view(-1, 1).expand(rows, length).contiguous()
+
+
+def prepare(batch: MicroBatch) -> ModelBatch:
+    """Full-sequence ModelBatch (no context-parallel split yet)."""
+    if batch.cu_seqlens is not None:
+        seqlens = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
+    else:
+        seqlens = [batch.tokens.shape[1]] * batch.tokens.shape[0]
+    return ModelBatch(
+        tokens=batch.tokens, position_ids=batch.position_ids, model_labels=batch.labels.clamp(min=0),
+        loss_mask=batch.loss_mask, seq_ids=_seq_ids(batch), cu_seqlens=batch.cu_seqlens,
+        max_seqlen=batch.max_seqlen, seqlens=seqlens, num_real_tokens=batch.num_real_tokens,
+        num_pairs=batch.num_pairs, ref_chosen_logps=batch.ref_chosen_logps,
+        ref_rejected_logps=batch.ref_rejected_logps,
+    )
+
+
+def split_context_parallel(batch: ModelBatch) -> ModelBatch:
+    """This CP rank's chunks of every sequence (token-level tensors only; cu_seqlens stay global)."""
+    cp = ps.get_context_parallel_world_size()
+    if cp == 1:
+        return batch
+    from ..models.native.context_parallel import split_for_context_parallel
+
+    keys = ("tokens", "position_ids", "model_labels", "loss_mask", "seq_ids")
+    local = split_for_context_parallel({k: getattr(batch, k) for k in keys}, batch.cu_seqlens,
+                                       ps.get_context_parallel_rank(), cp)
+    return replace(batch, **{k: local[k] for k in keys})
+
+
+class StepFeeder:
+    """Steps of micro-batches for this rank from a DataPlan, resumable at a consumed-micro-batch count."""
+
+    def __init__(self, plan: Any, layout: Any) -> None:
+        self.plan = plan
+        self.layout = layout
+        self.per_step = layout.dp * layout.grad_accum
+
+    @property
+    def micro_batches_per_epoch(self) -> int:
+        return self.plan.micro_batches_per_epoch(self.per_step, "drop")
+
+    def steps_per_epoch(self) -> int:
+        return self.micro_batches_per_epoch // self.per_step
+
+    def steps(self, start: int = 0) -> Iterator[tuple[list[ModelBatch], int]]:
+        """(this rank's micro-batches of the step, global micro-batches consumed after it), forever."""
+        if start % self.per_step:
+            raise ValueError(f"resume point {start} is not a whole step of {self.per_step} micro-batches "
+                             "(dp x gradient_accumulation_steps changed in a way that splits a step)")
+        iterator = self.plan.iterator(ps.get_data_parallel_rank(), self.layout.dp, consumed=start,
+                                      multiple_of=self.per_step, tail="drop")
+        consumed = start
+        while True:
+            batches = [split_context_parallel(prepare(next(iterator))) for _ in range(self.layout.grad_accum)]
+            consumed += self.per_step
+            yield batches, consumed
+
+    def eval_steps(self) -> Iterator[list[ModelBatch]]:
+        """One pass over the evaluation set, padded with loss-free micro-batches to whole steps."""
+        iterator = self.plan.iterator(ps.get_data_parallel_rank(), self.layout.dp, multiple_of=self.per_step,
+                                      tail="pad", epochs=1)
+        batches = [split_context_parallel(prepare(b)) for b in iterator]
+        for i in range(0, len(batches), self.layout.grad_accum):
+            yield batches[i: i + self.layout.grad_accum]
+
+    def tokens_per_step(self) -> int:
+        """Average real tokens per optimizer step over an epoch."""
+        stats = self.plan.stats
+        return int(stats["tokens"] / max(stats["micro_batches"], 1) * self.per_step)

@@ -1,0 +1,177 @@
+"""Checkpoints that never look complete unless they are, and resume from the newest complete one.
+
+``output_dir/checkpoint-N/``: ``dist_ckpt/`` (Megatron dist checkpoint: model, optimizer, RNG, LR
+schedule, consumed micro-batches; saved fully in parallel), ``mca_config.json``, ``mca_layout.json``,
+HF ``config.json`` and tokenizer files, ``trainer_state.json``. Everything is written into
+``tmp-checkpoint-N`` and renamed at the end: a crash leaves a ``tmp-`` folder, which resume ignores
+(and the next save removes). The optimizer state is saved in Megatron's model-space format, so a run
+resumes onto a different data-parallel size.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from typing import Any, Optional
+
+import torch
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.serialization import (
+    get_default_load_sharded_strategy,
+    get_default_save_sharded_strategy,
+)
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
+
+from ..models.auto import DIST_DIR, dist_checkpoint_dir
+from ..models.config import MCA_CONFIG_NAME
+
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "checkpoint"
+TMP_PREFIX = "tmp-checkpoint"
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_sharded_model_space", "chained_optim_avoid_prefix": True}
+_CHECKPOINT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
+
+
+def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """Complete checkpoints, oldest first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        match = _CHECKPOINT_RE.match(name)
+        path = os.path.join(output_dir, name)
+        if match and os.path.isdir(path) and is_checkpoint(path):
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def is_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MCA_CONFIG_NAME)) and dist_checkpoint_dir(path) is not None
+
+
+def resolve_resume(resume: Any, output_dir: str) -> Optional[str]:
+    """``resume_from_checkpoint``: a path, true/"true" for the newest complete one, or None/false."""
+    if resume in (None, False, "", "false", "False"):
+        return None
+    if resume in (True, "true", "True"):
+        found = list_checkpoints(output_dir)
+        if not found:
+            raise ValueError(f"resume_from_checkpoint=true but {output_dir} holds no complete checkpoint-N folder.")
+        return found[-1][1]
+    if not os.path.isdir(resume) or not is_checkpoint(resume):
+        raise ValueError(f"resume_from_checkpoint={resume!r} is not a llamafactory_mca checkpoint (it needs "
+                         f"{MCA_CONFIG_NAME} and {DIST_DIR}/). Give a complete output_dir/checkpoint-N folder, or true.")
+    return resume
+
+
+def _rng_object(layout_key: tuple[int, int]) -> ShardedObject:
+    """Per (pp, tp) rank RNG states, replicated over data parallel (Megatron-LM's convention)."""
+    state = {"random": __import__("random").getstate(), "torch": torch.get_rng_state(),
+             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state["tracker"] = get_cuda_rng_tracker().get_states()
+    return ShardedObject("rng_state", state, layout_key,
+                         (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
+                         replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
+
+
+def _layout_key() -> tuple[int, int]:
+    return ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
+
+
+def _state(model: Any, optimizer: Any, is_loading: bool) -> dict:
+    state = model.sharded_state_dict()
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=_OPTIM_METADATA)
+    return state
+
+
+def _dp_group():
+    return ps.get_data_parallel_group(with_context_parallel=True)
+
+
+def save_checkpoint(output_dir: str, step: int, model: Any, optimizer: Any, trainer_state: dict,
+                    write_side_files: Any) -> str:
+    """Collective. ``trainer_state``: plain values (LR schedule, consumed micro-batches, ...), saved once.
+    ``write_side_files(path)`` runs on rank 0 before the rename (configs, tokenizer, trainer_state.json)."""
+    rank = torch.distributed.get_rank()
+    final = os.path.join(output_dir, f"{PREFIX}-{step}")
+    tmp = os.path.join(output_dir, f"{TMP_PREFIX}-{step}")
+    if rank == 0:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+        os.makedirs(os.path.join(tmp, DIST_DIR))
+    torch.distributed.barrier()
+    state = _state(model, optimizer, is_loading=False)
+    state["rng_state"] = _rng_object(_layout_key())
+    state["trainer"] = {**trainer_state, "layout_key": list(_layout_key())}
+    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), _dp_group())
+    dist_checkpointing.save(state, os.path.join(tmp, DIST_DIR), sharded_strategy=strategy)
+    torch.distributed.barrier()
+    if rank == 0:
+        write_side_files(tmp)
+        if os.path.isdir(final):  # a rerun of the same step: keep the new one
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    torch.distributed.barrier()
+    return final
+
+
+def load_checkpoint(path: str, model: Any, optimizer: Optional[Any]) -> dict:
+    """Restore model, optimizer and (same TP/PP layout) RNG states; returns the saved trainer state."""
+    directory = dist_checkpoint_dir(path)
+    common = dist_checkpointing.load_common_state_dict(directory)
+    trainer_state = common.get("trainer", {})
+    state = _state(model, optimizer, is_loading=True)
+    same_layout = tuple(trainer_state.get("layout_key", ())) == _layout_key()
+    if same_layout:
+        state["rng_state"] = _rng_object(_layout_key())
+    strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(directory), _dp_group())
+    loaded = dist_checkpointing.load(state, directory, sharded_strategy=strategy)
+    for i, chunk in enumerate(model.chunks):
+        chunk.load_state_dict(loaded["model" if len(model.chunks) == 1 else f"model{i}"], strict=False)
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    if same_layout and "rng_state" in loaded:
+        rng = loaded["rng_state"]
+        __import__("random").setstate(rng["random"])
+        torch.set_rng_state(rng["torch"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        get_cuda_rng_tracker().set_states(rng["tracker"])
+    elif torch.distributed.get_rank() == 0:
+        logger.warning("Checkpoint was written with (pp, tp)=%s, this run uses %s: RNG states not restored.",
+                       trainer_state.get("layout_key"), _layout_key())
+    return trainer_state
+
+
+def rotate_checkpoints(output_dir: str, limit: Optional[int]) -> None:
+    """Keep the newest ``limit`` complete checkpoints (rank 0); stale tmp- folders go too."""
+    if torch.distributed.get_rank() != 0:
+        return
+    for name in os.listdir(output_dir):
+        if name.startswith(TMP_PREFIX):
+            shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+    if not limit:
+        return
+    found = list_checkpoints(output_dir)
+    for _, path in found[: max(len(found) - limit, 0)]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def write_json(path: str, data: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)

@@ -1,0 +1,139 @@
+"""Losses as Megatron's schedule wants them: ``(loss, num_tokens, logged)`` per micro-batch.
+
+We run Megatron with ``calculate_per_token_loss``: each micro-batch returns the *sum* of its token
+losses and its number of loss tokens; Megatron all-reduces the token count over data and context
+parallel ranks and divides the gradients by it. The step's loss is therefore
+Σ token losses / Σ loss tokens over the whole global batch — independent of the layout and of how
+rows were packed.
+
+DPO losses follow LLaMA-Factory's (sigmoid with label smoothing, hinge, ipo, orpo, simpo, pref_ftx).
+A pair's log-probabilities are sums over its sequence, all-reduced over context-parallel ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+
+
+def lm_loss(loss_mask: torch.Tensor, token_losses: torch.Tensor):
+    mask = loss_mask.float()
+    total = (token_losses.float() * mask).sum()
+    count = mask.sum()
+    return total, count.to(torch.int), {"loss": torch.stack([total.detach(), count.detach()])}
+
+
+def sequence_logps(token_losses: torch.Tensor, loss_mask: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ log p, number of loss tokens) per sequence, all-reduced over context parallel ranks."""
+    logp = -token_losses.float() * loss_mask.float()
+    sums = torch.zeros(num_seqs, dtype=torch.float32, device=logp.device).index_add(0, seq_ids.reshape(-1),
+                                                                                     logp.reshape(-1))
+    counts = torch.zeros(num_seqs, dtype=torch.float32, device=logp.device).index_add(
+        0, seq_ids.reshape(-1), loss_mask.float().reshape(-1))
+    if ps.get_context_parallel_world_size() > 1:
+        from torch.distributed.nn.functional import all_reduce
+
+        group = ps.get_context_parallel_group()
+        sums = all_reduce(sums, group=group)
+        counts = all_reduce(counts.detach(), group=group)
+    return sums, counts
+
+
+@dataclass
+class PreferenceConfig:
+    loss: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    ftx: float = 0.0
+    simpo_gamma: float = 0.5
+
+    SUPPORTED = ("sigmoid", "hinge", "ipo", "orpo", "simpo")
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.loss not in ("orpo", "simpo")
+
+    @property
+    def average_logps(self) -> bool:
+        """LLaMA-Factory averages log-probs over tokens for ipo, orpo and simpo."""
+        return self.loss in ("ipo", "orpo", "simpo")
+
+
+def preference_losses(cfg: PreferenceConfig, chosen: torch.Tensor, rejected: torch.Tensor,
+                      ref_chosen: Optional[torch.Tensor], ref_rejected: Optional[torch.Tensor],
+                      chosen_avg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair losses and (chosen, rejected) rewards."""
+    if cfg.loss == "orpo":
+        log_odds = (chosen - rejected) - (torch.log1p(-torch.exp(chosen)) - torch.log1p(-torch.exp(rejected)))
+        losses = -chosen + cfg.beta * -F.logsigmoid(log_odds)
+        return losses, cfg.beta * chosen.detach(), cfg.beta * rejected.detach()
+    if cfg.loss == "simpo":
+        logits = (chosen - rejected) - cfg.simpo_gamma / cfg.beta
+        losses = -F.logsigmoid(cfg.beta * logits)
+        rewards = cfg.beta * chosen.detach(), cfg.beta * rejected.detach()
+    else:
+        logits = (chosen - rejected) - (ref_chosen - ref_rejected)
+        if cfg.loss == "sigmoid":
+            losses = (-F.logsigmoid(cfg.beta * logits) * (1 - cfg.label_smoothing)
+                      - F.logsigmoid(-cfg.beta * logits) * cfg.label_smoothing)
+        elif cfg.loss == "hinge":
+            losses = torch.relu(1 - cfg.beta * logits)
+        else:  # ipo
+            losses = (logits - 1 / (2 * cfg.beta)) ** 2
+        rewards = cfg.beta * (chosen - ref_chosen).detach(), cfg.beta * (rejected - ref_rejected).detach()
+    if cfg.ftx > 0:
+        losses = losses + cfg.ftx * -chosen_avg
+    return losses, rewards[0], rewards[1]
+
+
+def pair_logps(cfg: PreferenceConfig, batch, token_losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) log-probs per pair, summed or averaged over tokens as the loss kind wants."""
+    sums, counts = sequence_logps(token_losses, batch.loss_mask, batch.seq_ids, 2 * batch.num_pairs)
+    logps = sums / counts.clamp(min=1) if cfg.average_logps else sums
+    return logps[0::2], logps[1::2]
+
+
+def collect_pair_logps(cfg: PreferenceConfig, batch, token_losses: torch.Tensor):
+    """A forward-only 'loss' that hands back the reference log-probs of a micro-batch's pairs."""
+    chosen, rejected = pair_logps(cfg, batch, token_losses)
+    zero = token_losses.sum() * 0.0
+    return zero, torch.tensor(0, dtype=torch.int, device=zero.device), {"_pairs": torch.stack([chosen, rejected], 1)}
+
+
+def dpo_loss(cfg: PreferenceConfig, batch, token_losses: torch.Tensor):
+    """Megatron loss function for a micro-batch of preference pairs (sequence 2i chosen, 2i+1 rejected)."""
+    pairs = batch.num_pairs
+    sums, counts = sequence_logps(token_losses, batch.loss_mask, batch.seq_ids, 2 * pairs)
+    averages = sums / counts.clamp(min=1)
+    logps = averages if cfg.average_logps else sums
+    chosen, rejected = logps[0::2], logps[1::2]
+    ref_chosen = ref_rejected = None
+    if cfg.needs_reference:
+        ref_chosen, ref_rejected = batch.ref_chosen_logps.float(), batch.ref_rejected_logps.float()
+    losses, chosen_rewards, rejected_rewards = preference_losses(cfg, chosen, rejected, ref_chosen, ref_rejected,
+                                                                 averages[0::2])
+    cp = ps.get_context_parallel_world_size()
+    # Every CP rank computes the same pair losses; count the pairs once so Megatron's dp·cp all-reduce of the
+    # count is right, and scale so the gradients summed over CP ranks are those of one copy.
+    count = torch.tensor(pairs if ps.get_context_parallel_rank() == 0 else 0, dtype=torch.int,
+                         device=token_losses.device)
+    total = losses.sum() / cp
+    logged = {
+        "loss": torch.stack([losses.sum().detach(), torch.tensor(float(pairs), device=losses.device)]),
+        "rewards/chosen": torch.stack([chosen_rewards.sum(), torch.tensor(float(pairs), device=losses.device)]),
+        "rewards/rejected": torch.stack([rejected_rewards.sum(), torch.tensor(float(pairs), device=losses.device)]),
+        "rewards/accuracies": torch.stack([(chosen_rewards > rejected_rewards).float().sum(),
+                                           torch.tensor(float(pairs), device=losses.device)]),
+        "rewards/margins": torch.stack([(chosen_rewards - rejected_rewards).sum(),
+                                        torch.tensor(float(pairs), device=losses.device)]),
+        "logps/chosen": torch.stack([chosen.detach().sum(), torch.tensor(float(pairs), device=losses.device)]),
+        "logps/rejected": torch.stack([rejected.detach().sum(), torch.tensor(float(pairs), device=losses.device)]),
+    }
+    if cp > 1 and ps.get_context_parallel_rank() != 0:
+        logged = {k: torch.zeros_like(v) for k, v in logged.items()}
+    return total, count, logged

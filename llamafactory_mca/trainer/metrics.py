@@ -1,0 +1,134 @@
+"""Numbers for people: model FLOPs (Megatron's formula), MFU, memory estimates, the startup summary."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+
+# Dense bf16 peak (no sparsity) by device name; MFU is reported only where the peak is known.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "H20": 148e12, "A100": 312e12, "A800": 312e12,
+                   "L40S": 362e12, "B200": 2250e12, "GB200": 2500e12}
+
+
+def peak_flops() -> Optional[float]:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    for key, value in sorted(PEAK_BF16_FLOPS.items(), key=lambda kv: -len(kv[0])):
+        if key in name:
+            return value
+    return None
+
+
+def flops_per_sequence_set(t: dict[str, Any], vocab_size: int, seqlens: Sequence[int]) -> float:
+    """Training FLOPs (forward + backward = 3 × forward) for sequences of these lengths.
+
+    Megatron's accounting: every matmul counts 2·m·n·k; attention scores and values are s² per head
+    dimension, halved for causal masking; MoE counts the top-k routed experts (active parameters),
+    the shared expert and the router; the output layer counts the full vocabulary.
+    """
+    tokens = float(sum(seqlens))
+    squares = float(sum(s * s for s in seqlens))
+    h = t["hidden_size"]
+    heads = t["num_attention_heads"]
+    head_dim = t.get("kv_channels") or h // heads
+    groups = t.get("num_query_groups") or heads
+    q_width, kv_width = heads * head_dim, groups * head_dim
+    per_layer = 2 * tokens * h * (q_width + 2 * kv_width)  # qkv projection
+    per_layer += 2 * tokens * q_width * h  # output projection
+    per_layer += 2 * 2 * squares * q_width * 0.5  # QK^T and AV, causal
+    glu = 3 if t.get("gated_linear_unit", True) else 2
+    if t.get("num_moe_experts"):
+        per_layer += 2 * tokens * h * t["moe_ffn_hidden_size"] * glu * t["moe_router_topk"]
+        per_layer += 2 * tokens * h * (t.get("moe_shared_expert_intermediate_size") or 0) * glu
+        per_layer += 2 * tokens * h * t["num_moe_experts"]
+    else:
+        per_layer += 2 * tokens * h * t["ffn_hidden_size"] * glu
+    forward = per_layer * t["num_layers"] + 2 * tokens * h * vocab_size
+    return 3 * forward
+
+
+def model_parameter_count(config: Any) -> int:
+    """All parameters of the model (every expert), from its config."""
+    t = config.transformer
+    h, heads = t["hidden_size"], t["num_attention_heads"]
+    head_dim = t.get("kv_channels") or h // heads
+    q, kv = heads * head_dim, (t.get("num_query_groups") or heads) * head_dim
+    glu = 3 if t.get("gated_linear_unit", True) else 2
+    layer = h * (q + 2 * kv) + q * h + 2 * h
+    if t.get("add_qkv_bias"):
+        layer += q + 2 * kv
+    if t.get("qk_layernorm"):
+        layer += 2 * head_dim
+    if t.get("num_moe_experts"):
+        layer += t["num_moe_experts"] * glu * h * t["moe_ffn_hidden_size"] + t["num_moe_experts"] * h
+        shared = t.get("moe_shared_expert_intermediate_size") or 0
+        layer += glu * h * shared + (h if t.get("moe_shared_expert_gate") else 0)
+    else:
+        layer += glu * h * t["ffn_hidden_size"]
+    embeddings = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
+    return t["num_layers"] * layer + embeddings + h
+
+
+def count_parameters(chunks: list[torch.nn.Module]) -> int:
+    return sum(p.numel() for chunk in chunks for p in chunk.parameters())
+
+
+def memory_estimate_gib(params_on_rank: int, args: Any, dp: int) -> dict[str, float]:
+    """Weights + gradients + optimizer states per GPU (activations come on top and depend on the data)."""
+    weight_bytes = 2 if (args.bf16 or args.fp16) else 4
+    grad_bytes = 4 if (args.accumulate_allreduce_grads_in_fp32 or weight_bytes == 4) else weight_bytes
+    states = 12 if args.optimizer == "adam" else 8  # fp32 main params + moments (sgd: + momentum)
+    if weight_bytes == 4:
+        states -= 4  # fp32 training has no separate main copy
+    if args.use_distributed_optimizer:
+        states /= dp
+    gib = 1024**3
+    result = {"weights": params_on_rank * weight_bytes / gib, "grads": params_on_rank * grad_bytes / gib,
+              "optimizer": params_on_rank * states / gib}
+    if args.optimizer_cpu_offload:
+        result["optimizer"] = 0.0
+    result["total"] = sum(result.values())
+    return result
+
+
+def gpu_memory_gib() -> tuple[float, float]:
+    """(peak allocated, peak reserved) since the last reset, in GiB; zeros on CPU."""
+    if not torch.cuda.is_available():
+        return 0.0, 0.0
+    return torch.cuda.max_memory_allocated() / 1024**3, torch.cuda.max_memory_reserved() / 1024**3
+
+
+def startup_summary(*, layout: Any, args: Any, model_type: str, params_total: int, params_on_rank: int,
+                    kernels: str, tokens_per_step: Optional[int], steps: int, data_stats: str,
+                    memory: dict[str, float]) -> str:
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (gloo)"
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    lines = [
+        "=" * 100,
+        f"llamafactory_mca: training {model_type} ({params_total / 1e6:,.1f}M parameters) on {layout.world_size} x "
+        f"{device}, {precision}",
+        f"  layout      {layout.describe()}" + (", sequence parallel" if args.sequence_parallel else ""),
+        f"  batch       global {layout.global_batch_size} = dp {layout.dp} x micro batch {layout.micro_batch_size}"
+        f" x grad accumulation {layout.grad_accum}"
+        + (f"; ~{tokens_per_step:,} tokens per step" if tokens_per_step else "")
+        + (" (packed)" if args.sequence_packing else " (padded to the longest row)"),
+        f"  steps       {steps}; lr {args.learning_rate:g} ({args.lr_scheduler_type}), warmup "
+        f"{args.get_warmup_steps(steps)}, weight decay {args.weight_decay:g}, max grad norm {args.max_grad_norm:g}",
+        f"  kernels     {kernels}",
+        f"  optimizer   {args.optimizer}{' (distributed)' if args.use_distributed_optimizer else ''}"
+        f"{', overlap grad reduce' if args.overlap_grad_reduce else ''}"
+        f"{', overlap param gather' if args.overlap_param_gather else ''}"
+        f"{', CPU offload' if args.optimizer_cpu_offload else ''}",
+        f"  recompute   {args.recompute_granularity or 'off'}"
+        + (f" ({args.recompute_method}, {args.recompute_num_layers} layers)" if args.recompute_granularity == "full"
+           else f" ({', '.join(args.recompute_modules or ['core_attn'])})" if args.recompute_granularity else ""),
+        f"  parameters  {params_on_rank / 1e6:,.1f}M on this rank; estimated memory per GPU before activations: "
+        f"{memory['total']:.2f} GiB (weights {memory['weights']:.2f}, grads {memory['grads']:.2f}, optimizer "
+        f"{memory['optimizer']:.2f})",
+        f"  data        {data_stats}",
+        "=" * 100,
+    ]
+    return "\n".join(lines)

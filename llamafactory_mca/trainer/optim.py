@@ -1,0 +1,106 @@
+"""Megatron's engine around the model chunks: DDP per chunk, the (distributed) optimizer, the LR schedule.
+
+The learning-rate schedule is any of Hugging Face's (``lr_scheduler_type`` by name, with warmup and
+``lr_scheduler_kwargs``): an HF scheduler drives a one-parameter stand-in optimizer and its rate is
+copied into Megatron's param groups each step (Megatron's groups carry ``lr_mult``/``wd_mult``;
+biases and norms get ``wd_mult=0``), so LLaMA-Factory recipes keep their meaning.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+
+def wrap_ddp(chunks: list[torch.nn.Module], tc: Any, args: Any) -> list[DistributedDataParallel]:
+    """Megatron DDP per model chunk, and the sync hooks the pipeline schedule calls."""
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        align_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
+        bucket_size=args.ddp_bucket_size,
+        average_in_collective=args.ddp_average_in_collective,
+    )
+    wrapped = [
+        DistributedDataParallel(tc, ddp_config, chunk, disable_bucketing=index > 0)  # like Megatron-LM for VPP
+        for index, chunk in enumerate(chunks)
+    ]
+    single = len(wrapped) == 1
+    tc.no_sync_func = wrapped[0].no_sync if single else [w.no_sync for w in wrapped]
+    if args.overlap_grad_reduce and args.delay_grad_reduce:
+        tc.grad_sync_func = wrapped[0].start_grad_sync if single else [w.start_grad_sync for w in wrapped]
+    if args.overlap_param_gather:
+        tc.param_sync_func = wrapped[0].start_param_sync if single else [w.start_param_sync for w in wrapped]
+    tc.finalize_model_grads_func = finalize_model_grads
+    return wrapped
+
+
+def build_optimizer(wrapped: list[DistributedDataParallel], tc: Any, args: Any):
+    config = OptimizerConfig(
+        optimizer=args.optimizer,
+        lr=args.learning_rate,
+        min_lr=0.0,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_epsilon,
+        clip_grad=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else 0.0,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        params_dtype=tc.params_dtype,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_param_gather=args.overlap_param_gather,
+        optimizer_cpu_offload=args.optimizer_cpu_offload,
+        optimizer_offload_fraction=1.0 if args.optimizer_cpu_offload else 0.0,
+    )
+    optimizer = get_megatron_optimizer(config, wrapped)
+    if args.fp16:
+        tc.grad_scale_func = optimizer.scale_loss
+    return optimizer
+
+
+class LRSchedule:
+    """A Hugging Face scheduler by name, applied to Megatron's param groups."""
+
+    def __init__(self, optimizer: Any, args: Any, num_training_steps: int) -> None:
+        from transformers import get_scheduler
+
+        self.optimizer = optimizer
+        self.base_lr = args.learning_rate
+        self.weight_decay = args.weight_decay
+        self._stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=self.base_lr)
+        self.scheduler = get_scheduler(
+            args.lr_scheduler_type, self._stand_in,
+            num_warmup_steps=args.get_warmup_steps(num_training_steps),
+            num_training_steps=num_training_steps,
+            scheduler_specific_kwargs=dict(args.lr_scheduler_kwargs or {}),
+        )
+        self.apply()
+
+    @property
+    def lr(self) -> float:
+        return self._stand_in.param_groups[0]["lr"]
+
+    def apply(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr * group.get("lr_mult", 1.0)
+            group["weight_decay"] = self.weight_decay * group.get("wd_mult", 1.0)
+
+    def step(self) -> None:
+        self._stand_in.step()  # a no-op (no gradients) that keeps torch's "scheduler before optimizer" check quiet
+        self.scheduler.step()
+        self.apply()
+
+    def state_dict(self) -> dict:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state)
+        self._stand_in.param_groups[0]["lr"] = self.scheduler.get_last_lr()[0]
+        self.apply()

@@ -1,0 +1,44 @@
+"""A progress bar on rank 0 and one readable line per logging step."""
+
+from __future__ import annotations
+
+from transformers import TrainerCallback
+from tqdm.auto import tqdm
+
+
+def format_logs(step: int, max_steps: int, logs: dict) -> str:
+    parts = [f"step {step}/{max_steps}"]
+    for key, label, fmt in (("loss", "loss", ".4f"), ("eval_loss", "eval loss", ".4f"), ("grad_norm", "grad norm",
+                            ".3f"), ("learning_rate", "lr", ".3g"), ("tokens_per_second_per_gpu", "tok/s/GPU", ",.0f"),
+                            ("mfu", "MFU", ".1%"), ("peak_memory_gib", "mem", ".1f"),
+                            ("rewards/accuracies", "reward acc", ".3f"), ("rewards/margins", "margin", ".3f")):
+        if key in logs:
+            parts.append(f"{label} {logs[key]:{fmt}}" + (" GiB" if key == "peak_memory_gib" else ""))
+    for key, value in logs.items():
+        if key.startswith("moe/"):
+            parts.append(f"{key[4:]} {value:.4f}")
+    if logs.get("skipped_steps"):
+        parts.append(f"skipped {int(logs['skipped_steps'])} step(s) with inf/nan")
+    return " | ".join(parts)
+
+
+class ProgressCallback(TrainerCallback):
+    def __init__(self) -> None:
+        self.bar = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", dynamic_ncols=True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.update(state.global_step - self.bar.n)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.bar is not None and logs:
+            self.bar.write(format_logs(state.global_step, state.max_steps, logs))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

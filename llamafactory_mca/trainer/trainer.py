@@ -1,0 +1,391 @@
+"""McaTrainer: the Hugging Face Trainer's lifecycle around Megatron-Core's engine.
+
+What stays Hugging Face's: ``TrainerState``/``TrainerControl``, the callback protocol (LLaMA-Factory's
+LogCallback writes ``trainer_log.jsonl`` from ``on_log``), ``DefaultFlowCallback`` deciding when to log,
+save and evaluate, the LR schedulers by name, ``log_metrics``/``save_metrics``/``save_state``.
+What is Megatron's: one model chunk per virtual pipeline stage, DDP per chunk, the (distributed)
+optimizer, ``get_forward_backward_func`` with ``num_microbatches = gradient_accumulation_steps``.
+This class only connects them; the step, loss, checkpoint and metrics live in their own modules.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from functools import partial
+from typing import Any, Optional
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from transformers import TrainerCallback, TrainerControl, TrainerState
+from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
+from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metrics, save_state
+from transformers.trainer_utils import TrainOutput
+
+from . import checkpoint as ckpt
+from .batches import StepFeeder
+from .loss import PreferenceConfig, collect_pair_logps, dpo_loss, lm_loss
+from .metrics import count_parameters, flops_per_sequence_set, gpu_memory_gib, peak_flops
+from .optim import LRSchedule, build_optimizer, wrap_ddp
+from .progress import ProgressCallback
+
+
+logger = logging.getLogger("llamafactory_mca")
+
+
+def _reduce_logged(outputs: list[dict], device) -> dict[str, float]:
+    """Sum [value, count] pairs over micro-batches and over the world (one contributor per TP group)."""
+    names = sorted({k for out in outputs for k in out if not k.startswith("_")})
+    # every rank must take part with the same keys: agree on them first
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, names)
+    names = sorted({k for ks in gathered for k in ks})
+    totals = torch.zeros(len(names), 2, dtype=torch.float64, device=device)
+    if ps.get_tensor_model_parallel_rank() == 0:
+        for out in outputs:
+            for i, name in enumerate(names):
+                if name in out:
+                    totals[i] += out[name].to(device=device, dtype=torch.float64)
+    torch.distributed.all_reduce(totals)
+    return {name: (totals[i, 0] / totals[i, 1]).item() if totals[i, 1] > 0 else float("nan")
+            for i, name in enumerate(names)}
+
+
+class McaTrainer:
+    def __init__(self, model: Any, args: Any, layout: Any, train_data: Any, eval_data: Any = None,
+                 tokenizer: Any = None, processor: Any = None, callbacks: Optional[list] = None,
+                 preference: Optional[PreferenceConfig] = None, save_side_files: Any = None) -> None:
+        self.model, self.args, self.layout = model, args, layout
+        self.train_data, self.eval_data = train_data, eval_data
+        self.train_feed = StepFeeder(train_data, layout)
+        self.eval_feed = StepFeeder(eval_data, layout) if eval_data is not None else None
+        self.tokenizer, self.processor = tokenizer, processor
+        self.preference = preference
+        self.save_side_files = save_side_files
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+            torch.device("cpu")
+        tc = model.transformer_config
+        self.wrapped = wrap_ddp(model.chunks, tc, args)
+        self.optimizer = build_optimizer(self.wrapped, tc, args)
+        self.max_steps, self.num_epochs = self._plan_steps()
+        self.schedule = LRSchedule(self.optimizer, args, self.max_steps)
+        self.state = TrainerState(is_local_process_zero=args.local_process_index == 0,
+                                  is_world_process_zero=torch.distributed.get_rank() == 0)
+        self.control = TrainerControl()
+        handlers = [DefaultFlowCallback] + ([] if args.disable_tqdm else [ProgressCallback]) + list(callbacks or [])
+        self.callback_handler = CallbackHandler(handlers, model, tokenizer, self.optimizer, self.schedule)
+        self.peak_flops = peak_flops()
+        self.control = self.callback_handler.on_init_end(args, self.state, self.control)
+
+    # ---- Hugging Face Trainer surface LLaMA-Factory's workflows use ------------------------------------------
+    log_metrics = log_metrics
+    metrics_format = metrics_format
+    save_metrics = save_metrics
+    save_state = save_state
+
+    def tokens_per_step(self) -> int:
+        return self.train_feed.tokens_per_step()
+
+    def is_world_process_zero(self) -> bool:
+        return torch.distributed.get_rank() == 0
+
+    def add_callback(self, callback: TrainerCallback) -> None:
+        self.callback_handler.add_callback(callback)
+
+    # ---- planning ----------------------------------------------------------------------------------------------
+    def _plan_steps(self) -> tuple[int, float]:
+        per_epoch = self.train_feed.steps_per_epoch()
+        if per_epoch < 1:
+            raise ValueError(f"the training set gives {self.train_data.num_micro_batches} micro-batches, fewer than "
+                             f"one step needs (dp {self.layout.dp} x gradient_accumulation_steps "
+                             f"{self.layout.grad_accum}). Add data or lower the batch sizes.")
+        if self.args.max_steps and self.args.max_steps > 0:
+            return self.args.max_steps, self.args.max_steps / per_epoch
+        epochs = self.args.num_train_epochs
+        return max(1, math.ceil(epochs * per_epoch)), epochs
+
+    # ---- one step -------------------------------------------------------------------------------------------------
+    def _forward_step(self, data_iterator, model_chunk, *, collect_reference: bool = False):
+        batch = next(data_iterator)
+        output = model_chunk(batch.tokens, batch.position_ids, None, labels=batch.model_labels,
+                             packed_seq_params=batch.packed_seq_params())
+        if collect_reference:
+            return output, partial(collect_pair_logps, self.preference, batch)
+        if self.preference is not None:
+            return output, partial(dpo_loss, self.preference, batch)
+        return output, partial(lm_loss, batch.loss_mask)
+
+    def _run_schedule(self, micro_batches: list, forward_only: bool, chunks: Optional[list] = None,
+                      collect_reference: bool = False) -> list[dict]:
+        chunks = chunks or self.wrapped
+        iterators = [iter(micro_batches) for _ in chunks]
+        seq_length = max(b.tokens.shape[-1] for b in micro_batches)
+        return get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, collect_reference=collect_reference),
+            data_iterator=iterators if len(iterators) > 1 else iterators[0],
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=len(micro_batches), seq_length=seq_length,
+            micro_batch_size=micro_batches[0].tokens.shape[0], forward_only=forward_only,
+        ) or []
+
+    def _grads_finite(self) -> bool:
+        bad = torch.zeros(1, device=self.device)
+        for wrapped in self.wrapped:
+            for buffer in list(wrapped.buffers) + list(wrapped.expert_parallel_buffers):
+                if not torch.isfinite(buffer.grad_data).all():
+                    bad += 1
+        torch.distributed.all_reduce(bad)
+        return bad.item() == 0
+
+    def train_step(self, micro_batches: list) -> dict[str, float]:
+        for wrapped in self.wrapped:
+            wrapped.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run_schedule(micro_batches, forward_only=False)
+        logged = _reduce_logged(outputs, self.device)
+        skipped = not (math.isfinite(logged.get("loss", 0.0)) and self._grads_finite())
+        if skipped:
+            logged["grad_norm"] = float("nan")
+            self.optimizer.zero_grad()
+        else:
+            ok, grad_norm, _ = self.optimizer.step()
+            skipped = not ok
+            if ok:
+                self.schedule.step()
+            logged["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        logged["skipped"] = float(skipped)
+        logged.update(self._moe_metrics(len(micro_batches)))
+        return logged
+
+    def _moe_metrics(self, num_micro_batches: int) -> dict[str, float]:
+        tc = self.model.transformer_config
+        if not tc.num_moe_experts:
+            return {}
+        from megatron.core.transformer.moe.moe_utils import (
+            clear_aux_losses_tracker,
+            get_moe_layer_wise_logging_tracker,
+            reduce_aux_losses_tracker_across_ranks,
+        )
+
+        tracker = get_moe_layer_wise_logging_tracker()
+        names = sorted(tracker)
+        gathered: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, names)
+        if any(g != names for g in gathered) or not names:
+            clear_aux_losses_tracker()
+            return {}
+        reduce_aux_losses_tracker_across_ranks(names)
+        metrics = {f"moe/{name}": (tracker[name]["values"].sum() / tc.num_layers / num_micro_batches).item()
+                   for name in names}
+        clear_aux_losses_tracker()
+        return metrics
+
+    # ---- the loop -------------------------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: Any = None) -> TrainOutput:
+        args = self.args
+        resume = ckpt.resolve_resume(resume_from_checkpoint, args.output_dir)
+        consumed = 0
+        self.state.max_steps, self.state.num_train_epochs = self.max_steps, self.num_epochs
+        self.state.logging_steps, self.state.save_steps = args.logging_steps, args.save_steps
+        self.state.eval_steps = args.eval_steps
+        if resume:
+            saved = ckpt.load_checkpoint(resume, self.model, self.optimizer)
+            self.schedule.load_state_dict(saved["scheduler"])
+            consumed = saved["consumed_micro_batches"]
+            loaded = TrainerState.load_from_json(os.path.join(resume, "trainer_state.json"))
+            self.state.global_step, self.state.log_history = loaded.global_step, loaded.log_history
+            self.state.num_input_tokens_seen = loaded.num_input_tokens_seen
+            if self.is_world_process_zero():
+                logger.info("Resumed from %s at step %d (%d micro-batches consumed)", resume,
+                            self.state.global_step, consumed)
+        self.model.train()
+        start_time = time.time()
+        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        window = _Window()
+        steps = self.train_feed.steps(start=consumed)
+        first_step_time = None
+        while self.state.global_step < self.max_steps:
+            micro_batches, consumed = next(steps)
+            self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            tick = time.perf_counter()
+            logged = self.train_step([b.to(self.device) for b in micro_batches])
+            seconds = time.perf_counter() - tick
+            first_step_time = first_step_time or time.time() - start_time
+            window.add(logged, seconds, self._step_work(micro_batches))
+            self.state.global_step += 1
+            self.state.epoch = consumed / max(self.train_feed.micro_batches_per_epoch, 1)
+            self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+            if self.control.should_log or self.state.global_step == self.max_steps:
+                self._log(window.summary(self.schedule.lr, self.layout.world_size, self.peak_flops))
+                window = _Window()
+            if self.control.should_evaluate and self.eval_data is not None:
+                self.evaluate()
+            if self.control.should_save:
+                self._save(consumed)
+                self.control = self.callback_handler.on_save(args, self.state, self.control)
+            if self.control.should_training_stop:
+                break
+        if args.save_strategy != "no" and not self._saved_at(self.state.global_step):
+            self._save(consumed)
+        runtime = time.time() - start_time
+        metrics = {"train_runtime": round(runtime, 2), "train_steps_per_second": round(self.state.global_step / runtime,
+                                                                                        3),
+                   "time_to_first_step": round(first_step_time or 0.0, 2), "epoch": self.state.epoch,
+                   "total_flos": self.state.total_flos}
+        train_losses = [h["loss"] for h in self.state.log_history if "loss" in h]
+        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
+        return TrainOutput(self.state.global_step, train_losses[-1] if train_losses else float("nan"), metrics)
+
+    def _step_work(self, micro_batches: list) -> tuple[float, float]:
+        """(real tokens, model FLOPs) of this step over all data-parallel ranks."""
+        t = self.model.config.transformer
+        vocab = self.model.config.vocab_size
+        local = torch.tensor([sum(b.num_real_tokens for b in micro_batches),
+                              sum(flops_per_sequence_set(t, vocab, b.seqlens) for b in micro_batches)],
+                             dtype=torch.float64, device=self.device)
+        if ps.is_pipeline_first_stage() and ps.get_tensor_model_parallel_rank() == 0 and \
+                ps.get_context_parallel_rank() == 0:
+            torch.distributed.all_reduce(local, group=ps.get_data_parallel_group())
+        else:
+            local.zero_()
+        torch.distributed.all_reduce(local)
+        return local[0].item(), local[1].item()
+
+    def _log(self, logs: dict[str, float]) -> None:
+        logs["epoch"] = round(self.state.epoch or 0.0, 4)
+        self.state.num_input_tokens_seen += int(logs.pop("_tokens", 0))
+        self.state.total_flos += logs.pop("_flops", 0.0)
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
+
+    def _saved_at(self, step: int) -> bool:
+        return os.path.isdir(os.path.join(self.args.output_dir, f"{ckpt.PREFIX}-{step}"))
+
+    def _save(self, consumed: int) -> str:
+        for wrapped in self.wrapped:  # make sure overlapped parameter all-gathers have landed
+            if self.args.overlap_param_gather:
+                wrapped.start_param_sync(force_sync=True)
+        step = self.state.global_step
+        path = os.path.join(self.args.output_dir, f"{ckpt.PREFIX}-{step}")
+        self.state.best_model_checkpoint = self.state.best_model_checkpoint
+
+        def side_files(directory: str) -> None:
+            if self.save_side_files is not None:
+                self.save_side_files(directory)
+            self.state.save_to_json(os.path.join(directory, "trainer_state.json"))
+
+        ckpt.save_checkpoint(self.args.output_dir, step, self.model, self.optimizer,
+                             {"scheduler": self.schedule.state_dict(), "consumed_micro_batches": consumed,
+                              "global_step": step}, side_files)
+        if self.args.save_hf_model:
+            self.model.save_pretrained(os.path.join(path, "hf"), dtype=self.model.transformer_config.params_dtype)
+        ckpt.rotate_checkpoints(self.args.output_dir, self.args.save_total_limit)
+        if self.is_world_process_zero():
+            logger.info("Saved %s", path)
+        return path
+
+    # ---- evaluation ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        self.model.eval()
+        outputs = []
+        for micro_batches in self.eval_feed.eval_steps():
+            outputs += self._run_schedule([b.to(self.device) for b in micro_batches], forward_only=True)
+        reduced = _reduce_logged(outputs, self.device)
+        self.model.train()
+        metrics = {f"eval_{k}": v for k, v in reduced.items()}
+        self._log(dict(metrics))
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
+        return metrics
+
+    # ---- DPO reference log-probs ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def compute_reference_logps(self, plan: Any, reference: Any = None) -> tuple[Any, Any]:
+        """Reference (chosen, rejected) log-probs for every row of ``plan``, computed once before training
+        with the frozen initial model (or ``reference``, another McaModel). Collective; every rank gets all."""
+        import numpy as np
+
+        feed = StepFeeder(plan, self.layout)
+        chunks = reference.chunks if reference is not None else self.wrapped
+        for chunk in chunks:
+            chunk.eval()
+        groups = plan.epoch_groups(0)
+        dp_rank = ps.get_data_parallel_rank()
+        found: list[tuple[int, float, float]] = []
+        position = 0  # this rank's micro-batch k is global micro-batch dp_rank + k·dp
+        for micro_batches in feed.eval_steps():
+            outputs = self._run_schedule([b.to(self.device) for b in micro_batches], forward_only=True,
+                                         chunks=chunks, collect_reference=True)
+            for out in outputs:
+                index = dp_rank + position * self.layout.dp
+                position += 1
+                if index < len(groups) and ps.get_tensor_model_parallel_rank() == 0 and \
+                        ps.get_context_parallel_rank() == 0:
+                    pairs = out["_pairs"].float().cpu().tolist()
+                    found += [(row, c, r) for row, (c, r) in zip(groups[index], pairs)]
+        gathered: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, found)
+        chosen = np.full(plan.table.num_rows, np.nan, dtype=np.float32)
+        rejected = np.full(plan.table.num_rows, np.nan, dtype=np.float32)
+        for part in gathered:
+            for row, c, r in part:
+                chosen[row], rejected[row] = c, r
+        for chunk in self.wrapped:
+            chunk.train()
+        return chosen, rejected
+
+    def replace_data(self, train_data: Any, eval_data: Any = None) -> None:
+        """Same rows, new columns (reference log-probs): the plans and step counts stay the same."""
+        self.train_data, self.eval_data = train_data, eval_data
+        self.train_feed = StepFeeder(train_data, self.layout)
+        self.eval_feed = StepFeeder(eval_data, self.layout) if eval_data is not None else None
+
+    def save_model(self, output_dir: Optional[str] = None) -> None:
+        """The final model: HF safetensors + config + tokenizer in ``output_dir`` (all ranks call it)."""
+        output_dir = output_dir or self.args.output_dir
+        self.model.save_pretrained(output_dir, dtype=self.model.transformer_config.params_dtype)
+        if self.is_world_process_zero() and self.save_side_files is not None:
+            self.save_side_files(output_dir)
+
+
+class _Window:
+    """Averages over the steps between two log lines."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.steps = 0
+        self.seconds = 0.0
+        self.tokens = 0.0
+        self.flops = 0.0
+        self.skipped = 0
+
+    def add(self, logged: dict[str, float], seconds: float, work: tuple[float, float]) -> None:
+        self.steps += 1
+        self.seconds += seconds
+        self.tokens += work[0]
+        self.flops += work[1]
+        self.skipped += int(logged.get("skipped", 0))
+        for key, value in logged.items():
+            if key != "skipped" and math.isfinite(value):
+                self.sums[key] = self.sums.get(key, 0.0) + value
+
+    def summary(self, lr: float, world_size: int, peak: Optional[float]) -> dict[str, float]:
+        good = max(self.steps - self.skipped, 1)
+        logs = {k: v / (good if k != "loss" else max(self.steps - self.skipped, 1)) for k, v in self.sums.items()}
+        logs["learning_rate"] = lr
+        logs["tokens_per_second_per_gpu"] = round(self.tokens / max(self.seconds, 1e-9) / world_size, 1)
+        if peak:
+            logs["mfu"] = round(self.flops / max(self.seconds, 1e-9) / world_size / peak, 4)
+        peak_alloc, _ = gpu_memory_gib()
+        if peak_alloc:
+            logs["peak_memory_gib"] = round(peak_alloc, 2)
+        if self.skipped:
+            logs["skipped_steps"] = self.skipped
+        logs["_tokens"] = self.tokens
+        logs["_flops"] = self.flops
+        return logs
