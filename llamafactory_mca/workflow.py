@@ -77,10 +77,24 @@ def _check_model_fits(config: Any, cutoff_len: int) -> None:
 
 
 def _packing_request(data_args: Any, training_args: Any) -> tuple[bool, int]:
-    """(pack?, the user's cutoff_len). LLaMA-Factory lowers cutoff_len by one when its packing is on."""
+    """(pack?, the user's cutoff_len).
+
+    LLaMA-Factory's DataArguments lowers cutoff_len by one in ``__post_init__`` when the recipe sets packing or
+    neat_packing; for pt its parser turns packing on later without lowering it. Which one happened is read
+    from the recipe itself.
+    """
     packing = bool(training_args.sequence_packing or data_args.packing or data_args.neat_packing)
-    cutoff = data_args.cutoff_len + (1 if data_args.packing else 0)
-    return packing, cutoff
+    try:
+        from llamafactory.hparams.parser import read_args
+
+        raw = read_args()
+        if isinstance(raw, dict):
+            lowered = bool(raw.get("packing") or raw.get("neat_packing"))
+        else:
+            lowered = any(a.split("=")[0] in ("--packing", "--neat_packing") for a in raw) and bool(data_args.packing)
+    except Exception:  # called without a recipe on the command line
+        lowered = bool(data_args.neat_packing)
+    return packing, data_args.cutoff_len + (1 if lowered else 0)
 
 
 def _load_rows(stage: str, template: Any, model_args: Any, data_args: Any, training_args: Any,
