@@ -58,7 +58,6 @@ def iter_hf_tensors(reader: DistCheckpointReader, config: McaConfig, dtype: Opti
     """(hf_name, tensor) for every exported HF tensor, layer by layer, reading one region at a time."""
     table = WeightTable(get_family(config.hf_model_type).weights(config))
     dims = dims_for(config, 1)
-    available = set(reader.keys())
     ops = [op for op in table.ops if op.export]
     # Non-layer tensors first, then each layer's tensors together (one layer's group in memory at a time).
     order = [(op, idx) for op in ops if "*" not in op.mca for idx in [()]]
@@ -67,14 +66,23 @@ def iter_hf_tensors(reader: DistCheckpointReader, config: McaConfig, dtype: Opti
             if "*" in op.mca:
                 order += [(op, idx) for idx in _index_ranges(op.mca, config) if idx[0] == layer]
     for op, index in order:
-        key = next((k for k in stored_keys(op.mca) if k in available), None)
-        if key is None:
-            raise ValueError(f"the checkpoint at {reader.path} has no tensor for {op.mca} (looked for "
-                             f"{stored_keys(op.mca)}); was it written by llamafactory_mca for a "
-                             f"{config.hf_model_type} model?")
-        tensor = reader.read(key, index)
+        tensor = _read(reader, op.mca, index, config)
         for pattern, hf_tensor in zip(op.hf, op.to_hf(tensor, dims)):
             yield fill(pattern, index[: pattern.count("*")]), (hf_tensor if dtype is None else hf_tensor.to(dtype))
+
+
+def _read(reader: DistCheckpointReader, pattern: str, index: tuple[int, ...], config: McaConfig) -> torch.Tensor:
+    """One canonical tensor (a layer's, an expert's) from wherever the checkpoint stored it."""
+    for key in stored_keys(pattern):
+        if not index:
+            if key in reader:
+                return reader.read(key)
+            continue
+        found = reader.locate_layer(key, index[0])  # layers stacked on axis 0, or one key per layer
+        if found is not None:
+            return reader.read(found[0], (*found[1], *index[1:]))
+    raise ValueError(f"the checkpoint at {reader.path} has no tensor for {pattern} (looked for "
+                     f"{stored_keys(pattern)}); was it written by llamafactory_mca for a {config.hf_model_type} model?")
 
 
 def export_hf(checkpoint: str, output: str, dtype: Optional[torch.dtype] = None,

@@ -30,17 +30,16 @@ class SafetensorsSource:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self._handles: dict[str, object] = {}
         index = os.path.join(path, INDEX_NAME)
         if os.path.isfile(index):
             with open(index, encoding="utf-8") as f:
                 self.weight_map: dict[str, str] = json.load(f)["weight_map"]
         elif os.path.isfile(os.path.join(path, SINGLE_NAME)):
-            with safe_open(os.path.join(path, SINGLE_NAME), "pt") as f:
-                self.weight_map = {name: SINGLE_NAME for name in f.keys()}
+            self.weight_map = {name: SINGLE_NAME for name in self._open(SINGLE_NAME).keys()}
         else:
             raise ValueError(f"{path} holds no Hugging Face safetensors weights (neither {SINGLE_NAME} nor "
                              f"{INDEX_NAME}). Point model_name_or_path at a model folder saved with save_pretrained.")
-        self._handles: dict[str, object] = {}
         self.bytes_read = 0
         self.tensors_read = 0
 
@@ -51,20 +50,23 @@ class SafetensorsSource:
     def files_opened(self) -> list[str]:
         return sorted(self._handles)
 
-    def _slice(self, name: str):
-        if name not in self.weight_map:
-            raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.path}")
-        file = self.weight_map[name]
-        if file not in self._handles:
+    def _open(self, file: str):
+        handles = self._handles
+        if file not in handles:
             full = os.path.join(self.path, file)
             if not os.path.isfile(full):
                 raise ValueError(f"{full} is listed in {INDEX_NAME} but missing: the checkpoint is incomplete "
                                  "(re-download or re-save it).")
             try:
-                self._handles[file] = safe_open(full, "pt")
+                handles[file] = safe_open(full, "pt")
             except Exception as err:
                 raise ValueError(f"{full} cannot be read, it is truncated or corrupt ({err}). Re-download it.") from err
-        return self._handles[file].get_slice(name)
+        return handles[file]
+
+    def _slice(self, name: str):
+        if name not in self.weight_map:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.path}")
+        return self._open(self.weight_map[name]).get_slice(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())

@@ -1,0 +1,278 @@
+"""HF ⇄ Megatron-Core bridge: parity per family, every layout, round trips, streaming reads, clear errors."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from llamafactory_mca.tiny import TINY, save_tiny_model
+from tests._dist import run_distributed
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+INPUT = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+def _hf_logits(model_dir: str) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(INPUT).logits
+
+
+def _hf_tensors(model_dir: str) -> dict[str, torch.Tensor]:
+    files = [f for f in os.listdir(model_dir) if f.endswith(".safetensors")]
+    tensors = {}
+    for name in files:
+        tensors.update(load_file(os.path.join(model_dir, name)))
+    return tensors
+
+
+def pipeline_logits(model, ids: torch.Tensor):
+    """Full-vocabulary logits through Megatron's schedule (any PP/VPP/TP); None on ranks without the output."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    chunks = model.chunks
+    # the interleaved schedule needs at least pp micro-batches: one row each
+    micro = list(ids.split(1)) if len(chunks) > 1 else [ids]
+    positions = torch.arange(ids.shape[1]).expand_as(micro[0])
+
+    def step(iterator, chunk):
+        tokens = next(iterator)
+        return chunk(tokens, positions, None), lambda out, non_loss_data=True: out
+
+    iterators = [iter(micro) for _ in chunks]
+    with torch.no_grad():
+        out = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(micro), seq_length=ids.shape[1],
+            micro_batch_size=micro[0].shape[0], forward_only=True, collect_non_loss_data=True)
+    if not ps.is_pipeline_last_stage():
+        return None
+    logits = gather_from_tensor_model_parallel_region(torch.cat(out))
+    return logits[..., : model.config.vocab_size].clone() if ps.get_tensor_model_parallel_rank() == 0 else None
+
+
+def _run_layout(sizes: dict, jobs: list[tuple[str, str, str]]) -> list[dict]:
+    """In each rank: build every (family, model_dir, work_dir) job in the layout, return logits and read stats,
+    save HF weights (save_pretrained) and a dist checkpoint for the round trips."""
+    from megatron.core import dist_checkpointing
+
+    from llamafactory_mca import parallel
+    from llamafactory_mca.args import MegatronArguments
+    from llamafactory_mca.models.auto import DIST_DIR, AutoConfig, AutoModel
+    from llamafactory_mca.models.convert import write_layout
+
+    args = MegatronArguments(**sizes)
+    args.gradient_accumulation_steps = args.pipeline_model_parallel_size  # micro-batches per forward (VPP needs pp)
+    layout = parallel.ParallelLayout.from_args(args)
+    parallel.initialize(layout)
+    results = []
+    for name, model_dir, work_dir in jobs:
+        model = AutoModel.from_config(AutoConfig.from_pretrained(model_dir), args)
+        source = model.load_hf_weights(model_dir)
+        model.eval()
+        logits = pipeline_logits(model, INPUT)
+        model.save_pretrained(os.path.join(work_dir, "hf"))
+        ckpt = os.path.join(work_dir, "ckpt")
+        if torch.distributed.get_rank() == 0:
+            os.makedirs(os.path.join(ckpt, DIST_DIR), exist_ok=True)
+        torch.distributed.barrier()
+        dist_checkpointing.save(model.sharded_state_dict(), os.path.join(ckpt, DIST_DIR))
+        if torch.distributed.get_rank() == 0:
+            model.config.save_pretrained(ckpt)
+            write_layout(ckpt, layout, None)
+        torch.distributed.barrier()
+        results.append({"name": name, "logits": logits, "bytes_read": source.bytes_read,
+                        "files": source.files_opened})
+    return results
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: save_tiny_model(name, str(root / name)) for name in TINY}
+
+
+@pytest.fixture(scope="module")
+def single_rank(tiny_models, tmp_path_factory):
+    work = tmp_path_factory.mktemp("single")
+    jobs = [(name, path, str(work / name)) for name, path in tiny_models.items()]
+    (results,) = run_distributed(_run_layout, 1, {}, jobs)
+    return {r["name"]: r["logits"] for r in results}
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_parity_with_transformers(name, tiny_models, single_rank):
+    reference = _hf_logits(tiny_models[name])
+    diff = (single_rank[name] - reference).abs().max().item()
+    assert diff <= 1e-4, f"{name}: max |HF - MCore| = {diff}"
+
+
+LAYOUTS = {
+    "tp2": (2, {"tensor_model_parallel_size": 2}, ["qwen3", "qwen2_moe", "mixtral", "llama3_tied"]),
+    "pp2": (2, {"pipeline_model_parallel_size": 2}, ["llama3_tied", "qwen3_moe"]),
+    "pp2_vpp2": (2, {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}, ["qwen2"]),
+    "ep2": (2, {"expert_model_parallel_size": 2}, ["qwen3_moe", "qwen2_moe"]),
+    "ep2_etp2": (4, {"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2}, ["qwen3_moe"]),
+    "tp2_pp2": (4, {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, ["llama", "qwen3_moe"]),
+}
+
+
+@pytest.fixture(scope="module")
+def layouts(tiny_models, tmp_path_factory):
+    out = {}
+    for layout, (world, sizes, names) in LAYOUTS.items():
+        work = tmp_path_factory.mktemp(layout)
+        jobs = [(name, tiny_models[name], str(work / name)) for name in names]
+        per_rank = run_distributed(_run_layout, world, sizes, jobs)
+        for j, (name, _, work_dir) in enumerate(jobs):
+            logits = next(r[j]["logits"] for r in per_rank if r[j]["logits"] is not None)
+            out[(layout, name)] = {"logits": logits, "work": work_dir, "bytes": [r[j]["bytes_read"] for r in per_rank],
+                                   "files": [r[j]["files"] for r in per_rank]}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,name", [(layout, name) for layout, (_, _, names) in LAYOUTS.items() for name in names])
+def test_layout_logits_equal_single_rank(layout, name, layouts, single_rank):
+    diff = (layouts[(layout, name)]["logits"] - single_rank[name]).abs().max().item()
+    assert diff <= 1e-5, f"{layout}/{name}: max |layout - single rank| = {diff}"
+
+
+def _assert_same_weights(exported_dir: str, source_dir: str) -> None:
+    exported, source = _hf_tensors(exported_dir), _hf_tensors(source_dir)
+    assert set(exported) == set(source), (set(exported) ^ set(source))
+    for key, tensor in source.items():
+        assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,name", [(layout, names[0]) for layout, (_, _, names) in LAYOUTS.items()])
+def test_round_trip_is_bit_identical(layout, name, layouts, tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    work = layouts[(layout, name)]["work"]
+    _assert_same_weights(os.path.join(work, "hf"), tiny_models[name])  # through save_pretrained
+    merged = os.path.join(work, "merged")
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "megatron_merge.py"), "--checkpoint_path",
+                             os.path.join(work, "ckpt"), "--output_path", merged], capture_output=True, text=True,
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    _assert_same_weights(merged, tiny_models[name])  # through a dist checkpoint and megatron_merge.py
+    model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.allclose(model(INPUT).logits, _hf_logits(tiny_models[name]), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_each_rank_reads_only_its_slices(layouts, tiny_models):
+    """TP2: each rank reads about half of the weights (norms and the router are replicated)."""
+    total = sum(t.numel() * t.element_size() for t in _hf_tensors(tiny_models["qwen3"]).values())
+    per_rank = layouts[("tp2", "qwen3")]["bytes"]
+    for read in per_rank:
+        assert read < 0.56 * total, (read, total)
+    assert total <= sum(per_rank) < 1.1 * total
+    # PP2: a stage opens the file but reads only its own layers
+    pp = layouts[("pp2", "qwen3_moe")]["bytes"]
+    moe_total = sum(t.numel() * t.element_size() for t in _hf_tensors(tiny_models["qwen3_moe"]).values())
+    assert all(read < 0.75 * moe_total for read in pp), (pp, moe_total)
+
+
+# ---- clear errors --------------------------------------------------------------------------------------------------
+
+
+def _layout(**sizes):
+    from llamafactory_mca.parallel import ParallelLayout
+
+    base = dict(world_size=8, tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1, dp=1, expert_dp=1, micro_batch_size=1,
+                grad_accum=1)
+    return ParallelLayout(**{**base, **sizes})
+
+
+@pytest.mark.parametrize("name,sizes,message", [
+    ("qwen3", {"tp": 8}, "does not divide num_attention_heads=4"),
+    ("qwen3", {"tp": 4}, "does not divide the key/value heads"),
+    ("llama_odd_ffn", {"tp": 2}, "does not divide ffn_hidden_size=93"),
+    ("mixtral", {"ep": 2}, "expert_model_parallel_size=2 does not divide num_experts=3"),
+    ("qwen3_moe", {"etp": 3}, "expert_tensor_parallel_size=3 does not divide moe_ffn_hidden_size=32"),
+    ("llama", {"pp": 8}, "8 stages is more than num_layers=4"),
+    ("llama", {"pp": 3}, "does not split evenly"),
+])
+def test_layout_errors_name_the_sizes(name, sizes, message, tiny_models, tmp_path):
+    from llamafactory_mca.models.auto import AutoConfig, check_layout
+
+    path = tiny_models.get(name) or save_tiny_model("llama", str(tmp_path / name), intermediate_size=93)
+    with pytest.raises(ValueError, match=message):
+        check_layout(AutoConfig.from_pretrained(path), _layout(**sizes))
+
+
+def test_unsupported_models_fail_with_the_supported_list(tmp_path):
+    from transformers import GPT2Config, LlamaConfig
+
+    from llamafactory_mca.models.auto import AutoConfig
+
+    GPT2Config(n_layer=1).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ValueError, match="not supported by llamafactory_mca; supported: llama, mistral, mixtral"):
+        AutoConfig.from_pretrained(str(tmp_path / "gpt2"))
+    LlamaConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+                max_position_embeddings=256).save_pretrained(tmp_path / "yarn")
+    with pytest.raises(ValueError, match="rope scaling 'yarn' is not supported.*supported: default, linear, llama3"):
+        AutoConfig.from_pretrained(str(tmp_path / "yarn"))
+    LlamaConfig(attention_bias=True).save_pretrained(tmp_path / "bias")
+    with pytest.raises(ValueError, match="attention_bias=True"):
+        AutoConfig.from_pretrained(str(tmp_path / "bias"))
+
+
+def test_missing_and_truncated_safetensors_are_named(tiny_models, tmp_path):
+    import json
+    import shutil
+
+    from llamafactory_mca.models.hf_io import SafetensorsSource
+
+    with pytest.raises(ValueError, match="holds no Hugging Face safetensors"):
+        SafetensorsSource(str(tmp_path))
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_models["llama"], broken)
+    data = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        SafetensorsSource(str(broken))
+    missing = tmp_path / "missing"
+    missing.mkdir()
+    (missing / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}))
+    with pytest.raises(ValueError, match="listed in model.safetensors.index.json but missing"):
+        SafetensorsSource(str(missing)).get("model.norm.weight")
+
+
+def test_merge_refuses_a_folder_that_is_not_a_checkpoint(tiny_models, tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "megatron_merge.py"), "--checkpoint_path",
+                             tiny_models["llama"], "--output_path", str(tmp_path / "out")], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode != 0
+    assert "is not a llamafactory_mca checkpoint" in result.stderr
+
+
+def test_every_hf_key_maps_exactly_once(tiny_models):
+    """Per family: the weight table covers every key of the HF checkpoint once, and nothing more."""
+    from llamafactory_mca.models.auto import AutoConfig
+    from llamafactory_mca.models.export import _index_ranges
+    from llamafactory_mca.models.mapping import WeightTable, fill
+    from llamafactory_mca.models.registry import get_family
+
+    for name, path in tiny_models.items():
+        config = AutoConfig.from_pretrained(path)
+        table = WeightTable(get_family(config.hf_model_type).weights(config))
+        covered = []
+        for op in table.ops:
+            for index in _index_ranges(op.mca, config):
+                covered += [fill(p, index[: p.count("*")]) for p in op.hf if op.export]
+        assert len(covered) == len(set(covered)), name
+        assert set(covered) == set(_hf_tensors(path)), (name, set(covered) ^ set(_hf_tensors(path)))
