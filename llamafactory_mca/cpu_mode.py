@@ -55,6 +55,8 @@ class _CudaToCpu(TorchFunctionMode):
                 return _CUDA_TYPE_NAMES[tensor.dtype]
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False  # pinning needs a CUDA runtime
         if func is torch.Tensor.to:
             args = tuple("cpu" if _is_cuda_device(a) and not isinstance(a, int) else a for a in args)
         return func(*args, **kwargs)

@@ -50,10 +50,49 @@ class _AliasLoader(importlib.abc.Loader):
         module.__llamafactory_mca__ = source
 
 
+PARSER_NAME = "llamafactory.hparams.parser"
+
+
+def _guard_train_args(module: types.ModuleType) -> None:
+    """LLaMA-Factory sends stages other than pt/sft/dpo to its own trainers even under USE_MCA=1, where they
+    would fail obscurely; check the parsed request (stage, finetuning type, ...) right after parsing."""
+    parse = module.get_train_args
+
+    def get_train_args(args=None):
+        parsed = parse(args)
+        from .workflow import check_request
+
+        model_args, data_args, training_args, finetuning_args = parsed[:4]
+        check_request(finetuning_args.stage, model_args, data_args, training_args, finetuning_args)
+        return parsed
+
+    module.get_train_args = get_train_args
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Runs the real module, then adjusts it (used for LLaMA-Factory's argument parser only)."""
+
+    def __init__(self, loader: importlib.abc.Loader, patch) -> None:
+        self.loader, self.patch = loader, patch
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self.loader.exec_module(module)
+        self.patch(module)
+
+
 class McaFinder(importlib.abc.MetaPathFinder):
-    """Answers ``mcore_adapter`` and ``llamafactory.train.mca`` with llamafactory_mca's modules."""
+    """Answers ``mcore_adapter`` and ``llamafactory.train.mca`` with llamafactory_mca's modules, and guards
+    LLaMA-Factory's argument parser."""
 
     def find_spec(self, fullname: str, path=None, target=None) -> Optional[importlib.machinery.ModuleSpec]:
+        if fullname == PARSER_NAME:
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _PatchingLoader(spec.loader, _guard_train_args)
+            return spec
         if fullname not in _EXPORTS:
             return None
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(), is_package=True)

@@ -92,7 +92,8 @@ def scan_rows(dataset: Dataset, kind: str, cutoff_len: int, batch_size: int = 10
             count = _list_lengths(ids)
             positions = np.clip(np.minimum(count, cutoff_len + 1) - 1, 0, None)
             seq_lengths.append(positions)
-            seq_truncated.append(count > cutoff_len + 1)
+            # LLaMA-Factory already cut rows to cutoff_len + 1 tokens: reaching the limit means truncated
+            seq_truncated.append(count >= cutoff_len + 1)
             if kind == PT:
                 seq_losses.append(positions)
             else:

@@ -73,8 +73,6 @@ def _engine_fields(config: McaConfig, args: Any) -> dict[str, Any]:
         variable_seq_lengths=args.allow_variable_seq_lengths() if hasattr(args, "allow_variable_seq_lengths")
         else True,
     )
-    if not has_transformer_engine():
-        fields["apply_rope_fusion"] = False
     # alltoall is the fast dispatcher, and the only one Megatron allows with variable sequence lengths
     # (it checks even for dense models).
     fields["moe_token_dispatcher_type"] = "alltoall"
@@ -85,17 +83,11 @@ def _engine_fields(config: McaConfig, args: Any) -> dict[str, Any]:
 
 def build_transformer_config(config: McaConfig, args: Any = None):
     """Architecture (config) + engine defaults + the run's explicit overrides (args), in that order."""
-    from . import spec
-
     overrides = args.get_config_dict() if args is not None else {}
     engine = {k: v for k, v in _engine_fields(config, args).items() if k not in overrides}
     if not config.num_experts:  # MoE knobs in a recipe shared between dense and MoE models
         overrides = {k: v for k, v in overrides.items() if not k.startswith("moe_")}
-    tc = config.to_transformer_config(overrides, **engine)
-    prepare = getattr(spec, "prepare_config", None)
-    if prepare is not None:
-        prepare(tc)
-    return tc
+    return config.to_transformer_config(overrides, **engine)
 
 
 class McaModel:
@@ -197,7 +189,6 @@ class AutoModel:
 
         check_layout(config, _current_layout(), getattr(args, "pipeline_model_parallel_layout", None) is not None)
         tc = build_transformer_config(config, args)
-        layer_spec = spec.get_layer_spec(tc)
         tp = ps.get_tensor_model_parallel_world_size()
         vpp = ps.get_virtual_pipeline_model_parallel_world_size()
         inv_freq = rope_inv_freq(config, tc.kv_channels)
@@ -205,7 +196,8 @@ class AutoModel:
         for stage in range(vpp or 1):
             vp_stage = stage if vpp else None
             chunk = GPTModel(
-                config=tc, transformer_layer_spec=layer_spec, vocab_size=config.padded_vocab_size(tp),
+                config=tc, transformer_layer_spec=spec.get_block_spec(tc, vp_stage),
+                vocab_size=config.padded_vocab_size(tp),
                 max_sequence_length=config.max_position_embeddings,
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),

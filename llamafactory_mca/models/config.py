@@ -71,6 +71,9 @@ class McaConfig:
         kwargs["activation_func"] = _ACTIVATIONS[activation]
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
         kwargs.update(engine)
+        from .spec import prepare_config
+
+        prepare_config(kwargs)  # before construction: some requests (fused RoPE without TE) fail inside it
         known = {f.name for f in dataclasses.fields(TransformerConfig)}
         unknown = sorted(set(kwargs) - known)
         if unknown:

@@ -32,6 +32,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 
 from ..models.auto import DIST_DIR, dist_checkpoint_dir
 from ..models.config import MCA_CONFIG_NAME
+from .faults import maybe_crash
 
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ def save_checkpoint(output_dir: str, step: int, model: Any, optimizer: Any, trai
     strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), _dp_group())
     dist_checkpointing.save(state, os.path.join(tmp, DIST_DIR), sharded_strategy=strategy)
     torch.distributed.barrier()
+    maybe_crash("save", step)
     if rank == 0:
         write_side_files(tmp)
         if os.path.isdir(final):  # a rerun of the same step: keep the new one

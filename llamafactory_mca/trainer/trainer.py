@@ -27,6 +27,7 @@ from transformers.trainer_utils import TrainOutput
 
 from . import checkpoint as ckpt
 from .batches import StepFeeder
+from .faults import maybe_crash
 from .loss import PreferenceConfig, collect_pair_logps, dpo_loss, lm_loss
 from .metrics import count_parameters, flops_per_sequence_set, gpu_memory_gib, peak_flops
 from .optim import LRSchedule, build_optimizer, wrap_ddp
@@ -208,6 +209,7 @@ class McaTrainer:
         steps = self.train_feed.steps(start=consumed)
         first_step_time = None
         while self.state.global_step < self.max_steps:
+            maybe_crash("step", self.state.global_step + 1)
             micro_batches, consumed = next(steps)
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             if torch.cuda.is_available():

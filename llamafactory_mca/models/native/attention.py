@@ -1,0 +1,160 @@
+"""The native core attention: a drop-in for Megatron's ``core_attention`` submodule without TE.
+
+Megatron's ``SelfAttention`` does the projections, the qk-norm and RoPE (per packed sequence from
+``cu_seqlens`` for THD, in pure torch when ``apply_rope_fusion`` is off), squeezes the batch dimension of
+THD tensors to ``[t, h, d]``, then calls this module with ``(query, key, value, attention_mask,
+attn_mask_type, attention_bias, packed_seq_params)`` and reshapes what comes back to ``[t, 1, h·d]``
+(THD) or expects ``[s, b, h·d]`` (padded). Head counts are read off the tensors, so GQA, and TP with
+fewer K/V heads than ranks, need nothing special.
+
+Which kernel runs (see ``kernels.py``):
+
+================  ===========================================  ===========================================
+batch             context_parallel_size = 1                    context_parallel_size > 1
+================  ===========================================  ===========================================
+padded [s,b,h,d]  SDPA, causal, ``enable_gqa``, dropout        K/V all-gather + causal segments (varlen)
+packed [t,h,d]    causal varlen_attn over ``cu_seqlens``       K/V all-gather + causal segments (varlen)
+================  ===========================================  ===========================================
+
+On CPU the varlen calls become a loop of SDPA calls with the same math. ``apply_query_key_layer_scaling``
+needs no code here: Megatron divides the softmax scale by the layer number and multiplies the scores back
+before the softmax, an fp16 range trick whose net scale is 1 (SDPA and flash accumulate in fp32).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from . import context_parallel as cp_utils
+from .kernels import SegmentPlan, padded_attention, sbhd_to_thd, segment_attention
+
+_CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
+
+
+class NativeDotProductAttention(MegatronModule):
+    """Causal self-attention on PyTorch kernels: padded (SDPA) and packed THD (varlen_attn), with CP."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ) -> None:
+        super().__init__(config=config)
+        check_supported(config)
+        if attention_type != "self":
+            raise ValueError(f"the native attention does self-attention only (got attention_type={attention_type!r})")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        self.cp_group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group(
+            check_initialized=False)
+        self.cp_size = self.cp_group.size() if self.cp_group is not None else 1
+        self.cp_rank = self.cp_group.rank() if self.cp_group is not None else 0
+        if self.cp_size > 1 and self.dropout_p > 0:
+            raise ValueError(f"attention_dropout={self.dropout_p} with context_parallel_size={self.cp_size}: the "
+                             "native context-parallel attention has no dropout. Set attention_dropout: 0.")
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> torch.Tensor:
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by the native attention.")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        causal = mask_type in _CAUSAL
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            if not causal:
+                raise ValueError(f"packed (THD) batches need causal attention, got attn_mask_type={mask_type}")
+            if self.training and self.dropout_p > 0:
+                raise ValueError(f"attention_dropout={self.dropout_p} with packed sequences: varlen_attn has no "
+                                 "dropout. Set attention_dropout: 0 or turn sequence packing off.")
+            out = self._packed(query, key, value, packed_seq_params)
+            return out.reshape(out.size(0), -1)
+        if self.cp_size > 1:
+            if attention_mask is not None or not causal:
+                raise ValueError("context parallelism with the native attention needs causal attention without an "
+                                 "explicit attention_mask (pass attention_mask=None; padding sits at the end).")
+            return self._padded_context_parallel(query, key, value)
+        dropout = self.dropout_p if self.training else 0.0
+        if dropout > 0 and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return padded_attention(query, key, value, self.softmax_scale, causal, attention_mask, dropout)
+        return padded_attention(query, key, value, self.softmax_scale, causal, attention_mask, dropout)
+
+    def _packed(self, query, key, value, params: PackedSeqParams) -> torch.Tensor:
+        cu_seqlens = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        plan = self._cached_plan(params, cu_seqlens, query)
+        if self.cp_size > 1:
+            key, value = self._gathered(key, value, plan)
+        return segment_attention(query, key, value, plan, self.softmax_scale)
+
+    def _padded_context_parallel(self, query, key, value) -> torch.Tensor:
+        """A padded CP batch is ``b`` packed sequences of the global length: reuse the THD path."""
+        s, b, hq, d = query.shape
+        plan = _padded_plan(b, s, self.cp_size, self.cp_rank, query.device)
+        k, v = self._gathered(sbhd_to_thd(key), sbhd_to_thd(value), plan)
+        out = segment_attention(sbhd_to_thd(query), k, v, plan, self.softmax_scale)
+        return out.view(b, s, hq * d).transpose(0, 1).contiguous()
+
+    def _gathered(self, key, value, plan: SegmentPlan):
+        key = cp_utils.gather_kv(key, self.cp_group).index_select(0, plan.kv_index)
+        value = cp_utils.gather_kv(value, self.cp_group).index_select(0, plan.kv_index)
+        return key, value
+
+    def _cached_plan(self, params: PackedSeqParams, cu_seqlens: torch.Tensor, query: torch.Tensor) -> SegmentPlan:
+        """One plan per micro-batch, shared by every layer (building it reads cu_seqlens on the host)."""
+        cache = params.__dict__.setdefault("_mca_native_plans", {})
+        key = (id(cu_seqlens), self.cp_size, self.cp_rank, str(query.device))
+        if key not in cache:
+            cache[key] = cp_utils.packed_plan(cu_seqlens, self.cp_rank, self.cp_size, query.size(0), query.device)
+        return cache[key]
+
+
+_PADDED_PLANS: dict[tuple, SegmentPlan] = {}
+
+
+def _padded_plan(batch: int, local_seq: int, cp_size: int, cp_rank: int, device: torch.device) -> SegmentPlan:
+    key = (batch, local_seq, cp_size, cp_rank, str(device))
+    if key not in _PADDED_PLANS:
+        if len(_PADDED_PLANS) > 64:
+            _PADDED_PLANS.clear()
+        cu = cp_utils.padded_cu_seqlens(batch, local_seq, cp_size)
+        _PADDED_PLANS[key] = cp_utils.packed_plan(cu, cp_rank, cp_size, batch * local_seq, device)
+    return _PADDED_PLANS[key]
+
+
+def check_supported(config: TransformerConfig) -> None:
+    """Refuse, before any weight is built, what the native attention does not implement."""
+    problems = []
+    if getattr(config, "softmax_type", "vanilla") != "vanilla":
+        problems.append(f"softmax_type={config.softmax_type!r} (only 'vanilla')")
+    if getattr(config, "window_size", None) is not None:
+        problems.append(f"window_size={config.window_size} (sliding-window attention)")
+    if getattr(config, "multi_latent_attention", False):
+        problems.append("multi_latent_attention")
+    if getattr(config, "qk_clip", False):
+        problems.append("qk_clip")
+    if problems:
+        raise ValueError("the native attention (no Transformer Engine) does not support " + ", ".join(problems)
+                         + ". Install Transformer Engine or set attention_backend: local.")

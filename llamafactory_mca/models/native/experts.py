@@ -1,0 +1,147 @@
+"""Grouped MoE experts on ``torch._grouped_mm``: Megatron's legacy ``GroupedMLP`` without ``grouped_gemm``.
+
+We subclass ``GroupedMLP`` to keep everything but its GEMMs: the parameters (``weight1`` ``[hidden,
+local_experts·ffn·2/etp]``, ``weight2`` ``[local_experts·ffn/etp, hidden]``), their TP-aware
+initialisation, and ``sharded_state_dict``, which writes per-expert ``linear_fc1/2`` tensors a
+``SequentialMLP`` (or TE-grouped) checkpoint can read. What changes:
+
+- no ``grouped_gemm`` package: its availability assert is skipped while the parent builds;
+- any dtype: the parent's forward asserts bf16; ours runs bf16 on GPU and fp32 on CPU (tests);
+- the GEMMs are ``torch._grouped_mm(x [tokens, k], w [experts, k, n], offs=cumsum(tokens_per_expert))``,
+  with autograd. bf16 groups need no padding of their token counts (only 16-byte aligned strides, i.e.
+  ``hidden`` and ``ffn/etp`` multiples of 8); where that or the kernel is missing, a per-expert matmul loop
+  computes the same thing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+from megatron.core.transformer.moe import grouped_gemm_util
+from megatron.core.transformer.moe.experts import GroupedMLP
+
+logger = logging.getLogger(__name__)
+
+
+class NativeGroupedMLP(GroupedMLP):
+    """All local experts in two grouped GEMMs (``torch._grouped_mm``), parameters and checkpoints as GroupedMLP."""
+
+    def __init__(self, num_local_experts: int, config, pg_collection=None) -> None:
+        with _grouped_gemm_package_not_required():
+            super().__init__(num_local_experts, config, pg_collection=pg_collection)
+        self._fused_swiglu = (config.bias_activation_fusion and config.gated_linear_unit
+                              and config.activation_func is F.silu and not config.glu_linear_offset
+                              and config.activation_func_clamp_value is None)
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: torch.Tensor) -> tuple[torch.Tensor, None]:
+        hidden, probs = permuted_local_hidden_states, permuted_probs
+        if self.config.moe_apply_probs_on_input:
+            if self.config.moe_router_topk != 1:
+                raise ValueError("moe_apply_probs_on_input only works with moe_router_topk=1.")
+            hidden = (probs.unsqueeze(-1) * hidden).to(hidden.dtype)
+            probs = torch.ones_like(probs)
+        hidden_size = self.config.hidden_size
+        if hidden.nelement() == 0:
+            # No token for the local experts: still touch the weights so they get (zero) gradients.
+            w1, w2 = self.weight1.view(hidden_size, -1), self.weight2.view(-1, hidden_size)
+            return torch.matmul(self._activate(torch.matmul(hidden, w1), probs), w2), None
+        w1 = self.weight1.view(self.num_local_experts, hidden_size, -1)
+        w2 = self.weight2.view(self.num_local_experts, -1, hidden_size)
+        counts = tokens_per_expert.detach().to("cpu", torch.int64)
+        if self.activation_recompute:
+            self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput()
+            intermediate = self.activation_checkpoint.checkpoint(self._activate, grouped_mm(hidden, w1, counts),
+                                                                 probs)
+            out = grouped_mm(intermediate, w2, counts)
+            self.activation_checkpoint.discard_output_and_register_recompute(out)
+        else:
+            out = grouped_mm(self._activate(grouped_mm(hidden, w1, counts), probs), w2, counts)
+        return out, None
+
+    def _activate(self, fc1_out: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """Activation (GLU-aware, as Megatron's MLP does it) times the routing probability of each token."""
+        if self._fused_swiglu:
+            return weighted_bias_swiglu_impl(fc1_out, None, probs.unsqueeze(-1),
+                                             self.config.activation_func_fp8_input_store)
+        config = self.config
+        if config.gated_linear_unit:
+            gate, linear = torch.chunk(fc1_out, 2, dim=-1)
+            if (clamp := config.activation_func_clamp_value) is not None:
+                gate, linear = gate.clamp(max=clamp), linear.clamp(min=-clamp, max=clamp)
+            act = config.activation_func(gate) * (linear + config.glu_linear_offset)
+        else:
+            act = config.activation_func(fc1_out)
+        return (act * probs.unsqueeze(-1)).to(fc1_out.dtype)
+
+
+def grouped_mm(x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """``x`` rows grouped by expert (``tokens_per_expert`` on the host) times ``weights[e]`` ``[k, n]``."""
+    if x.size(0) != int(tokens_per_expert.sum()):
+        raise ValueError(f"{x.size(0)} permuted tokens but tokens_per_expert sums to {int(tokens_per_expert.sum())}")
+    if grouped_mm_usable(x, weights):
+        offs = torch.cumsum(tokens_per_expert, 0).to(torch.int32).to(x.device, non_blocking=True)
+        return _ContiguousGrad.apply(torch._grouped_mm(x, weights, offs=offs))
+    return _loop_mm(x, weights, tokens_per_expert)
+
+
+def grouped_mm_usable(x: torch.Tensor, weights: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes these operands (else the per-expert loop runs)."""
+    if not hasattr(torch, "_grouped_mm"):
+        _log_once("torch._grouped_mm is missing in this torch; MoE experts run as a per-expert matmul loop.")
+        return False
+    if x.is_cuda and x.dtype not in (torch.bfloat16, torch.float16):
+        _log_once(f"torch._grouped_mm on CUDA needs bf16/fp16 (got {x.dtype}); MoE experts run as a loop.")
+        return False
+    aligned = all((size * x.element_size()) % 16 == 0 for size in (x.size(1), weights.size(-1)))
+    if not aligned:
+        _log_once(f"torch._grouped_mm needs 16-byte aligned rows; expert GEMM sizes {x.size(1)} x "
+                  f"{weights.size(-1)} in {x.dtype} are not, so MoE experts run as a loop.")
+    return aligned
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands ``_grouped_mm`` a contiguous gradient (it rejects e.g. expanded ones)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _loop_mm(x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    chunks = torch.split(x, tokens_per_expert.tolist())
+    return torch.cat([chunk @ weights[e] for e, chunk in enumerate(chunks)])
+
+
+@contextlib.contextmanager
+def _grouped_gemm_package_not_required():
+    """GroupedMLP.__init__ asserts the ``grouped_gemm`` package we replace; skip only that assert, only here."""
+    original = grouped_gemm_util.assert_grouped_gemm_is_available
+    grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None
+    try:
+        yield
+    finally:
+        grouped_gemm_util.assert_grouped_gemm_is_available = original
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(message: str, level: int = logging.WARNING) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.log(level, message)
+
+
+def describe_experts() -> str | None:
+    """The expert kernel in words, for the startup line."""
+    return "torch._grouped_mm" if hasattr(torch, "_grouped_mm") else "per-expert matmul loop (no torch._grouped_mm)"

@@ -1,0 +1,196 @@
+"""The attention math of the native spec: PyTorch kernels only, no [b, h, s, s] score matrix.
+
+Two entry points, both taking Megatron's layouts and returning the same:
+
+- ``padded_attention``: ``[s, b, h, d]`` batches through ``F.scaled_dot_product_attention`` (flash or
+  memory-efficient kernels on GPU), GQA through ``enable_gqa`` so K/V are never repeated.
+- ``segment_attention``: packed ``[t, h, d]`` tokens cut into query segments, each attending causally to
+  its own key segment. Causality is aligned bottom-right (query ``i`` of a segment of ``lq`` queries sees
+  keys ``0 .. i + lk - lq``), which is what flash attention does when ``lq != lk``. Plain packing uses
+  square segments (one per sequence); context parallelism uses two segments per sequence whose keys are
+  the gathered prefix up to the end of the local chunk (see ``context_parallel.py``). On CUDA it runs
+  ``torch.nn.attention.varlen.varlen_attn``; on CPU (and where varlen_attn cannot run) the same math
+  loops over the segments with SDPA.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    """Where each query segment and its key segment lie in the packed tensors.
+
+    ``cu_q``/``cu_k`` are int32 on the compute device (varlen_attn); ``q_lens``/``k_lens`` are the same on
+    the host (the SDPA loop). ``kv_index``, when set, selects the key/value rows of every key segment from
+    the (all-gathered) K/V tensor — context parallelism builds it; plain packing needs none.
+    """
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    q_lens: tuple[int, ...]
+    k_lens: tuple[int, ...]
+    kv_index: torch.Tensor | None = None
+
+
+def make_plan(q_lens: list[int], k_lens: list[int], device: torch.device,
+              kv_index: torch.Tensor | None = None) -> SegmentPlan:
+    """A plan from host-side segment lengths; empty segments are dropped (varlen gains nothing from them)."""
+    pairs = [(lq, lk) for lq, lk in zip(q_lens, k_lens) if lq > 0]
+    q_lens_t = tuple(lq for lq, _ in pairs)
+    k_lens_t = tuple(lk for _, lk in pairs)
+
+    def cumulative(lengths: tuple[int, ...]) -> torch.Tensor:
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        if lengths:
+            cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)
+        return cu.to(device, non_blocking=True)
+
+    return SegmentPlan(cu_q=cumulative(q_lens_t), cu_k=cumulative(k_lens_t), max_q=max(q_lens_t, default=0),
+                       max_k=max(k_lens_t, default=0), q_lens=q_lens_t, k_lens=k_lens_t, kv_index=kv_index)
+
+
+def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, causal: bool,
+                     mask: torch.Tensor | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """``[s, b, h, d]`` in, ``[s, b, h*d]`` out.
+
+    ``mask`` follows Megatron: boolean, True where attention is *forbidden*, broadcastable to
+    ``[b, 1, sq, sk]``. It is combined with causality (so a padding-only mask stays causal), and every query
+    keeps its own key so that a fully masked padding row cannot produce NaNs.
+    """
+    sq, b, hq, d = query.shape
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d] views
+    gqa = key.size(2) != hq
+    if query.is_cuda and mask is None and causal and not dropout_p and not _sdpa_fused(q, k, v, gqa):
+        # No fused SDPA kernel takes these operands: the math fallback would materialise [b, h, s, s].
+        return _padded_as_segments(query, key, value, scale)
+    attn_mask = None
+    if mask is not None:
+        sk = key.size(0)
+        allowed = ~mask.to(torch.bool)
+        if causal:
+            allowed = allowed & torch.ones(sq, sk, dtype=torch.bool, device=query.device).tril(sk - sq)
+        attn_mask = allowed | torch.eye(sq, sk, dtype=torch.bool, device=query.device)
+        causal = False
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=causal,
+                                         scale=scale, enable_gqa=gqa)
+    return out.permute(2, 0, 1, 3).reshape(sq, b, hq * d)
+
+
+def _sdpa_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> bool:
+    """Whether SDPA has a flash / memory-efficient / cuDNN kernel for causal attention on these operands."""
+    backends = torch.backends.cuda
+    try:
+        params = backends.SDPAParams(q, k, v, None, 0.0, True, gqa)
+    except (AttributeError, TypeError):  # an older torch without these probes: trust SDPA
+        return True
+    checks = [backends.can_use_flash_attention, backends.can_use_efficient_attention]
+    checks += [backends.can_use_cudnn_attention] if hasattr(backends, "can_use_cudnn_attention") else []
+    return any(check(params, False) for check in checks)
+
+
+def _padded_as_segments(query, key, value, scale: float) -> torch.Tensor:
+    """A padded batch as ``b`` packed sequences of length ``s`` through varlen_attn."""
+    sq, b, hq, d = query.shape
+    if not _varlen_usable(query):
+        _warn_once("no fused attention kernel for this padded batch: SDPA's math fallback materialises the scores.")
+    plan = make_plan([sq] * b, [sq] * b, query.device)
+    out = segment_attention(sbhd_to_thd(query), sbhd_to_thd(key), sbhd_to_thd(value), plan, scale)
+    return out.view(b, sq, hq * d).transpose(0, 1).contiguous()
+
+
+def sbhd_to_thd(t: torch.Tensor) -> torch.Tensor:
+    """``[s, b, h, d]`` → ``[b·s, h, d]``: a padded batch as ``b`` packed sequences (a copy)."""
+    return t.transpose(0, 1).reshape(t.size(0) * t.size(1), t.size(2), t.size(3))
+
+
+def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: SegmentPlan,
+                      scale: float) -> torch.Tensor:
+    """``[t_q, hq, d]`` queries against ``[t_k, hk, d]`` keys/values laid out as ``plan`` says; returns
+    ``[t_q, hq, d]``."""
+    if query.is_cuda and _varlen_usable(query):
+        return _varlen(query, key, value, plan, scale)
+    return _sdpa_per_segment(query, key, value, plan, scale)
+
+
+def varlen_attn_available() -> bool:
+    return _varlen_fn() is not None
+
+
+@cache
+def _varlen_fn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+@cache
+def _varlen_causal_kwargs(gqa: bool) -> tuple[tuple[str, object], ...]:
+    """Causal (and GQA) keyword arguments for this torch's varlen_attn.
+
+    torch 2.10 takes ``is_causal=True``; 2.11+ expresses causality as ``window_size=(-1, 0)`` (both align
+    the mask bottom-right). 2.14 gates GQA behind ``enable_gqa=True``; 2.11 has no such argument and hands
+    fewer K/V heads straight to the flash kernel, which supports them natively.
+    """
+    params = inspect.signature(_varlen_fn()).parameters
+    kwargs: dict[str, object] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if gqa and "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    return tuple(kwargs.items())
+
+
+def _varlen_usable(query: torch.Tensor) -> bool:
+    usable = (_varlen_fn() is not None and query.dtype in (torch.float16, torch.bfloat16)
+              and query.size(-1) <= 256 and query.size(-1) % 8 == 0)
+    if not usable:
+        _warn_once(f"varlen_attn cannot run here (torch {torch.__version__}, {query.dtype}, head dim "
+                   f"{query.size(-1)}); packed attention loops over sequences with SDPA instead (slower).")
+    return usable
+
+
+def _varlen(query, key, value, plan: SegmentPlan, scale: float) -> torch.Tensor:
+    fn = _varlen_fn()
+    kwargs = dict(_varlen_causal_kwargs(key.size(1) != query.size(1)))
+    return fn(query.contiguous(), key.contiguous(), value.contiguous(), plan.cu_q, plan.cu_k, plan.max_q,
+              plan.max_k, scale=scale, **kwargs)
+
+
+def _sdpa_per_segment(query, key, value, plan: SegmentPlan, scale: float) -> torch.Tensor:
+    gqa = key.size(1) != query.size(1)
+    outs, q0, k0 = [], 0, 0
+    for lq, lk in zip(plan.q_lens, plan.k_lens):
+        q = query[q0:q0 + lq].transpose(0, 1)
+        k = key[k0:k0 + lk].transpose(0, 1)
+        v = value[k0:k0 + lk].transpose(0, 1)
+        if lq == lk:  # square: top-left and bottom-right alignment agree
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(lk - lq)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        outs.append(out.transpose(0, 1))
+        q0, k0 = q0 + lq, k0 + lk
+    if q0 != query.size(0):
+        raise ValueError(f"the packed batch holds {query.size(0)} query tokens but its segments cover {q0}")
+    return torch.cat(outs) if outs else query.new_zeros(query.shape)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning(message)

@@ -1,0 +1,39 @@
+"""Layer norms of the native spec: PyTorch's RMSNorm / LayerNorm, usable with sequence parallelism.
+
+Megatron's ``WrappedTorchNorm`` builds the same torch modules but refuses ``sequence_parallel``: under SP
+each TP rank normalises a different slice of the sequence, so the norm weights' gradients are partial and
+must be summed over the TP group. Megatron does that in ``finalize_model_grads`` for every parameter
+marked ``sequence_parallel`` (TE's norms mark theirs the same way), so marking is all it takes. The
+qk-norms are not marked: they see the whole sequence but a slice of the heads, and Megatron already
+all-reduces ``q_layernorm``/``k_layernorm`` grads by name. State-dict keys (``weight``, ``bias``) equal the
+local spec's, so weights move between the two unchanged. ``F.rms_norm`` / ``F.layer_norm`` dispatch to
+PyTorch's fused kernels on GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class NativeNorm:
+    """Builds ``torch.nn.RMSNorm`` or ``torch.nn.LayerNorm`` after ``config.normalization`` (a factory, like
+    Megatron's ``WrappedTorchNorm``, so the module and its state dict are PyTorch's own)."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5,
+                mark_sequence_parallel: bool = True, **_unused) -> torch.nn.Module:
+        if config.layernorm_zero_centered_gamma:
+            raise ValueError("layernorm_zero_centered_gamma is not supported by the native norm (torch RMSNorm/"
+                             "LayerNorm); install Transformer Engine for it.")
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        kwargs = dict(eps=eps, device=device, dtype=config.params_dtype)
+        if config.normalization == "RMSNorm":
+            norm = torch.nn.RMSNorm(hidden_size, **kwargs)
+        elif config.normalization == "LayerNorm":
+            norm = torch.nn.LayerNorm(hidden_size, **kwargs)
+        else:
+            raise ValueError(f"normalization={config.normalization!r}: the native norm does RMSNorm and LayerNorm.")
+        if mark_sequence_parallel and config.sequence_parallel:
+            for param in norm.parameters():
+                param.sequence_parallel = True
+        return norm

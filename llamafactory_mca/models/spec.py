@@ -1,0 +1,249 @@
+"""Which layer implementation a model is built from: Transformer Engine when importable, else native kernels.
+
+The bridge calls, in this order::
+
+    prepare_config(kwargs_or_config)   # turn off / refuse what this machine cannot do (one line each)
+    spec = get_layer_spec(config)      # the TransformerLayer spec for GPTModel
+    # or, per model chunk, get_block_spec(config, vp_stage) — also gives the final norm (needed for SP)
+    describe_kernels(config)           # one line for the startup summary
+
+Three choices, made once from the config:
+
+- Transformer Engine importable: Megatron's own TE spec (fused attention, TE norms, TE grouped experts).
+- ``attention_backend: local``: Megatron's local spec (materialises ``[b, h, s, s]`` scores, no packing, no
+  CP) — kept as a reference and an escape hatch.
+- otherwise the native spec: Megatron's parallel linears, ``SelfAttention``, ``MoELayer`` and dispatchers,
+  with PyTorch kernels for the parts that need TE elsewhere — core attention (SDPA / ``varlen_attn``, CP by
+  K/V all-gather), norms (torch RMSNorm/LayerNorm, sequence-parallel aware) and grouped experts
+  (``torch._grouped_mm``). Parameter names and dist-checkpoint keys match the local and TE specs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnBackend, AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import L2Norm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from ..compat import has_transformer_engine
+from .native.attention import NativeDotProductAttention, check_supported
+from .native.experts import NativeGroupedMLP, describe_experts
+from .native.kernels import varlen_attn_available
+from .native.norm import NativeNorm
+
+logger = logging.getLogger(__name__)
+
+# Dist-checkpoint keys of the separate norms, renamed to where TE's fused norm+linear modules keep them.
+NORM_KEYS_MAP = {
+    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+}
+_QK_NORM = ModuleSpec(module=NativeNorm, params={"mark_sequence_parallel": False})
+_TE_ONLY_BACKENDS = ("flash", "fused", "unfused")
+
+
+def prepare_config(config: TransformerConfig | dict[str, Any]) -> TransformerConfig | dict[str, Any]:
+    """Adjust what this machine cannot honour; refuse what cannot be worked around. Edits in place, returns it.
+
+    Takes the built ``TransformerConfig`` or, better, the keyword arguments about to build one: some
+    requests fail inside ``TransformerConfig.__post_init__`` already (``apply_rope_fusion=True`` without TE
+    raises there), so the bridge should pass the dict first. Each change logs one line saying why.
+    """
+    get, put = (config.get, config.__setitem__) if isinstance(config, dict) else (
+        lambda k, d=None: getattr(config, k, d), lambda k, v: setattr(config, k, v))
+    te = has_transformer_engine()
+    backend = _backend_name(get("attention_backend"))
+    if get("attention_backend") is not None:
+        put("attention_backend", AttnBackend[backend])
+    if not te:
+        if get("apply_rope_fusion"):
+            _turn_off(put, "apply_rope_fusion", "fused RoPE needs Transformer Engine; RoPE runs in PyTorch "
+                      "(per packed sequence for THD batches)")
+        if get("gradient_accumulation_fusion") and not _has_apex_wgrad():
+            _turn_off(put, "gradient_accumulation_fusion", "it needs Transformer Engine or apex's fused wgrad kernel")
+        if get("fp8") or get("fp4"):
+            raise ValueError(f"fp8={get('fp8')!r} / fp4={get('fp4')!r} need Transformer Engine, which is not "
+                             "installed. Drop the fp8 keys or install Transformer Engine.")
+        if backend in _TE_ONLY_BACKENDS:
+            logger.info("attention_backend=%s selects a Transformer Engine kernel, and TE is not installed: using the "
+                        "native PyTorch attention (SDPA / varlen_attn) instead.", backend)
+            put("attention_backend", AttnBackend.auto)
+    if get("bias_activation_fusion") and _cpu_only():
+        _turn_off(put, "bias_activation_fusion", "its torch.compile kernels are for GPUs and this run is on CPU")
+    if backend == "local" and not te and (get("context_parallel_size") or 1) > 1:
+        raise ValueError("attention_backend=local cannot do context parallelism (Megatron's local attention "
+                         "refuses it). Use attention_backend: auto for the native attention.")
+    return config
+
+
+def get_layer_spec(config: TransformerConfig) -> ModuleSpec:
+    """The transformer-layer spec for ``config`` (dense or MoE, qk-norm and RMSNorm read from it).
+
+    With GPTModel, Megatron builds the decoder's *final* norm itself, from apex/TE or else its
+    ``WrappedTorchNorm``, which refuses sequence parallelism; use ``get_block_spec`` when SP is on.
+    """
+    choice = _choice(config)
+    _log_once(config, choice)
+    if choice == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
+            qk_layernorm=config.qk_layernorm, multi_latent_attention=config.multi_latent_attention,
+            qk_l2_norm=getattr(config, "qk_l2_norm", False),
+        )
+    if choice == "local":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        return get_gpt_layer_local_spec(
+            num_experts=config.num_moe_experts, moe_grouped_gemm=_local_grouped_gemm(config),
+            qk_layernorm=config.qk_layernorm, multi_latent_attention=config.multi_latent_attention,
+            normalization=config.normalization, qk_l2_norm=getattr(config, "qk_l2_norm", False),
+        )
+    return native_layer_spec(config)
+
+
+def get_block_spec(config: TransformerConfig, vp_stage: int | None = None,
+                   pp_rank: int | None = None) -> TransformerBlockSubmodules:
+    """The decoder-block spec of one model chunk: ``get_layer_spec`` for each of its layers plus a final norm
+    matching the choice (for the native spec a sequence-parallel-aware torch norm). Pass it to GPTModel as
+    ``transformer_layer_spec``; it is per chunk because the layer count depends on ``vp_stage``."""
+    layer = get_layer_spec(config)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    if _choice(config) == "te":
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        final_norm = TENorm
+    elif _choice(config) == "native":
+        final_norm = NativeNorm
+    else:
+        from megatron.core.transformer.transformer_block import LayerNormImpl as final_norm
+    return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=final_norm)
+
+
+def native_layer_spec(config: TransformerConfig) -> ModuleSpec:
+    """Megatron's local layer layout with the native core attention, norms and grouped experts."""
+    check_supported(config)
+    qk_norm = L2Norm if getattr(config, "qk_l2_norm", False) else _QK_NORM if config.qk_layernorm else IdentityOp
+    if config.num_moe_experts:
+        mlp = get_moe_module_spec_for_backend(_NativeBackend(), num_experts=config.num_moe_experts,
+                                              moe_grouped_gemm=config.moe_grouped_gemm)
+    else:
+        mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                              linear_fc2=RowParallelLinear))
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=NativeNorm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear, core_attention=NativeDotProductAttention,
+                    linear_proj=RowParallelLinear, q_layernorm=qk_norm, k_layernorm=qk_norm,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=NativeNorm,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=dict(NORM_KEYS_MAP),
+        ),
+    )
+
+
+def describe_kernels(config: TransformerConfig) -> str:
+    """One line for the startup summary naming the attention and MoE kernels chosen."""
+    choice = _choice(config)
+    if choice == "te":
+        attention, experts = "Transformer Engine", "TE grouped GEMM" if config.moe_grouped_gemm else "TE sequential"
+    elif choice == "local":
+        attention = "Megatron local (materialised scores, no packing/CP)"
+        experts = "grouped_gemm" if _local_grouped_gemm(config) else "sequential loop"
+    else:
+        packed = "varlen_attn" if varlen_attn_available() else "per-sequence SDPA"
+        attention = f"native (SDPA padded, {packed} packed"
+        attention += f", CP{config.context_parallel_size} K/V all-gather)" if config.context_parallel_size > 1 else ")"
+        experts = describe_experts() if config.moe_grouped_gemm else "sequential loop"
+    line = f"layer spec: {choice}; attention: {attention}"
+    return line + (f"; MoE experts: {experts}" if config.num_moe_experts else "")
+
+
+class _NativeBackend(LocalSpecProvider):
+    """Megatron's local providers with the native norm, attention and grouped experts."""
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> Any:
+        return _QK_NORM if for_qk else NativeNorm
+
+    def core_attention(self) -> type:
+        return NativeDotProductAttention
+
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool):
+        if moe_use_grouped_gemm:
+            return NativeGroupedMLP, None
+        return SequentialMLP, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+
+
+def _choice(config: TransformerConfig) -> str:
+    if has_transformer_engine():
+        return "te"
+    if _backend_name(config.attention_backend) == "local":
+        return "local"
+    return "native"
+
+
+def _backend_name(value: Any) -> str:
+    if value is None:
+        return "auto"
+    return value.name if isinstance(value, AttnBackend) else str(value)
+
+
+def _local_grouped_gemm(config: TransformerConfig) -> bool:
+    """Megatron's local grouped experts need the ``grouped_gemm`` package; without it use SequentialMLP."""
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    if config.moe_grouped_gemm and not grouped_gemm_util.grouped_gemm_is_available():
+        logger.info("moe_grouped_gemm with attention_backend=local needs the grouped_gemm package: using "
+                    "SequentialMLP experts (attention_backend: auto gives torch._grouped_mm experts).")
+        return False
+    return bool(config.moe_grouped_gemm)
+
+
+def _turn_off(put, name: str, why: str) -> None:
+    put(name, False)
+    logger.info("%s=True turned off: %s.", name, why)
+
+
+def _has_apex_wgrad() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
+def _cpu_only() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+_LOGGED: set[tuple] = set()
+
+
+def _log_once(config: TransformerConfig, choice: str) -> None:
+    key = (choice, bool(config.num_moe_experts), bool(config.moe_grouped_gemm), config.context_parallel_size)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.info(describe_kernels(config))

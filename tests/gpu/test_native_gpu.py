@@ -1,0 +1,329 @@
+"""The native layer spec on one CUDA GPU, bf16: the CPU suite's parity checks plus the kernels only CUDA runs
+(varlen_attn, bf16 torch._grouped_mm) and the memory claim (attention memory linear in tokens).
+
+Run: ``python -m pytest tests/gpu/test_native_gpu.py -q`` (skipped without CUDA).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests._dist import run_distributed
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+VOCAB, SEQ, BATCH = 256, 256, 2
+THD_LENGTHS = (128, 320, 64, 256)
+
+
+def _layout(world=1, cp=1):
+    from llamafactory_mca.parallel import ParallelLayout
+
+    return ParallelLayout(world_size=world, tp=1, pp=1, vpp=None, cp=cp, ep=1, etp=1, dp=world // cp,
+                          expert_dp=world, micro_batch_size=1, grad_accum=1)
+
+
+def _config(moe=False, dtype=torch.bfloat16, backend=None, **extra):
+    from megatron.core.transformer import TransformerConfig
+
+    from llamafactory_mca.models import spec
+
+    kwargs = dict(
+        num_layers=2, hidden_size=256, num_attention_heads=8, num_query_groups=2, kv_channels=32, ffn_hidden_size=512,
+        normalization="RMSNorm", qk_layernorm=True, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
+        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=True,
+        bf16=dtype is torch.bfloat16, params_dtype=dtype, pipeline_dtype=dtype,
+    )
+    if moe:
+        kwargs.update(num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=128, moe_grouped_gemm=True,
+                      moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32", moe_aux_loss_coeff=0.0)
+    if backend:
+        kwargs["attention_backend"] = backend
+    kwargs.update(extra)
+    spec.prepare_config(kwargs)
+    return TransformerConfig(**kwargs)
+
+
+def _model(config):
+    import os
+
+    from megatron.core.models.gpt import GPTModel
+
+    from llamafactory_mca.models import spec
+
+    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        os.environ.pop(name, None)  # Megatron pins them per backend; these tests build local and native models
+    return GPTModel(config, spec.get_layer_spec(config), vocab_size=VOCAB, max_sequence_length=1024,
+                    position_embedding_type="rope").cuda()
+
+
+def _rel(a, b):
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-6))
+
+
+def _sequential_to_grouped(state: dict, num_experts: int) -> dict:
+    out = {k: v for k, v in state.items() if ".local_experts." not in k}
+    for layer in sorted({k.split(".mlp.")[0] for k in state if ".local_experts." in k}):
+        fc1 = [state[f"{layer}.mlp.experts.local_experts.{e}.linear_fc1.weight"] for e in range(num_experts)]
+        fc2 = [state[f"{layer}.mlp.experts.local_experts.{e}.linear_fc2.weight"] for e in range(num_experts)]
+        out[f"{layer}.mlp.experts.weight1"] = torch.stack([w.t() for w in fc1]).reshape(fc1[0].size(1), -1)
+        out[f"{layer}.mlp.experts.weight2"] = torch.stack([w.t() for w in fc2]).reshape(-1, fc2[0].size(0))
+    return out
+
+
+def _forward(model, tokens, params=None, positions=None):
+    if positions is None:
+        positions = torch.arange(tokens.size(1), device="cuda").expand(tokens.size(0), -1)
+    return model(tokens, positions, None, packed_seq_params=params)
+
+
+def _parity_suite() -> dict:
+    """bf16 native and bf16 local against an fp32 local reference, same weights: native may not be worse."""
+    from llamafactory_mca import parallel
+
+    parallel.initialize(_layout(), seed=3)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), device="cuda", generator=g)
+    res = {}
+    for name, moe in (("dense", False), ("moe", True)):
+        torch.manual_seed(0)
+        reference = _model(_config(moe=moe, dtype=torch.float32, backend="local", moe_grouped_gemm=False))
+        state = reference.state_dict()
+        local = _model(_config(moe=moe, backend="local", moe_grouped_gemm=False))
+        local.load_state_dict(state, strict=False)
+        native = _model(_config(moe=moe))
+        native.load_state_dict(_sequential_to_grouped(state, 8) if moe else state, strict=False)
+        ref = _forward(reference, tokens)
+        res[f"{name}_local_err"] = _rel(_forward(local, tokens), ref)
+        res[f"{name}_native_err"] = _rel(_forward(native, tokens), ref)
+    return res
+
+
+def _packed_suite() -> dict:
+    """Packed THD (varlen_attn) vs per-sequence padded forwards (SDPA), bf16, logits and gradients. Dense: in bf16
+    a MoE router may flip a near-tie top-k choice between the two runs, which moves single logits a lot."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from llamafactory_mca import parallel
+
+    parallel.initialize(_layout(), seed=3)
+    torch.manual_seed(0)
+    model = _model(_config())
+    cu = torch.tensor([0, *torch.tensor(THD_LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    packed = torch.randint(0, VOCAB, (1, int(cu[-1])), device="cuda")
+    positions = torch.cat([torch.arange(n, device="cuda") for n in THD_LENGTHS]).unsqueeze(0)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(THD_LENGTHS),
+                             max_seqlen_kv=max(THD_LENGTHS))
+    out = _forward(model, packed, params, positions)
+    out.float().pow(2).mean().backward()
+    packed_grad = model.decoder.layers[0].self_attention.linear_qkv.weight.grad.clone()
+    model.zero_grad()
+    pieces = [_forward(model, packed[:, a:b]) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+    torch.cat(pieces, 1).float().pow(2).mean().backward()
+    return {"logits": _rel(out, torch.cat(pieces, 1)),
+            "qkv_grad": _rel(packed_grad, model.decoder.layers[0].self_attention.linear_qkv.weight.grad)}
+
+
+def test_bf16_parity_native_vs_local():
+    res = run_distributed(_parity_suite, 1)[0]
+    for name in ("dense", "moe"):
+        assert res[f"{name}_native_err"] <= 2 * res[f"{name}_local_err"] + 1e-2, res
+
+
+def test_bf16_packed_equals_per_sequence():
+    res = run_distributed(_packed_suite, 1)[0]
+    assert res["logits"] <= 3e-2 and res["qkv_grad"] <= 5e-2, res
+
+
+def test_varlen_signature_and_causal_kwargs():
+    from llamafactory_mca.models.native import kernels
+
+    assert kernels.varlen_attn_available(), f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    kwargs = dict(kernels._varlen_causal_kwargs(True))
+    assert kwargs.get("window_size") == (-1, 0) or kwargs.get("is_causal") is True, kwargs
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_varlen_segments_match_causal_attention(cp):
+    """varlen_attn with the CP plan (non-square, bottom-right causal segments) == per-sequence causal SDPA."""
+    from llamafactory_mca.models.native.context_parallel import local_token_index, packed_plan
+    from llamafactory_mca.models.native.kernels import segment_attention
+
+    lengths = [2 * cp * n for n in (96, 160, 32, 256)]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    g = torch.Generator(device="cuda").manual_seed(0)
+    total = int(cu[-1])
+    q = torch.randn(total, 16, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(total, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(total, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    ref = torch.cat([F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
+                                                    v[a:b].transpose(0, 1), is_causal=True, enable_gqa=True)
+                     .transpose(0, 1) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    index = [local_token_index(cu, r, cp).cuda() for r in range(cp)]
+    gathered_k, gathered_v = torch.cat([k[i] for i in index]), torch.cat([v[i] for i in index])
+    for r in range(cp):
+        plan = packed_plan(cu, r, cp, len(index[r]), torch.device("cuda"))
+        kk = gathered_k[plan.kv_index] if cp > 1 else k
+        vv = gathered_v[plan.kv_index] if cp > 1 else v
+        out = segment_attention(q[index[r]], kk, vv, plan, scale=128 ** -0.5)
+        torch.testing.assert_close(out, ref[index[r]], atol=2e-2, rtol=2e-2)
+
+
+def _experts_suite() -> dict:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from llamafactory_mca import parallel
+    from llamafactory_mca.models.native.experts import NativeGroupedMLP, grouped_mm_usable
+
+    parallel.initialize(_layout(), seed=3)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    config = _config(moe=True)
+    torch.manual_seed(0)
+    seq = SequentialMLP(8, config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                        pg_collection=pgs).cuda()
+    grouped = NativeGroupedMLP(8, config, pg_collection=pgs).cuda()
+    prefixed = {f"x.mlp.experts.{k}": v for k, v in seq.state_dict().items()}
+    grouped.load_state_dict({k.removeprefix("x.mlp.experts."): v
+                             for k, v in _sequential_to_grouped(prefixed, 8).items()}, strict=False)
+    counts = torch.tensor([37, 0, 211, 5, 0, 64, 1, 130])  # ragged, with empty experts
+    x = torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16)
+    probs = torch.rand(int(counts.sum()), device="cuda")
+    grad = torch.randn_like(x)
+    outs = {}
+    for label, module in (("seq", seq), ("grouped", grouped)):
+        xi = x.clone().requires_grad_()
+        y, _ = module(xi, counts, probs)
+        y.backward(grad)
+        outs[label] = (y, xi.grad)
+    fc1 = torch.stack([seq.local_experts[e].linear_fc1.weight.grad.t() for e in range(8)])
+    return {"kernel": grouped_mm_usable(x, grouped.weight1.view(8, 256, -1)),
+            "out": _rel(outs["grouped"][0], outs["seq"][0]), "dx": _rel(outs["grouped"][1], outs["seq"][1]),
+            "dw1": _rel(grouped.weight1.grad.view(8, 256, -1), fc1),
+            "empty_dw1": float(grouped.weight1.grad.view(8, 256, -1)[[1, 4]].abs().max())}
+
+
+def test_bf16_grouped_mm_experts_equal_sequential():
+    res = run_distributed(_experts_suite, 1)[0]
+    assert res["kernel"], "torch._grouped_mm was not used for bf16 on this GPU"
+    assert res["out"] <= 2e-2 and res["dx"] <= 2e-2 and res["dw1"] <= 2e-2, res
+    assert res["empty_dw1"] == 0.0, res
+
+
+def _attention_memory(token_counts) -> dict:
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from llamafactory_mca import parallel
+    from llamafactory_mca.models.native.attention import NativeDotProductAttention
+
+    parallel.initialize(_layout(), seed=3)
+    config = _config(num_attention_heads=16, num_query_groups=4, kv_channels=128, hidden_size=2048)
+    attention = NativeDotProductAttention(config, 1, AttnMaskType.causal, "self")
+    peaks = {}
+    for layout in ("packed", "padded"):
+        for n in token_counts:
+            shape = (n, 1) if layout == "padded" else (n,)  # padded: one sequence of n; packed: two of n/2
+            q = torch.randn(*shape, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            k = torch.randn(*shape, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            v = torch.randn(*shape, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            grad = torch.randn(*shape, 16 * 128, device="cuda", dtype=torch.bfloat16)
+            params = None
+            if layout == "packed":
+                cu = torch.tensor([0, n // 2, n], dtype=torch.int32, device="cuda")
+                params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n // 2,
+                                         max_seqlen_kv=n // 2)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            attention(q, k, v, None, packed_seq_params=params).backward(grad)
+            torch.cuda.synchronize()
+            peaks[(layout, n)] = torch.cuda.max_memory_allocated() - base
+            del q, k, v, grad
+    return peaks
+
+
+def test_attention_memory_is_linear_in_tokens():
+    """8k → 16k → 32k tokens: quadratic attention grows 4x per doubling, linear 2x (slack for the allocator)."""
+    peaks = run_distributed(_attention_memory, 1, (8192, 16384, 32768))[0]
+    for layout in ("packed", "padded"):
+        assert peaks[(layout, 16384)] <= 2.5 * peaks[(layout, 8192)], peaks
+        assert peaks[(layout, 32768)] <= 2.5 * peaks[(layout, 16384)], peaks
+
+
+def _cp_inputs():
+    g = torch.Generator(device="cuda").manual_seed(7)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), device="cuda", generator=g)
+    weights = torch.randn(BATCH, SEQ, VOCAB, device="cuda", generator=g)
+    cu = torch.tensor([0, *torch.tensor(THD_LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    packed = torch.randint(0, VOCAB, (1, int(cu[-1])), device="cuda", generator=g)
+    packed_weights = torch.randn(1, int(cu[-1]), VOCAB, device="cuda", generator=g)
+    positions = torch.cat([torch.arange(n, device="cuda") for n in THD_LENGTHS]).unsqueeze(0)
+    return tokens, weights, cu, packed, packed_weights, positions
+
+
+def _thd(cu):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(THD_LENGTHS),
+                           max_seqlen_kv=max(THD_LENGTHS))
+
+
+def _cp_run(ckpt: str, cp: int) -> dict:
+    """cp=1 saves the reference checkpoint; cp=2 loads it. Logits per rank and the CP-summed qkv gradient."""
+    import os
+
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    from llamafactory_mca import parallel
+    from llamafactory_mca.models.native import split_for_context_parallel
+
+    parallel.initialize(_layout(world=cp, cp=cp), seed=3)
+    torch.manual_seed(0)
+    model = _model(_config(context_parallel_size=cp))
+    if cp == 1:
+        os.makedirs(ckpt, exist_ok=True)
+        dist_checkpointing.save(model.sharded_state_dict(), ckpt)
+    else:
+        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), ckpt), strict=False)
+    rank, group = ps.get_context_parallel_rank(), ps.get_context_parallel_group()
+    tokens, weights, cu, packed, packed_weights, positions = _cp_inputs()
+    out = {}
+    for kind in ("padded", "thd"):
+        model.zero_grad()
+        if kind == "padded":
+            local = split_for_context_parallel({"t": tokens, "w": weights}, None, rank, cp)
+            logits = _forward(model, local["t"])
+        else:
+            local = split_for_context_parallel({"t": packed, "w": packed_weights, "p": positions}, cu, rank, cp)
+            logits = _forward(model, local["t"], _thd(cu), local["p"])
+        (logits.float() * local["w"]).sum().backward()
+        grad = model.decoder.layers[1].self_attention.linear_qkv.weight.grad.float()
+        torch.distributed.all_reduce(grad, group=group)
+        out[kind] = {"logits": logits.detach().float().cpu(), "qkv_grad": grad.cpu()}
+    return out
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cp2_bf16_equals_cp1(tmp_path):
+    from llamafactory_mca.models.native.context_parallel import local_token_index
+
+    ref = run_distributed(_cp_run, 1, str(tmp_path / "ckpt"), 1)[0]
+    per_rank = run_distributed(_cp_run, 2, str(tmp_path / "ckpt"), 2)
+    cu = torch.tensor([0, *torch.tensor(THD_LENGTHS).cumsum(0).tolist()])
+    for kind in ("padded", "thd"):
+        full = torch.empty_like(ref[kind]["logits"])
+        for rank, out in enumerate(per_rank):
+            if kind == "padded":
+                chunks = full.view(BATCH, 4, SEQ // 4, VOCAB)
+                chunks[:, [rank, 3 - rank]] = out[kind]["logits"].view(BATCH, 2, SEQ // 4, VOCAB)
+            else:
+                full[:, local_token_index(cu, rank, 2)] = out[kind]["logits"]
+        assert _rel(full, ref[kind]["logits"]) <= 2e-2, (kind, _rel(full, ref[kind]["logits"]))
+        assert _rel(per_rank[0][kind]["qkv_grad"], ref[kind]["qkv_grad"]) <= 5e-2, kind

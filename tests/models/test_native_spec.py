@@ -1,0 +1,503 @@
+"""The native layer spec on CPU (fp32, gloo): parity with Megatron's local spec, packing, CP2, TP2+SP, EP2.
+
+One single-process run builds the references (and checks what needs no second rank); it saves the
+reference models as Megatron dist checkpoints, which the two-process runs load into their own layouts —
+so those runs also exercise the native modules' sharded state dicts (grouped experts reading a
+SequentialMLP checkpoint included).
+"""
+
+import itertools
+import logging
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests._dist import run_distributed
+
+VOCAB, SEQ, BATCH = 128, 16, 2
+THD_LENGTHS = (8, 12, 4, 8)  # each a multiple of 2·cp for cp=2
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- helpers (run in the workers)
+
+
+def _layout(world=1, tp=1, cp=1, ep=1):
+    from llamafactory_mca.parallel import ParallelLayout
+
+    return ParallelLayout(world_size=world, tp=tp, pp=1, vpp=None, cp=cp, ep=ep, etp=1, dp=world // (tp * cp),
+                          expert_dp=world // ep, micro_batch_size=1, grad_accum=1)
+
+
+def _config(moe=False, grouped=True, tp=1, cp=1, ep=1, sp=False, backend=None):
+    from megatron.core.transformer import TransformerConfig
+
+    from llamafactory_mca.models import spec
+
+    kwargs = dict(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16, ffn_hidden_size=96,
+        normalization="RMSNorm", qk_layernorm=True, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+        gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
+        bias_dropout_fusion=False, apply_rope_fusion=True,  # the guide recipe's value: must be turned off, not fail
+        tensor_model_parallel_size=tp, context_parallel_size=cp, expert_model_parallel_size=ep, sequence_parallel=sp,
+    )
+    if moe:
+        kwargs.update(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_grouped_gemm=grouped,
+                      moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32", moe_aux_loss_coeff=0.0)
+    if backend:
+        kwargs["attention_backend"] = backend
+    spec.prepare_config(kwargs)
+    return spec.prepare_config(TransformerConfig(**kwargs))
+
+
+def _model(config, block=False):
+    from megatron.core.models.gpt import GPTModel
+
+    from llamafactory_mca.models import spec
+
+    layer_spec = spec.get_block_spec(config) if block else spec.get_layer_spec(config)
+    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        os.environ.pop(name, None)  # Megatron pins them per backend; this process builds local and native models
+    return GPTModel(config, layer_spec, vocab_size=VOCAB, max_sequence_length=64, position_embedding_type="rope",
+                    rotary_base=10000)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(123)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    packed = torch.randint(0, VOCAB, (1, sum(THD_LENGTHS)), generator=g)
+    weights = torch.randn(BATCH, SEQ, VOCAB, generator=g)
+    packed_weights = torch.randn(1, sum(THD_LENGTHS), VOCAB, generator=g)
+    return tokens, packed, weights, packed_weights
+
+
+def _cu_seqlens():
+    return torch.tensor([0, *torch.tensor(THD_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _thd_params(cu):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    longest = int((cu[1:] - cu[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                           max_seqlen_kv=longest)
+
+
+def _positions(tokens):
+    return torch.arange(tokens.size(1)).expand(tokens.size(0), -1)
+
+
+def _packed_positions(cu):
+    return torch.cat([torch.arange(int(b - a)) for a, b in itertools.pairwise(cu)]).unsqueeze(0)
+
+
+def _forward(model, tokens, packed_seq_params=None, positions=None):
+    positions = _positions(tokens) if positions is None else positions
+    return model(tokens, positions, None, packed_seq_params=packed_seq_params)
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _max_diff(a, b):
+    return float((a - b).abs().max())
+
+
+def _rel_diff(a, b):
+    """Largest difference relative to the largest magnitude (gradients here reach the hundreds)."""
+    return _max_diff(a, b) / max(float(a.abs().max()), 1.0)
+
+
+def _save(model, directory):
+    from megatron.core import dist_checkpointing
+
+    os.makedirs(directory, exist_ok=True)
+    dist_checkpointing.save(model.sharded_state_dict(), directory)
+
+
+def _load(model, directory):
+    from megatron.core import dist_checkpointing
+
+    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), directory), strict=False)
+
+
+def _sequential_to_grouped(state: dict, num_experts: int) -> dict:
+    """SequentialMLP expert weights → GroupedMLP weight1/weight2 (the layout GroupedMLP's forward views)."""
+    out = {k: v for k, v in state.items() if ".local_experts." not in k}
+    layers = sorted({k.split(".mlp.")[0] for k in state if ".local_experts." in k})
+    for layer in layers:
+        fc1 = [state[f"{layer}.mlp.experts.local_experts.{e}.linear_fc1.weight"] for e in range(num_experts)]
+        fc2 = [state[f"{layer}.mlp.experts.local_experts.{e}.linear_fc2.weight"] for e in range(num_experts)]
+        out[f"{layer}.mlp.experts.weight1"] = torch.stack([w.t() for w in fc1]).reshape(fc1[0].size(1), -1)
+        out[f"{layer}.mlp.experts.weight2"] = torch.stack([w.t() for w in fc2]).reshape(-1, fc2[0].size(0))
+    return out
+
+
+def _grouped_state(sequential_state: dict) -> dict:
+    """A bare SequentialMLP's state dict as a bare GroupedMLP's."""
+    prefixed = {f"x.mlp.experts.{k}": v for k, v in sequential_state.items()}
+    return {k.removeprefix("x.mlp.experts."): v for k, v in _sequential_to_grouped(prefixed, 4).items()}
+
+
+# ----------------------------------------------------------------------------- the single-process suite
+
+
+def _single_process_suite(ckpt_dir: str) -> dict:
+    from llamafactory_mca import parallel
+
+    parallel.initialize(_layout(), seed=11)
+    tokens, packed, weights, packed_weights = _inputs()
+    cu = _cu_seqlens()
+    res = {}
+
+    # Native vs Megatron's local spec, same weights, padded batch: dense, MoE (sequential), MoE (grouped).
+    for name, moe, grouped in (("dense", False, False), ("moe_sequential", True, False), ("moe_grouped", True, True)):
+        torch.manual_seed(0)
+        local = _model(_config(moe=moe, grouped=False, backend="local"))
+        native = _model(_config(moe=moe, grouped=grouped))
+        state = local.state_dict()
+        if grouped:
+            state = _sequential_to_grouped(state, 4)
+        missing, _ = native.load_state_dict(state, strict=False)
+        assert not [k for k in missing if "_extra_state" not in k], missing
+        assert type(local.decoder.layers[0].self_attention.core_attention).__name__ == "DotProductAttention"
+        a, b = _forward(local, tokens), _forward(native, tokens)
+        (a * weights).sum().backward()
+        (b * weights).sum().backward()
+        res[f"parity_{name}_logits"] = _max_diff(a, b)
+        ga, gb = _grads(local), _grads(native)
+        res[f"parity_{name}_grads"] = max(_rel_diff(ga[k], gb[k]) for k in ga if k in gb)
+
+    # Packed THD == per-sequence forwards (dense and MoE), gradients too.
+    for name, moe in (("dense", False), ("moe", True)):
+        torch.manual_seed(1)
+        model = _model(_config(moe=moe))
+        out = _forward(model, packed, _thd_params(cu), _packed_positions(cu))
+        (out * packed_weights).sum().backward()
+        packed_grads = _grads(model)
+        model.zero_grad()
+        pieces = []
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            piece = _forward(model, packed[:, a:b])
+            (piece * packed_weights[:, a:b]).sum().backward()
+            pieces.append(piece)
+        res[f"thd_{name}_logits"] = _max_diff(out, torch.cat(pieces, 1))
+        per_seq = _grads(model)
+        res[f"thd_{name}_grads"] = max(_rel_diff(packed_grads[k], per_seq[k]) for k in per_seq)
+
+    # References for the multi-process runs, saved as dist checkpoints.
+    torch.manual_seed(2)
+    dense = _model(_config())
+    _save(dense, f"{ckpt_dir}/dense")
+    logits = _forward(dense, tokens)
+    (logits * weights).sum().backward()
+    res["ref_dense"] = {"logits": logits.detach(), "grads": _grads(dense)}
+    dense.zero_grad()
+    logits = _forward(dense, packed, _thd_params(cu), _packed_positions(cu))
+    (logits * packed_weights).sum().backward()
+    res["ref_dense_thd"] = {"logits": logits.detach(), "grads": _grads(dense)}
+
+    torch.manual_seed(3)
+    moe = _model(_config(moe=True, grouped=False))
+    _save(moe, f"{ckpt_dir}/moe_sequential")
+    logits = _forward(moe, tokens)
+    (logits * weights).sum().backward()
+    res["ref_moe"] = {"logits": logits.detach(), "grads": _grads(moe)}
+    return res
+
+
+# ----------------------------------------------------------------------------- the two-process runs
+
+
+def _cp2_run(ckpt_dir: str) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from llamafactory_mca import parallel
+    from llamafactory_mca.models.native import split_for_context_parallel
+
+    parallel.initialize(_layout(world=2, cp=2), seed=11)
+    rank, group = ps.get_context_parallel_rank(), ps.get_context_parallel_group()
+    model = _model(_config(cp=2))
+    _load(model, f"{ckpt_dir}/dense")
+    tokens, packed, weights, packed_weights = _inputs()
+    out = {}
+
+    local = split_for_context_parallel({"tokens": tokens, "positions": _positions(tokens), "weights": weights},
+                                       None, rank, 2)
+    logits = _forward(model, local["tokens"], positions=local["positions"])
+    (logits * local["weights"]).sum().backward()
+    out["padded"] = {"logits": logits.detach(), "grads": _all_reduced_grads(model, group)}
+
+    model.zero_grad()
+    cu = _cu_seqlens()
+    local = split_for_context_parallel({"tokens": packed, "positions": _packed_positions(cu),
+                                        "weights": packed_weights}, cu, rank, 2)
+    logits = _forward(model, local["tokens"], _thd_params(cu), local["positions"])
+    (logits * local["weights"]).sum().backward()
+    out["thd"] = {"logits": logits.detach(), "grads": _all_reduced_grads(model, group)}
+    return out
+
+
+def _all_reduced_grads(model, group):
+    grads = _grads(model)
+    for g in grads.values():
+        torch.distributed.all_reduce(g, group=group)
+    return grads
+
+
+def _tp2_sp_run(ckpt_dir: str) -> dict:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    from llamafactory_mca import parallel
+
+    parallel.initialize(_layout(world=2, tp=2), seed=11)
+    model = _model(_config(tp=2, sp=True), block=True)
+    _load(model, f"{ckpt_dir}/dense")
+    tokens, _, weights, _ = _inputs()
+    logits = gather_from_tensor_model_parallel_region(_forward(model, tokens))
+    (logits * weights).sum().backward()
+    # What Megatron's finalize_model_grads does for these parameters (SP-marked norms, qk-norms by name).
+    norms = {}
+    for name, param in model.named_parameters():
+        if getattr(param, "sequence_parallel", False) or "layernorm" in name:
+            grad = param.grad.detach().clone()
+            torch.distributed.all_reduce(grad, group=ps.get_tensor_model_parallel_group())
+            norms[name] = (grad, bool(getattr(param, "sequence_parallel", False)))
+    return {"logits": logits.detach(), "norm_grads": norms}
+
+
+def _ep2_run(ckpt_dir: str) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from llamafactory_mca import parallel
+
+    parallel.initialize(_layout(world=2, ep=2), seed=11)
+    model = _model(_config(moe=True, grouped=True, ep=2))
+    experts = model.decoder.layers[0].mlp.experts
+    assert type(experts).__name__ == "NativeGroupedMLP" and experts.num_local_experts == 2
+    _load(model, f"{ckpt_dir}/moe_sequential")  # a SequentialMLP checkpoint into grouped experts
+    tokens, _, weights, _ = _inputs()  # the same batch on both ranks: each must reproduce the reference
+    logits = _forward(model, tokens)
+    (logits * weights).sum().backward()
+    return {"logits": logits.detach(), "ep_rank": ps.get_expert_model_parallel_rank(),
+            "weight1_grad": experts.weight1.grad.detach().clone(), "weight2_grad": experts.weight2.grad.clone()}
+
+
+# ----------------------------------------------------------------------------- grouped experts vs loop
+
+
+def _experts_suite() -> dict:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from llamafactory_mca import parallel
+    from llamafactory_mca.models.native.experts import NativeGroupedMLP, grouped_mm_usable
+
+    parallel.initialize(_layout(), seed=5)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    res = {}
+    for name, ffn in (("grouped_mm", 32), ("loop_fallback", 5)):  # 5 fp32 columns: unaligned rows, loop
+        config = _config(moe=True)
+        config.moe_ffn_hidden_size = ffn
+        torch.manual_seed(0)
+        seq = SequentialMLP(4, config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                            pg_collection=pgs)
+        grouped = NativeGroupedMLP(4, config, pg_collection=pgs)
+        grouped.load_state_dict(_grouped_state(seq.state_dict()), strict=False)
+        counts = torch.tensor([5, 0, 9, 3])
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(int(counts.sum()), 64, generator=g)
+        probs = torch.rand(int(counts.sum()), generator=g)
+        grad_out = torch.randn(int(counts.sum()), 64, generator=g)
+        outs = {}
+        for label, module in (("seq", seq), ("grouped", grouped)):
+            xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+            y, _ = module(xi, counts, pi)
+            y.backward(grad_out)
+            outs[label] = (y.detach(), xi.grad, pi.grad)
+        res[f"{name}_used_kernel"] = grouped_mm_usable(x, grouped.weight1.view(4, 64, -1))
+        res[f"{name}_out"] = _max_diff(outs["seq"][0], outs["grouped"][0])
+        res[f"{name}_dx"] = _max_diff(outs["seq"][1], outs["grouped"][1])
+        res[f"{name}_dprobs"] = _max_diff(outs["seq"][2], outs["grouped"][2])
+        as_grouped = _grouped_state({k: v.grad for k, v in seq.named_parameters()})
+        res[f"{name}_dw1"] = _max_diff(as_grouped["weight1"], grouped.weight1.grad)
+        res[f"{name}_dw2"] = _max_diff(as_grouped["weight2"], grouped.weight2.grad)
+        res[f"{name}_empty_expert_dw1"] = float(grouped.weight1.grad.view(4, 64, -1)[1].abs().max())
+    return res
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("native_ckpt"))
+    return ckpt, run_distributed(_single_process_suite, 1, ckpt)[0]
+
+
+def test_native_equals_local_spec_on_padded_batches(reference):
+    _, res = reference
+    for name in ("dense", "moe_sequential", "moe_grouped"):
+        assert res[f"parity_{name}_logits"] <= 1e-5, (name, res[f"parity_{name}_logits"])
+        assert res[f"parity_{name}_grads"] <= 1e-5, (name, res[f"parity_{name}_grads"])
+
+
+def test_packed_thd_equals_per_sequence_forwards(reference):
+    _, res = reference
+    for name in ("dense", "moe"):
+        assert res[f"thd_{name}_logits"] <= 1e-5, (name, res[f"thd_{name}_logits"])
+        assert res[f"thd_{name}_grads"] <= 1e-5, (name, res[f"thd_{name}_grads"])
+
+
+def test_cp2_equals_cp1_padded_and_thd(reference):
+    from llamafactory_mca.models.native.context_parallel import local_token_index
+
+    ckpt, res = reference
+    per_rank = run_distributed(_cp2_run, 2, ckpt)
+    for kind, ref_key in (("padded", "ref_dense"), ("thd", "ref_dense_thd")):
+        ref = res[ref_key]
+        full = torch.empty_like(ref["logits"])
+        for rank, out in enumerate(per_rank):
+            if kind == "padded":
+                index = torch.tensor([rank, 3 - rank])
+                full.view(BATCH, 4, SEQ // 4, VOCAB)[:, index] = out[kind]["logits"].view(BATCH, 2, SEQ // 4, VOCAB)
+            else:
+                full[:, local_token_index(_cu_seqlens().long(), rank, 2)] = out[kind]["logits"]
+        torch.testing.assert_close(full, ref["logits"], **TOL)
+        for name, grad in per_rank[0][kind]["grads"].items():
+            torch.testing.assert_close(grad, ref["grads"][name], atol=1e-4, rtol=1e-4, msg=f"{kind} {name}")
+
+
+def test_tp2_sequence_parallel_with_native_norm(reference):
+    ckpt, res = reference
+    per_rank = run_distributed(_tp2_sp_run, 2, ckpt)
+    ref = res["ref_dense"]
+    marked = set()
+    for out in per_rank:
+        torch.testing.assert_close(out["logits"], ref["logits"], **TOL)
+        for name, (grad, sp) in out["norm_grads"].items():
+            torch.testing.assert_close(grad, ref["grads"][name], atol=1e-4, rtol=1e-4, msg=name)
+            if sp:
+                marked.add(name.split(".")[-2] if "layers" in name else name)
+    assert {"input_layernorm", "pre_mlp_layernorm", "decoder.final_layernorm.weight"} <= marked, marked
+    assert not any("q_layernorm" in m or "k_layernorm" in m for m in marked)
+
+
+def test_ep2_alltoall_grouped_experts_load_sequential_checkpoint(reference):
+    ckpt, res = reference
+    per_rank = run_distributed(_ep2_run, 2, ckpt)
+    ref = res["ref_moe"]
+    for out in per_rank:
+        torch.testing.assert_close(out["logits"], ref["logits"], **TOL)
+        first = out["ep_rank"] * 2
+        for which in (1, 2):
+            # Both ranks ran the same batch, so each local expert saw twice the reference's tokens.
+            expected = torch.stack([ref["grads"][f"decoder.layers.0.mlp.experts.local_experts.{first + e}."
+                                                 f"linear_fc{which}.weight"].t() for e in range(2)])
+            got = out[f"weight{which}_grad"]
+            got = got.view(2, 64, -1) if which == 1 else got.view(2, -1, 64)
+            torch.testing.assert_close(got, 2 * expected, atol=1e-4, rtol=1e-4)
+
+
+def test_grouped_experts_equal_sequential_loop():
+    res = run_distributed(_experts_suite, 1)[0]
+    assert res["grouped_mm_used_kernel"] and not res["loop_fallback_used_kernel"]
+    for name in ("grouped_mm", "loop_fallback"):
+        for what in ("out", "dx", "dprobs", "dw1", "dw2"):
+            assert res[f"{name}_{what}"] <= 1e-5, (name, what, res[f"{name}_{what}"])
+        assert res[f"{name}_empty_expert_dw1"] == 0.0
+
+
+# ----------------------------------------------------------------------------- in-process unit tests
+
+
+def test_split_for_context_parallel_padded_and_thd():
+    from llamafactory_mca.models.native import split_for_context_parallel
+
+    tokens = torch.arange(16).view(2, 8)
+    r0 = split_for_context_parallel({"tokens": tokens, "labels": None}, None, 0, 2)
+    r1 = split_for_context_parallel({"tokens": tokens, "labels": None}, None, 1, 2)
+    assert r0["tokens"].tolist() == [[0, 1, 6, 7], [8, 9, 14, 15]] and r0["labels"] is None
+    assert r1["tokens"].tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
+    packed = torch.arange(12).view(1, 12)
+    cu = torch.tensor([0, 4, 12])
+    assert split_for_context_parallel({"t": packed}, cu, 0, 2)["t"].tolist() == [[0, 3, 4, 5, 10, 11]]
+    assert split_for_context_parallel({"t": packed}, cu, 1, 2)["t"].tolist() == [[1, 2, 6, 7, 8, 9]]
+    with pytest.raises(ValueError, match="multiple of 2 x context_parallel_size"):
+        split_for_context_parallel({"t": packed}, torch.tensor([0, 6, 12]), 0, 2)
+    assert split_for_context_parallel({"t": packed}, cu, 0, 1)["t"] is packed
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_context_parallel_plan_matches_full_causal_attention(cp):
+    """Simulate every CP rank in one process: gathered K/V + plan == plain per-sequence causal attention."""
+    from llamafactory_mca.models.native.context_parallel import local_token_index, packed_plan
+    from llamafactory_mca.models.native.kernels import segment_attention
+
+    lengths = [2 * cp * n for n in (1, 3, 2)]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(cu[-1], 4, 8, generator=g), torch.randn(cu[-1], 2, 8, generator=g), torch.randn(
+        cu[-1], 2, 8, generator=g)
+    ref = torch.cat([F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
+                                                    v[a:b].transpose(0, 1), is_causal=True, enable_gqa=True)
+                     .transpose(0, 1) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    index = [local_token_index(cu, r, cp) for r in range(cp)]
+    gathered_k, gathered_v = torch.cat([k[i] for i in index]), torch.cat([v[i] for i in index])
+    for r in range(cp):
+        plan = packed_plan(cu, r, cp, len(index[r]), torch.device("cpu"))
+        out = segment_attention(q[index[r]], gathered_k[plan.kv_index], gathered_v[plan.kv_index], plan,
+                                scale=8 ** -0.5)
+        torch.testing.assert_close(out, ref[index[r]], **TOL)
+
+
+def test_prepare_config_turns_off_or_refuses(caplog):
+    from megatron.core.transformer.enums import AttnBackend
+
+    from llamafactory_mca.models import spec
+
+    kwargs = {"apply_rope_fusion": True, "attention_backend": "fused", "bias_activation_fusion": True}
+    with caplog.at_level(logging.INFO, logger="llamafactory_mca.models.spec"):
+        spec.prepare_config(kwargs)
+    assert kwargs["apply_rope_fusion"] is False and kwargs["attention_backend"] is AttnBackend.auto
+    assert kwargs["bias_activation_fusion"] is False  # CPU run
+    assert "apply_rope_fusion=True turned off" in caplog.text
+    assert spec.prepare_config({"attention_backend": "local"})["attention_backend"] is AttnBackend.local
+    with pytest.raises(ValueError, match="fp8"):
+        spec.prepare_config({"fp8": "hybrid"})
+    with pytest.raises(ValueError, match="context parallelism"):
+        spec.prepare_config({"attention_backend": "local", "context_parallel_size": 2})
+
+
+def test_spec_choice_and_checkpoint_keys():
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnBackend
+
+    from llamafactory_mca.models import spec
+    from llamafactory_mca.models.native.attention import NativeDotProductAttention
+    from llamafactory_mca.models.native.experts import NativeGroupedMLP
+
+    class Cfg:  # just the fields the chooser reads
+        attention_backend, num_moe_experts, moe_grouped_gemm, qk_layernorm = AttnBackend.auto, 8, True, True
+        normalization, multi_latent_attention, context_parallel_size = "RMSNorm", False, 2
+        softmax_type, window_size = "vanilla", None
+
+    layer = spec.get_layer_spec(Cfg)
+    attention = layer.submodules.self_attention
+    assert attention.module is SelfAttention and attention.submodules.core_attention is NativeDotProductAttention
+    assert layer.submodules.mlp.submodules.experts.module is NativeGroupedMLP
+    assert layer.submodules.sharded_state_dict_keys_map == spec.NORM_KEYS_MAP == {
+        "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+        "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+    }
+    assert "CP2 K/V all-gather" in spec.describe_kernels(Cfg) and "torch._grouped_mm" in spec.describe_kernels(Cfg)
+    Cfg.attention_backend = AttnBackend.local
+    assert spec.get_layer_spec(Cfg).submodules.self_attention.submodules.core_attention is DotProductAttention

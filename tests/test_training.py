@@ -1,0 +1,228 @@
+"""Training end to end through the real command: ``USE_MCA=1 llamafactory-cli train x.yaml`` on CPU (gloo).
+
+A tiny Qwen3-shaped model (and a Qwen3-MoE one), a word-level tokenizer trained here and LLaMA-Factory
+datasets in its own format. Every run is a subprocess, as a user would start it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from llamafactory_mca.tiny import alpaca_rows, save_tiny_model, save_tiny_tokenizer, write_alpaca_dataset
+from tests._dist import run_distributed
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("assets")
+    tokenizer_dir = save_tiny_tokenizer(str(root / "tokenizer"))
+    vocab = len(AutoTokenizer.from_pretrained(tokenizer_dir)) + 5  # not a multiple of 128: padding is exercised
+    models = {}
+    for name in ("qwen3", "qwen3_moe"):
+        path = save_tiny_model(name, str(root / name), vocab_size=vocab)
+        save_tiny_tokenizer(path)
+        models[name] = path
+    rows = alpaca_rows(48)
+    rows += [{"instruction": "", "input": "", "output": ""}]  # empty: still one target (the end token)
+    rows += [{"instruction": " ".join(["Explain rain in one sentence ."] * 30), "input": "", "output": "Sure ."}]
+    sft_dir = write_alpaca_dataset(str(root / "sft"), 0, rows=rows)
+    dpo_dir = write_alpaca_dataset(str(root / "dpo"), 24, ranking=True)
+    pt_dir = os.path.join(root, "pt")
+    os.makedirs(pt_dir)
+    texts = [{"text": r["instruction"] + " " + r["output"]} for r in alpaca_rows(40)]
+    with open(os.path.join(pt_dir, "text.json"), "w") as f:
+        json.dump(texts, f)
+    with open(os.path.join(pt_dir, "dataset_info.json"), "w") as f:
+        json.dump({"tiny_text": {"file_name": "text.json", "columns": {"prompt": "text"}}}, f)
+    return {"models": models, "sft": sft_dir, "dpo": dpo_dir, "pt": pt_dir}
+
+
+def recipe(assets, out, **overrides):
+    base = dict(model_name_or_path=assets["models"]["qwen3"], stage="sft", do_train=True, finetuning_type="full",
+                dataset="tiny_alpaca", dataset_dir=assets["sft"], template="qwen3_nothink", cutoff_len=64,
+                output_dir=str(out), overwrite_output_dir=True, per_device_train_batch_size=2,
+                gradient_accumulation_steps=4, max_steps=2, learning_rate=1.0e-3, lr_scheduler_type="constant",
+                logging_steps=1, save_strategy="no", report_to="none", seed=42, disable_tqdm=True,
+                preprocessing_num_workers=1)
+    return {**base, **overrides}
+
+
+def train(tmp_path, config, world=1, env=None, name="run"):
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    full_env = {k: v for k, v in os.environ.items() if k not in ("USE_MCA", "LLAMAFACTORY_MCA_FAULT")}
+    full_env.update({"USE_MCA": "1", "NPROC_PER_NODE": str(world), "CUDA_VISIBLE_DEVICES": "", **(env or {})})
+    result = subprocess.run(["llamafactory-cli", "train", str(path)], env=full_env, capture_output=True, text=True,
+                            timeout=600, cwd=tmp_path)
+    return result, result.stdout + result.stderr
+
+
+def losses(output_dir) -> dict[int, float]:
+    """Step -> loss from LLaMA-Factory's trainer_log.jsonl (the last entry wins after a resume)."""
+    found = {}
+    with open(os.path.join(output_dir, "trainer_log.jsonl")) as f:
+        for line in f:
+            entry = json.loads(line)
+            if entry.get("loss") is not None:
+                found[entry["current_steps"]] = entry["loss"]
+    return found
+
+
+def ok(result, output):
+    assert result.returncode == 0, output[-6000:]
+
+
+@pytest.mark.parametrize("stage", ["pt", "sft", "dpo"])
+def test_stage_trains_and_loss_falls(stage, assets, tmp_path):
+    extra = {"pt": dict(dataset="tiny_text", dataset_dir=assets["pt"]),
+             "dpo": dict(dataset="tiny_alpaca", dataset_dir=assets["dpo"], learning_rate=3e-4, pref_beta=0.1,
+                         gradient_accumulation_steps=2),
+             "sft": dict(plot_loss=True)}[stage]
+    config = recipe(assets, tmp_path / "out", stage=stage, max_steps=6, sequence_packing=True, **extra)
+    result, output = train(tmp_path, config)
+    ok(result, output)
+    curve = losses(tmp_path / "out")
+    assert len(curve) == 6 and curve[6] < curve[1] - 0.05, curve
+    assert "llamafactory_mca: training qwen3" in output and "global 8 = dp 1 x micro batch 2" in output \
+        or stage == "dpo"
+    if stage == "sft":
+        assert (tmp_path / "out" / "training_loss.png").is_file()
+        assert "1 reach cutoff_len and were truncated" in output  # the long row
+        assert "data (sft): 50 rows, 50 kept" in output  # an empty conversation still teaches the end token
+    if stage == "dpo":
+        with open(tmp_path / "out" / "trainer_log.jsonl") as f:
+            first = json.loads(f.readline())
+        assert abs(first["loss"] - 0.6931) < 1e-3  # policy == reference at step 1
+
+
+LAYOUT_RUNS = {  # name: (world, overrides); the global batch stays 8 rows
+    "dense": (1, {}),
+    "dp2": (2, {"gradient_accumulation_steps": 2}),
+    "tp2": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+    "pp2": (2, {"pipeline_model_parallel_size": 2}),
+    "pp2_vpp2": (2, {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}),
+    "cp2": (2, {"context_parallel_size": 2}),
+    "dist_opt_dp2": (2, {"gradient_accumulation_steps": 2, "use_distributed_optimizer": True,
+                         "overlap_grad_reduce": True, "overlap_param_gather": True}),
+}
+MOE_RUNS = {"moe": (1, {}), "ep2": (2, {"expert_model_parallel_size": 2, "gradient_accumulation_steps": 2})}
+
+
+@pytest.fixture(scope="module")
+def layout_losses(assets, tmp_path_factory):
+    found = {}
+    for runs, model in ((LAYOUT_RUNS, "qwen3"), (MOE_RUNS, "qwen3_moe")):
+        for name, (world, overrides) in runs.items():
+            tmp = tmp_path_factory.mktemp(name)
+            config = recipe(assets, tmp / "out", model_name_or_path=assets["models"][model], **overrides)
+            result, output = train(tmp, config, world=world, name=name)
+            ok(result, output)
+            found[name] = losses(tmp / "out")
+    return found
+
+
+@pytest.mark.parametrize("name", [n for n in LAYOUT_RUNS if n != "dense"] + ["ep2"])
+def test_first_steps_match_across_layouts(name, layout_losses):
+    reference = layout_losses["moe" if name == "ep2" else "dense"]
+    got = layout_losses[name]
+    assert abs(got[1] - reference[1]) <= 1e-4 * reference[1], (name, got, reference)
+    assert abs(got[2] - reference[2]) <= 1e-3 * reference[2], (name, got, reference)
+
+
+def test_packing_does_not_change_the_loss(assets, tmp_path):
+    """One step over the same 8 rows: padded (8 rows per micro-batch) and packed (one pack) give one loss."""
+    common = dict(max_steps=1, gradient_accumulation_steps=1, cutoff_len=512, max_samples=8)
+    padded, output = train(tmp_path, recipe(assets, tmp_path / "padded", per_device_train_batch_size=8, **common),
+                           name="padded")
+    ok(padded, output)
+    packed, output = train(tmp_path, recipe(assets, tmp_path / "packed", per_device_train_batch_size=1,
+                                            sequence_packing=True, **common), name="packed")
+    ok(packed, output)
+    a, b = losses(tmp_path / "padded")[1], losses(tmp_path / "packed")[1]
+    assert abs(a - b) <= 1e-4 * a, (a, b)
+
+
+def _megatron_logits(checkpoint: str) -> torch.Tensor:
+    from llamafactory_mca import parallel
+    from llamafactory_mca.models.auto import AutoModel
+    from tests.models.test_bridge import INPUT, pipeline_logits
+
+    parallel.initialize(parallel.ParallelLayout(1, 1, 1, None, 1, 1, 1, 1, 1, 1, 1))
+    model = AutoModel.from_pretrained(checkpoint)
+    model.eval()
+    return pipeline_logits(model, INPUT.clamp(max=model.config.vocab_size - 1))
+
+
+def test_crash_resume_merge(assets, tmp_path):
+    """Kill after the first checkpoint, then during the next save; resume (onto another DP size) continues
+    from the newest complete checkpoint with the uninterrupted run's losses; the merge gives a model
+    transformers loads with the trained Megatron model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.test_bridge import INPUT
+
+    config = dict(max_steps=4, save_steps=2, save_strategy="steps", gradient_accumulation_steps=2)
+    reference, output = train(tmp_path, recipe(assets, tmp_path / "ref", **config), world=2, name="ref")
+    ok(reference, output)
+    expected = losses(tmp_path / "ref")
+
+    out = tmp_path / "crash"
+    run = recipe(assets, out, **config)
+    crashed, output = train(tmp_path, run, world=2, env={"LLAMAFACTORY_MCA_FAULT": "step:3"}, name="c1")
+    assert crashed.returncode != 0 and "crashing on purpose" in output
+    assert sorted(os.listdir(out)).count("checkpoint-2") == 1 and not (out / "checkpoint-4").exists()
+    run["overwrite_output_dir"] = False  # LLaMA-Factory then resumes from the newest checkpoint by itself
+    crashed, output = train(tmp_path, run, world=2, env={"LLAMAFACTORY_MCA_FAULT": "save:4"}, name="c2")
+    assert crashed.returncode != 0 and "crashing on purpose" in output
+    assert (out / "tmp-checkpoint-4").is_dir() and not (out / "checkpoint-4").exists()
+    assert losses(out)[3] == pytest.approx(expected[3], rel=1e-5)
+
+    resumed, output = train(tmp_path, {**run, "gradient_accumulation_steps": 4}, world=1, name="c3")  # dp 2 -> 1
+    ok(resumed, output)
+    assert "Resumed from" in output and "checkpoint-2" in output
+    got = losses(out)
+    for step in (3, 4):
+        assert got[step] == pytest.approx(expected[step], rel=1e-4), (step, got, expected)
+    assert (out / "checkpoint-4").is_dir() and not (out / "tmp-checkpoint-4").exists()
+
+    merged = tmp_path / "merged"
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "megatron_merge.py"), "--checkpoint_path",
+                             str(out / "checkpoint-4"), "--output_path", str(merged)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    hf = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    ids = INPUT.clamp(max=hf.config.vocab_size - 1)
+    with torch.no_grad():
+        hf_logits = hf(ids).logits
+    (megatron,) = run_distributed(_megatron_logits, 1, str(out / "checkpoint-4"))
+    assert torch.allclose(hf_logits, megatron, atol=1e-4), (hf_logits - megatron).abs().max()
+    assert (merged / "tokenizer_config.json").is_file()
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"stage": "kto"}, "stage='kto' is not supported with USE_MCA=1"),
+    ({"finetuning_type": "lora"}, "finetuning_type='lora' is not supported with USE_MCA=1"),
+    ({"dataset": "no_such_dataset"}, "no_such_dataset"),
+    ({"output_dir": "/proc/forbidden/out"}, "is not writable"),
+    ({"resume_from_checkpoint": "NOT_A_CHECKPOINT"}, "is not a llamafactory_mca checkpoint"),
+])
+def test_bad_input_fails_clearly_and_writes_nothing(overrides, message, assets, tmp_path):
+    if overrides.get("resume_from_checkpoint"):
+        (tmp_path / "plain").mkdir()
+        overrides = {"resume_from_checkpoint": str(tmp_path / "plain")}
+    result, output = train(tmp_path, recipe(assets, tmp_path / "out", **overrides))
+    assert result.returncode != 0
+    assert message in output, output[-4000:]
+    out = tmp_path / "out"
+    assert not out.exists() or not any(n.startswith("checkpoint") for n in os.listdir(out))
