@@ -73,10 +73,12 @@ def demo_main(argv: list[str] | None = None) -> int:
     question = "What is the capital of France ?"
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                            add_generation_prompt=True)
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    inputs = tokenizer(prompt, return_tensors="pt")
     with torch.no_grad():
-        answer = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=tokenizer.eos_token_id)
-    print(f"\nQ: {question}\nA: {tokenizer.decode(answer[0, ids.shape[1]:], skip_special_tokens=True).strip()}")
+        answer = model.generate(**inputs, max_new_tokens=12, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                                pad_token_id=tokenizer.pad_token_id)
+    reply = tokenizer.decode(answer[0, inputs.input_ids.shape[1]:], skip_special_tokens=True).strip()
+    print(f"\nQ: {question}\nA: {reply}")
     print(f"\nRecipe {recipe_path}; checkpoints in {recipe['output_dir']}; Hugging Face weights in {merged}; "
           f"loss curve {os.path.join(recipe['output_dir'], 'training_loss.png')}")
     return 0

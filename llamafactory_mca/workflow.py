@@ -59,14 +59,20 @@ def check_request(stage: str, model_args: Any, data_args: Any, training_args: An
 
 
 def _check_output_dir(output_dir: str) -> None:
-    probe = output_dir
-    while probe and not os.path.exists(probe):
+    """Try a write where the folder will be created (permission bits alone say nothing for root)."""
+    import tempfile
+
+    probe = os.path.abspath(output_dir)
+    while not os.path.exists(probe):
         probe = os.path.dirname(probe)
-    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        raise ValueError(f"output_dir={output_dir!r} exists and is not a folder.")
-    if not os.access(probe or ".", os.W_OK):
-        raise ValueError(f"output_dir={output_dir!r} is not writable ({probe or '.'} refuses writes). Choose a "
-                         "folder you can write to.")
+    try:
+        if not os.path.isdir(probe):
+            raise NotADirectoryError(f"{probe} is a file")
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as err:
+        raise ValueError(f"output_dir={output_dir!r} is not writable ({err}). Choose a folder you can write "
+                         "to.") from err
 
 
 def _check_model_fits(config: Any, cutoff_len: int) -> None:

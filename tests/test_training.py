@@ -62,9 +62,10 @@ def train(tmp_path, config, world=1, env=None, name="run"):
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     full_env = {k: v for k, v in os.environ.items() if k not in ("USE_MCA", "LLAMAFACTORY_MCA_FAULT")}
-    full_env.update({"USE_MCA": "1", "NPROC_PER_NODE": str(world), "CUDA_VISIBLE_DEVICES": "", **(env or {})})
+    full_env.update({"USE_MCA": "1", "NPROC_PER_NODE": str(world), "CUDA_VISIBLE_DEVICES": "",
+                     "OMP_NUM_THREADS": "1", **(env or {})})
     result = subprocess.run(["llamafactory-cli", "train", str(path)], env=full_env, capture_output=True, text=True,
-                            timeout=600, cwd=tmp_path)
+                            timeout=300, cwd=tmp_path)
     return result, result.stdout + result.stderr
 
 
@@ -85,7 +86,8 @@ def ok(result, output):
 
 @pytest.mark.parametrize("stage", ["pt", "sft", "dpo"])
 def test_stage_trains_and_loss_falls(stage, assets, tmp_path):
-    extra = {"pt": dict(dataset="tiny_text", dataset_dir=assets["pt"]),
+    extra = {"pt": dict(dataset="tiny_text", dataset_dir=assets["pt"], save_strategy="steps", save_steps=3,
+                        save_total_limit=1),
              "dpo": dict(dataset="tiny_alpaca", dataset_dir=assets["dpo"], learning_rate=3e-4, pref_beta=0.1,
                          gradient_accumulation_steps=2),
              "sft": dict(plot_loss=True)}[stage]
@@ -96,6 +98,8 @@ def test_stage_trains_and_loss_falls(stage, assets, tmp_path):
     assert len(curve) == 6 and curve[6] < curve[1] - 0.05, curve
     assert "llamafactory_mca: training qwen3" in output and "global 8 = dp 1 x micro batch 2" in output \
         or stage == "dpo"
+    if stage == "pt":  # plain (not distributed) optimizer checkpoints; save_total_limit keeps the newest
+        assert sorted(n for n in os.listdir(tmp_path / "out") if n.startswith("checkpoint")) == ["checkpoint-6"]
     if stage == "sft":
         assert (tmp_path / "out" / "training_loss.png").is_file()
         assert "1 reach cutoff_len and were truncated" in output  # the long row
@@ -172,7 +176,8 @@ def test_crash_resume_merge(assets, tmp_path):
 
     from tests.models.test_bridge import INPUT
 
-    config = dict(max_steps=4, save_steps=2, save_strategy="steps", gradient_accumulation_steps=2)
+    config = dict(max_steps=4, save_steps=2, save_strategy="steps", gradient_accumulation_steps=2,
+                  use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True)
     reference, output = train(tmp_path, recipe(assets, tmp_path / "ref", **config), world=2, name="ref")
     ok(reference, output)
     expected = losses(tmp_path / "ref")

@@ -165,6 +165,29 @@ class McaModel:
         torch.distributed.barrier()
 
 
+def _mask_vocab_padding(chunk: torch.nn.Module, vocab_size: int) -> None:
+    """Logits of the padded vocabulary rows are -inf, so softmax and loss see exactly the model's vocabulary.
+
+    Megatron pads the vocabulary to a multiple of tp × 128; zero rows would still add exp(0) to every softmax
+    denominator, making the loss depend on the TP size and differ from Hugging Face's.
+    """
+    from megatron.core import parallel_state as ps
+
+    local = chunk.output_layer.weight.shape[0] if chunk.output_layer.weight is not None else \
+        chunk.shared_embedding_or_output_weight().shape[0]
+    first_padded = vocab_size - ps.get_tensor_model_parallel_rank() * local
+    if first_padded >= local:
+        return
+    start = max(first_padded, 0)
+
+    def hook(module, inputs, output):
+        logits = output[0] if isinstance(output, tuple) else output
+        logits[..., start:] = float("-inf")  # in place: the linear layer saved nothing that depends on it
+        return output
+
+    chunk.output_layer.register_forward_hook(hook)
+
+
 def _current_layout():
     from megatron.core import parallel_state as ps
 
@@ -206,6 +229,8 @@ class AutoModel:
             )
             if inv_freq is not None:
                 chunk.rotary_pos_emb.inv_freq = inv_freq.to(chunk.rotary_pos_emb.inv_freq.device)
+            if chunk.post_process:
+                _mask_vocab_padding(chunk, config.vocab_size)
             if torch.cuda.is_available():
                 chunk.cuda()
             chunks.append(chunk)

@@ -78,6 +78,34 @@ def prepare(batch: MicroBatch) -> ModelBatch:
     )
 
 
+def pad_to_length(batch: ModelBatch, length: int) -> ModelBatch:
+    """Lengthen a micro-batch with loss-free padding: packed, the last sequence grows; padded, every row."""
+    extra = length - batch.tokens.shape[1]
+    if extra <= 0:
+        return batch
+
+    def grow(tensor: torch.Tensor, value) -> torch.Tensor:
+        tail = value if isinstance(value, torch.Tensor) else torch.full((tensor.shape[0], extra), value,
+                                                                         dtype=tensor.dtype)
+        return torch.cat([tensor, tail.to(tensor.dtype)], dim=1)
+
+    last = batch.position_ids[:, -1:]
+    positions = grow(batch.position_ids, last + torch.arange(1, extra + 1))
+    seq_ids = grow(batch.seq_ids, batch.seq_ids[:, -1:].expand(-1, extra))
+    cu_seqlens, seqlens, max_seqlen = batch.cu_seqlens, list(batch.seqlens), batch.max_seqlen
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.clone()
+        cu_seqlens[-1] += extra
+        seqlens[-1] += extra
+        max_seqlen = max(max_seqlen, seqlens[-1])
+    else:
+        seqlens = [length] * len(seqlens)
+        max_seqlen = length
+    return replace(batch, tokens=grow(batch.tokens, 0), model_labels=grow(batch.model_labels, 0),
+                   loss_mask=grow(batch.loss_mask, 0.0), position_ids=positions, seq_ids=seq_ids,
+                   cu_seqlens=cu_seqlens, seqlens=seqlens, max_seqlen=max_seqlen)
+
+
 def split_context_parallel(batch: ModelBatch) -> ModelBatch:
     """This CP rank's chunks of every sequence (token-level tensors only; cu_seqlens stay global)."""
     cp = ps.get_context_parallel_world_size()
@@ -115,17 +143,25 @@ class StepFeeder:
                                       multiple_of=self.per_step, tail="drop")
         consumed = start
         while True:
-            batches = [split_context_parallel(prepare(next(iterator))) for _ in range(self.layout.grad_accum)]
+            yield self._step([next(iterator) for _ in range(self.layout.grad_accum)]), consumed + self.per_step
             consumed += self.per_step
-            yield batches, consumed
+
+    def _step(self, micro_batches: list[MicroBatch]) -> list[ModelBatch]:
+        batches = [prepare(b) for b in micro_batches]
+        if self.layout.vpp:
+            # Megatron's interleaved schedule mixes up activation/gradient shapes when micro-batches of one step
+            # differ in length (seen with megatron-core 0.16.1): give the step one length.
+            length = max(b.tokens.shape[1] for b in batches)
+            batches = [pad_to_length(b, length) for b in batches]
+        return [split_context_parallel(b) for b in batches]
 
     def eval_steps(self) -> Iterator[list[ModelBatch]]:
         """One pass over the evaluation set, padded with loss-free micro-batches to whole steps."""
         iterator = self.plan.iterator(ps.get_data_parallel_rank(), self.layout.dp, multiple_of=self.per_step,
                                       tail="pad", epochs=1)
-        batches = [split_context_parallel(prepare(b)) for b in iterator]
+        batches = list(iterator)
         for i in range(0, len(batches), self.layout.grad_accum):
-            yield batches[i: i + self.layout.grad_accum]
+            yield self._step(batches[i: i + self.layout.grad_accum])
 
     def tokens_per_step(self) -> int:
         """Average real tokens per optimizer step over an epoch."""

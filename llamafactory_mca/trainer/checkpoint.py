@@ -4,8 +4,8 @@
 schedule, consumed micro-batches; saved fully in parallel), ``mca_config.json``, ``mca_layout.json``,
 HF ``config.json`` and tokenizer files, ``trainer_state.json``. Everything is written into
 ``tmp-checkpoint-N`` and renamed at the end: a crash leaves a ``tmp-`` folder, which resume ignores
-(and the next save removes). The optimizer state is saved in Megatron's model-space format, so a run
-resumes onto a different data-parallel size.
+(and the next save removes). The distributed optimizer's state is saved in Megatron's dp-reshardable
+format, so a run resumes onto a different data-parallel size.
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "checkpoint"
 TMP_PREFIX = "tmp-checkpoint"
-_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_sharded_model_space", "chained_optim_avoid_prefix": True}
+# dp_reshardable: every rank writes its own optimizer shard (no gathering) and a resume may change the
+# data-parallel size; megatron-core 0.16 no longer saves the older flattened "model space" format.
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "chained_optim_avoid_prefix": True}
 _CHECKPOINT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
 
 

@@ -14,5 +14,9 @@ FAULT_ENV = "LLAMAFACTORY_MCA_FAULT"
 
 def maybe_crash(point: str, step: int) -> None:
     if os.environ.get(FAULT_ENV) == f"{point}:{step}":
+        import torch
+
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()  # every rank dies at the same point
         print(f"[llamafactory_mca] {FAULT_ENV}={point}:{step}: crashing on purpose", file=sys.stderr, flush=True)
         os._exit(17)

@@ -210,11 +210,9 @@ class McaTrainer:
         first_step_time = None
         while self.state.global_step < self.max_steps:
             maybe_crash("step", self.state.global_step + 1)
+            tick = time.perf_counter()  # the step's time includes reading and collating its micro-batches
             micro_batches, consumed = next(steps)
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-            if torch.cuda.is_available():
-                torch.cuda.reset_peak_memory_stats()
-            tick = time.perf_counter()
             logged = self.train_step([b.to(self.device) for b in micro_batches])
             seconds = time.perf_counter() - tick
             first_step_time = first_step_time or time.time() - start_time
@@ -225,6 +223,8 @@ class McaTrainer:
             if self.control.should_log or self.state.global_step == self.max_steps:
                 self._log(window.summary(self.schedule.lr, self.layout.world_size, self.peak_flops))
                 window = _Window()
+                if torch.cuda.is_available():  # the next line's peak memory covers the steps since this one
+                    torch.cuda.reset_peak_memory_stats()
             if self.control.should_evaluate and self.eval_data is not None:
                 self.evaluate()
             if self.control.should_save:
