@@ -64,9 +64,11 @@ def train(tmp_path, config, world=1, env=None, name="run"):
     full_env = {k: v for k, v in os.environ.items() if k not in ("USE_MCA", "LLAMAFACTORY_MCA_FAULT")}
     full_env.update({"USE_MCA": "1", "NPROC_PER_NODE": str(world), "CUDA_VISIBLE_DEVICES": "",
                      "OMP_NUM_THREADS": "1", **(env or {})})
-    result = subprocess.run(["llamafactory-cli", "train", str(path)], env=full_env, capture_output=True, text=True,
-                            timeout=300, cwd=tmp_path)
-    return result, result.stdout + result.stderr
+    log = tmp_path / f"{name}.log"
+    with open(log, "w") as f:  # a file, not a pipe: a killed run's leftovers cannot hold it open
+        result = subprocess.run(["llamafactory-cli", "train", str(path)], env=full_env, stdout=f,
+                                stderr=subprocess.STDOUT, timeout=300, cwd=tmp_path)
+    return result, log.read_text()
 
 
 def losses(output_dir) -> dict[int, float]:

@@ -72,6 +72,9 @@ def _engine_fields(config: McaConfig, args: Any) -> dict[str, Any]:
         calculate_per_token_loss=True,
         variable_seq_lengths=args.allow_variable_seq_lengths() if hasattr(args, "allow_variable_seq_lengths")
         else True,
+        # gloo pairs batched sends/receives between the same two ranks out of order (seen with PP2 + VPP on CPU:
+        # activations of one micro-batch reached another); NCCL batches them correctly.
+        batch_p2p_comm=not cpu_mode_needed(),
     )
     # alltoall is the fast dispatcher, and the only one Megatron allows with variable sequence lengths
     # (it checks even for dense models).
@@ -249,8 +252,11 @@ class AutoModel:
             src = model.load_hf_weights(path)
             what = f"{len(src.files_opened)} safetensors file(s), {src.bytes_read / 2**20:.1f} MiB read on this rank"
         if torch.distributed.get_rank() == 0:
-            logger.info("Loaded %s (%s) in %.1fs from %s", config.hf_model_type, what,
-                        time.perf_counter() - start, path)
+            import resource
+
+            peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # KiB on Linux
+            logger.info("Loaded %s (%s) in %.1fs from %s; peak host memory of rank 0 so far %.2f GiB",
+                        config.hf_model_type, what, time.perf_counter() - start, path, peak_rss)
         return model
 
 

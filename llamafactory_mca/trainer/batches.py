@@ -149,8 +149,8 @@ class StepFeeder:
     def _step(self, micro_batches: list[MicroBatch]) -> list[ModelBatch]:
         batches = [prepare(b) for b in micro_batches]
         if self.layout.vpp:
-            # Megatron's interleaved schedule mixes up activation/gradient shapes when micro-batches of one step
-            # differ in length (seen with megatron-core 0.16.1): give the step one length.
+            # One length per step under the interleaved schedule: with lengths varying inside a step, megatron-core
+            # 0.16.1's shape exchange went wrong on gloo (mismatched gradient shapes, aborts). Cheap insurance.
             length = max(b.tokens.shape[1] for b in batches)
             batches = [pad_to_length(b, length) for b in batches]
         return [split_context_parallel(b) for b in batches]

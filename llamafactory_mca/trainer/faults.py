@@ -19,4 +19,8 @@ def maybe_crash(point: str, step: int) -> None:
         if torch.distributed.is_initialized():
             torch.distributed.barrier()  # every rank dies at the same point
         print(f"[llamafactory_mca] {FAULT_ENV}={point}:{step}: crashing on purpose", file=sys.stderr, flush=True)
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):  # checkpoint writers etc. die with us, as in a crash
+            child.kill()
         os._exit(17)

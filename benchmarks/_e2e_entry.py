@@ -1,0 +1,176 @@
+"""What ``e2e_bench.py`` launches in place of ``llamafactory-cli train recipe.yaml``: the same ``run_exp``, plus a
+callback that times steps and counts real tokens. Nothing in LLaMA-Factory or llamafactory_mca is edited.
+
+The bench launches it the way LLaMA-Factory's launcher launches ``launcher.py`` (torchrun when ``USE_MCA=1`` or
+more than one GPU, else a plain process), with these variables:
+
+- ``E2E_BENCH_OUT``: folder for ``rank<N>.json`` (written after every step, and at the end);
+- ``E2E_BENCH_T0``: the launch time (``time.time()`` in the bench) — time to first step counts from it;
+- ``E2E_BENCH_PACKED=1``: LLaMA-Factory path only — batches are packed (sequences restart at position 0);
+- ``E2E_BENCH_EXIT=1``: leave right after the training loop (no final ``save_model``: nobody reads it).
+
+LLaMA-Factory path: the HF Trainer's ``training_step`` is wrapped to note, per micro-batch, which positions hold a
+real token (2-D ``attention_mask``, or the diagonal of ``neat_packing``'s 4-D mask) and the sequence lengths the
+model computes on (packed: each sequence; padded: every row at its padded length, as llamafactory_mca counts
+them). Our path: McaTrainer logs every step; its state's ``num_input_tokens_seen`` and ``total_flos`` grow by the
+step's real tokens and model FLOPs over all ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+T0 = float(os.environ.get("E2E_BENCH_T0") or time.time())
+OURS = os.environ.get("USE_MCA", "0").lower() in ("1", "true", "y", "yes", "on")
+
+
+class _Recorder:
+    """Per-step numbers of this rank, written to ``E2E_BENCH_OUT/rank<N>.json``."""
+
+    def __init__(self) -> None:
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.out = os.environ["E2E_BENCH_OUT"]
+        self.packed = os.environ.get("E2E_BENCH_PACKED") == "1"
+        self.pending: list = []  # (real mask on device, position ids or None, padded shape) per micro-batch
+        self.steps: dict[int, dict] = {}
+        self.first_step_s = None
+        self.peak_alloc = 0.0
+        self.peak_reserved = 0.0
+        self.seen = (0, 0.0)  # ours: state.num_input_tokens_seen, state.total_flos at the previous log
+        os.makedirs(self.out, exist_ok=True)
+
+    # ---- LLaMA-Factory path: what one micro-batch holds -----------------------------------------------------
+    def note_batch(self, inputs: dict) -> None:
+        import torch
+
+        ids = inputs["input_ids"]
+        mask = inputs.get("attention_mask")
+        if torch.is_tensor(mask) and mask.dim() == 2:
+            real = mask != 0
+        elif torch.is_tensor(mask) and mask.dim() == 4:  # neat_packing without flash-attn: 0 where attending
+            diagonal = torch.diagonal(mask[:, 0], dim1=-2, dim2=-1)
+            real = diagonal.bool() if mask.dtype == torch.bool else diagonal == 0
+        else:
+            real = torch.ones_like(ids, dtype=torch.bool)
+        positions = inputs.get("position_ids") if self.packed else None
+        if torch.is_tensor(positions) and positions.dim() == 3:  # mrope: [axes, b, s]
+            positions = positions[0]
+        self.pending.append((real.detach(), None if positions is None else positions.detach(), tuple(ids.shape)))
+
+    def _drain(self) -> tuple[int, list[int]]:
+        """(real tokens, sequence lengths) of the micro-batches since the last step; the step has synced."""
+        import numpy as np
+
+        tokens, seqlens = 0, []
+        for real, positions, (rows, length) in self.pending:
+            real = real.cpu().numpy()
+            tokens += int(real.sum())
+            if positions is None:
+                seqlens += [length] * rows
+                continue
+            positions = positions.cpu().numpy()
+            for r in range(rows):
+                starts = np.flatnonzero((positions[r] == 0) & real[r])
+                if starts.size:  # real tokens from each sequence start to the next
+                    seqlens += [int(n) for n in np.add.reduceat(real[r].astype(np.int64), starts)]
+        self.pending.clear()
+        return tokens, seqlens
+
+    # ---- both paths ------------------------------------------------------------------------------------------
+    def step_end(self, step: int) -> None:
+        import torch
+
+        now = time.time()
+        if torch.cuda.is_available():
+            self.peak_alloc = max(self.peak_alloc, torch.cuda.max_memory_allocated() / 2**30)
+            self.peak_reserved = max(self.peak_reserved, torch.cuda.max_memory_reserved() / 2**30)
+        if self.first_step_s is None:
+            self.first_step_s = now - T0
+        record = self.steps.setdefault(step, {"step": step})
+        record["t_end"] = now
+        if not OURS:
+            record["tokens"], record["seqlens"] = self._drain()
+        self.write()
+
+    def log(self, step: int, logs: dict, state) -> None:
+        if "loss" not in logs or step not in self.steps:
+            return
+        record = self.steps[step]
+        record["loss"] = float(logs["loss"])
+        if OURS:
+            tokens, flops = state.num_input_tokens_seen, state.total_flos
+            record["tokens"], record["flops"] = tokens - self.seen[0], flops - self.seen[1]
+            self.seen = (tokens, flops)
+            record["self_reported"] = {k: logs[k] for k in ("tokens_per_second_per_gpu", "mfu", "peak_memory_gib")
+                                       if k in logs}
+        self.write()
+
+    def write(self, done: bool = False) -> None:
+        payload = {"rank": self.rank, "world": self.world, "path": "ours" if OURS else "lf",
+                   "token_scope": "global" if OURS else "rank", "first_step_s": self.first_step_s,
+                   "peak_memory_gib": round(self.peak_alloc, 3), "peak_reserved_gib": round(self.peak_reserved, 3),
+                   "done": done, "steps": [self.steps[k] for k in sorted(self.steps)]}
+        path = os.path.join(self.out, f"rank{self.rank}.json")
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(payload, f)
+        os.replace(path + ".tmp", path)
+
+
+def _callback(recorder: _Recorder):
+    import torch
+    from transformers import TrainerCallback
+
+    class BenchCallback(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            recorder.step_end(state.global_step)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            recorder.log(state.global_step, logs or {}, state)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            recorder.write(done=True)
+            if os.environ.get("E2E_BENCH_EXIT") == "1":
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)
+
+    return BenchCallback()
+
+
+def main() -> None:
+    if OURS:  # the .pth startup hook has done this already when the package is installed; install() is idempotent
+        from llamafactory_mca import plugin
+
+        plugin.install()
+    recorder = _Recorder()
+    if not OURS:
+        from transformers import Trainer
+
+        training_step = Trainer.training_step
+
+        def counting_training_step(self, model, inputs, *args, **kwargs):
+            recorder.note_batch(inputs)
+            return training_step(self, model, inputs, *args, **kwargs)
+
+        Trainer.training_step = counting_training_step
+
+    from llamafactory.train.tuner import run_exp
+
+    run_exp(callbacks=[_callback(recorder)])
+    recorder.write(done=True)
+
+
+if __name__ == "__main__":
+    main()

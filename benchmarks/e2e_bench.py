@@ -1,0 +1,724 @@
+"""End to end: LLaMA-Factory's default path vs llamafactory_mca on the same model, data, batch and steps.
+
+Every run is a subprocess launched as LLaMA-Factory's launcher would (torchrun under ``USE_MCA=1`` or with more
+than one GPU); ``_e2e_entry.py`` stands in for ``launcher.py`` to time steps and count real tokens. Results merge
+into ``--out``/e2e.json and e2e.md, so one workload per invocation builds one table:
+
+    python benchmarks/e2e_bench.py --workloads dense --out benchmarks/results
+    python benchmarks/e2e_bench.py --smoke --workloads all          # tiny shapes on CPU: checks the harness
+
+See benchmarks/README.md for the workloads, the columns and the targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENTRY = os.path.join(ROOT, "benchmarks", "_e2e_entry.py")
+sys.path.insert(0, ROOT)
+
+# Real shapes (random weights): Qwen3-1.7B and Qwen3-30B-A3B (layers set per run).
+QWEN3_1_7B = dict(model_type="qwen3", hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, intermediate_size=6144, vocab_size=151936,
+                  max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)
+QWEN3_30B_A3B = dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                     num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+                     num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                     mlp_only_layers=[], router_aux_loss_coef=0.001, vocab_size=151936, max_position_embeddings=40960,
+                     rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            intermediate_size=128, vocab_size=512, max_position_embeddings=2048)
+SMOKE_SHAPES = {"dense": {**QWEN3_1_7B, **TINY}, "moe": {**QWEN3_30B_A3B, **TINY, "num_experts": 8,
+                                                          "num_experts_per_tok": 2, "moe_intermediate_size": 32}}
+SHAPES = {"dense": QWEN3_1_7B, "moe": QWEN3_30B_A3B}
+LABELS = {"dense": "Qwen3-1.7B shape", "moe": "Qwen3-30B-A3B shape"}
+
+
+@dataclass
+class Run:
+    name: str
+    path: str  # "lf" (LLaMA-Factory's HF Trainer) or "ours" (USE_MCA=1)
+    gpus: int
+    packing: bool
+    micro_batch: int
+    grad_accum: int
+    layout: str
+    extra: dict = field(default_factory=dict)  # our recipe keys (parallel sizes, recompute)
+
+
+@dataclass
+class Workload:
+    name: str
+    model: str  # "dense" or "moe"
+    cutoff: int
+    lengths: tuple  # ("uniform" | "loguniform", low, high) in tokens per row
+    runs: list
+    steps: int = 12
+    warmup: int = 4
+    about: str = ""
+
+
+def _pair(gpus: int, grad_accum: int, layout: str, ours_extra: dict | None = None, lf_layout: str = "",
+          packing: bool = True, micro_batch: int = 1, suffix: str = "") -> list:
+    return [Run("lf" + suffix, "lf", gpus, packing, micro_batch, grad_accum, lf_layout or layout),
+            Run("ours" + suffix, "ours", gpus, packing, micro_batch, grad_accum, layout, ours_extra or {})]
+
+
+def workloads(smoke: bool) -> dict[str, Workload]:
+    k = 16 if smoke else 1  # smoke: 16x shorter sequences
+    cut, long_cut = 4096 // k, 32768 // 32 if smoke else 32768
+    packed = ("uniform", 256 // k, 2048 // k)
+    varlen = ("loguniform", max(32 // k, 4), cut)
+    recompute = {"recompute_granularity": "full"}
+    varlen_runs = (_pair(1, 4, "1 GPU, padded", packing=False, micro_batch=2, suffix="_nopack")
+                   + _pair(1, 8, "1 GPU, packed", suffix="_pack"))
+    found = [
+        Workload("dense", "dense", cut, packed, _pair(1, 8, "1 GPU"),
+                 about=f"{cut}-token packed micro-batches, global batch 8"),
+        Workload("dp2", "dense", cut, packed, _pair(2, 4, "DP2", lf_layout="DDP, 2 GPUs"),
+                 about=f"{cut}-token packed micro-batches, global batch 8 (dp 2 x grad accum 4)"),
+        Workload("moe", "moe", cut, packed, _pair(1, 8, "1 GPU"),
+                 about=f"{cut}-token packed micro-batches, global batch 8"),
+        Workload("moe_ep2", "moe", cut, packed, _pair(2, 4, "EP2", {"expert_model_parallel_size": 2},
+                                                      lf_layout="DDP, 2 GPUs"),
+                 about=f"{cut}-token packed micro-batches, global batch 8 (dp 2 x grad accum 4)"),
+        Workload("long", "dense", long_cut, ("uniform", int(long_cut * 0.9), long_cut),
+                 [Run("lf", "lf", 1, False, 1, 2, "1 GPU, gradient checkpointing (LF default)"),
+                  Run("ours", "ours", 1, True, 1, 2, "1 GPU, recompute full", recompute),
+                  Run("ours_cp2", "ours", 2, True, 1, 2, "CP2, recompute full",
+                      {"context_parallel_size": 2, **recompute})],
+                 steps=8, warmup=3, about=f"one {long_cut}-token sequence per micro-batch, global batch 2"),
+        Workload("layouts", "dense", cut, packed,
+                 [Run("ours", "ours", 1, True, 1, 8, "1 GPU"),
+                  Run("ours_tp2", "ours", 2, True, 1, 8, "TP2 + SP", {"tensor_model_parallel_size": 2,
+                                                                       "sequence_parallel": True}),
+                  Run("ours_pp2", "ours", 2, True, 1, 8, "PP2", {"pipeline_model_parallel_size": 2})],
+                 about=f"our path only: the same {cut}-token packed steps on 1 GPU, TP2 and PP2 (global batch 8)"),
+        Workload("varlen", "dense", cut, varlen, varlen_runs,
+                 about=f"SFT rows log-uniform {varlen[1]}..{cut} tokens; padded: 2 rows x 4, packed: 1 pack x 8"),
+        Workload("varlen_moe", "moe", cut, varlen, [Run(**vars(r)) for r in varlen_runs],
+                 about=f"SFT rows log-uniform {varlen[1]}..{cut} tokens; padded: 2 rows x 4, packed: 1 pack x 8"),
+    ]
+    if smoke:
+        for w in found:
+            w.steps, w.warmup = 4, 1
+    return {w.name: w for w in found}
+
+
+# ---- assets: tokenizer, random-weight model, synthetic SFT data (cached under --work) -----------------------------
+WORDS = {"smoke": 200, "real": 8000}
+
+
+def _words(smoke: bool) -> list[str]:
+    return [f"w{i}" for i in range(WORDS["smoke" if smoke else "real"])]
+
+
+def _key(obj: Any) -> str:
+    import hashlib
+
+    return hashlib.sha1(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def model_config(kind: str, layers: int, smoke: bool) -> dict:
+    return {**(SMOKE_SHAPES if smoke else SHAPES)[kind], "num_hidden_layers": layers}
+
+
+def prepare_model(config: dict, smoke: bool, cache: str) -> str:
+    """A random-weight HF model (bf16; fp32 in smoke) with a word-level tokenizer, saved once per shape."""
+    from llamafactory_mca.tiny import corpus, save_tiny_tokenizer
+
+    path = os.path.join(cache, f"model-{config['model_type']}-{config['num_hidden_layers']}l-{_key([config, smoke])}")
+    if os.path.isfile(os.path.join(path, ".complete")):
+        return path
+    spec = os.path.join(cache, f"{os.path.basename(path)}.json")
+    os.makedirs(cache, exist_ok=True)
+    with open(spec, "w", encoding="utf-8") as f:
+        json.dump({"config": config, "dtype": "float32" if smoke else "bfloat16", "dir": path}, f)
+    print(f"[e2e] building {os.path.basename(path)} ...", flush=True)
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--_make-model", spec], check=True,
+                   env={**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if smoke else {})})
+    save_tiny_tokenizer(path, texts=[" ".join(_words(smoke))] + corpus())
+    open(os.path.join(path, ".complete"), "w").close()
+    return path
+
+
+def _make_model(spec_path: str) -> None:
+    """Subprocess: build on the GPU when there is one (fast init), save, exit (frees the GPU)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with open(spec_path, encoding="utf-8") as f:
+        spec = json.load(f)
+    config = AutoConfig.for_model(**spec["config"])
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec["dtype"]))
+    model.save_pretrained(spec["dir"])
+
+
+def row_lengths(lengths: tuple, n: int, rng: np.random.Generator) -> np.ndarray:
+    kind, low, high = lengths
+    if kind == "loguniform":
+        return np.exp(rng.uniform(np.log(low), np.log(high), n)).astype(int)
+    return rng.integers(low, high + 1, n)
+
+
+def mean_length(lengths: tuple) -> float:
+    kind, low, high = lengths
+    return (high - low) / math.log(high / low) if kind == "loguniform" else (low + high) / 2
+
+
+TEMPLATE_MARGIN = 24  # the chat template's tokens around prompt and answer stay inside cutoff_len
+
+
+def prepare_dataset(w: Workload, steps: int, smoke: bool, cache: str) -> str:
+    """Alpaca rows of words w0..wN: Zipf-distributed with a deterministic-bigram half, so the loss falls."""
+    from llamafactory_mca.tiny import write_alpaca_dataset
+
+    high = min(w.lengths[2], w.cutoff - TEMPLATE_MARGIN)
+    lengths = (w.lengths[0], min(w.lengths[1], high), high)
+    per_step = max(r.gpus * r.grad_accum * (r.micro_batch * w.cutoff / mean_length(lengths) if r.packing
+                                            else r.micro_batch) for r in w.runs)
+    n_rows = max(16, int(1.3 * per_step * steps) + 8)
+    path = os.path.join(cache, f"data-{w.name}-{_key([lengths, n_rows, w.cutoff, smoke])}")
+    if os.path.isfile(os.path.join(path, ".complete")):
+        return os.path.join(path, "data")
+    rng = np.random.default_rng(1234)
+    words = np.array(_words(smoke))
+    vocab = len(words)
+    probs = 1.0 / (np.arange(vocab) + 10.0)
+    probs /= probs.sum()
+    rows = []
+    for length in row_lengths(lengths, n_rows, rng):
+        ids = rng.choice(vocab, size=int(length), p=probs)
+        follow = rng.random(int(length)) < 0.5
+        for i in np.flatnonzero(follow[1:]) + 1:
+            ids[i] = (ids[i - 1] * 31 + 7) % vocab
+        prompt = max(1, int(length) // 4)
+        rows.append({"instruction": " ".join(words[ids[:prompt]]), "input": "",
+                     "output": " ".join(words[ids[prompt:]])})
+    write_alpaca_dataset(path, 0, name="e2e", rows=rows)
+    open(os.path.join(path, ".complete"), "w").close()
+    return os.path.join(path, "data")
+
+
+# ---- machine and versions -----------------------------------------------------------------------------------------
+def machine_info(smoke: bool) -> dict:
+    probe = ("import json, torch; n = torch.cuda.device_count() if torch.cuda.is_available() else 0; "
+             "print(json.dumps({'count': n, 'names': [torch.cuda.get_device_name(i) for i in range(n)], "
+             "'memory_gib': [round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1) for i in range(n)]}))")
+    env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if smoke else {})}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120,
+                         check=False)
+    gpus = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {"count": 0, "names": []}
+    if not gpus["count"]:
+        gpus.update(names=[], device=f"CPU ({os.cpu_count()} cores, gloo)")
+    else:
+        gpus["device"] = f"{gpus['count']} x {gpus['names'][0]}"
+    return gpus
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    found = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda}
+    for name in ("transformers", "megatron-core", "llamafactory", "llamafactory-mca", "accelerate"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def peak_flops_for(name: str) -> float | None:
+    from llamafactory_mca.trainer.metrics import PEAK_BF16_FLOPS
+
+    for key, value in sorted(PEAK_BF16_FLOPS.items(), key=lambda kv: -len(kv[0])):
+        if key in name:
+            return value
+    return None
+
+
+# ---- one run ------------------------------------------------------------------------------------------------------
+def recipe(w: Workload, run: Run, model_dir: str, data_dir: str, out_dir: str, steps: int, args) -> dict:
+    r = dict(model_name_or_path=model_dir, stage="sft", do_train=True, finetuning_type="full", dataset="e2e",
+             dataset_dir=data_dir, template="qwen3_nothink", cutoff_len=w.cutoff, output_dir=out_dir,
+             overwrite_output_dir=True, per_device_train_batch_size=run.micro_batch,
+             gradient_accumulation_steps=run.grad_accum, max_steps=steps, learning_rate=args.lr,
+             lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, logging_steps=1,
+             save_strategy="no", report_to="none", seed=42, disable_tqdm=True, plot_loss=False,
+             preprocessing_num_workers=1 if args.smoke else 4)
+    r.update({"use_cpu": True} if args.smoke else {"bf16": True})
+    if run.path == "lf":
+        r["flash_attn"] = "sdpa"
+        if run.packing:
+            r["neat_packing"] = True
+        # no moe_aux_loss_coef: LLaMA-Factory's default trains MoE without the load-balancing loss (and with it,
+        # neat_packing's 4-D mask breaks transformers' load_balancing_loss_func); ours keeps the config's 0.001
+    else:
+        r.update(sequence_packing=run.packing, use_distributed_optimizer=True, overlap_grad_reduce=True,
+                 overlap_param_gather=True)
+        if w.model == "moe":
+            r.update(moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall")
+        r.update(run.extra)
+    return r
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _visible_devices(n: int, smoke: bool) -> str:
+    if smoke:
+        return ""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(n)]
+    return ",".join(ids[:n])
+
+
+def launch(run: Run, recipe_path: str, run_dir: str, timeout: int, smoke: bool) -> tuple[str, float]:
+    """Start the run as LLaMA-Factory's launcher would; returns (status, seconds)."""
+    torchrun = run.path == "ours" or run.gpus > 1  # the launcher forces torchrun under USE_MCA=1
+    metrics = os.path.join(run_dir, "metrics")
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--node_rank", "0",
+               "--nproc_per_node", str(run.gpus), "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+               ENTRY, recipe_path]
+    else:
+        cmd = [sys.executable, ENTRY, recipe_path]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("USE_MCA", "LLAMAFACTORY_MCA_", "E2E_BENCH_"))}
+    env.update(NPROC_PER_NODE=str(run.gpus), CUDA_VISIBLE_DEVICES=_visible_devices(run.gpus, smoke),
+               HF_DATASETS_CACHE=os.path.join(run_dir, "datasets_cache"),  # every run tokenizes from scratch
+               E2E_BENCH_OUT=metrics, E2E_BENCH_EXIT="1", E2E_BENCH_PACKED="1" if run.packing else "0")
+    if run.path == "ours":
+        env["USE_MCA"] = "1"
+    if smoke:  # one BLAS thread per process: CPU numbers only check the harness, keep them steady and comparable
+        env["OMP_NUM_THREADS"] = "1"
+    if torchrun:  # what LLaMA-Factory's launcher adds for torchrun (OPTIM_TORCH, on by default)
+        env.update(PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", TORCH_NCCL_AVOID_RECORD_STREAMS="1")
+    with open(recipe_path, encoding="utf-8") as f:
+        settings = f.read()
+    with open(os.path.join(run_dir, "command.txt"), "w", encoding="utf-8") as f:
+        f.write(" ".join(f"{k}={env[k]}" for k in ("USE_MCA", "NPROC_PER_NODE", "CUDA_VISIBLE_DEVICES") if k in env)
+                + " " + " ".join(cmd) + "\n" + settings)
+    start = time.time()
+    env["E2E_BENCH_T0"] = repr(start)
+    with open(os.path.join(run_dir, "log.txt"), "w", encoding="utf-8") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=run_dir,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            return "timeout", time.time() - start
+    return ("ok" if rc == 0 else f"failed (exit {rc})"), time.time() - start
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End the run we started: its process group (torchrun and its ranks), TERM then KILL."""
+    for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _log_problem(run_dir: str) -> tuple[bool, str]:
+    """(out of memory?, the most telling error line) from the run's log."""
+    try:
+        with open(os.path.join(run_dir, "log.txt"), encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return False, ""
+    import re
+
+    oom = any("out of memory" in line.lower() or "OutOfMemoryError" in line for line in lines)
+    raised = re.compile(r"^\s*(\[rank\d+\]:\s*)?([\w.]*(Error|Exception)|Traceback)\b")
+    errors = [line.strip() for line in lines if raised.match(line) and "ChildFailedError" not in line
+              and not line.strip().startswith("Traceback")]
+    return oom, (errors[-1] if errors else (lines[-1].strip() if lines else ""))[:300]
+
+
+def summarize(run_dir: str, run: Run, warmup: int, flops_config, peak: float | None) -> dict:
+    """Throughput, MFU, memory, time to first step and losses from the ranks' files."""
+    from llamafactory_mca.trainer.metrics import flops_per_sequence_set
+
+    ranks = []
+    metrics = os.path.join(run_dir, "metrics")
+    for name in sorted(os.listdir(metrics)) if os.path.isdir(metrics) else []:
+        if name.startswith("rank") and name.endswith(".json"):
+            with open(os.path.join(metrics, name), encoding="utf-8") as f:
+                ranks.append(json.load(f))
+    if not ranks:
+        return {}
+    first = min(ranks, key=lambda r: r["rank"])
+    steps = {s["step"]: dict(s) for s in first["steps"] if "t_end" in s}
+    if first["token_scope"] == "rank":  # LLaMA-Factory path: add the ranks' tokens and sequences
+        for s in steps.values():
+            s["tokens"], s["flops"] = 0, 0.0
+        for r in ranks:
+            for s in r["steps"]:
+                if s["step"] in steps and "tokens" in s:
+                    steps[s["step"]]["tokens"] += s["tokens"]
+                    steps[s["step"]]["flops"] += flops_per_sequence_set(flops_config.transformer,
+                                                                         flops_config.vocab_size, s["seqlens"])
+    result: dict[str, Any] = {
+        "steps_done": len(steps),
+        "first_step_s": round(max(r["first_step_s"] or 0.0 for r in ranks), 1) if first["first_step_s"] else None,
+        "peak_memory_gib": round(max(r["peak_memory_gib"] for r in ranks), 2) or None,
+        "peak_reserved_gib": round(max(r["peak_reserved_gib"] for r in ranks), 2) or None,
+        "losses": [round(steps[k]["loss"], 4) if "loss" in steps[k] else None for k in sorted(steps)],
+    }
+    window = [k for k in sorted(steps) if k > warmup and "tokens" in steps[k]]
+    if warmup in steps and window:
+        seconds = steps[window[-1]]["t_end"] - steps[warmup]["t_end"]
+        tokens = sum(steps[k]["tokens"] for k in window)
+        flops = sum(steps[k]["flops"] for k in window)
+        result.update(measured_steps=len(window), seconds=round(seconds, 3), real_tokens=int(tokens),
+                      tokens_per_second_per_gpu=round(tokens / seconds / run.gpus, 1),
+                      mfu=round(flops / seconds / run.gpus / peak, 4) if peak else None,
+                      step_seconds=round(seconds / len(window), 3))
+        reported = [steps[k].get("self_reported", {}) for k in window]
+        keys = [key for key in ("tokens_per_second_per_gpu", "mfu") if any(key in r for r in reported)]
+        if keys:  # ours: McaTrainer's own log line (timed over train_step only), for cross-checking
+            result["self_reported"] = {key: round(float(np.mean([r[key] for r in reported if key in r])), 4)
+                                       for key in keys}
+    return result
+
+
+def run_workload(w: Workload, args, info: dict, save) -> dict:
+    """Every run of ``w``; ``save(partial result)`` after each, so a cut-off invocation keeps what it measured."""
+    from llamafactory_mca.models.auto import AutoConfig
+
+    steps = args.steps or w.steps
+    warmup = min(args.warmup if args.warmup is not None else w.warmup, steps - 1)
+    layers = args.layers or (2 if args.smoke else 28 if w.model == "dense" else
+                             8 if min(info.get("memory_gib") or [0]) >= 120 else 4)
+    config = model_config(w.model, layers, args.smoke)
+    work = os.path.join(args.work, "smoke" if args.smoke else "gpu")
+    cache = os.path.join(work, "cache")
+    model_dir = prepare_model(config, args.smoke, cache)
+    data_dir = prepare_dataset(w, steps, args.smoke, cache)
+    flops_config = AutoConfig.from_pretrained(model_dir)
+    peak = peak_flops_for(info["names"][0]) if info["names"] else None
+    settings = {"model": ("tiny stand-in for " if args.smoke else "") + LABELS[w.model], "layers": layers, "cutoff_len": w.cutoff, "lengths": list(w.lengths),
+                "steps": steps, "warmup": warmup, "lr": args.lr, "about": w.about, "smoke": args.smoke,
+                "precision": "fp32 (CPU)" if args.smoke else "bf16", "peak_flops": peak,
+                "comparable": _key([config, w.cutoff, list(w.lengths), steps, args.lr, args.smoke,
+                                    info["names"][:1]])}
+    runs = {}
+    result = {"settings": settings, "machine": info, "versions": versions(), "runs": runs}
+    for run in w.runs:
+        if args.paths and run.path not in args.paths:
+            continue
+        record = {"path": run.path, "gpus": run.gpus, "layout": run.layout, "packing": run.packing,
+                  "micro_batch": run.micro_batch, "grad_accum": run.grad_accum}
+        if run.gpus > args.gpus:
+            record["status"] = f"skipped: needs {run.gpus} GPUs, {args.gpus} available"
+            runs[run.name] = record
+            print(f"[e2e] {w.name}/{run.name}: {record['status']}", flush=True)
+            continue
+        run_dir = os.path.join(work, "runs", w.name, run.name)
+        if os.path.isdir(run_dir):
+            import shutil
+
+            shutil.rmtree(run_dir)
+        os.makedirs(run_dir)
+        recipe_path = os.path.join(run_dir, "recipe.yaml")
+        import yaml
+
+        with open(recipe_path, "w", encoding="utf-8") as f:
+            yaml.safe_dump(recipe(w, run, model_dir, data_dir, os.path.join(run_dir, "output"), steps, args), f)
+        print(f"[e2e] {w.name}/{run.name}: {run.layout}, {run.gpus} x {'GPU' if not args.smoke else 'CPU process'}, "
+              f"log {os.path.relpath(os.path.join(run_dir, 'log.txt'))}", flush=True)
+        status, seconds = launch(run, recipe_path, run_dir, args.timeout, args.smoke)
+        record.update(summarize(run_dir, run, warmup, flops_config, peak))
+        oom, problem = _log_problem(run_dir)
+        if status != "ok":
+            record["error"] = problem
+            status = "OOM" if oom else status
+        elif record.get("steps_done", 0) < steps:
+            status = "incomplete"
+        record.update(status=status, wall_s=round(seconds, 1),
+                      log=os.path.relpath(os.path.join(run_dir, "log.txt"), ROOT))
+        runs[run.name] = record
+        print(f"[e2e] {w.name}/{run.name}: {_one_line(record)} ({seconds:.0f} s)", flush=True)
+        save(result | {"finished": time.strftime("%Y-%m-%d %H:%M:%S")})
+    return result | {"finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def _one_line(r: dict) -> str:
+    parts = [r["status"]]
+    if r.get("tokens_per_second_per_gpu") is not None:
+        parts.append(f"{r['tokens_per_second_per_gpu']:,.1f} tok/s/GPU")
+    if r.get("mfu") is not None:
+        parts.append(f"MFU {r['mfu']:.1%}")
+    if r.get("peak_memory_gib"):
+        parts.append(f"peak {r['peak_memory_gib']:.1f} GiB")
+    if r.get("first_step_s") is not None:
+        parts.append(f"first step {r['first_step_s']:.1f} s")
+    losses = [x for x in r.get("losses", []) if x is not None]
+    if losses:
+        parts.append(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    if r.get("error"):
+        parts.append(r["error"][:160])
+    return ", ".join(parts)
+
+
+# ---- targets and the table ----------------------------------------------------------------------------------------
+def _ok(run: dict | None) -> bool:
+    return bool(run) and run.get("status") in ("ok", "timeout", "incomplete") and \
+        bool(run.get("tokens_per_second_per_gpu"))
+
+
+def _tail_loss(run: dict) -> float | None:
+    losses = [x for x in run.get("losses", []) if x is not None]
+    return float(np.mean(losses[-3:])) if losses else None
+
+
+def _ratio_target(label: str, num: dict | None, den: dict | None, goal: float | None, why_missing: str,
+                  percent: bool = False) -> dict:
+    """num / den of tokens/s/GPU against ``goal`` (None: shown for reference, no verdict)."""
+    if not (_ok(num) and _ok(den)):
+        return {"target": label, "measured": why_missing, "met": None}
+    ratio = num["tokens_per_second_per_gpu"] / den["tokens_per_second_per_gpu"]
+    return {"target": label, "measured": f"{ratio:.0%}" if percent else f"{ratio:.2f}x",
+            "met": None if goal is None else ratio >= goal, "value": round(ratio, 4)}
+
+
+def _loss_target(name_a: str, a: dict | None, name_b: str, b: dict | None, tol: float) -> dict | None:
+    if not (a and b and _tail_loss(a) is not None and _tail_loss(b) is not None):
+        return None
+    la, lb = _tail_loss(a), _tail_loss(b)
+    gap = abs(la - lb) / max(abs(la), 1e-9)
+    return {"target": f"same training: loss of the last 3 steps within {tol:.0%} ({name_a} vs {name_b})",
+            "measured": f"{la:.3f} vs {lb:.3f} ({gap:.1%})", "met": gap <= tol, "value": round(gap, 4)}
+
+
+def _curve_target(name_a: str, a: dict | None, name_b: str, b: dict | None, tol: float = 0.02) -> dict | None:
+    """Step-by-step loss curves of two layouts agree within bf16 tolerance."""
+    la, lb = (a or {}).get("losses") or [], (b or {}).get("losses") or []
+    pairs = [(x, y) for x, y in zip(la, lb) if x is not None and y is not None]
+    if not pairs:
+        return None
+    gap = max(abs(x - y) / max(abs(y), 1e-9) for x, y in pairs)
+    return {"target": f"loss curve {name_a} = {name_b} within {tol:.0%} at every step",
+            "measured": f"max gap {gap:.2%} over {len(pairs)} steps", "met": gap <= tol, "value": round(gap, 4)}
+
+
+def targets(name: str, data: dict, everything: dict, tol: float) -> list[dict]:
+    runs = data["runs"]
+    found: list[dict | None] = []
+
+    def other(workload: str, run: str) -> tuple[dict | None, str]:
+        ref = everything.get(workload)
+        if not ref:
+            return None, f"run `--workloads {workload}` for the 1-GPU reference"
+        if ref["settings"]["comparable"] != data["settings"]["comparable"]:
+            return None, f"`{workload}` was run with other shapes/steps; rerun it with the same flags"
+        return ref["runs"].get(run), f"`{workload}/{run}` has no throughput"
+
+    if name in ("dense", "moe"):
+        goal = 1.5 if name == "dense" else 3.0
+        found.append(_ratio_target(f"tokens/s: ours >= {goal:g}x LLaMA-Factory", runs.get("ours"), runs.get("lf"),
+                                   goal, "needs both runs"))
+        if name == "dense":
+            mfu = (runs.get("ours") or {}).get("mfu")
+            found.append({"target": "MFU (ours) >= 45%", "measured": f"{mfu:.1%}" if mfu is not None else "n/a",
+                          "met": (mfu >= 0.45) if mfu is not None else None})
+        else:
+            ours, lf = runs.get("ours") or {}, runs.get("lf") or {}
+            met = None
+            if ours.get("peak_memory_gib") and lf.get("peak_memory_gib"):
+                met = ours["peak_memory_gib"] <= lf["peak_memory_gib"]
+                measured = f"{ours['peak_memory_gib']:.1f} vs {lf['peak_memory_gib']:.1f} GiB"
+            elif ours.get("peak_memory_gib") and lf.get("status") == "OOM":
+                met, measured = True, f"{ours['peak_memory_gib']:.1f} GiB vs LLaMA-Factory OOM"
+            else:
+                measured = "n/a (CPU or a run failed)"
+            found.append({"target": "peak memory: ours <= LLaMA-Factory (same micro-batch)", "measured": measured,
+                          "met": met})
+        found.append(_loss_target("ours", runs.get("ours"), "LF", runs.get("lf"), tol))
+    elif name in ("dp2", "moe_ep2"):
+        base, layout = ("dense", "DP2") if name == "dp2" else ("moe", "EP2")
+        ref, why = other(base, "ours")
+        found.append(_ratio_target(f"tokens/s/GPU: ours {layout} >= 90% of ours on 1 GPU", runs.get("ours"), ref, 0.9,
+                                   why, percent=True))
+        ref, why = other(base, "lf")
+        found.append(_ratio_target("(for reference) LLaMA-Factory DDP2 per GPU vs its 1 GPU", runs.get("lf"), ref,
+                                   None, why, percent=True))
+        found.append(_loss_target("ours", runs.get("ours"), "LF", runs.get("lf"), tol))
+    elif name == "long":
+        found.append(_ratio_target("tokens/s/GPU: ours CP2 >= 90% of ours on 1 GPU", runs.get("ours_cp2"),
+                                   runs.get("ours"), 0.9, "needs both runs", percent=True))
+        lf = runs.get("lf") or {}
+        found.append(_ratio_target("(for reference) ours 1 GPU vs LLaMA-Factory 1 GPU", runs.get("ours"), lf, None,
+                                   f"LLaMA-Factory: {lf.get('status', 'not run')}"))
+        found.append(_loss_target("ours", runs.get("ours"), "LF", lf, tol))
+        found.append(_loss_target("ours CP2", runs.get("ours_cp2"), "ours", runs.get("ours"), tol))
+    elif name == "layouts":
+        for run in ("ours_tp2", "ours_pp2"):
+            found.append(_curve_target(run, runs.get(run), "ours (1 GPU)", runs.get("ours")))
+    elif name.startswith("varlen"):
+        found.append(_ratio_target("effective tokens/s: ours packed >= 1.5x ours padded", runs.get("ours_pack"),
+                                   runs.get("ours_nopack"), 1.5, "needs both runs"))
+        found.append(_ratio_target("effective tokens/s: ours packed >= 1.5x LLaMA-Factory packed (neat_packing)",
+                                   runs.get("ours_pack"), runs.get("lf_pack"), 1.5, "needs both runs"))
+        found.append(_ratio_target("(for reference) LLaMA-Factory packed vs padded", runs.get("lf_pack"),
+                                   runs.get("lf_nopack"), None, "needs both runs"))
+        found.append(_loss_target("ours packed", runs.get("ours_pack"), "LF packed", runs.get("lf_pack"), tol))
+        found.append(_loss_target("ours padded", runs.get("ours_nopack"), "LF padded", runs.get("lf_nopack"), tol))
+    return [t for t in found if t]
+
+
+def _cell(value: Any, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def markdown(results: dict) -> str:
+    lines = ["# End-to-end: LLaMA-Factory's default path vs llamafactory_mca", "",
+             ("Same model shape, data, cutoff, global batch, learning rate and steps per workload. tokens/s/GPU: real "
+              "(non-pad) tokens per second per GPU over the steps after warm-up, step end to step end (data loading "
+              "included). MFU: model FLOPs (`flops_per_sequence_set`: dense, MoE active parameters, causal attention; "
+              "padded rows at their padded length) / time / GPUs / bf16 peak. Peak memory: "
+              "`torch.cuda.max_memory_allocated()` during training, max over ranks. First step: launch to the end of "
+              "step 1 (imports, tokenization, model load included). Loss: step 1 -> last step. See "
+              "benchmarks/README.md."), ""]
+    for name, data in results["workloads"].items():
+        s, m, v = data["settings"], data["machine"], data["versions"]
+        peak = f", bf16 peak {s['peak_flops'] / 1e12:.0f} TFLOPS" if s["peak_flops"] else ""
+        lines += [f"## {name}: {s['model']}, {s['layers']} layers; {s['about']}", "",
+                  (f"{m['device']}{peak}; {s['precision']}; {s['steps']} steps ({s['warmup']} warm-up), lr "
+                   f"{s['lr']:g} constant; torch {v['torch']} (CUDA {v['cuda']}), transformers {v['transformers']}, "
+                   f"megatron-core {v['megatron-core']}, llamafactory {v['llamafactory']}, llamafactory-mca "
+                   f"{v['llamafactory-mca']}; {data['finished']}"), "",
+                  ("| run | path | layout | packing | micro-batch x accum | tokens/s/GPU | MFU | peak mem (GiB) "
+                   "| first step (s) | loss first -> last | status |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for run_name, r in data["runs"].items():
+            path = "LLaMA-Factory (HF Trainer, sdpa)" if r["path"] == "lf" else "llamafactory_mca"
+            packing = ("neat_packing" if r["path"] == "lf" else "sequence_packing") if r["packing"] else "padded"
+            losses = [x for x in r.get("losses", []) if x is not None]
+            loss = f"{losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "-"
+            tps = r.get("tokens_per_second_per_gpu")
+            lines.append(f"| {run_name} | {path} | {r['layout']} | {packing} | {r['micro_batch']} x {r['grad_accum']} "
+                         f"| {_cell(tps, ',.0f' if tps and tps >= 100 else ',.1f')} | {_cell(r.get('mfu'), '.1%')} "
+                         f"| {_cell(r.get('peak_memory_gib'), '.1f')} | {_cell(r.get('first_step_s'), '.1f')} "
+                         f"| {loss} | {r['status']} |")
+        found = data.get("targets") or []
+        if found:
+            lines += ["", "| target | measured | |", "|---|---|---|"]
+            for t in found:
+                mark = "met" if t["met"] else "n/a" if t["met"] is None else "**missed**"
+                lines.append(f"| {t['target']} | {t['measured']} | {mark} |")
+        errors = [(n, r["error"]) for n, r in data["runs"].items() if r.get("error")]
+        for run_name, error in errors:
+            lines.append(f"\n`{run_name}`: {error}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_results(out: str, new: dict, tol: float) -> dict:
+    path = os.path.join(out, "e2e.json")
+    results = {"workloads": {}}
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            results = json.load(f)
+    for name, data in new.items():
+        before = results["workloads"].get(name)
+        if before and before["settings"]["comparable"] == data["settings"]["comparable"]:
+            # same shapes and steps: keep earlier runs this invocation did not redo (--paths, fewer GPUs)
+            runs = dict(before["runs"])
+            runs.update({k: r for k, r in data["runs"].items()
+                         if not (r["status"].startswith("skipped") and k in runs)})
+            data = data | {"runs": runs}
+        results["workloads"][name] = data
+    order = list(workloads(False))
+    results["workloads"] = dict(sorted(results["workloads"].items(),
+                                       key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
+    for name, data in results["workloads"].items():
+        data["targets"] = targets(name, data, results["workloads"], tol)
+    os.makedirs(out, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(out, "e2e.md"), "w", encoding="utf-8") as f:
+        f.write(markdown(results))
+    return results
+
+
+def main(argv: list | None = None) -> None:
+    if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--_make-model":
+        return _make_model(sys.argv[2])
+    names = list(workloads(False))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workloads", default="dense", help=f"comma-separated: {','.join(names)} or all")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 12; long 8)")
+    parser.add_argument("--warmup", type=int, default=None, help="steps left out of the rates (default 4; long 3)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="decoder layers (default 28 for the dense model; MoE: 8 on >=120 GiB GPUs, else 4)")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--paths", default="lf,ours", help="which paths to run: lf,ours")
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs available (default: all visible; smoke: 2)")
+    parser.add_argument("--timeout", type=int, default=420, help="seconds per run before it is stopped")
+    parser.add_argument("--loss-tol", type=float, default=0.05, help="relative gap allowed between final losses")
+    parser.add_argument("--out", default=None, help="e2e.json + e2e.md merge here (default benchmarks/results; "
+                                                   "smoke: benchmarks/results/smoke)")
+    parser.add_argument("--work", default=os.path.join(ROOT, "benchmarks", "runs", "e2e"),
+                        help="models, data and run logs (cached between invocations)")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (gloo, fp32): checks the harness")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="E2E_JSON",
+                        help="run nothing: merge these e2e.json files (later ones win) into --out, redraw the table")
+    args = parser.parse_args(argv)
+    if args.merge:
+        args.out = args.out or os.path.join(ROOT, "benchmarks", "results")
+        for path in args.merge:
+            with open(path, encoding="utf-8") as f:
+                results = write_results(args.out, json.load(f)["workloads"], args.loss_tol)
+        print(markdown(results))
+        return None
+    chosen = names if args.workloads == "all" else [n.strip() for n in args.workloads.split(",") if n.strip()]
+    unknown = sorted(set(chosen) - set(names))
+    if unknown:
+        parser.error(f"unknown workloads {unknown}; choose from {names}")
+    args.paths = {p.strip() for p in args.paths.split(",") if p.strip()}
+    args.out = args.out or os.path.join(ROOT, "benchmarks", "results", *(["smoke"] if args.smoke else []))
+    info = machine_info(args.smoke)
+    if not info["count"] and not args.smoke:
+        parser.error("no CUDA GPU visible: the benchmark needs one (use --smoke to check the harness on CPU)")
+    args.gpus = args.gpus or (2 if args.smoke else info["count"])
+    specs = workloads(args.smoke)
+    results = {}
+    for name in chosen:
+        def save(partial: dict, name: str = name) -> dict:
+            return write_results(args.out, {name: partial}, args.loss_tol)
+
+        results = save(run_workload(specs[name], args, info, save))
+    print(markdown({"workloads": {n: results["workloads"][n] for n in chosen}}))
+    print(f"[e2e] wrote {os.path.join(args.out, 'e2e.json')} and e2e.md")
+
+
+if __name__ == "__main__":
+    main()
