@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# What we run on the GPU machine (one H200 pair), phase by phase; each phase fits one 10-minute remote command.
+#   bash benchmarks/run_gpu.sh <phase> <out_dir>
+# Single-GPU workloads run two at a time, one per GPU, to halve the wall time; two-GPU workloads run alone.
+set -uo pipefail
+phase=$1
+out=${2:-benchmarks/results/gpu}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+bench() {  # bench <gpus> <name> <args...>
+  local gpus=$1 name=$2; shift 2
+  CUDA_VISIBLE_DEVICES=$gpus python3 benchmarks/e2e_bench.py --out "$out/$name" --work "/tmp/e2e_$name" \
+    --steps 10 --warmup 3 "$@" >> "$out/$name.log" 2>&1
+  echo "== $name: exit $?"; tail -n 4 "$out/$name.log"
+}
+check() {  # the trainer on GPUs end to end (DP2, distributed optimizer, merge, generate) and the GPU tests
+  llamafactory-mca demo --output_dir /tmp/demo > "$out/demo.log" 2>&1; echo "== demo: exit $?"; tail -n 4 "$out/demo.log"
+  python3 -m pytest tests/gpu -q -p no:cacheprovider > "$out/gpu_tests.log" 2>&1; echo "== gpu tests: exit $?"
+  tail -n 3 "$out/gpu_tests.log"
+}
+case $phase in
+  check) check ;;
+  single)  # check, then one GPU each: dense and MoE side by side
+    check
+    bench 0 g0 --workloads dense --gpus 1 & bench 1 g1 --workloads moe --gpus 1 & wait ;;
+  varlen)
+    bench 0 g0 --workloads varlen --gpus 1 ;;
+  pair)  # two GPUs: layouts (1 GPU, TP2, PP2), DP2 and EP2 of our path
+    bench 0,1 g2 --workloads layouts --gpus 2 --paths ours
+    bench 0,1 g2 --workloads dp2,moe_ep2 --gpus 2 --paths ours ;;
+  long)
+    bench 0,1 g3 --workloads long --gpus 2 ;;
+esac
