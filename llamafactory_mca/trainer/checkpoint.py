@@ -93,9 +93,49 @@ def _layout_key() -> tuple[int, int]:
     return ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
 
 
+def _inner_optimizers(optimizer: Any) -> list:
+    return [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+            if isinstance(getattr(opt, "optimizer", None), torch.optim.Optimizer)]
+
+
+def optimizer_step_count(optimizer: Any) -> Optional[float]:
+    for inner in _inner_optimizers(optimizer):
+        for state in inner.state.values():
+            if "step" in state:
+                return float(state["step"])
+    return None
+
+
+def _restore_step_count(optimizer: Any, step: Optional[float]) -> None:
+    """megatron-core 0.16.1's distributed optimizer without apex/TE reloads Adam's step counter as 0 (its
+    per-group step does not survive the dp-reshardable round trip), which changes the bias correction of
+    the first update after a resume. We save the counter ourselves and put it back."""
+    if step is None:
+        return
+    for inner in _inner_optimizers(optimizer):
+        for state in inner.state.values():
+            if "step" in state:
+                state["step"] = torch.tensor(float(step), dtype=state["step"].dtype, device=state["step"].device)
+
+
+def _init_optimizer_state(optimizer: Any) -> None:
+    """A fresh optimizer has no state yet; Megatron's distributed optimizer (without apex/TE) needs its moments and
+    step counter to describe what it will load."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            continue
+        if getattr(opt, "init_state_fn", None) is not None:
+            opt.init_state_fn(inner, opt.config)
+        for state in inner.state.values():
+            state.setdefault("step", torch.tensor(0.0))
+
+
 def _state(model: Any, optimizer: Any, is_loading: bool) -> dict:
     state = model.sharded_state_dict()
     if optimizer is not None:
+        if is_loading:
+            _init_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=_OPTIM_METADATA)
     return state
 
@@ -118,7 +158,8 @@ def save_checkpoint(output_dir: str, step: int, model: Any, optimizer: Any, trai
     torch.distributed.barrier()
     state = _state(model, optimizer, is_loading=False)
     state["rng_state"] = _rng_object(_layout_key())
-    state["trainer"] = {**trainer_state, "layout_key": list(_layout_key())}
+    state["trainer"] = {**trainer_state, "layout_key": list(_layout_key()),
+                        "optimizer_step": optimizer_step_count(optimizer) if optimizer is not None else None}
     strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), _dp_group())
     dist_checkpointing.save(state, os.path.join(tmp, DIST_DIR), sharded_strategy=strategy)
     torch.distributed.barrier()
@@ -146,7 +187,9 @@ def load_checkpoint(path: str, model: Any, optimizer: Optional[Any]) -> dict:
     for i, chunk in enumerate(model.chunks):
         chunk.load_state_dict(loaded["model" if len(model.chunks) == 1 else f"model{i}"], strict=False)
     if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
+        with torch.no_grad():  # fp32 runs: main params are the model's leaf parameters, copied into in place
+            optimizer.load_state_dict(loaded["optimizer"])
+        _restore_step_count(optimizer, trainer_state.get("optimizer_step"))
     if same_layout and "rng_state" in loaded:
         rng = loaded["rng_state"]
         __import__("random").setstate(rng["random"])

@@ -250,10 +250,9 @@ class McaTrainer:
         local = torch.tensor([sum(b.num_real_tokens for b in micro_batches),
                               sum(flops_per_sequence_set(t, vocab, b.seqlens) for b in micro_batches)],
                              dtype=torch.float64, device=self.device)
-        if ps.is_pipeline_first_stage() and ps.get_tensor_model_parallel_rank() == 0 and \
-                ps.get_context_parallel_rank() == 0:
-            torch.distributed.all_reduce(local, group=ps.get_data_parallel_group())
-        else:
+        # one contributor per data-parallel replica: the first stage's TP/CP rank 0 (each holds its own rows)
+        if not (ps.is_pipeline_first_stage() and ps.get_tensor_model_parallel_rank() == 0
+                and ps.get_context_parallel_rank() == 0):
             local.zero_()
         torch.distributed.all_reduce(local)
         return local[0].item(), local[1].item()
