@@ -27,6 +27,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per packed micro-batch")
+    parser.add_argument("--micro", type=int, default=8, help="micro-batches per step")
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29671")
@@ -45,7 +47,7 @@ def main() -> None:
 
     shape = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=args.layers, num_attention_heads=16,
                  num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)
-    tokens, seqs, micro = 4096, 4, 8
+    tokens, seqs, micro = args.tokens, 4, args.micro
     if args.smoke:
         shape.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=16, vocab_size=512)
@@ -114,7 +116,7 @@ def main() -> None:
              "## Top operations by self CPU time", "", "```",
              events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70), "```"]
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "profile.md"), "w", encoding="utf-8") as f:
+    with open(os.path.join(args.out, f"profile_{tokens}x{micro}.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
     print("\n".join(lines[:8]))
     parallel.destroy()
