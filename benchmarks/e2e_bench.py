@@ -424,7 +424,8 @@ def run_workload(w: Workload, args, info: dict, save) -> dict:
     data_dir = prepare_dataset(w, steps, args.smoke, cache)
     flops_config = AutoConfig.from_pretrained(model_dir)
     peak = peak_flops_for(info["names"][0]) if info["names"] else None
-    settings = {"model": ("tiny stand-in for " if args.smoke else "") + LABELS[w.model], "layers": layers, "cutoff_len": w.cutoff, "lengths": list(w.lengths),
+    settings = {"model": ("tiny stand-in for " if args.smoke else "") + LABELS[w.model], "layers": layers,
+                "cutoff_len": w.cutoff, "lengths": list(w.lengths),
                 "steps": steps, "warmup": warmup, "lr": args.lr, "about": w.about, "smoke": args.smoke,
                 "precision": "fp32 (CPU)" if args.smoke else "bf16", "peak_flops": peak,
                 "comparable": _key([config, w.cutoff, list(w.lengths), steps, args.lr, args.smoke,

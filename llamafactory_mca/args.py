@@ -13,7 +13,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import Any
 
 import transformers
 
@@ -59,50 +59,50 @@ class DistributingParallelArguments:
 
     tensor_model_parallel_size: int = field(default=1, metadata={"help": "Tensor parallel size (TP)."})
     pipeline_model_parallel_size: int = field(default=1, metadata={"help": "Pipeline parallel size (PP)."})
-    virtual_pipeline_model_parallel_size: Optional[int] = field(
+    virtual_pipeline_model_parallel_size: int | None = field(
         default=None, metadata={"help": "Model chunks per pipeline stage (VPP, interleaved schedule)."}
     )
     context_parallel_size: int = field(default=1, metadata={"help": "Context parallel size (CP)."})
     expert_model_parallel_size: int = field(default=1, metadata={"help": "Expert parallel size (EP)."})
-    expert_tensor_parallel_size: Optional[int] = field(
+    expert_tensor_parallel_size: int | None = field(
         default=None, metadata={"help": "Tensor parallel size inside expert layers (ETP); default 1."}
     )
     sequence_parallel: bool = field(default=False, metadata={"help": "Sequence parallelism (needs TP > 1)."})
-    pipeline_model_parallel_layout: Optional[str] = field(
+    pipeline_model_parallel_layout: str | None = field(
         default=None,
         metadata={"help": "Megatron layout string, e.g. 'Et*3|t*3L'; its stage count sets the virtual size."},
     )
-    recompute_granularity: Optional[str] = field(default=None, metadata={"help": "full or selective."})
-    recompute_method: Optional[str] = field(default=None, metadata={"help": "uniform or block (full only)."})
-    recompute_num_layers: Optional[int] = field(default=None, metadata={"help": "Layers per recompute unit."})
-    recompute_modules: Optional[str] = field(
+    recompute_granularity: str | None = field(default=None, metadata={"help": "full or selective."})
+    recompute_method: str | None = field(default=None, metadata={"help": "uniform or block (full only)."})
+    recompute_num_layers: int | None = field(default=None, metadata={"help": "Layers per recompute unit."})
+    recompute_modules: str | None = field(
         default=None, metadata={"help": f"Selective recompute modules, list or comma-separated: {RECOMPUTE_MODULES}."}
     )
-    moe_layer_recompute: Optional[bool] = field(default=None, metadata={"help": "Recompute whole MoE layers."})
-    bias_activation_fusion: Optional[bool] = field(default=None, metadata={"help": "Fuse bias + activation."})
-    apply_rope_fusion: Optional[bool] = field(default=None, metadata={"help": "Fused RoPE (needs TE)."})
-    moe_token_dispatcher_type: Optional[str] = field(default=None, metadata={"help": "allgather or alltoall."})
-    moe_router_load_balancing_type: Optional[str] = field(default=None, metadata={"help": f"{LOAD_BALANCING}."})
-    moe_aux_loss_coeff: Optional[float] = field(default=None, metadata={"help": "Load-balancing loss weight."})
-    moe_z_loss_coeff: Optional[float] = field(default=None, metadata={"help": "Router z-loss weight."})
-    moe_grouped_gemm: Optional[bool] = field(default=None, metadata={"help": "Run local experts as one grouped GEMM."})
-    moe_expert_capacity_factor: Optional[float] = field(default=None, metadata={"help": "Token drop capacity."})
-    moe_token_drop_policy: Optional[str] = field(default=None, metadata={"help": "probs or position."})
-    moe_pad_expert_input_to_capacity: Optional[bool] = field(default=None, metadata={"help": "Pad to capacity."})
-    moe_shared_expert_overlap: Optional[bool] = field(default=None, metadata={"help": "Overlap shared experts."})
-    moe_router_dtype: Optional[str] = field(default=None, metadata={"help": "fp32 or fp64 router math."})
-    mtp_num_layers: Optional[int] = field(default=None, metadata={"help": "Multi-token-prediction layers."})
-    calculate_per_token_loss: Optional[bool] = field(default=None, metadata={"help": "Per-token loss scaling."})
-    variable_seq_lengths: Optional[bool] = field(
+    moe_layer_recompute: bool | None = field(default=None, metadata={"help": "Recompute whole MoE layers."})
+    bias_activation_fusion: bool | None = field(default=None, metadata={"help": "Fuse bias + activation."})
+    apply_rope_fusion: bool | None = field(default=None, metadata={"help": "Fused RoPE (needs TE)."})
+    moe_token_dispatcher_type: str | None = field(default=None, metadata={"help": "allgather or alltoall."})
+    moe_router_load_balancing_type: str | None = field(default=None, metadata={"help": f"{LOAD_BALANCING}."})
+    moe_aux_loss_coeff: float | None = field(default=None, metadata={"help": "Load-balancing loss weight."})
+    moe_z_loss_coeff: float | None = field(default=None, metadata={"help": "Router z-loss weight."})
+    moe_grouped_gemm: bool | None = field(default=None, metadata={"help": "Run local experts as one grouped GEMM."})
+    moe_expert_capacity_factor: float | None = field(default=None, metadata={"help": "Token drop capacity."})
+    moe_token_drop_policy: str | None = field(default=None, metadata={"help": "probs or position."})
+    moe_pad_expert_input_to_capacity: bool | None = field(default=None, metadata={"help": "Pad to capacity."})
+    moe_shared_expert_overlap: bool | None = field(default=None, metadata={"help": "Overlap shared experts."})
+    moe_router_dtype: str | None = field(default=None, metadata={"help": "fp32 or fp64 router math."})
+    mtp_num_layers: int | None = field(default=None, metadata={"help": "Multi-token-prediction layers."})
+    calculate_per_token_loss: bool | None = field(default=None, metadata={"help": "Per-token loss scaling."})
+    variable_seq_lengths: bool | None = field(
         default=None, metadata={"help": "Micro-batches of different lengths (set automatically when needed)."}
     )
-    fp8: Optional[str] = field(default=None, metadata={"help": "fp8 format: e4m3 or hybrid (needs TE)."})
-    fp8_recipe: Optional[str] = field(default=None, metadata={"help": f"fp8 recipe: {FP8_RECIPES}."})
-    fp8_param: Optional[bool] = field(default=None, metadata={"help": "Keep parameters in fp8."})
-    attention_backend: Optional[str] = field(
+    fp8: str | None = field(default=None, metadata={"help": "fp8 format: e4m3 or hybrid (needs TE)."})
+    fp8_recipe: str | None = field(default=None, metadata={"help": f"fp8 recipe: {FP8_RECIPES}."})
+    fp8_param: bool | None = field(default=None, metadata={"help": "Keep parameters in fp8."})
+    attention_backend: str | None = field(
         default=None, metadata={"help": f"{ATTENTION_BACKENDS}; auto picks TE or the native kernels."}
     )
-    additional_configs: Optional[str] = field(
+    additional_configs: str | None = field(
         default=None, metadata={"help": "Extra TransformerConfig fields: a dict, a JSON string or a JSON file path."}
     )
 
@@ -112,7 +112,7 @@ class DistributingParallelArguments:
         self._check_parallel_arguments()
 
     @staticmethod
-    def _load_additional_configs(value: Any) -> Optional[dict]:
+    def _load_additional_configs(value: Any) -> dict | None:
         if value is None or isinstance(value, dict):
             return value
         if isinstance(value, str) and value.strip().startswith("{"):
@@ -167,7 +167,8 @@ class DistributingParallelArguments:
         if self.virtual_pipeline_model_parallel_size is not None and self.virtual_pipeline_model_parallel_size > 1:
             _require(pp > 1,
                      f"virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size} needs "
-                     "pipeline_model_parallel_size > 1 (got 1). Raise pipeline_model_parallel_size or drop the VPP size.")
+                     "pipeline_model_parallel_size > 1 (got 1). Raise pipeline_model_parallel_size or drop the "
+                     "VPP size.")
         if self.virtual_pipeline_model_parallel_size == 1:
             self.virtual_pipeline_model_parallel_size = None
 
@@ -181,11 +182,13 @@ class DistributingParallelArguments:
             for name in ("recompute_method", "recompute_num_layers", "recompute_modules"):
                 _require(getattr(self, name) is None,
                          f"{name}={getattr(self, name)!r} has no effect without recompute_granularity. "
-                         "Set recompute_granularity: full (with recompute_method) or selective (with recompute_modules).")
+                         "Set recompute_granularity: full (with recompute_method) or selective (with "
+                         "recompute_modules).")
             return
         if granularity == "full":
             _require(self.recompute_modules is None,
-                     f"recompute_modules={self.recompute_modules} applies to recompute_granularity=selective, not full. "
+                     f"recompute_modules={self.recompute_modules} applies to recompute_granularity=selective, "
+                     "not full. "
                      "Drop recompute_modules or use recompute_granularity: selective.")
             # Megatron needs both; the guide's recipes give only the granularity: recompute every layer.
             if self.recompute_method is None and self.recompute_num_layers is None:
@@ -250,7 +253,7 @@ class MegatronArguments(DistributingParallelArguments):
     overlap_grad_reduce: bool = field(default=False, metadata={"help": "Overlap gradient reduce with backward."})
     delay_grad_reduce: bool = field(default=True, metadata={"help": "Delay grad reduce to the last micro-batch."})
     overlap_param_gather: bool = field(default=False, metadata={"help": "Overlap parameter all-gather (dist opt)."})
-    ddp_bucket_size: Optional[int] = field(default=None, metadata={"help": "DDP bucket size in elements."})
+    ddp_bucket_size: int | None = field(default=None, metadata={"help": "DDP bucket size in elements."})
     ddp_average_in_collective: bool = field(default=False, metadata={"help": "Average in the collective."})
     check_for_nan_in_loss_and_grad: bool = field(default=True, metadata={"help": "Skip steps with inf/nan grads."})
     optimizer: str = field(default="adam", metadata={"help": "adam or sgd."})
@@ -268,12 +271,13 @@ class MegatronArguments(DistributingParallelArguments):
                      "overlap_param_gather.")
         if self.optimizer_cpu_offload:
             _require(self.use_distributed_optimizer,
-                     "optimizer_cpu_offload=True needs use_distributed_optimizer=True (Megatron's hybrid CPU optimizer).")
+                     "optimizer_cpu_offload=True needs use_distributed_optimizer=True (Megatron's hybrid CPU "
+                     "optimizer).")
         if self.ddp_bucket_size is not None:
             _require(self.ddp_bucket_size > 0, f"ddp_bucket_size={self.ddp_bucket_size} must be positive.")
 
     @classmethod
-    def from_json_file(cls, path: str) -> "MegatronArguments":
+    def from_json_file(cls, path: str) -> MegatronArguments:
         """Rebuild the arguments a run saved with ``to_json_file`` (unknown keys are ignored)."""
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -302,7 +306,7 @@ class _HostCompatArguments:
 
     overwrite_output_dir: bool = field(default=False, metadata={"help": "Deprecated; accepted for old recipes."})
     enable_torch_profiler: bool = field(default=False, metadata={"help": "Collect torch profiler traces."})
-    profiler_output_dir: Optional[str] = field(default=None, metadata={"help": "Where profiler traces go."})
+    profiler_output_dir: str | None = field(default=None, metadata={"help": "Where profiler traces go."})
     profiler_wait_steps: int = field(default=1, metadata={"help": "Profiler wait steps."})
     profiler_warmup_steps: int = field(default=1, metadata={"help": "Profiler warm-up steps."})
     profiler_active_steps: int = field(default=1, metadata={"help": "Profiler active steps."})
@@ -310,7 +314,7 @@ class _HostCompatArguments:
     profiler_record_shapes: bool = field(default=True, metadata={"help": "Record shapes."})
     profiler_profile_memory: bool = field(default=True, metadata={"help": "Profile memory."})
     profiler_with_stack: bool = field(default=True, metadata={"help": "Record stacks."})
-    profile_modules: Optional[str] = field(default=None, metadata={"help": "Module patterns to time."})
+    profile_modules: str | None = field(default=None, metadata={"help": "Module patterns to time."})
     fp8_enable_fsdp_float8_all_gather: bool = field(default=False, metadata={"help": "Unused under MCA."})
 
 
@@ -334,7 +338,7 @@ class _McaTrainingMixin:
             self.use_cpu = True  # no GPU: gloo, and Hugging Face's bf16-needs-a-GPU check stays quiet
         hf_cls.__post_init__(self)
 
-    def resolve_layout(self, world_size: Optional[int] = None, seq_length: Optional[int] = None):
+    def resolve_layout(self, world_size: int | None = None, seq_length: int | None = None):
         """The second check, once the world size is known: see ``parallel.ParallelLayout``."""
         from .parallel import ParallelLayout
 

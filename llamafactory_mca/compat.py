@@ -7,12 +7,12 @@ dropped when that version is no longer supported.
 from __future__ import annotations
 
 import importlib.util
-from functools import lru_cache
+from functools import cache
 
 from packaging.version import Version
 
 
-@lru_cache(maxsize=None)
+@cache
 def has_transformer_engine() -> bool:
     """True when Transformer Engine's PyTorch bindings import (not merely a stub on the path)."""
     if importlib.util.find_spec("transformer_engine") is None:

@@ -74,7 +74,7 @@ class _Stream:
     def wait_event(self, *args: Any) -> None:
         pass
 
-    def record_event(self, event: Any = None) -> "_Event":
+    def record_event(self, event: Any = None) -> _Event:
         return event or _Event()
 
     def synchronize(self) -> None:

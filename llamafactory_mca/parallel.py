@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -23,7 +23,7 @@ class ParallelLayout:
     world_size: int
     tp: int
     pp: int
-    vpp: Optional[int]
+    vpp: int | None
     cp: int
     ep: int
     etp: int
@@ -31,7 +31,7 @@ class ParallelLayout:
     expert_dp: int
     micro_batch_size: int
     grad_accum: int
-    seq_length: Optional[int] = None
+    seq_length: int | None = None
 
     @property
     def global_batch_size(self) -> int:
@@ -39,7 +39,7 @@ class ParallelLayout:
         return self.dp * self.micro_batch_size * self.grad_accum
 
     @property
-    def tokens_per_step(self) -> Optional[int]:
+    def tokens_per_step(self) -> int | None:
         return None if self.seq_length is None else self.global_batch_size * self.seq_length
 
     @property
@@ -54,8 +54,8 @@ class ParallelLayout:
                 f"dp={self.dp} (expert dp={self.expert_dp})")
 
     @classmethod
-    def from_args(cls, args: Any, world_size: Optional[int] = None, seq_length: Optional[int] = None
-                  ) -> "ParallelLayout":
+    def from_args(cls, args: Any, world_size: int | None = None, seq_length: int | None = None
+                  ) -> ParallelLayout:
         world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
         tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
         ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or 1
@@ -64,12 +64,14 @@ class ParallelLayout:
             raise ValueError(
                 f"tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} x context_parallel_size={cp} "
                 f"= {model_parallel} does not divide the world size {world_size}. Choose sizes whose product divides "
-                f"the number of processes (NPROC_PER_NODE x NNODES), or launch a multiple of {model_parallel} processes."
+                f"the number of processes (NPROC_PER_NODE x NNODES), or launch a multiple of {model_parallel} "
+                "processes."
             )
         expert_parallel = ep * etp * pp
         if world_size % expert_parallel:
             raise ValueError(
-                f"expert_model_parallel_size={ep} x expert_tensor_parallel_size={etp} x pipeline_model_parallel_size={pp}"
+                f"expert_model_parallel_size={ep} x expert_tensor_parallel_size={etp} x "
+                f"pipeline_model_parallel_size={pp}"
                 f" = {expert_parallel} does not divide the world size {world_size}; the expert layers cannot be laid "
                 "out. Lower expert_model_parallel_size or launch more processes."
             )
@@ -79,7 +81,8 @@ class ParallelLayout:
         vpp = args.virtual_pipeline_model_parallel_size
         if vpp and pp > 1 and accum % pp:
             raise ValueError(
-                f"gradient_accumulation_steps={accum} must be a multiple of pipeline_model_parallel_size={pp} with the "
+                f"gradient_accumulation_steps={accum} must be a multiple of pipeline_model_parallel_size={pp} "
+                "with the "
                 f"interleaved schedule (virtual_pipeline_model_parallel_size={vpp}). Use gradient_accumulation_steps="
                 f"{-(-accum // pp) * pp}."
             )

@@ -17,7 +17,6 @@ import logging
 import os
 import sys
 import types
-from typing import Optional
 
 
 logger = logging.getLogger("llamafactory_mca")
@@ -38,7 +37,7 @@ def env_enabled(name: str) -> bool:
 
 
 class _AliasLoader(importlib.abc.Loader):
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[types.ModuleType]:
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
         return None  # default module creation
 
     def exec_module(self, module: types.ModuleType) -> None:
@@ -87,7 +86,7 @@ class McaFinder(importlib.abc.MetaPathFinder):
     """Answers ``mcore_adapter`` and ``llamafactory.train.mca`` with llamafactory_mca's modules, and guards
     LLaMA-Factory's argument parser."""
 
-    def find_spec(self, fullname: str, path=None, target=None) -> Optional[importlib.machinery.ModuleSpec]:
+    def find_spec(self, fullname: str, path=None, target=None) -> importlib.machinery.ModuleSpec | None:
         if fullname == PARSER_NAME:
             spec = importlib.machinery.PathFinder.find_spec(fullname, path)
             if spec is not None and spec.loader is not None:
@@ -98,7 +97,7 @@ class McaFinder(importlib.abc.MetaPathFinder):
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(), is_package=True)
 
 
-def _other_mcore_adapter() -> Optional[str]:
+def _other_mcore_adapter() -> str | None:
     """Where a separately installed (ROLL) mcore_adapter lives, if any."""
     for finder in sys.meta_path:
         if isinstance(finder, McaFinder) or not hasattr(finder, "find_spec"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -79,7 +79,8 @@ def _check_model_fits(config: Any, cutoff_len: int) -> None:
     if config.sliding_window is not None and cutoff_len > config.sliding_window:
         raise ValueError(f"{config.hf_model_type}: the model uses sliding-window attention (window "
                          f"{config.sliding_window}), which llamafactory_mca does not implement; it matches full "
-                         f"attention only when sequences fit in the window. Set cutoff_len <= {config.sliding_window}.")
+                         f"attention only when sequences fit in the window. Set cutoff_len <= "
+                         f"{config.sliding_window}.")
 
 
 def _packing_request(data_args: Any, training_args: Any) -> tuple[bool, int]:
@@ -117,7 +118,7 @@ def _load_rows(stage: str, template: Any, model_args: Any, data_args: Any, train
         data_args.cutoff_len, data_args.packing, data_args.neat_packing = saved
 
 
-def _side_files(config: Any, layout: Any, tokenizer_module: dict, grouped: Optional[bool]):
+def _side_files(config: Any, layout: Any, tokenizer_module: dict, grouped: bool | None):
     """What each checkpoint carries besides weights: configs, layout, tokenizer, processor."""
     from .models.convert import write_layout
     from .models.hf_io import write_hf_config
@@ -189,7 +190,8 @@ def _run(stage: str, model_args, data_args, training_args, finetuning_args, call
     tokenizer = tokenizer_module["tokenizer"]
     template = get_template_and_fix_tokenizer(tokenizer, data_args)
     if len(tokenizer) > config.vocab_size:
-        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {config.vocab_size}: "
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                         f"{config.vocab_size}: "
                          "resizing embeddings is not supported with USE_MCA=1. Use a tokenizer that fits the model "
                          "(or resize and save the model with transformers first).")
     dataset_module = _load_rows(stage, template, model_args, data_args, training_args, tokenizer_module, cutoff_len)

@@ -1,8 +1,6 @@
 """The argument layer: the guide's recipe parses three ways, bad combinations fail loudly, layouts check out."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import yaml

@@ -227,7 +227,8 @@ def format_stats(stats: dict[str, Any]) -> str:
     return (
         f"data ({stats['kind']}): {stats['rows']} rows, {stats['rows_kept']} kept "
         f"(dropped {stats['rows_dropped_empty']} empty, {stats['rows_dropped_no_loss']} without loss tokens; "
-        f"{stats['rows_truncated']} reach cutoff_len and were truncated), {stats['tokens']} tokens ({stats['loss_tokens']} with loss), "
+        f"{stats['rows_truncated']} reach cutoff_len and were truncated), {stats['tokens']} tokens "
+        f"({stats['loss_tokens']} with loss), "
         f"{stats['micro_batches']} micro-batches per epoch ({layout}), "
         f"efficiency {100 * stats['packing_efficiency']:.1f}% real tokens"
     )

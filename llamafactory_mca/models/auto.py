@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 DIST_DIR = "dist_ckpt"  # where a checkpoint folder keeps its Megatron dist checkpoint
 
 
-def dist_checkpoint_dir(path: str) -> Optional[str]:
+def dist_checkpoint_dir(path: str) -> str | None:
     """The dist-checkpoint folder of one of our checkpoints (``path`` itself or ``path/dist_ckpt``)."""
     for candidate in (os.path.join(path, DIST_DIR), path):
         if os.path.isfile(os.path.join(candidate, "metadata.json")):
@@ -110,12 +110,12 @@ class McaModel:
             for name, param in chunk.named_parameters():
                 yield (f"chunk{i}.{name}" if len(self.chunks) > 1 else name), param
 
-    def train(self, mode: bool = True) -> "McaModel":
+    def train(self, mode: bool = True) -> McaModel:
         for chunk in self.chunks:
             chunk.train(mode)
         return self
 
-    def eval(self) -> "McaModel":
+    def eval(self) -> McaModel:
         return self.train(False)
 
     def sharded_state_dict(self) -> dict[str, Any]:
@@ -143,7 +143,7 @@ class McaModel:
         for i, chunk in enumerate(self.chunks):
             chunk.load_state_dict(state["model" if len(self.chunks) == 1 else f"model{i}"], strict=False)
 
-    def save_pretrained(self, directory: str, dtype: Optional[torch.dtype] = None) -> None:
+    def save_pretrained(self, directory: str, dtype: torch.dtype | None = None) -> None:
         """Hugging Face safetensors + config.json, gathered from every rank (all ranks must call it).
 
         Writes a dist checkpoint beside the target and merges it on rank 0 — the same streaming path as

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -31,8 +31,8 @@ class McaConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     rotary_base: float = 10000.0
-    rope_parameters: Optional[dict[str, Any]] = None  # HF rope dict, replayed for inv_freq (llama3, linear)
-    sliding_window: Optional[int] = None  # only valid when every training sequence fits inside it
+    rope_parameters: dict[str, Any] | None = None  # HF rope dict, replayed for inv_freq (llama3, linear)
+    sliding_window: int | None = None  # only valid when every training sequence fits inside it
     hf_config: dict[str, Any] = field(default_factory=dict)  # the source config.json, for the way back
 
     # ---- persistence -------------------------------------------------------------------------------------------
@@ -42,7 +42,7 @@ class McaConfig:
             json.dump(dataclasses.asdict(self), f, indent=2, sort_keys=True)
 
     @classmethod
-    def from_json_file(cls, path: str) -> "McaConfig":
+    def from_json_file(cls, path: str) -> McaConfig:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
         names = {f.name for f in dataclasses.fields(cls)}
@@ -54,7 +54,7 @@ class McaConfig:
         return self.transformer["num_layers"]
 
     @property
-    def num_experts(self) -> Optional[int]:
+    def num_experts(self) -> int | None:
         return self.transformer.get("num_moe_experts")
 
     def padded_vocab_size(self, tensor_parallel_size: int) -> int:
@@ -82,7 +82,7 @@ class McaConfig:
         return TransformerConfig(**kwargs)
 
 
-def rope_settings(hf_config: Any) -> tuple[float, Optional[dict[str, Any]]]:
+def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     """(rope theta, scaling dict or None) from a transformers 4.x or 5.x config."""
     params = getattr(hf_config, "rope_parameters", None)
     if params is None:  # transformers 4.x
@@ -98,7 +98,7 @@ def rope_settings(hf_config: Any) -> tuple[float, Optional[dict[str, Any]]]:
 SUPPORTED_ROPE = ("default", "linear", "llama3")
 
 
-def rope_inv_freq(config: McaConfig, head_dim: int) -> Optional[torch.Tensor]:
+def rope_inv_freq(config: McaConfig, head_dim: int) -> torch.Tensor | None:
     """HF's inverse frequencies for scaled RoPE kinds; None for plain RoPE (Megatron computes the same)."""
     if not config.rope_parameters:
         return None
@@ -106,7 +106,8 @@ def rope_inv_freq(config: McaConfig, head_dim: int) -> Optional[torch.Tensor]:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     kind = config.rope_parameters.get("rope_type", config.rope_parameters.get("type"))
-    hf = HfAutoConfig.for_model(config.hf_model_type, **{k: v for k, v in config.hf_config.items() if k != "model_type"})
+    fields = {k: v for k, v in config.hf_config.items() if k != "model_type"}
+    hf = HfAutoConfig.for_model(config.hf_model_type, **fields)
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](hf, torch.device("cpu"))
     if attention_scaling != 1.0:
         raise ValueError(f"rope_type={kind!r} scales attention by {attention_scaling}; not supported.")
@@ -116,7 +117,7 @@ def rope_inv_freq(config: McaConfig, head_dim: int) -> Optional[torch.Tensor]:
     return inv_freq.float()
 
 
-def check_rope(model_type: str, rope_parameters: Optional[dict[str, Any]]) -> None:
+def check_rope(model_type: str, rope_parameters: dict[str, Any] | None) -> None:
     if not rope_parameters:
         return
     kind = rope_parameters.get("rope_type", rope_parameters.get("type"))

@@ -8,7 +8,6 @@ import logging
 import os
 import subprocess
 import sys
-from typing import Optional
 
 import torch
 
@@ -22,7 +21,7 @@ _LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "
                  "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size")
 
 
-def write_layout(directory: str, layout, grouped_experts: Optional[bool]) -> None:
+def write_layout(directory: str, layout, grouped_experts: bool | None) -> None:
     record = {name: getattr(layout, attr) for name, attr in zip(_LAYOUT_FLAGS, ("tp", "pp", "vpp", "ep", "etp", "cp"))}
     record["moe_grouped_gemm"] = grouped_experts
     with open(os.path.join(directory, LAYOUT_NAME), "w", encoding="utf-8") as f:
@@ -59,7 +58,7 @@ def _merge_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def merge_main(argv: Optional[list[str]] = None) -> int:
+def merge_main(argv: list[str] | None = None) -> int:
     from .export import export_hf
 
     from ..log import setup_logging

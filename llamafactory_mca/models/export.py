@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 
@@ -53,7 +53,7 @@ def _index_ranges(pattern: str, config: McaConfig) -> list[tuple[int, ...]]:
     return [(i, e) for i in layers for e in range(config.num_experts or 0)]
 
 
-def iter_hf_tensors(reader: DistCheckpointReader, config: McaConfig, dtype: Optional[torch.dtype] = None
+def iter_hf_tensors(reader: DistCheckpointReader, config: McaConfig, dtype: torch.dtype | None = None
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf_name, tensor) for every exported HF tensor, layer by layer, reading one region at a time."""
     table = WeightTable(get_family(config.hf_model_type).weights(config))
@@ -82,10 +82,11 @@ def _read(reader: DistCheckpointReader, pattern: str, index: tuple[int, ...], co
         if found is not None:
             return reader.read(found[0], (*found[1], *index[1:]))
     raise ValueError(f"the checkpoint at {reader.path} has no tensor for {pattern} (looked for "
-                     f"{stored_keys(pattern)}); was it written by llamafactory_mca for a {config.hf_model_type} model?")
+                     f"{stored_keys(pattern)}); was it written by llamafactory_mca for a {config.hf_model_type} "
+                     "model?")
 
 
-def export_hf(checkpoint: str, output: str, dtype: Optional[torch.dtype] = None,
+def export_hf(checkpoint: str, output: str, dtype: torch.dtype | None = None,
               max_shard_bytes: int = 5 * 1024**3) -> dict:
     """Write HF safetensors, config.json and tokenizer files for the checkpoint at ``checkpoint``."""
     from .auto import dist_checkpoint_dir
@@ -94,7 +95,8 @@ def export_hf(checkpoint: str, output: str, dtype: Optional[torch.dtype] = None,
     config_path = os.path.join(checkpoint, MCA_CONFIG_NAME)
     dist = dist_checkpoint_dir(checkpoint)
     if not os.path.isfile(config_path) or dist is None:
-        raise ValueError(f"{checkpoint} is not a llamafactory_mca checkpoint: it needs {MCA_CONFIG_NAME} and a Megatron "
+        raise ValueError(f"{checkpoint} is not a llamafactory_mca checkpoint: it needs {MCA_CONFIG_NAME} and a "
+                         "Megatron "
                          "dist checkpoint (metadata.json) in it or in its dist_ckpt/ folder. Point --checkpoint_path "
                          "at an output_dir/checkpoint-N folder.")
     config = McaConfig.from_json_file(config_path)

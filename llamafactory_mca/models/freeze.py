@@ -16,7 +16,8 @@ def trainable_layer_ids(num_layers: int, trainable_layers: int, use_llama_pro: b
     """LLaMA-Factory's rule: the last n layers (n > 0), the first -n (n < 0), or every (L/n)-th (LLaMA Pro)."""
     if use_llama_pro:
         if num_layers % trainable_layers:
-            raise ValueError(f"num_layers={num_layers} is not divisible by freeze_trainable_layers={trainable_layers}.")
+            raise ValueError(f"num_layers={num_layers} is not divisible by freeze_trainable_layers="
+                             f"{trainable_layers}.")
         stride = num_layers // trainable_layers
         return list(range(stride - 1, num_layers + stride - 1, stride))
     if trainable_layers > 0:

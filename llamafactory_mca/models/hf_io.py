@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 from safetensors import safe_open
@@ -60,7 +60,8 @@ class SafetensorsSource:
             try:
                 handles[file] = safe_open(full, "pt")
             except Exception as err:
-                raise ValueError(f"{full} cannot be read, it is truncated or corrupt ({err}). Re-download it.") from err
+                raise ValueError(f"{full} cannot be read, it is truncated or corrupt ({err}). "
+                                 "Re-download it.") from err
         return handles[file]
 
     def _slice(self, name: str):
@@ -71,7 +72,7 @@ class SafetensorsSource:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
 
-    def get(self, name: str, dim: Optional[int] = None, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
+    def get(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
         piece = self._slice(name)
         if dim is None:
             index: tuple = (slice(None),)
@@ -144,7 +145,7 @@ def copy_side_files(source: str, target: str) -> list[str]:
     return copied
 
 
-def write_hf_config(hf_config: dict, directory: str, dtype: Optional[torch.dtype]) -> None:
+def write_hf_config(hf_config: dict, directory: str, dtype: torch.dtype | None) -> None:
     config = dict(hf_config)
     if dtype is not None:
         name = str(dtype).replace("torch.", "")

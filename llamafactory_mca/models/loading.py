@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
 
 import torch
 from megatron.core import parallel_state as ps
@@ -36,12 +36,12 @@ class Target:
     """One canonical tensor piece held by a local parameter (or a view of one)."""
 
     canonical: str
-    shard: Optional[Shard]
+    shard: Shard | None
     view: Callable[[], torch.Tensor]  # the piece as [canonical layout], a view into the parameter where possible
     assign: Callable[[torch.Tensor], None]
 
 
-def _tp_shard(param: torch.nn.Parameter, expert: bool) -> Optional[Shard]:
+def _tp_shard(param: torch.nn.Parameter, expert: bool) -> Shard | None:
     if not getattr(param, "tensor_model_parallel", False):
         return None
     if expert:
@@ -70,7 +70,7 @@ def _global_layer_names(chunk: torch.nn.Module) -> dict[str, str]:
     return mapping
 
 
-def local_targets(chunk: torch.nn.Module, num_experts: Optional[int] = None) -> Iterator[Target]:
+def local_targets(chunk: torch.nn.Module, num_experts: int | None = None) -> Iterator[Target]:
     layer_names = _global_layer_names(chunk)
     ep_rank = ps.get_expert_model_parallel_rank()
     ep_size = ps.get_expert_model_parallel_world_size()
@@ -97,7 +97,8 @@ def local_targets(chunk: torch.nn.Module, num_experts: Optional[int] = None) -> 
                              (lambda v=view: v), _copy_into(view))
             continue
         if match := _TE_GROUPED.match(name):
-            name = f"{match.group(1)}.local_experts.{first_expert + int(match.group(3))}.linear_fc{match.group(2)}.weight"
+            expert = first_expert + int(match.group(3))
+            name = f"{match.group(1)}.local_experts.{expert}.linear_fc{match.group(2)}.weight"
         elif match := _SEQUENTIAL.match(name):
             name = f"{match.group(1)}.local_experts.{first_expert + int(match.group(2))}.{match.group(3)}"
         expert = ".mlp.experts." in name
@@ -114,7 +115,7 @@ def dims_for(config, tensor_parallel_size: int) -> Dims:
 
 @torch.no_grad()
 def load_hf_weights(chunks: list[torch.nn.Module], src: Source, table: WeightTable, dims: Dims,
-                    num_experts: Optional[int] = None) -> int:
+                    num_experts: int | None = None) -> int:
     """Fill every parameter of ``chunks`` from ``src``; returns the number of parameters filled."""
     filled = 0
     for chunk in chunks:

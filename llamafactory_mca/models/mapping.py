@@ -11,7 +11,7 @@ that split (a fused QKV splits by query group, a fused gate/up splits each half)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -33,7 +33,7 @@ class Source(Protocol):
 
     def shape(self, name: str) -> tuple[int, ...]: ...
 
-    def get(self, name: str, dim: Optional[int] = None, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
+    def get(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """The tensor, or its [start:stop) slice along ``dim``."""
         ...
 
@@ -47,7 +47,9 @@ class DictSource:
 
     def get(self, name, dim=None, start=0, stop=None):
         tensor = self.tensors[name]
-        return tensor if dim is None else tensor.narrow(dim, start, (stop if stop is not None else tensor.shape[dim]) - start)
+        if dim is None:
+            return tensor
+        return tensor.narrow(dim, start, (stop if stop is not None else tensor.shape[dim]) - start)
 
 
 def fill(pattern: str, indices: tuple[int, ...]) -> str:
@@ -67,11 +69,11 @@ class Op:
     hf: tuple[str, ...]
     export: bool = True  # False: loaded from HF, never written back (a tied output layer)
 
-    def load(self, src: Source, names: list[str], shard: Optional[Shard], dims: "Dims") -> torch.Tensor:
+    def load(self, src: Source, names: list[str], shard: Shard | None, dims: Dims) -> torch.Tensor:
         """This rank's piece (``shard``) or all (None) of the Megatron tensor, reading only what it needs."""
         raise NotImplementedError
 
-    def to_hf(self, tensor: torch.Tensor, dims: "Dims") -> list[torch.Tensor]:
+    def to_hf(self, tensor: torch.Tensor, dims: Dims) -> list[torch.Tensor]:
         """The full Megatron tensor back to its HF tensors, in the order of ``self.hf``."""
         raise NotImplementedError
 
@@ -86,7 +88,7 @@ class Dims(NamedTuple):
     padded_vocab_size: int
 
 
-def _part(src: Source, name: str, shard: Optional[Shard]) -> torch.Tensor:
+def _part(src: Source, name: str, shard: Shard | None) -> torch.Tensor:
     if shard is None:
         return src.get(name)
     return src.get(name, shard.dim, *shard.bounds(src.shape(name)[shard.dim]))
@@ -139,7 +141,8 @@ class FusedQKV(Op):
         q = src.get(names[0], 0, first * q_rows, (first + groups) * q_rows)
         k, v = (src.get(n, 0, first * kv_rows, (first + groups) * kv_rows) for n in names[1:])
         tail = q.shape[1:]
-        parts = [q.reshape(groups, q_rows, *tail), k.reshape(groups, kv_rows, *tail), v.reshape(groups, kv_rows, *tail)]
+        parts = [q.reshape(groups, q_rows, *tail), k.reshape(groups, kv_rows, *tail),
+                 v.reshape(groups, kv_rows, *tail)]
         return torch.cat(parts, dim=1).reshape(-1, *tail)
 
     def to_hf(self, tensor, dims):
@@ -180,7 +183,8 @@ def dense_layer(attn: str = "self_attn", mlp: str = "mlp", qkv_bias: bool = Fals
         Rename(prefix + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",)),
     ]
     if qkv_bias:
-        ops.append(FusedQKV(prefix + "self_attention.linear_qkv.bias", tuple(f"{hf}{attn}.{p}_proj.bias" for p in "qkv")))
+        ops.append(FusedQKV(prefix + "self_attention.linear_qkv.bias",
+                            tuple(f"{hf}{attn}.{p}_proj.bias" for p in "qkv")))
     if mlp:
         ops += gated_mlp(prefix + "mlp", hf + mlp)
     return ops
@@ -206,7 +210,8 @@ class WeightTable:
 
     @staticmethod
     def pattern_of(name: str) -> tuple[str, tuple[int, ...]]:
-        """``decoder.layers.3.mlp.experts.local_experts.5.x`` → (``decoder.layers.*.mlp...local_experts.*.x``, (3, 5))."""
+        """``decoder.layers.3.mlp.experts.local_experts.5.x`` →
+        (``decoder.layers.*.mlp.experts.local_experts.*.x``, (3, 5))."""
         parts, indices = [], []
         for part in name.split("."):
             if part.isdigit():

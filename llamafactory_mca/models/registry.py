@@ -6,7 +6,8 @@ weights (``mapping.py``). Sharding, file IO and export are generic and live else
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from .config import McaConfig
 from .mapping import Op

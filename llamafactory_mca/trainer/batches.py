@@ -9,7 +9,8 @@ with context parallelism — only this rank's 2 of the 2·cp load-balanced chunk
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Iterator, Optional
+from typing import Any
+from collections.abc import Iterator
 
 import torch
 from megatron.core import parallel_state as ps
@@ -26,14 +27,14 @@ class ModelBatch:
     model_labels: torch.Tensor
     loss_mask: torch.Tensor
     seq_ids: torch.Tensor
-    cu_seqlens: Optional[torch.Tensor]
+    cu_seqlens: torch.Tensor | None
     max_seqlen: int
     seqlens: list[int]
     num_real_tokens: int
     num_pairs: int = 0
-    ref_chosen_logps: Optional[torch.Tensor] = None
-    ref_rejected_logps: Optional[torch.Tensor] = None
-    rows: Optional[torch.Tensor] = None  # dataset rows of the pairs (reference log-prob precompute)
+    ref_chosen_logps: torch.Tensor | None = None
+    ref_rejected_logps: torch.Tensor | None = None
+    is_padding: bool = False  # a loss-free stand-in that keeps ranks in step (evaluation tail)
 
     def packed_seq_params(self):
         if self.cu_seqlens is None:
@@ -44,7 +45,7 @@ class ModelBatch:
                                cu_seqlens_q_padded=self.cu_seqlens, cu_seqlens_kv_padded=self.cu_seqlens,
                                max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
 
-    def to(self, device: torch.device) -> "ModelBatch":
+    def to(self, device: torch.device) -> ModelBatch:
         moved = {k: v.to(device, non_blocking=True) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
         return replace(self, **moved)
 
@@ -74,7 +75,7 @@ def prepare(batch: MicroBatch) -> ModelBatch:
         loss_mask=batch.loss_mask, seq_ids=_seq_ids(batch), cu_seqlens=batch.cu_seqlens,
         max_seqlen=batch.max_seqlen, seqlens=seqlens, num_real_tokens=batch.num_real_tokens,
         num_pairs=batch.num_pairs, ref_chosen_logps=batch.ref_chosen_logps,
-        ref_rejected_logps=batch.ref_rejected_logps,
+        ref_rejected_logps=batch.ref_rejected_logps, is_padding=batch.is_padding,
     )
 
 

@@ -15,7 +15,7 @@ import logging
 import os
 import re
 import shutil
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing
@@ -62,7 +62,7 @@ def is_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MCA_CONFIG_NAME)) and dist_checkpoint_dir(path) is not None
 
 
-def resolve_resume(resume: Any, output_dir: str) -> Optional[str]:
+def resolve_resume(resume: Any, output_dir: str) -> str | None:
     """``resume_from_checkpoint``: a path, true/"true" for the newest complete one, or None/false."""
     if resume in (None, False, "", "false", "False"):
         return None
@@ -73,7 +73,8 @@ def resolve_resume(resume: Any, output_dir: str) -> Optional[str]:
         return found[-1][1]
     if not os.path.isdir(resume) or not is_checkpoint(resume):
         raise ValueError(f"resume_from_checkpoint={resume!r} is not a llamafactory_mca checkpoint (it needs "
-                         f"{MCA_CONFIG_NAME} and {DIST_DIR}/). Give a complete output_dir/checkpoint-N folder, or true.")
+                         f"{MCA_CONFIG_NAME} and {DIST_DIR}/). Give a complete output_dir/checkpoint-N folder, "
+                         "or true.")
     return resume
 
 
@@ -98,7 +99,7 @@ def _inner_optimizers(optimizer: Any) -> list:
             if isinstance(getattr(opt, "optimizer", None), torch.optim.Optimizer)]
 
 
-def optimizer_step_count(optimizer: Any) -> Optional[float]:
+def optimizer_step_count(optimizer: Any) -> float | None:
     for inner in _inner_optimizers(optimizer):
         for state in inner.state.values():
             if "step" in state:
@@ -106,7 +107,7 @@ def optimizer_step_count(optimizer: Any) -> Optional[float]:
     return None
 
 
-def _restore_step_count(optimizer: Any, step: Optional[float]) -> None:
+def _restore_step_count(optimizer: Any, step: float | None) -> None:
     """megatron-core 0.16.1's distributed optimizer without apex/TE reloads Adam's step counter as 0 (its
     per-group step does not survive the dp-reshardable round trip), which changes the bias correction of
     the first update after a resume. We save the counter ourselves and put it back."""
@@ -173,7 +174,7 @@ def save_checkpoint(output_dir: str, step: int, model: Any, optimizer: Any, trai
     return final
 
 
-def load_checkpoint(path: str, model: Any, optimizer: Optional[Any]) -> dict:
+def load_checkpoint(path: str, model: Any, optimizer: Any | None) -> dict:
     """Restore model, optimizer and (same TP/PP layout) RNG states; returns the saved trainer state."""
     directory = dist_checkpoint_dir(path)
     common = dist_checkpointing.load_common_state_dict(directory)
@@ -205,7 +206,7 @@ def load_checkpoint(path: str, model: Any, optimizer: Optional[Any]) -> dict:
     return trainer_state
 
 
-def rotate_checkpoints(output_dir: str, limit: Optional[int]) -> None:
+def rotate_checkpoints(output_dir: str, limit: int | None) -> None:
     """Keep the newest ``limit`` complete checkpoints (rank 0); stale tmp- folders go too."""
     if torch.distributed.get_rank() != 0:
         return

@@ -13,7 +13,6 @@ A pair's log-probabilities are sums over its sequence, all-reduced over context-
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +64,7 @@ class PreferenceConfig:
 
 
 def preference_losses(cfg: PreferenceConfig, chosen: torch.Tensor, rejected: torch.Tensor,
-                      ref_chosen: Optional[torch.Tensor], ref_rejected: Optional[torch.Tensor],
+                      ref_chosen: torch.Tensor | None, ref_rejected: torch.Tensor | None,
                       chosen_avg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair losses and (chosen, rejected) rewards."""
     if cfg.loss == "orpo":
@@ -117,23 +116,25 @@ def dpo_loss(cfg: PreferenceConfig, batch, token_losses: torch.Tensor):
         ref_chosen, ref_rejected = batch.ref_chosen_logps.float(), batch.ref_rejected_logps.float()
     losses, chosen_rewards, rejected_rewards = preference_losses(cfg, chosen, rejected, ref_chosen, ref_rejected,
                                                                  averages[0::2])
+    if batch.is_padding:  # an evaluation stand-in: it must add nothing
+        losses, pairs = losses * 0.0, 0
     cp = ps.get_context_parallel_world_size()
     # Every CP rank computes the same pair losses; count the pairs once so Megatron's dp·cp all-reduce of the
     # count is right, and scale so the gradients summed over CP ranks are those of one copy.
     count = torch.tensor(pairs if ps.get_context_parallel_rank() == 0 else 0, dtype=torch.int,
                          device=token_losses.device)
     total = losses.sum() / cp
-    logged = {
-        "loss": torch.stack([losses.sum().detach(), torch.tensor(float(pairs), device=losses.device)]),
-        "rewards/chosen": torch.stack([chosen_rewards.sum(), torch.tensor(float(pairs), device=losses.device)]),
-        "rewards/rejected": torch.stack([rejected_rewards.sum(), torch.tensor(float(pairs), device=losses.device)]),
-        "rewards/accuracies": torch.stack([(chosen_rewards > rejected_rewards).float().sum(),
-                                           torch.tensor(float(pairs), device=losses.device)]),
-        "rewards/margins": torch.stack([(chosen_rewards - rejected_rewards).sum(),
-                                        torch.tensor(float(pairs), device=losses.device)]),
-        "logps/chosen": torch.stack([chosen.detach().sum(), torch.tensor(float(pairs), device=losses.device)]),
-        "logps/rejected": torch.stack([rejected.detach().sum(), torch.tensor(float(pairs), device=losses.device)]),
+    sums_logged = {
+        "loss": losses.sum().detach(),
+        "rewards/chosen": chosen_rewards.sum(),
+        "rewards/rejected": rejected_rewards.sum(),
+        "rewards/accuracies": (chosen_rewards > rejected_rewards).float().sum(),
+        "rewards/margins": (chosen_rewards - rejected_rewards).sum(),
+        "logps/chosen": chosen.detach().sum(),
+        "logps/rejected": rejected.detach().sum(),
     }
-    if cp > 1 and ps.get_context_parallel_rank() != 0:
+    n = torch.tensor(float(pairs), device=losses.device)
+    logged = {k: torch.stack([v.float(), n]) for k, v in sums_logged.items()}  # [sum, count], averaged later
+    if batch.is_padding or (cp > 1 and ps.get_context_parallel_rank() != 0):
         logged = {k: torch.zeros_like(v) for k, v in logged.items()}
     return total, count, logged

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 
@@ -12,7 +13,7 @@ PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "H20": 148e12
                    "L40S": 362e12, "B200": 2250e12, "GB200": 2500e12}
 
 
-def peak_flops() -> Optional[float]:
+def peak_flops() -> float | None:
     if not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name()
@@ -102,7 +103,7 @@ def gpu_memory_gib() -> tuple[float, float]:
 
 
 def startup_summary(*, layout: Any, args: Any, model_type: str, params_total: int, params_on_rank: int,
-                    kernels: str, tokens_per_step: Optional[int], steps: int, data_stats: str,
+                    kernels: str, tokens_per_step: int | None, steps: int, data_stats: str,
                     memory: dict[str, float]) -> str:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (gloo)"
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"

@@ -15,7 +15,7 @@ import math
 import os
 import time
 from functools import partial
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from megatron.core import parallel_state as ps
@@ -29,7 +29,7 @@ from . import checkpoint as ckpt
 from .batches import StepFeeder
 from .faults import maybe_crash
 from .loss import PreferenceConfig, collect_pair_logps, dpo_loss, lm_loss
-from .metrics import count_parameters, flops_per_sequence_set, gpu_memory_gib, peak_flops
+from .metrics import flops_per_sequence_set, gpu_memory_gib, peak_flops
 from .optim import LRSchedule, build_optimizer, wrap_ddp
 from .progress import ProgressCallback
 
@@ -57,8 +57,8 @@ def _reduce_logged(outputs: list[dict], device) -> dict[str, float]:
 
 class McaTrainer:
     def __init__(self, model: Any, args: Any, layout: Any, train_data: Any, eval_data: Any = None,
-                 tokenizer: Any = None, processor: Any = None, callbacks: Optional[list] = None,
-                 preference: Optional[PreferenceConfig] = None, save_side_files: Any = None) -> None:
+                 tokenizer: Any = None, processor: Any = None, callbacks: list | None = None,
+                 preference: PreferenceConfig | None = None, save_side_files: Any = None) -> None:
         self.model, self.args, self.layout = model, args, layout
         self.train_data, self.eval_data = train_data, eval_data
         self.train_feed = StepFeeder(train_data, layout)
@@ -119,7 +119,7 @@ class McaTrainer:
             return output, partial(dpo_loss, self.preference, batch)
         return output, partial(lm_loss, batch.loss_mask)
 
-    def _run_schedule(self, micro_batches: list, forward_only: bool, chunks: Optional[list] = None,
+    def _run_schedule(self, micro_batches: list, forward_only: bool, chunks: list | None = None,
                       collect_reference: bool = False) -> list[dict]:
         chunks = chunks or self.wrapped
         iterators = [iter(micro_batches) for _ in chunks]
@@ -133,11 +133,10 @@ class McaTrainer:
         ) or []
 
     def _grads_finite(self) -> bool:
-        bad = torch.zeros(1, device=self.device)
-        for wrapped in self.wrapped:
+        bad = torch.zeros((), device=self.device)
+        for wrapped in self.wrapped:  # on the device, one host sync for all buffers
             for buffer in list(wrapped.buffers) + list(wrapped.expert_parallel_buffers):
-                if not torch.isfinite(buffer.grad_data).all():
-                    bad += 1
+                bad += (~torch.isfinite(buffer.grad_data)).any()
         torch.distributed.all_reduce(bad)
         return bad.item() == 0
 
@@ -235,8 +234,8 @@ class McaTrainer:
         if args.save_strategy != "no" and not self._saved_at(self.state.global_step):
             self._save(consumed)
         runtime = time.time() - start_time
-        metrics = {"train_runtime": round(runtime, 2), "train_steps_per_second": round(self.state.global_step / runtime,
-                                                                                        3),
+        metrics = {"train_runtime": round(runtime, 2),
+                   "train_steps_per_second": round(self.state.global_step / runtime, 3),
                    "time_to_first_step": round(first_step_time or 0.0, 2), "epoch": self.state.epoch,
                    "total_flos": self.state.total_flos}
         train_losses = [h["loss"] for h in self.state.log_history if "loss" in h]
@@ -273,7 +272,6 @@ class McaTrainer:
                 wrapped.start_param_sync(force_sync=True)
         step = self.state.global_step
         path = os.path.join(self.args.output_dir, f"{ckpt.PREFIX}-{step}")
-        self.state.best_model_checkpoint = self.state.best_model_checkpoint
 
         def side_files(directory: str) -> None:
             if self.save_side_files is not None:
@@ -346,7 +344,7 @@ class McaTrainer:
         self.train_feed = StepFeeder(train_data, self.layout)
         self.eval_feed = StepFeeder(eval_data, self.layout) if eval_data is not None else None
 
-    def save_model(self, output_dir: Optional[str] = None) -> None:
+    def save_model(self, output_dir: str | None = None) -> None:
         """The final model: HF safetensors + config + tokenizer in ``output_dir`` (all ranks call it)."""
         output_dir = output_dir or self.args.output_dir
         self.model.save_pretrained(output_dir, dtype=self.model.transformer_config.params_dtype)
@@ -375,7 +373,7 @@ class _Window:
             if key != "skipped" and math.isfinite(value):
                 self.sums[key] = self.sums.get(key, 0.0) + value
 
-    def summary(self, lr: float, world_size: int, peak: Optional[float]) -> dict[str, float]:
+    def summary(self, lr: float, world_size: int, peak: float | None) -> dict[str, float]:
         good = max(self.steps - self.skipped, 1)
         logs = {k: v / (good if k != "loss" else max(self.steps - self.skipped, 1)) for k, v in self.sums.items()}
         logs["learning_rate"] = lr

@@ -146,8 +146,11 @@ def layouts(tiny_models, tmp_path_factory):
     return out
 
 
+ALL_LAYOUT_JOBS = [(layout, name) for layout, (_, _, names) in LAYOUTS.items() for name in names]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,name", [(layout, name) for layout, (_, _, names) in LAYOUTS.items() for name in names])
+@pytest.mark.parametrize("layout,name", ALL_LAYOUT_JOBS)
 def test_layout_logits_equal_single_rank(layout, name, layouts, single_rank):
     got, want = layouts[(layout, name)]["logits"], single_rank[name]
     vocab = TINY[name]["vocab_size"]

@@ -1,0 +1,158 @@
+"""The scale-out layouts of issue #8 at 4 and 8 processes, each checked against a smaller layout.
+
+    python benchmarks/scale_out.py --out benchmarks/results/scale_out_cpu      # CPU (gloo), tiny models
+
+For every layout: the first steps' losses equal a smaller layout's on the same data, a checkpoint resumes onto
+a different data-parallel size with the uninterrupted run's losses, and ``scripts/megatron_merge.py`` gives a
+model that ``transformers`` loads. On CPU the models are tiny Qwen3 / Qwen3-MoE stand-ins with the same
+structure (GQA, qk-norm, 8 experts top-2); the 4- and 8-GPU machines were not lent, so real shapes, tokens/s
+and memory are still to be measured there with the same script (``--gpu``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import yaml
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+OVERLAP = {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "overlap_param_gather": True}
+# name: (model, world, layout keys, reference world, reference keys); global batch = dp x micro x accum stays 8
+RUNS = {
+    "dense_tp2_pp2_vpp2_sp": ("qwen3", 4, {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                                            "virtual_pipeline_model_parallel_size": 2, "sequence_parallel": True,
+                                            "gradient_accumulation_steps": 8, **OVERLAP}, 1, {}),
+    "moe_ep4_alltoall_grouped": ("qwen3_moe", 4, {"expert_model_parallel_size": 4, "moe_grouped_gemm": True,
+                                                  "moe_token_dispatcher_type": "alltoall",
+                                                  "gradient_accumulation_steps": 2}, 1, {}),
+    "long_cp4": ("qwen3", 4, {"context_parallel_size": 4, "cutoff_len": 256, "sequence_packing": True},
+                 1, {"cutoff_len": 256, "sequence_packing": True}),
+    "guide_moe_layout_4": ("qwen3_moe", 4, {"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2,
+                                            "recompute_granularity": "full", "moe_grouped_gemm": True,
+                                            "gradient_accumulation_steps": 4, **OVERLAP}, 1, {}),
+    "guide_moe_layout_8": ("qwen3_moe", 8, {"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 4,
+                                            "recompute_granularity": "full", "moe_grouped_gemm": True,
+                                            "gradient_accumulation_steps": 2, **OVERLAP}, 1, {}),
+}
+
+
+def _train(work: str, name: str, config: dict, world: int, gpu: bool, env: dict | None = None) -> tuple[int, str]:
+    path = os.path.join(work, f"{name}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(config, f)
+    full = {**os.environ, "USE_MCA": "1", "NPROC_PER_NODE": str(world), **(env or {})}
+    if not gpu:
+        full.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    log = os.path.join(work, f"{name}.log")
+    with open(log, "w") as f:
+        code = subprocess.run(["llamafactory-cli", "train", path], env=full, stdout=f, stderr=subprocess.STDOUT,
+                              timeout=1800).returncode
+    return code, log
+
+
+def _losses(output_dir: str) -> dict[int, float]:
+    found = {}
+    with open(os.path.join(output_dir, "trainer_log.jsonl")) as f:
+        for line in f:
+            entry = json.loads(line)
+            if entry.get("loss") is not None:
+                found[entry["current_steps"]] = entry["loss"]
+    return found
+
+
+def run_one(name: str, work: str, assets: dict, gpu: bool) -> dict:
+    from tests.test_training import recipe
+
+    model, world, keys, ref_world, ref_keys = RUNS[name]
+    base = dict(model_name_or_path=assets["models"][model], max_steps=4, save_steps=2, save_strategy="steps",
+                bf16=gpu, gradient_accumulation_steps=8)
+    result: dict = {"world": world, "layout": keys}
+    ref_config = recipe(assets, os.path.join(work, "ref"), **{**base, **ref_keys})
+    code, log = _train(work, "ref", ref_config, ref_world, gpu)
+    if code:
+        return {**result, "status": f"reference failed, see {log}"}
+    reference = _losses(os.path.join(work, "ref"))
+    out = os.path.join(work, "run")
+    config = recipe(assets, out, **{**base, **keys})
+    start = time.time()
+    code, log = _train(work, "crash", config, world, gpu, {"LLAMAFACTORY_MCA_FAULT": "step:3"})
+    result["seconds_to_crash"] = round(time.time() - start, 1)
+    # resume onto another data-parallel size: twice the processes with the same model-parallel sizes (up to 8)
+    resume_world = world * 2 if world * 2 <= 8 else world
+    accum = keys.get("gradient_accumulation_steps", 8) * world // resume_world
+    config = {**config, "overwrite_output_dir": False, "gradient_accumulation_steps": accum}
+    code, log = _train(work, "resume", config, resume_world, gpu)
+    if code:
+        return {**result, "status": f"resume failed, see {log}"}
+    got = _losses(out)
+    result.update(reference=reference, losses=got, resume_world=resume_world)
+    result["first_steps_match"] = all(abs(got[s] - reference[s]) <= 1e-3 * abs(reference[s]) for s in (1, 2))
+    result["resumed_losses_match"] = all(abs(got[s] - reference[s]) <= 1e-3 * abs(reference[s]) for s in (3, 4))
+    merged = os.path.join(work, "merged")
+    merge = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "megatron_merge.py"), "--checkpoint_path",
+                            os.path.join(out, "checkpoint-4"), "--output_path", merged],
+                           capture_output=True, text=True)
+    loads = False
+    if merge.returncode == 0:
+        from transformers import AutoModelForCausalLM
+
+        AutoModelForCausalLM.from_pretrained(merged)
+        loads = True
+    result["merged_model_loads"] = loads
+    result["status"] = "ok" if (result["first_steps_match"] and result["resumed_losses_match"] and loads) \
+        else "mismatch"
+    return result
+
+
+def make_assets(root: str) -> dict:
+    from transformers import AutoTokenizer
+
+    from llamafactory_mca.tiny import alpaca_rows, save_tiny_model, save_tiny_tokenizer, write_alpaca_dataset
+
+    tokenizer = save_tiny_tokenizer(os.path.join(root, "tokenizer"))
+    vocab = len(AutoTokenizer.from_pretrained(tokenizer)) + 5
+    models = {}
+    for name, extra in (("qwen3", {}), ("qwen3_moe", {"num_experts": 8})):
+        models[name] = save_tiny_model(name, os.path.join(root, name), vocab_size=vocab, **extra)
+        save_tiny_tokenizer(models[name])
+    return {"models": models, "sft": write_alpaca_dataset(os.path.join(root, "sft"), 64, rows=alpaca_rows(64))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--runs", default=",".join(RUNS))
+    parser.add_argument("--work", default=os.path.join(ROOT, "benchmarks", "runs", "scale_out"))
+    parser.add_argument("--gpu", action="store_true", help="run on GPUs (bf16) instead of CPU processes")
+    args = parser.parse_args()
+    assets = make_assets(os.path.join(args.work, "assets"))
+    results = {}
+    for name in args.runs.split(","):
+        work = os.path.join(args.work, name)
+        os.makedirs(work, exist_ok=True)
+        results[name] = run_one(name, work, assets, args.gpu)
+        print(name, json.dumps({k: v for k, v in results[name].items() if k in ("status", "losses", "reference")}))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "scale_out.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    rows = ["| run | processes | layout | first 2 steps = reference | resumed onto dp' = uninterrupted | merge loads |"
+            " status |", "|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        rows.append(f"| {name} | {r['world']} | {r['layout']} | {r.get('first_steps_match')} | "
+                    f"{r.get('resumed_losses_match')} (resume on {r.get('resume_world')}) | "
+                    f"{r.get('merged_model_loads')} | {r['status']} |")
+    with open(os.path.join(args.out, "scale_out.md"), "w") as f:
+        f.write(("GPU" if args.gpu else "CPU (gloo, tiny models)") + " scale-out runs\n\n" + "\n".join(rows) + "\n")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
