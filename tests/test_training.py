@@ -213,6 +213,7 @@ def test_crash_resume_merge(assets, tmp_path):
     with torch.no_grad():
         hf_logits = hf(ids).logits
     (megatron,) = run_distributed(_megatron_logits, 1, str(out / "checkpoint-4"))
+    megatron = megatron[..., : hf_logits.shape[-1]]  # the padded vocabulary rows are not exported
     assert torch.allclose(hf_logits, megatron, atol=1e-4), (hf_logits - megatron).abs().max()
     assert (merged / "tokenizer_config.json").is_file()
 
