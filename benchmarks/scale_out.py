@@ -18,8 +18,6 @@ import subprocess
 import sys
 import time
 
-import yaml
-
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -44,55 +42,31 @@ RUNS = {
 }
 
 
-def _train(work: str, name: str, config: dict, world: int, gpu: bool, env: dict | None = None) -> tuple[int, str]:
-    path = os.path.join(work, f"{name}.yaml")
-    with open(path, "w") as f:
-        yaml.safe_dump(config, f)
-    full = {**os.environ, "USE_MCA": "1", "NPROC_PER_NODE": str(world), **(env or {})}
-    if not gpu:
-        full.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    log = os.path.join(work, f"{name}.log")
-    with open(log, "w") as f:
-        code = subprocess.run(["llamafactory-cli", "train", path], env=full, stdout=f, stderr=subprocess.STDOUT,
-                              timeout=1800).returncode
-    return code, log
-
-
-def _losses(output_dir: str) -> dict[int, float]:
-    found = {}
-    with open(os.path.join(output_dir, "trainer_log.jsonl")) as f:
-        for line in f:
-            entry = json.loads(line)
-            if entry.get("loss") is not None:
-                found[entry["current_steps"]] = entry["loss"]
-    return found
-
-
 def run_one(name: str, work: str, assets: dict, gpu: bool) -> dict:
-    from tests.test_training import recipe
+    from tests.test_training import losses, recipe, train
 
     model, world, keys, ref_world, ref_keys = RUNS[name]
     base = dict(model_name_or_path=assets["models"][model], max_steps=4, save_steps=2, save_strategy="steps",
                 bf16=gpu, gradient_accumulation_steps=8)
     result: dict = {"world": world, "layout": keys}
     ref_config = recipe(assets, os.path.join(work, "ref"), **{**base, **ref_keys})
-    code, log = _train(work, "ref", ref_config, ref_world, gpu)
-    if code:
-        return {**result, "status": f"reference failed, see {log}"}
-    reference = _losses(os.path.join(work, "ref"))
+    done, _ = train(work, ref_config, ref_world, name="ref", gpu=gpu, timeout=1800)
+    if done.returncode:
+        return {**result, "status": f"reference failed, see {work}/ref.log"}
+    reference = losses(os.path.join(work, "ref"))
     out = os.path.join(work, "run")
     config = recipe(assets, out, **{**base, **keys})
     start = time.time()
-    code, log = _train(work, "crash", config, world, gpu, {"LLAMAFACTORY_MCA_FAULT": "step:3"})
+    train(work, config, world, {"LLAMAFACTORY_MCA_FAULT": "step:3"}, name="crash", gpu=gpu, timeout=1800)
     result["seconds_to_crash"] = round(time.time() - start, 1)
     # resume onto another data-parallel size: twice the processes with the same model-parallel sizes (up to 8)
     resume_world = world * 2 if world * 2 <= 8 else world
     accum = keys.get("gradient_accumulation_steps", 8) * world // resume_world
     config = {**config, "overwrite_output_dir": False, "gradient_accumulation_steps": accum}
-    code, log = _train(work, "resume", config, resume_world, gpu)
-    if code:
-        return {**result, "status": f"resume failed, see {log}"}
-    got = _losses(out)
+    done, _ = train(work, config, resume_world, name="resume", gpu=gpu, timeout=1800)
+    if done.returncode:
+        return {**result, "status": f"resume failed, see {work}/resume.log"}
+    got = losses(out)
     result.update(reference=reference, losses=got, resume_world=resume_world)
     result["first_steps_match"] = all(abs(got[s] - reference[s]) <= 1e-3 * abs(reference[s]) for s in (1, 2))
     result["resumed_losses_match"] = all(abs(got[s] - reference[s]) <= 1e-3 * abs(reference[s]) for s in (3, 4))

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,16 +59,19 @@ def recipe(assets, out, **overrides):
     return {**base, **overrides}
 
 
-def train(tmp_path, config, world=1, env=None, name="run"):
+def train(tmp_path, config, world=1, env=None, name="run", gpu=False, timeout=300):
+    """``USE_MCA=1 llamafactory-cli train`` with ``world`` processes (CPU processes unless ``gpu``)."""
+    tmp_path = Path(tmp_path)
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     full_env = {k: v for k, v in os.environ.items() if k not in ("USE_MCA", "LLAMAFACTORY_MCA_FAULT")}
-    full_env.update({"USE_MCA": "1", "NPROC_PER_NODE": str(world), "CUDA_VISIBLE_DEVICES": "",
-                     "OMP_NUM_THREADS": "1", **(env or {})})
+    full_env.update({"USE_MCA": "1", "NPROC_PER_NODE": str(world), **(env or {})})
+    if not gpu:
+        full_env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     log = tmp_path / f"{name}.log"
     with open(log, "w") as f:  # a file, not a pipe: a killed run's leftovers cannot hold it open
         result = subprocess.run(["llamafactory-cli", "train", str(path)], env=full_env, stdout=f,
-                                stderr=subprocess.STDOUT, timeout=300, cwd=tmp_path)
+                                stderr=subprocess.STDOUT, timeout=timeout, cwd=tmp_path)
     return result, log.read_text()
 
 
