@@ -93,7 +93,7 @@ def ok(result, output):
 @pytest.mark.parametrize("stage", ["pt", "sft", "dpo"])
 def test_stage_trains_and_loss_falls(stage, assets, tmp_path):
     extra = {"pt": dict(dataset="tiny_text", dataset_dir=assets["pt"], save_strategy="steps", save_steps=3,
-                        save_total_limit=1),
+                        save_total_limit=1, save_hf_model=True),
              "dpo": dict(dataset="tiny_alpaca", dataset_dir=assets["dpo"], learning_rate=3e-4, pref_beta=0.1,
                          gradient_accumulation_steps=2),
              "sft": dict(plot_loss=True)}[stage]
@@ -106,6 +106,7 @@ def test_stage_trains_and_loss_falls(stage, assets, tmp_path):
         or stage == "dpo"
     if stage == "pt":  # plain (not distributed) optimizer checkpoints; save_total_limit keeps the newest
         assert sorted(n for n in os.listdir(tmp_path / "out") if n.startswith("checkpoint")) == ["checkpoint-6"]
+        assert (tmp_path / "out" / "checkpoint-6" / "hf" / "model.safetensors").is_file()  # save_hf_model
     if stage == "sft":
         assert (tmp_path / "out" / "training_loss.png").is_file()
         assert "1 reach cutoff_len and were truncated" in output  # the long row
@@ -114,6 +115,24 @@ def test_stage_trains_and_loss_falls(stage, assets, tmp_path):
         with open(tmp_path / "out" / "trainer_log.jsonl") as f:
             first = json.loads(f.readline())
         assert abs(first["loss"] - 0.6931) < 1e-3  # policy == reference at step 1
+
+
+def test_freeze_and_evaluation(assets, tmp_path):
+    """finetuning_type freeze trains only the chosen layers; val_size + eval_steps evaluate during training."""
+    from safetensors.torch import load_file
+
+    config = recipe(assets, tmp_path / "out", finetuning_type="freeze", freeze_trainable_layers=1,
+                    freeze_trainable_modules="all", max_steps=4, val_size=0.1, eval_strategy="steps", eval_steps=2)
+    result, output = train(tmp_path, config)
+    ok(result, output)
+    with open(tmp_path / "out" / "trainer_log.jsonl") as f:
+        evals = [json.loads(line)["eval_loss"] for line in f if "eval_loss" in line]
+    assert len(evals) == 2 and all(0 < v < 20 for v in evals), evals
+    before = load_file(os.path.join(assets["models"]["qwen3"], "model.safetensors"))
+    after = load_file(tmp_path / "out" / "model.safetensors")
+    last = f"model.layers.{len([k for k in before if k.endswith('input_layernorm.weight')]) - 1}."
+    for key, tensor in before.items():
+        assert torch.equal(after[key], tensor) != key.startswith(last), key  # only the last layer moved
 
 
 LAYOUT_RUNS = {  # name: (world, overrides); the global batch stays 8 rows

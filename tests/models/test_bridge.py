@@ -127,6 +127,7 @@ LAYOUTS = {
     "pp2": (2, {"pipeline_model_parallel_size": 2}, ["llama3_tied", "qwen3_moe"]),
     "pp2_vpp2": (2, {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}, ["qwen2"]),
     "ep2": (2, {"expert_model_parallel_size": 2}, ["qwen3_moe", "qwen2_moe"]),
+    "ep2_grouped": (2, {"expert_model_parallel_size": 2, "moe_grouped_gemm": True}, ["qwen2_moe"]),
     "ep2_etp2": (4, {"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2}, ["qwen3_moe"]),
     "tp2_pp2": (4, {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, ["llama", "qwen3_moe"]),
 }
@@ -262,6 +263,28 @@ def test_missing_and_truncated_safetensors_are_named(tiny_models, tmp_path):
         {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}))
     with pytest.raises(ValueError, match="listed in model.safetensors.index.json but missing"):
         SafetensorsSource(str(missing)).get("model.norm.weight")
+
+
+@pytest.mark.slow
+def test_convert_pre_shards_and_merges_back(tiny_models, tmp_path):
+    """``llamafactory-mca convert`` (TP2, started as two processes by itself) writes a dist checkpoint that the
+    merge turns back into the same Hugging Face weights."""
+    converted, merged = tmp_path / "converted", tmp_path / "merged"
+    result = subprocess.run(["llamafactory-mca", "convert", "--hf_path", tiny_models["qwen3"], "--output_path",
+                             str(converted), "--tensor_model_parallel_size", "2"], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (converted / "mca_config.json").is_file() and (converted / "dist_ckpt" / "metadata.json").is_file()
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "megatron_merge.py"), str(converted),
+                             str(merged), "--tensor_model_parallel_size", "2"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    _assert_same_weights(str(merged), tiny_models["qwen3"])
+    contradiction = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "megatron_merge.py"),
+                                    str(converted), str(tmp_path / "again"), "--tensor_model_parallel_size", "4"],
+                                   capture_output=True, text=True, timeout=300)
+    assert contradiction.returncode != 0
+    assert "--tensor_model_parallel_size=4 contradicts the checkpoint" in contradiction.stderr
 
 
 def test_merge_refuses_a_folder_that_is_not_a_checkpoint(tiny_models, tmp_path):
