@@ -91,8 +91,11 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                  about=f"{cut}-token packed micro-batches, global batch 8"),
         Workload("dp2", "dense", cut, packed, _pair(2, 4, "DP2", lf_layout="DDP, 2 GPUs"),
                  about=f"{cut}-token packed micro-batches, global batch 8 (dp 2 x grad accum 4)"),
-        Workload("moe", "moe", cut, packed, _pair(1, 8, "1 GPU"),
-                 about=f"{cut}-token packed micro-batches, global batch 8"),
+        Workload("moe", "moe", cut, packed,
+                 _pair(1, 8, "1 GPU") + [Run("ours_recompute", "ours", 1, True, 1, 8, "1 GPU, recompute full",
+                                             recompute)],
+                 about=f"{cut}-token packed micro-batches, global batch 8; LLaMA-Factory recomputes by default "
+                       "(gradient checkpointing), so `ours_recompute` is the like-for-like memory comparison"),
         Workload("moe_ep2", "moe", cut, packed, _pair(2, 4, "EP2", {"expert_model_parallel_size": 2},
                                                       lf_layout="DDP, 2 GPUs"),
                  about=f"{cut}-token packed micro-batches, global batch 8 (dp 2 x grad accum 4)"),
@@ -433,7 +436,7 @@ def run_workload(w: Workload, args, info: dict, save) -> dict:
     runs = {}
     result = {"settings": settings, "machine": info, "versions": versions(), "runs": runs}
     for run in w.runs:
-        if args.paths and run.path not in args.paths:
+        if (args.paths and run.path not in args.paths) or (args.runs and run.name not in args.runs):
             continue
         record = {"path": run.path, "gpus": run.gpus, "layout": run.layout, "packing": run.packing,
                   "micro_batch": run.micro_batch, "grad_accum": run.grad_accum}
@@ -519,6 +522,18 @@ def _loss_target(name_a: str, a: dict | None, name_b: str, b: dict | None, tol: 
             "measured": f"{la:.3f} vs {lb:.3f} ({gap:.1%})", "met": gap <= tol, "value": round(gap, 4)}
 
 
+def _memory_target(name: str, ours: dict | None, lf: dict) -> dict | None:
+    if ours is None:
+        return None
+    met, measured = None, "n/a (CPU or a run failed)"
+    if ours.get("peak_memory_gib") and lf.get("peak_memory_gib"):
+        met = ours["peak_memory_gib"] <= lf["peak_memory_gib"]
+        measured = f"{ours['peak_memory_gib']:.1f} vs {lf['peak_memory_gib']:.1f} GiB"
+    elif ours.get("peak_memory_gib") and lf.get("status") == "OOM":
+        met, measured = True, f"{ours['peak_memory_gib']:.1f} GiB vs LLaMA-Factory OOM"
+    return {"target": f"peak memory: {name} <= LLaMA-Factory (same micro-batch)", "measured": measured, "met": met}
+
+
 def _curve_target(name_a: str, a: dict | None, name_b: str, b: dict | None, tol: float = 0.02) -> dict | None:
     """Step-by-step loss curves of two layouts agree within bf16 tolerance."""
     la, lb = (a or {}).get("losses") or [], (b or {}).get("losses") or []
@@ -551,17 +566,8 @@ def targets(name: str, data: dict, everything: dict, tol: float) -> list[dict]:
             found.append({"target": "MFU (ours) >= 45%", "measured": f"{mfu:.1%}" if mfu is not None else "n/a",
                           "met": (mfu >= 0.45) if mfu is not None else None})
         else:
-            ours, lf = runs.get("ours") or {}, runs.get("lf") or {}
-            met = None
-            if ours.get("peak_memory_gib") and lf.get("peak_memory_gib"):
-                met = ours["peak_memory_gib"] <= lf["peak_memory_gib"]
-                measured = f"{ours['peak_memory_gib']:.1f} vs {lf['peak_memory_gib']:.1f} GiB"
-            elif ours.get("peak_memory_gib") and lf.get("status") == "OOM":
-                met, measured = True, f"{ours['peak_memory_gib']:.1f} GiB vs LLaMA-Factory OOM"
-            else:
-                measured = "n/a (CPU or a run failed)"
-            found.append({"target": "peak memory: ours <= LLaMA-Factory (same micro-batch)", "measured": measured,
-                          "met": met})
+            for run in ("ours", "ours_recompute"):
+                found.append(_memory_target(run, runs.get(run), runs.get("lf") or {}))
         found.append(_loss_target("ours", runs.get("ours"), "LF", runs.get("lf"), tol))
     elif name in ("dp2", "moe_ep2"):
         base, layout = ("dense", "DP2") if name == "dp2" else ("moe", "EP2")
@@ -682,6 +688,7 @@ def main(argv: list | None = None) -> None:
                         help="decoder layers (default 28 for the dense model; MoE: 8 on >=120 GiB GPUs, else 4)")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--paths", default="lf,ours", help="which paths to run: lf,ours")
+    parser.add_argument("--runs", default="", help="only these runs of the workloads, by name (default: all)")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs available (default: all visible; smoke: 2)")
     parser.add_argument("--timeout", type=int, default=420, help="seconds per run before it is stopped")
     parser.add_argument("--loss-tol", type=float, default=0.05, help="relative gap allowed between final losses")
@@ -705,6 +712,7 @@ def main(argv: list | None = None) -> None:
     if unknown:
         parser.error(f"unknown workloads {unknown}; choose from {names}")
     args.paths = {p.strip() for p in args.paths.split(",") if p.strip()}
+    args.runs = {r.strip() for r in args.runs.split(",") if r.strip()}
     args.out = args.out or os.path.join(ROOT, "benchmarks", "results", *(["smoke"] if args.smoke else []))
     info = machine_info(args.smoke)
     if not info["count"] and not args.smoke:

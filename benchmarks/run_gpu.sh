@@ -10,13 +10,16 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 bench() {  # bench <gpus> <name> <args...>
   local gpus=$1 name=$2; shift 2
   CUDA_VISIBLE_DEVICES=$gpus python3 benchmarks/e2e_bench.py --out "$out/$name" --work "/tmp/e2e_$name" \
-    --steps 10 --warmup 3 "$@" >> "$out/$name.log" 2>&1
+    --steps 10 --warmup 3 --timeout 300 "$@" >> "$out/$name.log" 2>&1
   echo "== $name: exit $?"; tail -n 4 "$out/$name.log"
+}
+check_tests() {  # the GPU tests on the given GPUs
+  CUDA_VISIBLE_DEVICES=$1 python3 -m pytest tests/gpu -q -p no:cacheprovider > "$out/gpu_tests.log" 2>&1
+  echo "== gpu tests: exit $?"; tail -n 3 "$out/gpu_tests.log"
 }
 check() {  # the trainer on GPUs end to end (DP2, distributed optimizer, merge, generate) and the GPU tests
   llamafactory-mca demo --output_dir /tmp/demo > "$out/demo.log" 2>&1; echo "== demo: exit $?"; tail -n 4 "$out/demo.log"
-  python3 -m pytest tests/gpu -q -p no:cacheprovider > "$out/gpu_tests.log" 2>&1; echo "== gpu tests: exit $?"
-  tail -n 3 "$out/gpu_tests.log"
+  check_tests 0,1
 }
 case $phase in
   check) check ;;
@@ -29,5 +32,11 @@ case $phase in
     bench 0,1 g2 --workloads layouts --gpus 2 --paths ours
     bench 0,1 g2 --workloads dp2,moe_ep2 --gpus 2 --paths ours ;;
   long)
-    bench 0,1 g3 --workloads long --gpus 2 ;;
+    bench 0,1 g3 --workloads long --gpus 2 --steps 8 ;;
+  moe_long)  # GPU 0: long on one GPU (LF, ours) | GPU 1: MoE of our path (as measured, and with recompute); then CP2
+    bench 0 g3 --workloads long --runs lf,ours --steps 8 & bench 1 g1 --workloads moe --runs ours,ours_recompute & wait
+    bench 0,1 g3 --workloads long --runs ours_cp2 --gpus 2 --steps 8 ;;
+  varlen_moe)  # GPU 0: variable-length MoE SFT, both paths | GPU 1: the GPU tests; then DP2 and EP2 of our path
+    bench 0 g4 --workloads varlen_moe --gpus 1 & check_tests 1 & wait
+    bench 0,1 g2 --workloads dp2,moe_ep2 --gpus 2 --paths ours ;;
 esac

@@ -33,6 +33,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 from ..models.auto import DIST_DIR, dist_checkpoint_dir
 from ..models.config import MCA_CONFIG_NAME
 from .faults import maybe_crash
+from .optim import inner_optimizers, step_counter, use_fused_adam
 
 
 logger = logging.getLogger(__name__)
@@ -94,29 +95,29 @@ def _layout_key() -> tuple[int, int]:
     return ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
 
 
-def _inner_optimizers(optimizer: Any) -> list:
-    return [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])
-            if isinstance(getattr(opt, "optimizer", None), torch.optim.Optimizer)]
-
-
 def optimizer_step_count(optimizer: Any) -> float | None:
-    for inner in _inner_optimizers(optimizer):
+    for inner in inner_optimizers(optimizer):
         for state in inner.state.values():
             if "step" in state:
                 return float(state["step"])
     return None
 
 
+def _set_step_counters(optimizer: Any, step: float | None, only_missing: bool) -> None:
+    for inner in inner_optimizers(optimizer):
+        for group in inner.param_groups:
+            for param in group["params"]:
+                state = inner.state.get(param)
+                if state is not None and (not only_missing or "step" not in state):
+                    state["step"] = step_counter(group, step or 0.0)
+
+
 def _restore_step_count(optimizer: Any, step: float | None) -> None:
     """megatron-core 0.16.1's distributed optimizer without apex/TE reloads Adam's step counter as 0 (its
     per-group step does not survive the dp-reshardable round trip), which changes the bias correction of
     the first update after a resume. We save the counter ourselves and put it back."""
-    if step is None:
-        return
-    for inner in _inner_optimizers(optimizer):
-        for state in inner.state.values():
-            if "step" in state:
-                state["step"] = torch.tensor(float(step), dtype=state["step"].dtype, device=state["step"].device)
+    if step is not None:
+        _set_step_counters(optimizer, step, only_missing=False)
 
 
 def _init_optimizer_state(optimizer: Any) -> None:
@@ -124,12 +125,9 @@ def _init_optimizer_state(optimizer: Any) -> None:
     step counter to describe what it will load."""
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer):
-            continue
-        if getattr(opt, "init_state_fn", None) is not None:
+        if isinstance(inner, torch.optim.Optimizer) and getattr(opt, "init_state_fn", None) is not None:
             opt.init_state_fn(inner, opt.config)
-        for state in inner.state.values():
-            state.setdefault("step", torch.tensor(0.0))
+    _set_step_counters(optimizer, 0.0, only_missing=True)
 
 
 def _state(model: Any, optimizer: Any, is_loading: bool) -> dict:
@@ -190,6 +188,7 @@ def load_checkpoint(path: str, model: Any, optimizer: Any | None) -> dict:
     if optimizer is not None:
         with torch.no_grad():  # fp32 runs: main params are the model's leaf parameters, copied into in place
             optimizer.load_state_dict(loaded["optimizer"])
+        use_fused_adam(optimizer)
         _restore_step_count(optimizer, trainer_state.get("optimizer_step"))
     if same_layout and "rng_state" in loaded:
         rng = loaded["rng_state"]

@@ -60,9 +60,47 @@ def build_optimizer(wrapped: list[DistributedDataParallel], tc: Any, args: Any):
         optimizer_offload_fraction=1.0 if args.optimizer_cpu_offload else 0.0,
     )
     optimizer = get_megatron_optimizer(config, wrapped)
+    use_fused_adam(optimizer)
     if args.fp16:
         tc.grad_scale_func = optimizer.scale_loss
     return optimizer
+
+
+def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside Megatron's (chained) optimizer wrappers."""
+    return [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+            if isinstance(getattr(opt, "optimizer", None), torch.optim.Optimizer)]
+
+
+def use_fused_adam(optimizer: Any) -> None:
+    """Run torch's AdamW as its fused CUDA kernel where Megatron fell back to the default implementation.
+
+    Without Transformer Engine or apex, megatron-core builds ``torch.optim.AdamW`` with torch's default
+    ``foreach`` implementation, which allocates full-size temporaries over all parameters in a step (the
+    square root of the second moment and the scaled gradients: up to 8 bytes per parameter on top of the
+    18 that weights, gradients, main weights and moments already take), making the optimizer step the
+    memory peak of a large MoE run. The fused kernel updates in place in one pass. Groups on CPU keep the
+    default. Also called after a checkpoint load (a loaded param group brings the flags it was saved with),
+    and moves step counters to where the chosen implementation keeps them.
+    """
+    for inner in inner_optimizers(optimizer):
+        if type(inner) is not torch.optim.AdamW:
+            continue
+        for group in inner.param_groups:
+            on_cuda = all(p.is_cuda and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                          for p in group["params"])
+            group.update(fused=True if on_cuda else None, foreach=False if on_cuda else None)
+            for param in group["params"]:
+                state = inner.state.get(param)
+                if state and "step" in state:
+                    state["step"] = step_counter(group, float(state["step"]))
+
+
+def step_counter(group: dict, value: float) -> torch.Tensor:
+    """Adam's step counter as torch's AdamW keeps it: a device tensor for the fused kernel, else a CPU scalar."""
+    if group.get("fused") or group.get("capturable"):
+        return torch.tensor(float(value), dtype=torch.float32, device=group["params"][0].device)
+    return torch.tensor(float(value))
 
 
 class LRSchedule:

@@ -1,0 +1,53 @@
+"""torch's AdamW inside Megatron's optimizer wrappers: fused on CUDA, untouched on CPU, same updates either way.
+
+The CUDA half runs in ``tests/gpu`` on the GPU machine (it needs the fused CUDA kernel); the helpers here are
+shared with it.
+"""
+
+from types import SimpleNamespace
+
+import torch
+
+from llamafactory_mca.trainer.optim import step_counter, use_fused_adam
+
+
+def adam_pair(device: str, dtype: torch.dtype = torch.float32):
+    """Two AdamW over equal parameters, the second behind a Megatron-like wrapper, with equal gradients."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(64, 32), (32,), (7, 5)]
+    ref = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device, dtype)) for s in shapes]
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    reference = torch.optim.AdamW([{"params": ref[:2]}, {"params": ref[2:], "weight_decay": 0.0}], **kwargs)
+    inner = torch.optim.AdamW([{"params": ours[:2]}, {"params": ours[2:], "weight_decay": 0.0}], **kwargs)
+    wrapper = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=inner)])
+    return reference, inner, wrapper, ref, ours, gen
+
+
+def step_both(reference, inner, ref, ours, gen, steps: int = 3) -> None:
+    for _ in range(steps):
+        for a, b in zip(ref, ours):
+            g = torch.randn(a.shape, generator=gen).to(a.device, a.dtype)
+            a.grad, b.grad = g.clone(), g.clone()
+        reference.step()
+        inner.step()
+
+
+def test_cpu_groups_keep_the_default_and_update_alike():
+    reference, inner, wrapper, ref, ours, gen = adam_pair("cpu")
+    use_fused_adam(wrapper)
+    assert all(g["fused"] is None and g["foreach"] is None for g in inner.param_groups)
+    step_both(reference, inner, ref, ours, gen)
+    for a, b in zip(ref, ours):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    counters = [inner.state[p]["step"] for p in ours]
+    assert all(c.device.type == "cpu" and float(c) == 3.0 for c in counters)
+    use_fused_adam(wrapper)  # after a checkpoint load: counters keep their value and place
+    assert [float(inner.state[p]["step"]) for p in ours] == [3.0] * len(ours)
+
+
+def test_step_counter_placement():
+    cpu_param = torch.zeros(2)
+    assert step_counter({"params": [cpu_param]}, 4).device.type == "cpu"
+    counter = step_counter({"params": [cpu_param], "fused": True}, 4)
+    assert counter.dtype == torch.float32 and float(counter) == 4.0
