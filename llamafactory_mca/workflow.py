@@ -166,7 +166,7 @@ def _run(stage: str, model_args, data_args, training_args, finetuning_args, call
     from llamafactory.extras.ploting import plot_loss
     from llamafactory.model import load_tokenizer
 
-    from . import parallel
+    from . import memory_report, parallel
     from .log import setup_logging
     from .data import BatchingConfig, DataPlan, format_stats
     from .models import spec
@@ -186,6 +186,7 @@ def _run(stage: str, model_args, data_args, training_args, finetuning_args, call
     _check_model_fits(config, cutoff_len)
 
     parallel.initialize(layout, training_args.seed)
+    memory_report.start()
     tokenizer_module = load_tokenizer(model_args)
     tokenizer = tokenizer_module["tokenizer"]
     template = get_template_and_fix_tokenizer(tokenizer, data_args)

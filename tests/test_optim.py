@@ -51,3 +51,32 @@ def test_step_counter_placement():
     assert step_counter({"params": [cpu_param]}, 4).device.type == "cpu"
     counter = step_counter({"params": [cpu_param], "fused": True}, 4)
     assert counter.dtype == torch.float32 and float(counter) == 4.0
+
+
+def test_non_finite_gradients_are_found_without_buffer_sized_temporaries(tmp_path):
+    """The step is skipped when any gradient is NaN or inf (the check sums each buffer on the device)."""
+    import torch.distributed as dist
+
+    from llamafactory_mca.trainer.trainer import McaTrainer
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        def trainer(*grads):
+            buffers = [SimpleNamespace(grad_data=g) for g in grads]
+            return SimpleNamespace(device=torch.device("cpu"),
+                                   wrapped=[SimpleNamespace(buffers=buffers[:1], expert_parallel_buffers=buffers[1:])])
+
+        finite = torch.randn(1000)
+        assert McaTrainer._grads_finite(trainer(finite, torch.randn(10)))
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            experts = torch.randn(10)
+            experts[3] = bad
+            assert not McaTrainer._grads_finite(trainer(finite, experts))
+        both = torch.zeros(4)
+        both[0], both[1] = float("inf"), -float("inf")
+        assert not McaTrainer._grads_finite(trainer(both))
+    finally:
+        if created:
+            dist.destroy_process_group()

@@ -25,6 +25,7 @@ from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metrics, save_state
 from transformers.trainer_utils import TrainOutput
 
+from .. import memory_report
 from . import checkpoint as ckpt
 from .batches import StepFeeder
 from .faults import maybe_crash
@@ -133,12 +134,15 @@ class McaTrainer:
         ) or []
 
     def _grads_finite(self) -> bool:
-        bad = torch.zeros((), device=self.device)
-        for wrapped in self.wrapped:  # on the device, one host sync for all buffers
+        # A sum over each gradient buffer is NaN or inf exactly when an element is (short of an fp32 overflow
+        # of finite gradients, a step nobody wants either); unlike isfinite() it allocates nothing buffer-sized.
+        # On the device, one host sync for all buffers.
+        total = torch.zeros((), device=self.device)
+        for wrapped in self.wrapped:
             for buffer in list(wrapped.buffers) + list(wrapped.expert_parallel_buffers):
-                bad += (~torch.isfinite(buffer.grad_data)).any()
-        torch.distributed.all_reduce(bad)
-        return bad.item() == 0
+                total += torch.sum(buffer.grad_data, dtype=torch.float32)
+        torch.distributed.all_reduce(total)
+        return bool(torch.isfinite(total).item())
 
     def train_step(self, micro_batches: list) -> dict[str, float]:
         for wrapped in self.wrapped:
@@ -217,6 +221,7 @@ class McaTrainer:
             first_step_time = first_step_time or time.time() - start_time
             window.add(logged, seconds, self._step_work(micro_batches))
             self.state.global_step += 1
+            memory_report.maybe_write(self.state.global_step)
             self.state.epoch = consumed / max(self.train_feed.micro_batches_per_epoch, 1)
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             if self.control.should_log or self.state.global_step == self.max_steps:
