@@ -41,7 +41,7 @@ case $phase in
     bench 0,1 g2 --workloads dp2,moe_ep2 --gpus 2 --paths ours ;;
   single_ours)  # one GPU: our path's single-GPU runs again after a change, then the MoE run's peak-memory report
     bench 0 g0 --workloads dense,varlen,varlen_moe,moe --paths ours --gpus 1
-    USE_MCA=1 LLAMAFACTORY_MCA_MEMORY_REPORT="$out/memory_moe.md" \
+    USE_MCA=1 LLAMAFACTORY_MCA_MEMORY_REPORT="$out/memory_moe.md" timeout 120 \
       llamafactory-cli train /tmp/e2e_g0/gpu/runs/moe/ours/recipe.yaml > "$out/memory_moe.log" 2>&1
     echo "== memory report: exit $?"; cat "$out/memory_moe.md" ;;
 esac
