@@ -39,6 +39,9 @@ case $phase in
   varlen_moe)  # GPU 0: variable-length MoE SFT, both paths | GPU 1: the GPU tests; then DP2 and EP2 of our path
     bench 0 g4 --workloads varlen_moe --gpus 1 & check_tests 1 & wait
     bench 0,1 g2 --workloads dp2,moe_ep2 --gpus 2 --paths ours ;;
+  pair_ours)  # two GPUs: our path's DP2, EP2 and long-context (1 GPU, CP2) runs again after a change
+    bench 0,1 g2 --workloads dp2,moe_ep2 --gpus 2 --paths ours
+    bench 0,1 g3 --workloads long --runs ours,ours_cp2 --gpus 2 --steps 8 ;;
   single_ours)  # one GPU: our path's single-GPU runs again after a change, then the MoE run's peak-memory report
     bench 0 g0 --workloads dense,varlen,varlen_moe,moe --paths ours --gpus 1
     USE_MCA=1 LLAMAFACTORY_MCA_MEMORY_REPORT="$out/memory_moe.md" timeout 120 \
