@@ -135,7 +135,8 @@ class McaTrainer:
 
     def _grads_finite(self) -> bool:
         # A sum over each gradient buffer is NaN or inf exactly when an element is (short of an fp32 overflow
-        # of finite gradients, a step nobody wants either); unlike isfinite() it allocates nothing buffer-sized.
+        # of finite gradients, a step nobody wants either). isfinite() made an |x| copy and boolean masks of
+        # every buffer: ~7 bytes per parameter at once, the peak of our MoE benchmark (130.7 -> 102.6 GiB).
         # On the device, one host sync for all buffers.
         total = torch.zeros((), device=self.device)
         for wrapped in self.wrapped:
