@@ -22,6 +22,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+PACKED_256 = {"cutoff_len": 256, "sequence_packing": True, "per_device_train_batch_size": 1,
+              "gradient_accumulation_steps": 2}
 OVERLAP = {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "overlap_param_gather": True}
 # name: (model, world, layout keys, reference world, reference keys); global batch = dp x micro x accum stays 8
 RUNS = {
@@ -31,8 +33,8 @@ RUNS = {
     "moe_ep4_alltoall_grouped": ("qwen3_moe", 4, {"expert_model_parallel_size": 4, "moe_grouped_gemm": True,
                                                   "moe_token_dispatcher_type": "alltoall",
                                                   "gradient_accumulation_steps": 2}, 1, {}),
-    "long_cp4": ("qwen3", 4, {"context_parallel_size": 4, "cutoff_len": 256, "sequence_packing": True},
-                 1, {"cutoff_len": 256, "sequence_packing": True}),
+    # packed 256-token micro-batches: the tiny dataset makes 6 of them, so 2 per step (global batch 2)
+    "long_cp4": ("qwen3", 4, {"context_parallel_size": 4, **PACKED_256}, 1, PACKED_256),
     "guide_moe_layout_4": ("qwen3_moe", 4, {"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2,
                                             "recompute_granularity": "full", "moe_grouped_gemm": True,
                                             "gradient_accumulation_steps": 4, **OVERLAP}, 1, {}),
@@ -108,14 +110,18 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true", help="run on GPUs (bf16) instead of CPU processes")
     args = parser.parse_args()
     assets = make_assets(os.path.join(args.work, "assets"))
-    results = {}
+    results: dict = {}
+    path = os.path.join(args.out, "scale_out.json")
+    if os.path.isfile(path):  # keep the runs this invocation does not redo
+        with open(path) as f:
+            results = json.load(f)
     for name in args.runs.split(","):
         work = os.path.join(args.work, name)
         os.makedirs(work, exist_ok=True)
         results[name] = run_one(name, work, assets, args.gpu)
         print(name, json.dumps({k: v for k, v in results[name].items() if k in ("status", "losses", "reference")}))
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "scale_out.json"), "w") as f:
+    with open(path, "w") as f:
         json.dump(results, f, indent=1)
     rows = ["| run | processes | layout | first 2 steps = reference | resumed onto dp' = uninterrupted | merge loads |"
             " status |", "|---|---|---|---|---|---|---|"]
