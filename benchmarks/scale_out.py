@@ -1,6 +1,9 @@
 """The scale-out layouts of issue #8 at 4 and 8 processes, each checked against a smaller layout.
 
     python benchmarks/scale_out.py --out benchmarks/results/scale_out_cpu      # CPU (gloo), tiny models
+    python benchmarks/scale_out.py --runs long_cp4 --out ...                  # one layout; the others' results stay
+
+It launches ``llamafactory-cli`` as the training tests do, so run it with the environment's ``bin`` on PATH.
 
 For every layout: the first steps' losses equal a smaller layout's on the same data, a checkpoint resumes onto
 a different data-parallel size with the uninterrupted run's losses, and ``scripts/megatron_merge.py`` gives a
