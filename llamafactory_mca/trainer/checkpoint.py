@@ -103,13 +103,13 @@ def optimizer_step_count(optimizer: Any) -> float | None:
     return None
 
 
-def _set_step_counters(optimizer: Any, step: float | None, only_missing: bool) -> None:
+def _set_step_counters(optimizer: Any, step: float, only_missing: bool) -> None:
     for inner in inner_optimizers(optimizer):
         for group in inner.param_groups:
             for param in group["params"]:
                 state = inner.state.get(param)
                 if state is not None and (not only_missing or "step" not in state):
-                    state["step"] = step_counter(group, step or 0.0)
+                    state["step"] = step_counter(group, step)
 
 
 def _restore_step_count(optimizer: Any, step: float | None) -> None:

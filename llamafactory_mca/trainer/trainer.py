@@ -381,7 +381,7 @@ class _Window:
 
     def summary(self, lr: float, world_size: int, peak: float | None) -> dict[str, float]:
         good = max(self.steps - self.skipped, 1)
-        logs = {k: v / (good if k != "loss" else max(self.steps - self.skipped, 1)) for k, v in self.sums.items()}
+        logs = {k: v / good for k, v in self.sums.items()}
         logs["learning_rate"] = lr
         logs["tokens_per_second_per_gpu"] = round(self.tokens / max(self.seconds, 1e-9) / world_size, 1)
         if peak:

@@ -7,18 +7,14 @@ import pytest
 import torch
 
 from llamafactory_mca.trainer.optim import use_fused_adam
-from tests.test_optim import adam_pair, step_both
+from tests.test_optim import adam_pair, assert_same, step_both, switch_and_train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def test_fused_adam_on_cuda_matches_default():
-    reference, inner, wrapper, ref, ours, gen = adam_pair("cuda")
-    use_fused_adam(wrapper)
+    inner, _, ours = switch_and_train("cuda", rtol=1e-5, atol=1e-6)
     assert all(g["fused"] is True and g["foreach"] is False for g in inner.param_groups)
-    step_both(reference, inner, ref, ours, gen)
-    for a, b in zip(ref, ours):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert all(inner.state[p]["step"].device.type == "cuda" for p in ours)
 
 
@@ -31,5 +27,4 @@ def test_loaded_cpu_counters_move_to_the_device():
     use_fused_adam(wrapper)
     assert all(inner.state[p]["step"].device.type == "cuda" and float(inner.state[p]["step"]) == 2.0 for p in ours)
     step_both(reference, inner, ref, ours, gen, steps=2)
-    for a, b in zip(ref, ours):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert_same(ref, ours, rtol=1e-5, atol=1e-6)
