@@ -38,7 +38,7 @@ def main() -> None:
     from transformers import Qwen3Config
 
     from llamafactory_mca import parallel
-    from llamafactory_mca.args import TrainingArguments
+    from llamafactory_mca.training_args import TrainingArguments
     from llamafactory_mca.models.auto import AutoModel
     from llamafactory_mca.models.registry import get_family
     from llamafactory_mca.trainer.batches import ModelBatch

@@ -10,7 +10,7 @@ __all__ = ["Seq2SeqTrainingArguments", "TrainingArguments", "__version__"]
 
 def __getattr__(name: str):
     if name in ("TrainingArguments", "Seq2SeqTrainingArguments"):
-        from . import args
+        from . import training_args
 
-        return getattr(args, name)
+        return getattr(training_args, name)
     raise AttributeError(name)

@@ -1,10 +1,11 @@
-"""The argument hierarchy LLaMA-Factory parses under ``USE_MCA=1``.
+"""Our recipe keys and their checks.
 
 ``DistributingParallelArguments`` holds what goes into Megatron's ``TransformerConfig``;
-``MegatronArguments`` adds the engine knobs (DDP, optimizer, packing); the two ``TrainingArguments``
-classes mix them into Hugging Face's, so one YAML recipe carries LLaMA-Factory, Trainer and Megatron
-keys. Every cross-field check runs in ``__post_init__``, before any process group or GPU exists, and
-raises a ``ValueError`` that names the fields, their values and the fix.
+``MegatronArguments`` adds the engine knobs (DDP, optimizer, packing). ``training_args.py`` mixes them into
+Hugging Face's ``TrainingArguments``, so one YAML recipe carries LLaMA-Factory, Trainer and Megatron keys.
+Every cross-field check runs in ``__post_init__``, before any process group or GPU exists, and raises a
+``UserError`` that names the fields, their values and the fix. This module imports nothing heavy, so
+``llamafactory-mca train --help`` can list the keys in a moment.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import transformers
+from .errors import UserError
+
 
 
 logger = logging.getLogger(__name__)
@@ -42,7 +44,7 @@ def _split_csv(value: Any) -> Any:
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
-        raise ValueError(message)
+        raise UserError(message)
 
 
 def _one_of(name: str, value: Any, choices: tuple) -> None:
@@ -120,7 +122,7 @@ class DistributingParallelArguments:
         if isinstance(value, str) and os.path.isfile(value):
             with open(value, encoding="utf-8") as f:
                 return json.load(f)
-        raise ValueError(f"additional_configs={value!r} is neither a dict, a JSON string nor an existing JSON file.")
+        raise UserError(f"additional_configs={value!r} is neither a dict, a JSON string nor an existing JSON file.")
 
     def _check_parallel_arguments(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
@@ -141,7 +143,7 @@ class DistributingParallelArguments:
 
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         if self.sequence_parallel and tp == 1:
-            raise ValueError(
+            raise UserError(
                 "sequence_parallel=True needs tensor_model_parallel_size > 1 (got 1): sequence parallelism splits "
                 "activations across the TP group. Set tensor_model_parallel_size >= 2 or sequence_parallel: false."
             )
@@ -215,7 +217,7 @@ class DistributingParallelArguments:
                      f"moe_shared_expert_overlap=True needs moe_token_dispatcher_type=alltoall "
                      f"(got {self.moe_token_dispatcher_type}).")
         if self.variable_seq_lengths and self.moe_token_dispatcher_type == "allgather":
-            raise ValueError(
+            raise UserError(
                 "variable_seq_lengths=True is refused with moe_token_dispatcher_type=allgather: that dispatcher "
                 "needs one sequence length for all micro-batches. Use moe_token_dispatcher_type: alltoall."
             )
@@ -255,7 +257,13 @@ class MegatronArguments(DistributingParallelArguments):
     overlap_param_gather: bool = field(default=False, metadata={"help": "Overlap parameter all-gather (dist opt)."})
     ddp_bucket_size: int | None = field(default=None, metadata={"help": "DDP bucket size in elements."})
     ddp_average_in_collective: bool = field(default=False, metadata={"help": "Average in the collective."})
-    check_for_nan_in_loss_and_grad: bool = field(default=True, metadata={"help": "Skip steps with inf/nan grads."})
+    check_for_nan_in_loss_and_grad: bool = field(
+        default=True, metadata={"help": "Skip a step whose loss or gradients are inf/nan (counted and logged); "
+                                        "stop after max_nonfinite_steps such steps in a row."}
+    )
+    max_nonfinite_steps: int = field(
+        default=10, metadata={"help": "Stop with a message after this many skipped inf/nan steps in a row."}
+    )
     optimizer: str = field(default="adam", metadata={"help": "adam or sgd."})
     optimizer_cpu_offload: bool = field(default=False, metadata={"help": "Keep optimizer states on CPU."})
     save_hf_model: bool = field(default=False, metadata={"help": "Also write HF safetensors in each checkpoint."})
@@ -273,6 +281,7 @@ class MegatronArguments(DistributingParallelArguments):
             _require(self.use_distributed_optimizer,
                      "optimizer_cpu_offload=True needs use_distributed_optimizer=True (Megatron's hybrid CPU "
                      "optimizer).")
+        _require(self.max_nonfinite_steps >= 1, f"max_nonfinite_steps={self.max_nonfinite_steps} must be >= 1.")
         if self.ddp_bucket_size is not None:
             _require(self.ddp_bucket_size > 0, f"ddp_bucket_size={self.ddp_bucket_size} must be positive.")
 
@@ -316,47 +325,6 @@ class _HostCompatArguments:
     profiler_with_stack: bool = field(default=True, metadata={"help": "Record stacks."})
     profile_modules: str | None = field(default=None, metadata={"help": "Module patterns to time."})
     fp8_enable_fsdp_float8_all_gather: bool = field(default=False, metadata={"help": "Unused under MCA."})
-
-
-class _McaTrainingMixin:
-    """The shared ``__post_init__``: our checks first (no process group yet), then Hugging Face's."""
-
-    def _mca_post_init(self, hf_cls: type) -> None:
-        MegatronArguments.__post_init__(self)
-        if self.deepspeed:
-            raise ValueError(
-                f"deepspeed={self.deepspeed!r} cannot be combined with USE_MCA=1: Megatron-Core does the sharding "
-                "itself. Remove the deepspeed key (use use_distributed_optimizer: true for ZeRO-1-like sharding)."
-            )
-        if self.bf16 and self.fp16:
-            raise ValueError("bf16=True and fp16=True: choose one precision.")
-        if self.bf16 and not self.accumulate_allreduce_grads_in_fp32:
-            self.accumulate_allreduce_grads_in_fp32 = True
-        from .cpu_mode import cpu_mode_needed
-
-        if cpu_mode_needed():
-            self.use_cpu = True  # no GPU: gloo, and Hugging Face's bf16-needs-a-GPU check stays quiet
-        hf_cls.__post_init__(self)
-
-    def resolve_layout(self, world_size: int | None = None, seq_length: int | None = None):
-        """The second check, once the world size is known: see ``parallel.ParallelLayout``."""
-        from .parallel import ParallelLayout
-
-        return ParallelLayout.from_args(self, world_size=world_size, seq_length=seq_length)
-
-
-@dataclass
-class TrainingArguments(_McaTrainingMixin, MegatronArguments, _HostCompatArguments, transformers.TrainingArguments):
-    def __post_init__(self) -> None:
-        self._mca_post_init(transformers.TrainingArguments)
-
-
-@dataclass
-class Seq2SeqTrainingArguments(
-    _McaTrainingMixin, MegatronArguments, _HostCompatArguments, transformers.Seq2SeqTrainingArguments
-):
-    def __post_init__(self) -> None:
-        self._mca_post_init(transformers.Seq2SeqTrainingArguments)
 
 
 def megatron_args_dict(args: MegatronArguments) -> dict[str, Any]:

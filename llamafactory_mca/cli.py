@@ -1,53 +1,35 @@
 """``llamafactory-mca``: train, convert, demo, version.
 
-``train x.yaml`` is exactly ``USE_MCA=1 llamafactory-cli train x.yaml`` (LLaMA-Factory's launcher,
-parser and dispatch), for people who would rather not set the variable.
+``train x.yaml`` is exactly ``USE_MCA=1 llamafactory-cli train x.yaml`` (LLaMA-Factory's launcher, parser and
+dispatch, with our preflight), for people who would rather not set the variable. Everything here imports
+lazily, so ``--help`` answers at once.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
+import difflib
 import os
 import sys
 
-
+COMMANDS = ("train", "convert", "demo", "version", "help")
 USAGE = """usage: llamafactory-mca <command> [args]
 
-  train x.yaml [key=value ...]   train with Megatron-Core (same as USE_MCA=1 llamafactory-cli train x.yaml)
+  train RECIPE.yaml [key=value ...]  train with Megatron-Core (same as USE_MCA=1 llamafactory-cli train ...)
   convert --hf_path DIR --output_path DIR [--tensor_model_parallel_size N ...]
-                                 pre-shard a Hugging Face checkpoint into a Megatron dist checkpoint
-  demo [--output_dir DIR]        build a tiny Qwen3-style model, train, merge, generate (CPU or GPU)
-  version                        versions of this package, LLaMA-Factory, Megatron-Core, torch, CUDA
-"""
+                                     pre-shard a Hugging Face model into a Megatron dist checkpoint
+  demo [--output_dir DIR]            build a tiny Qwen3-style model, train, merge, generate (CPU or GPU)
+  version                            versions of the installed set, and whether they work together
 
-
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def versions() -> dict[str, str]:
-    import torch
-
-    from . import __version__
-    from .compat import has_flash_attn, has_transformer_engine
-
-    return {
-        "llamafactory-mca": __version__,
-        "llamafactory": _version("llamafactory"),
-        "megatron-core": _version("megatron-core"),
-        "transformers": _version("transformers"),
-        "torch": torch.__version__,
-        "CUDA": f"{torch.version.cuda} ({torch.cuda.device_count()} GPUs visible)" if torch.cuda.is_available()
-        else f"{torch.version.cuda or 'none'} (no GPU visible: CPU mode)",
-        "transformer-engine": _version("transformer-engine") if has_transformer_engine() else "absent",
-        "flash-attn": _version("flash-attn") if has_flash_attn() else "absent",
-    }
+`llamafactory-mca <command> --help` says more; scripts/megatron_merge.py turns checkpoints back into Hugging Face
+weights."""
 
 
 def train(argv: list[str]) -> int:
+    if not argv or any(a in ("-h", "--help") for a in argv):
+        from .preflight import train_help
+
+        print(train_help())
+        return 0
     os.environ["USE_MCA"] = "1"
     from .plugin import install
 
@@ -59,15 +41,26 @@ def train(argv: list[str]) -> int:
     return 0
 
 
+def version(argv: list[str]) -> int:
+    from .health import check_installation, versions
+    from .quiet import quiet_third_party
+
+    quiet_third_party()
+    for name, value in versions().items():
+        print(f"{name:20s} {value}")
+    problems = check_installation()
+    for line in problems:
+        print(f"[llamafactory_mca] problem: {line}", file=sys.stderr)
+    return 1 if problems else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv else "help"
     if command == "train":
         return train(argv)
     if command == "version":
-        for name, value in versions().items():
-            print(f"{name:20s} {value}")
-        return 0
+        return version(argv)
     if command == "convert":
         from .models.convert import convert_main
 
@@ -76,8 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import demo_main
 
         return demo_main(argv)
-    print(USAGE)
-    return 0 if command in ("help", "-h", "--help") else 2
+    if command in ("help", "-h", "--help"):
+        print(USAGE)
+        return 0
+    close = difflib.get_close_matches(command, COMMANDS, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    print(f"llamafactory-mca: unknown command {command!r}{hint}\n\n{USAGE}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

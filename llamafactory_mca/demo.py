@@ -28,6 +28,7 @@ def _run(command: list[str], env: dict) -> None:
 def demo_main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     from .tiny import save_tiny_model, save_tiny_tokenizer
 
@@ -36,6 +37,7 @@ def demo_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args(argv)
     out = os.path.abspath(args.output_dir)
+    hf_logging.disable_progress_bar()  # the tiny model's save and load bars say nothing here
     if not os.path.isdir(DATA_DIR):
         raise SystemExit(f"the demo dataset is missing ({DATA_DIR}); run the demo from a checkout (pip install -e .)")
 
@@ -53,7 +55,7 @@ def demo_main(argv: list[str] | None = None) -> int:
         "dataset": "demo_sft", "dataset_dir": DATA_DIR, "template": "qwen3_nothink", "cutoff_len": 64,
         "output_dir": os.path.join(out, "saves"), "overwrite_output_dir": True,
         "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": args.steps,
-        "learning_rate": 3.0e-3, "lr_scheduler_type": "cosine", "warmup_ratio": 0.1, "logging_steps": 5,
+        "learning_rate": 3.0e-3, "lr_scheduler_type": "cosine", "warmup_steps": args.steps // 10, "logging_steps": 5,
         "save_steps": args.steps, "plot_loss": True, "report_to": "none", "bf16": gpus > 0,
         "sequence_packing": True, "use_distributed_optimizer": True, "overlap_grad_reduce": True,
     }
@@ -70,7 +72,8 @@ def demo_main(argv: list[str] | None = None) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(merged)
     model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
-    question = "What is the capital of France ?"
+    trained = next(r for r in rows if r["instruction"] == "What is the capital of France ?")
+    question = trained["instruction"]
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                            add_generation_prompt=True)
     inputs = tokenizer(prompt, return_tensors="pt")
@@ -78,7 +81,7 @@ def demo_main(argv: list[str] | None = None) -> int:
         answer = model.generate(**inputs, max_new_tokens=12, do_sample=False, eos_token_id=tokenizer.eos_token_id,
                                 pad_token_id=tokenizer.pad_token_id)
     reply = tokenizer.decode(answer[0, inputs.input_ids.shape[1]:], skip_special_tokens=True).strip()
-    print(f"\nQ: {question}\nA: {reply}")
+    print(f"\nQ: {question}\nA: {reply}\n(the training data says: {trained['output']})")
     print(f"\nRecipe {recipe_path}; checkpoints in {recipe['output_dir']}; Hugging Face weights in {merged}; "
           f"loss curve {os.path.join(recipe['output_dir'], 'training_loss.png')}")
     return 0

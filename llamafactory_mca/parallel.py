@@ -8,11 +8,15 @@ world size is known); ``initialize`` builds Megatron's process groups from it. E
 from __future__ import annotations
 
 import logging
+import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .errors import UserError
 
 
 logger = logging.getLogger(__name__)
@@ -61,29 +65,31 @@ class ParallelLayout:
         ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or 1
         model_parallel = tp * pp * cp
         if world_size % model_parallel:
-            raise ValueError(
+            raise UserError(
                 f"tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} x context_parallel_size={cp} "
-                f"= {model_parallel} does not divide the world size {world_size}. Choose sizes whose product divides "
-                f"the number of processes (NPROC_PER_NODE x NNODES), or launch a multiple of {model_parallel} "
-                "processes."
+                f"= {model_parallel} does not divide the world size {world_size} ({_world_words(world_size)}). "
+                f"Launch a multiple of {model_parallel} processes, or choose sizes whose product divides "
+                f"{world_size}; with this pipeline and context size, tensor_model_parallel_size can be "
+                f"{_listing(d for d in _divisors(world_size) if world_size % (d * pp * cp) == 0)}."
             )
         expert_parallel = ep * etp * pp
         if world_size % expert_parallel:
-            raise ValueError(
+            raise UserError(
                 f"expert_model_parallel_size={ep} x expert_tensor_parallel_size={etp} x "
-                f"pipeline_model_parallel_size={pp}"
-                f" = {expert_parallel} does not divide the world size {world_size}; the expert layers cannot be laid "
-                "out. Lower expert_model_parallel_size or launch more processes."
+                f"pipeline_model_parallel_size={pp} = {expert_parallel} does not divide the world size {world_size} "
+                f"({_world_words(world_size)}): the expert layers cannot be laid out. expert_model_parallel_size "
+                f"can be {_listing(d for d in _divisors(world_size) if world_size % (d * etp * pp) == 0)} here, "
+                f"or launch a multiple of {expert_parallel} processes."
             )
         dp = world_size // model_parallel
         micro = getattr(args, "per_device_train_batch_size", 1)
         accum = getattr(args, "gradient_accumulation_steps", 1)
         vpp = args.virtual_pipeline_model_parallel_size
         if vpp and pp > 1 and accum % pp:
-            raise ValueError(
+            raise UserError(
                 f"gradient_accumulation_steps={accum} must be a multiple of pipeline_model_parallel_size={pp} "
-                "with the "
-                f"interleaved schedule (virtual_pipeline_model_parallel_size={vpp}). Use gradient_accumulation_steps="
+                f"with the interleaved schedule (virtual_pipeline_model_parallel_size={vpp}): Megatron runs "
+                f"micro-batches in groups of {pp} per virtual stage. Use gradient_accumulation_steps="
                 f"{-(-accum // pp) * pp}."
             )
         return cls(world_size=world_size, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, dp=dp,
@@ -91,15 +97,84 @@ class ParallelLayout:
                    seq_length=seq_length)
 
 
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _listing(values: Iterable[int]) -> str:
+    values = list(values)
+    return ", ".join(map(str, values)) if values else "none"
+
+
+def _world_words(world_size: int) -> str:
+    nproc, nnodes = os.environ.get("NPROC_PER_NODE"), os.environ.get("NNODES", "1")
+    if nproc:
+        return f"NPROC_PER_NODE={nproc} x NNODES={nnodes}"
+    return "processes in this launch"
+
+
+def check_layout(config: Any, layout: ParallelLayout, custom_pipeline_layout: bool = False) -> None:
+    """The model against the layout (``config``: a models.McaConfig), before any process group exists.
+
+    Each problem names the size, the model dimension it must divide, and the sizes that would work in this
+    world, so the fix is one edit.
+    """
+    t = config.transformer
+    tp, pp, vpp, cp, ep, etp = layout.tp, layout.pp, layout.vpp or 1, layout.cp, layout.ep, layout.etp
+    world = layout.world_size
+    heads, groups = t["num_attention_heads"], t.get("num_query_groups") or t["num_attention_heads"]
+    dense_ffn = None if config.num_experts else t["ffn_hidden_size"]
+
+    def tp_fits(d: int) -> bool:
+        return heads % d == 0 and groups % d == 0 and (dense_ffn is None or dense_ffn % d == 0) \
+            and world % (d * pp * cp) == 0
+
+    problems = []
+    tp_hint = f" (tensor_model_parallel_size can be {_listing(d for d in _divisors(world) if tp_fits(d))})"
+    if heads % tp:
+        problems.append(f"tensor_model_parallel_size={tp} does not divide num_attention_heads={heads}" + tp_hint)
+    elif groups % tp:
+        problems.append(f"tensor_model_parallel_size={tp} does not divide the key/value heads "
+                        f"(num_key_value_heads={groups})" + tp_hint)
+    elif dense_ffn is not None and dense_ffn % tp:
+        problems.append(f"tensor_model_parallel_size={tp} does not divide ffn_hidden_size={dense_ffn}" + tp_hint)
+    if config.num_experts:
+        experts, moe_ffn = config.num_experts, t["moe_ffn_hidden_size"]
+        if experts % ep:
+            fits = (d for d in _divisors(experts) if world % (d * etp * pp) == 0)
+            problems.append(f"expert_model_parallel_size={ep} does not divide num_experts={experts} "
+                            f"(expert_model_parallel_size can be {_listing(fits)})")
+        if moe_ffn % etp:
+            problems.append(f"expert_tensor_parallel_size={etp} does not divide moe_ffn_hidden_size={moe_ffn} "
+                            f"(expert_tensor_parallel_size can be {_listing(_divisors(math.gcd(moe_ffn, world)))})")
+    layers, stages = t["num_layers"], pp * vpp
+    if not custom_pipeline_layout and (stages > layers or layers % stages):
+        fits = [d for d in _divisors(layers) if d % vpp == 0 and world % (d // vpp * tp * cp) == 0]
+        pp_fits = _listing(d // vpp for d in fits)
+        what = f"pipeline_model_parallel_size={pp}" + (f" x virtual_pipeline_model_parallel_size={vpp}" if vpp > 1
+                                                        else "")
+        if stages > layers:
+            problems.append(f"{what} = {stages} stages is more than num_layers={layers} (pipeline_model_parallel_"
+                            f"size can be {pp_fits})")
+        else:
+            problems.append(f"num_layers={layers} does not split evenly into {what} = {stages} stages "
+                            f"(pipeline_model_parallel_size can be {pp_fits}; or give pipeline_model_parallel_layout "
+                            "for an uneven split)")
+    if problems:
+        raise UserError(f"{config.hf_model_type}: " + "; ".join(problems) + ".")
+
+
 def min_world_size(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int = 1) -> int:
     """The fewest processes a layout fits in: dense layers need tp·pp·cp, expert layers ep·etp·pp."""
-    import math
-
     return math.lcm(tp * pp * cp, ep * etp * pp)
 
 
-def init_distributed(timeout_minutes: int = 30) -> None:
-    """Join the process group torchrun (or a test's spawn) describes; gloo without GPUs, NCCL with."""
+def init_distributed(timeout_s: float = 1800) -> None:
+    """Join the process group torchrun (or a test's spawn) describes; gloo without GPUs, NCCL with.
+
+    ``timeout_s`` is ``ddp_timeout``; the group's own timeout is a minute longer, so that the watchdog's message
+    (rank, step, operation) comes before the backend's.
+    """
     from .compat import apply_megatron_fixes
     from .cpu_mode import apply_cpu_mode, cpu_mode_needed
 
@@ -117,7 +192,7 @@ def init_distributed(timeout_minutes: int = 30) -> None:
     torch.distributed.init_process_group(
         backend="nccl" if torch.cuda.is_available() else "gloo",
         rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1")),
-        timeout=timedelta(minutes=timeout_minutes),
+        timeout=timedelta(seconds=timeout_s + 60),
     )
 
 

@@ -27,7 +27,7 @@ _TRUE = ("1", "true", "y", "yes", "on")
 
 # What each aliased name exposes, and where it comes from.
 _EXPORTS = {
-    ADAPTER_NAME: ("llamafactory_mca.args", ("TrainingArguments", "Seq2SeqTrainingArguments")),
+    ADAPTER_NAME: ("llamafactory_mca.training_args", ("TrainingArguments", "Seq2SeqTrainingArguments")),
     WORKFLOW_NAME: ("llamafactory_mca.workflow", ("run_pt", "run_sft", "run_dpo")),
 }
 
@@ -50,6 +50,7 @@ class _AliasLoader(importlib.abc.Loader):
 
 
 PARSER_NAME = "llamafactory.hparams.parser"
+LAUNCHER_NAME = "llamafactory.launcher"
 
 
 def _guard_train_args(module: types.ModuleType) -> None:
@@ -68,8 +69,48 @@ def _guard_train_args(module: types.ModuleType) -> None:
     module.get_train_args = get_train_args
 
 
+class _Torchrun:
+    """``subprocess`` for LLaMA-Factory's launcher: its ``torchrun ...`` command runs our torchrun (launch.py)
+    with the same arguments; everything else is the real module."""
+
+    def __init__(self, real: types.ModuleType) -> None:
+        self._real = real
+
+    def run(self, command, *args, **kwargs):
+        if command and command[0] == "torchrun":
+            command = [sys.executable, "-m", "llamafactory_mca.launch", *command[1:]]
+            kwargs["check"] = False  # a failed run is reported by launch.py, not by a CalledProcessError traceback
+        return self._real.run(command, *args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+
+def _take_over_launch(module: types.ModuleType) -> None:
+    """``llamafactory-cli train``: our preflight (every check, in this process, before any worker), then
+    LLaMA-Factory's own launch with our torchrun."""
+    original = module.launch
+
+    def launch():
+        if len(sys.argv) > 1 and sys.argv[1] == "train":
+            from .preflight import run_preflight
+
+            run_preflight(sys.argv[2:])
+            module.subprocess = _Torchrun(module.subprocess)
+        try:
+            original()
+        except KeyboardInterrupt:
+            print("[llamafactory_mca] interrupted", file=sys.stderr, flush=True)
+            raise SystemExit(130) from None
+
+    module.launch = launch
+
+
+_PATCHES = {PARSER_NAME: _guard_train_args, LAUNCHER_NAME: _take_over_launch}
+
+
 class _PatchingLoader(importlib.abc.Loader):
-    """Runs the real module, then adjusts it (used for LLaMA-Factory's argument parser only)."""
+    """Runs the real module, then adjusts it (LLaMA-Factory's argument parser and launcher only)."""
 
     def __init__(self, loader: importlib.abc.Loader, patch) -> None:
         self.loader, self.patch = loader, patch
@@ -83,14 +124,14 @@ class _PatchingLoader(importlib.abc.Loader):
 
 
 class McaFinder(importlib.abc.MetaPathFinder):
-    """Answers ``mcore_adapter`` and ``llamafactory.train.mca`` with llamafactory_mca's modules, and guards
-    LLaMA-Factory's argument parser."""
+    """Answers ``mcore_adapter`` and ``llamafactory.train.mca`` with llamafactory_mca's modules, and adjusts
+    LLaMA-Factory's argument parser and launcher."""
 
     def find_spec(self, fullname: str, path=None, target=None) -> importlib.machinery.ModuleSpec | None:
-        if fullname == PARSER_NAME:
+        if fullname in _PATCHES:
             spec = importlib.machinery.PathFinder.find_spec(fullname, path)
             if spec is not None and spec.loader is not None:
-                spec.loader = _PatchingLoader(spec.loader, _guard_train_args)
+                spec.loader = _PatchingLoader(spec.loader, _PATCHES[fullname])
             return spec
         if fullname not in _EXPORTS:
             return None
@@ -122,37 +163,6 @@ def _should_announce() -> bool:
     return True
 
 
-def _default_cpu_nproc() -> None:
-    """LLaMA-Factory's launcher asks torchrun for get_device_count() processes: 0 without GPUs.
-    On such a machine start as many processes as the recipe's layout needs (at least one)."""
-    if "NPROC_PER_NODE" in os.environ or len(sys.argv) < 3 or sys.argv[1] != "train":
-        return
-    if not os.path.basename(sys.argv[0]).startswith(("llamafactory-cli", "lmf", "llamafactory-mca")):
-        return
-    import torch
-
-    if torch.cuda.is_available():
-        return
-    os.environ["NPROC_PER_NODE"] = str(recipe_world_size(sys.argv[2]))
-
-
-def recipe_world_size(path: str) -> int:
-    """The smallest world the recipe's parallel sizes fit in (1 if unreadable: the parser reports why)."""
-    try:
-        import yaml
-
-        from .parallel import min_world_size
-
-        with open(path, encoding="utf-8") as f:
-            recipe = yaml.safe_load(f) or {}
-        size = lambda key: int(recipe.get(key) or 1)  # noqa: E731
-        return min_world_size(size("tensor_model_parallel_size"), size("pipeline_model_parallel_size"),
-                              size("context_parallel_size"), size("expert_model_parallel_size"),
-                              size("expert_tensor_parallel_size"))
-    except Exception:
-        return 1
-
-
 _INSTALLED = False
 
 
@@ -164,7 +174,7 @@ def install() -> None:
     _INSTALLED = True
     other = _other_mcore_adapter()
     sys.meta_path.insert(0, McaFinder())
-    _default_cpu_nproc()
+    _quiet_worker()
     if _should_announce():
         from . import __version__
 
@@ -172,6 +182,16 @@ def install() -> None:
         if other:
             line += f" (ROLL's mcore_adapter at {other} is installed too and is not used)"
         print(line, file=sys.stderr)
+
+
+def _quiet_worker() -> None:
+    """In a worker (torchrun sets RANK): only rank 0 speaks through LLaMA-Factory's logger, as it does through
+    ours; warnings from every rank stay. Set before LLaMA-Factory's logging reads the variable."""
+    from .quiet import quiet_third_party
+
+    quiet_third_party()
+    if os.environ.get("RANK", "0") != "0":
+        os.environ.setdefault("LLAMAFACTORY_VERBOSITY", "WARN")
 
 
 def startup_hook() -> None:

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .errors import UserError
+
 
 logger = logging.getLogger("llamafactory_mca")
 
@@ -36,25 +38,25 @@ def run_dpo(model_args, data_args, training_args, finetuning_args, callbacks=Non
 def check_request(stage: str, model_args: Any, data_args: Any, training_args: Any, finetuning_args: Any) -> None:
     """Refuse what the Megatron path does not do, naming the key and the fix."""
     if stage not in SUPPORTED_STAGES:
-        raise ValueError(f"stage={stage!r} is not supported with USE_MCA=1; supported: {', '.join(SUPPORTED_STAGES)}. "
+        raise UserError(f"stage={stage!r} is not supported with USE_MCA=1; supported: {', '.join(SUPPORTED_STAGES)}. "
                          "Unset USE_MCA to run it with LLaMA-Factory's default trainer.")
     if finetuning_args.finetuning_type not in SUPPORTED_FINETUNING:
-        raise ValueError(f"finetuning_type={finetuning_args.finetuning_type!r} is not supported with USE_MCA=1; "
+        raise UserError(f"finetuning_type={finetuning_args.finetuning_type!r} is not supported with USE_MCA=1; "
                          f"supported: {', '.join(SUPPORTED_FINETUNING)}. Use finetuning_type: full (or freeze), or "
                          "unset USE_MCA for LoRA/OFT with LLaMA-Factory's default trainer.")
     if getattr(model_args, "adapter_name_or_path", None):
-        raise ValueError("adapter_name_or_path is not supported with USE_MCA=1: merge the adapter first "
+        raise UserError("adapter_name_or_path is not supported with USE_MCA=1: merge the adapter first "
                          "(llamafactory-cli export) and train the merged model.")
     if getattr(model_args, "quantization_bit", None):
-        raise ValueError(f"quantization_bit={model_args.quantization_bit} is not supported with USE_MCA=1.")
+        raise UserError(f"quantization_bit={model_args.quantization_bit} is not supported with USE_MCA=1.")
     if data_args.streaming:
-        raise ValueError("streaming=True is not supported with USE_MCA=1: micro-batches are planned over the whole "
+        raise UserError("streaming=True is not supported with USE_MCA=1: micro-batches are planned over the whole "
                          "tokenized dataset (deterministic, resumable packing). Set streaming: false.")
     if stage == "dpo" and finetuning_args.pref_loss not in ("sigmoid", "hinge", "ipo", "orpo", "simpo"):
-        raise ValueError(f"pref_loss={finetuning_args.pref_loss!r} is not supported with USE_MCA=1; supported: "
+        raise UserError(f"pref_loss={finetuning_args.pref_loss!r} is not supported with USE_MCA=1; supported: "
                          "sigmoid, hinge, ipo, orpo, simpo.")
     if stage == "dpo" and getattr(finetuning_args, "ld_alpha", None):
-        raise ValueError("ld_alpha is not supported with USE_MCA=1.")
+        raise UserError("ld_alpha is not supported with USE_MCA=1.")
     _check_output_dir(training_args.output_dir)
 
 
@@ -71,34 +73,36 @@ def _check_output_dir(output_dir: str) -> None:
         with tempfile.TemporaryFile(dir=probe):
             pass
     except OSError as err:
-        raise ValueError(f"output_dir={output_dir!r} is not writable ({err}). Choose a folder you can write "
+        raise UserError(f"output_dir={output_dir!r} is not writable ({err}). Choose a folder you can write "
                          "to.") from err
 
 
-def _check_model_fits(config: Any, cutoff_len: int) -> None:
+def check_model_fits(config: Any, cutoff_len: int) -> None:
     if config.sliding_window is not None and cutoff_len > config.sliding_window:
-        raise ValueError(f"{config.hf_model_type}: the model uses sliding-window attention (window "
+        raise UserError(f"{config.hf_model_type}: the model uses sliding-window attention (window "
                          f"{config.sliding_window}), which llamafactory_mca does not implement; it matches full "
                          f"attention only when sequences fit in the window. Set cutoff_len <= "
                          f"{config.sliding_window}.")
 
 
-def _packing_request(data_args: Any, training_args: Any) -> tuple[bool, int]:
+def packing_request(data_args: Any, training_args: Any, recipe: dict | list | None = None) -> tuple[bool, int]:
     """(pack?, the user's cutoff_len).
 
     LLaMA-Factory's DataArguments lowers cutoff_len by one in ``__post_init__`` when the recipe sets packing or
     neat_packing; for pt its parser turns packing on later without lowering it. Which one happened is read
-    from the recipe itself.
+    from the recipe itself (``recipe``: as ``read_args`` returns it; None reads the command line).
     """
     packing = bool(training_args.sequence_packing or data_args.packing or data_args.neat_packing)
     try:
-        from llamafactory.hparams.parser import read_args
+        if recipe is None:
+            from llamafactory.hparams.parser import read_args
 
-        raw = read_args()
-        if isinstance(raw, dict):
-            lowered = bool(raw.get("packing") or raw.get("neat_packing"))
+            recipe = read_args()
+        if isinstance(recipe, dict):
+            lowered = bool(recipe.get("packing") or recipe.get("neat_packing"))
         else:
-            lowered = any(a.split("=")[0] in ("--packing", "--neat_packing") for a in raw) and bool(data_args.packing)
+            lowered = any(a.split("=")[0] in ("--packing", "--neat_packing") for a in recipe) and \
+                bool(data_args.packing)
     except Exception:  # called without a recipe on the command line
         lowered = bool(data_args.neat_packing)
     return packing, data_args.cutoff_len + (1 if lowered else 0)
@@ -162,36 +166,71 @@ def _attach_reference_logps(trainer: Any, finetuning_args: Any, training_args: A
 
 
 def _run(stage: str, model_args, data_args, training_args, finetuning_args, callbacks=None) -> None:
+    """A worker's run: a user error is one message (see errors.py), Ctrl-C a quiet exit."""
+    from .errors import user_errors
+
+    try:
+        with user_errors():
+            _train(stage, model_args, data_args, training_args, finetuning_args, callbacks)
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+
+
+def _resolve_model_once_per_node(model_args: Any, finetuning_args: Any) -> None:
+    """Hub ids to local folders: the launcher did it (LLAMAFACTORY_MCA_RESOLVED); under a bare torchrun the
+    first rank of each node downloads while the others wait, then all read the same snapshot."""
+    from .hub import resolve_model
+
+    first = os.environ.get("LOCAL_RANK", "0") == "0"
+    for turn in (True, False):
+        if turn == first:
+            model_args.model_name_or_path = resolve_model(model_args.model_name_or_path, model_args)
+            if getattr(finetuning_args, "ref_model", None):
+                finetuning_args.ref_model = resolve_model(finetuning_args.ref_model, model_args)
+        torch.distributed.barrier()
+
+
+def _train(stage: str, model_args, data_args, training_args, finetuning_args, callbacks=None) -> None:
     from llamafactory.data import get_template_and_fix_tokenizer
     from llamafactory.extras.ploting import plot_loss
     from llamafactory.model import load_tokenizer
 
-    from . import memory_report, parallel
-    from .log import setup_logging
+    from . import memory_report, parallel, run_lock, watchdog
     from .data import BatchingConfig, DataPlan, format_stats
+    from .log import setup_logging
     from .models import spec
-    from .models.auto import AutoConfig, AutoModel, check_layout
+    from .models.auto import AutoConfig, AutoModel
     from .models.freeze import apply_freeze
+    from .parallel import check_layout
+    from .quiet import quiet_transformers
     from .trainer.loss import PreferenceConfig
     from .trainer.metrics import count_parameters, memory_estimate_gib, model_parameter_count, startup_summary
     from .trainer.trainer import McaTrainer
 
     setup_logging()
+    quiet_transformers()
     check_request(stage, model_args, data_args, training_args, finetuning_args)
-    packing, cutoff_len = _packing_request(data_args, training_args)
+    packing, cutoff_len = packing_request(data_args, training_args)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     layout = training_args.resolve_layout(world_size, seq_length=cutoff_len)
+    parallel.init_distributed(training_args.ddp_timeout)
+    watchdog.start(training_args.ddp_timeout, torch.distributed.get_rank())
+    lock = None
+    if not os.environ.get(run_lock.HELD_ENV) and torch.distributed.get_rank() == 0:  # torchrun started by hand
+        lock = run_lock.acquire(training_args.output_dir)
+    _resolve_model_once_per_node(model_args, finetuning_args)
     config = AutoConfig.from_pretrained(model_args.model_name_or_path, training_args, model_args.trust_remote_code)
     check_layout(config, layout, training_args.pipeline_model_parallel_layout is not None)
-    _check_model_fits(config, cutoff_len)
+    check_model_fits(config, cutoff_len)
 
+    watchdog.beat(phase="loading data and model")
     parallel.initialize(layout, training_args.seed)
     memory_report.start()
     tokenizer_module = load_tokenizer(model_args)
     tokenizer = tokenizer_module["tokenizer"]
     template = get_template_and_fix_tokenizer(tokenizer, data_args)
     if len(tokenizer) > config.vocab_size:
-        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+        raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
                          f"{config.vocab_size}: "
                          "resizing embeddings is not supported with USE_MCA=1. Use a tokenizer that fits the model "
                          "(or resize and save the model with transformers first).")
@@ -207,7 +246,7 @@ def _run(stage: str, model_args, data_args, training_args, finetuning_args, call
                           log=False)
     eval_dataset = dataset_module.get("eval_dataset")
     if isinstance(eval_dataset, dict):
-        raise ValueError("several eval datasets (eval_dataset with a dict) are not supported with USE_MCA=1.")
+        raise UserError("several eval datasets (eval_dataset with a dict) are not supported with USE_MCA=1.")
     eval_plan = None if eval_dataset is None else DataPlan(
         eval_dataset, BatchingConfig.from_args(training_args, for_eval=True, **batching), log=False)
 
@@ -244,4 +283,6 @@ def _run(stage: str, model_args, data_args, training_args, finetuning_args, call
     if trainer.is_world_process_zero() and finetuning_args.plot_loss:
         keys = ["loss"] + (["eval_loss"] if eval_plan is not None else [])
         plot_loss(training_args.output_dir, keys=keys + (["rewards/accuracies"] if stage == "dpo" else []))
+    if lock is not None:
+        lock.release()
     parallel.destroy()

@@ -9,8 +9,11 @@ accepted so existing commands keep working; the layout is read from the checkpoi
 
 import sys
 
-from llamafactory_mca.models.convert import merge_main
+from llamafactory_mca.quiet import quiet_third_party
 
 
 if __name__ == "__main__":
+    quiet_third_party()  # before Megatron's import-time warnings
+    from llamafactory_mca.models.convert import merge_main
+
     sys.exit(merge_main())

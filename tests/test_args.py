@@ -6,7 +6,8 @@ import pytest
 import yaml
 from transformers import HfArgumentParser
 
-from llamafactory_mca.args import MegatronArguments, Seq2SeqTrainingArguments, TrainingArguments
+from llamafactory_mca.args import MegatronArguments
+from llamafactory_mca.training_args import Seq2SeqTrainingArguments, TrainingArguments
 
 
 RECIPE = {

@@ -42,7 +42,7 @@ def test_use_mca_resolves_llamafactory_imports_to_us():
     code = (
         "from llamafactory.hparams import parser\n"
         "from llamafactory.hparams.training_args import TrainingArguments as LF\n"
-        "import llamafactory.train.mca as mca, llamafactory_mca.args as a, llamafactory_mca.workflow as w\n"
+        "import llamafactory.train.mca as mca, llamafactory_mca.training_args as a, llamafactory_mca.workflow as w\n"
         "assert parser._TRAIN_MCA_ARGS[2] is a.TrainingArguments, parser._TRAIN_MCA_ARGS\n"
         "assert issubclass(LF, a.Seq2SeqTrainingArguments)\n"
         "assert mca.run_sft is w.run_sft and mca.run_pt is w.run_pt and mca.run_dpo is w.run_dpo\n"

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from .config import MCA_CONFIG_NAME, McaConfig, rope_inv_freq
+from ..checkpoints import MCA_CONFIG_NAME, dist_checkpoint_dir
+from .config import McaConfig, rope_inv_freq
 from .hf_io import SafetensorsSource
 from .loading import dims_for, load_hf_weights
 from .mapping import WeightTable
@@ -23,17 +24,6 @@ from .registry import get_family
 
 
 logger = logging.getLogger(__name__)
-
-DIST_DIR = "dist_ckpt"  # where a checkpoint folder keeps its Megatron dist checkpoint
-
-
-def dist_checkpoint_dir(path: str) -> str | None:
-    """The dist-checkpoint folder of one of our checkpoints (``path`` itself or ``path/dist_ckpt``)."""
-    for candidate in (os.path.join(path, DIST_DIR), path):
-        if os.path.isfile(os.path.join(candidate, "metadata.json")):
-            return candidate
-    return None
-
 
 class AutoConfig:
     @staticmethod
@@ -75,6 +65,7 @@ def _engine_fields(config: McaConfig, args: Any) -> dict[str, Any]:
         # gloo pairs batched sends/receives between the same two ranks out of order (seen with PP2 + VPP on CPU:
         # activations of one micro-batch reached another); NCCL batches them correctly.
         batch_p2p_comm=not cpu_mode_needed(),
+        cuda_graph_scope=[],  # megatron-core 0.16.1's default "full" warns that it is deprecated, in every process
     )
     # alltoall is the fast dispatcher, and the only one Megatron allows with variable sequence lengths
     # (it checks even for dense models).
@@ -142,6 +133,7 @@ class McaModel:
                                         else StrictHandling.RAISE_UNEXPECTED)
         for i, chunk in enumerate(self.chunks):
             chunk.load_state_dict(state["model" if len(self.chunks) == 1 else f"model{i}"], strict=False)
+        check_finite(self.chunks, directory)
 
     def save_pretrained(self, directory: str, dtype: torch.dtype | None = None) -> None:
         """Hugging Face safetensors + config.json, gathered from every rank (all ranks must call it).
@@ -166,6 +158,22 @@ class McaModel:
 
             shutil.rmtree(staging)
         torch.distributed.barrier()
+
+
+@torch.no_grad()
+def check_finite(chunks: list[torch.nn.Module], source: str) -> None:
+    """A UserError naming every parameter loaded from ``source`` that holds NaN or inf (one host sync)."""
+    named = [(name, p) for chunk in chunks for name, p in chunk.named_parameters()]
+    if not named:
+        return
+    finite = torch.stack([torch.isfinite(p).all() for _, p in named]).cpu()
+    bad = [name for (name, _), ok in zip(named, finite.tolist()) if not ok]
+    if bad:
+        from ..errors import UserError
+
+        raise UserError(f"{source} holds NaN or inf values in {', '.join(bad[:5])}"
+                        + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+                        + ": the checkpoint is corrupt or training diverged before it was saved.")
 
 
 def _mask_vocab_padding(chunk: torch.nn.Module, vocab_size: int) -> None:
@@ -213,6 +221,8 @@ class AutoModel:
 
         from . import spec
 
+        from ..parallel import check_layout
+
         check_layout(config, _current_layout(), getattr(args, "pipeline_model_parallel_layout", None) is not None)
         tc = build_transformer_config(config, args)
         tp = ps.get_tensor_model_parallel_world_size()
@@ -258,34 +268,3 @@ class AutoModel:
             logger.info("Loaded %s (%s) in %.1fs from %s; peak host memory of rank 0 so far %.2f GiB",
                         config.hf_model_type, what, time.perf_counter() - start, path, peak_rss)
         return model
-
-
-def check_layout(config: McaConfig, layout: Any, custom_pipeline_layout: bool = False) -> None:
-    """Model-vs-layout checks (``layout``: a parallel.ParallelLayout), run before any process group exists."""
-    t = config.transformer
-    tp, pp, vpp, ep, etp = layout.tp, layout.pp, layout.vpp or 1, layout.ep, layout.etp
-    heads, groups = t["num_attention_heads"], t.get("num_query_groups") or t["num_attention_heads"]
-    problems = []
-    if heads % tp:
-        problems.append(f"tensor_model_parallel_size={tp} does not divide num_attention_heads={heads}")
-    if groups % tp:
-        problems.append(f"tensor_model_parallel_size={tp} does not divide the key/value heads "
-                        f"(num_key_value_heads={groups})")
-    if not config.num_experts and t["ffn_hidden_size"] % tp:
-        problems.append(f"tensor_model_parallel_size={tp} does not divide ffn_hidden_size={t['ffn_hidden_size']}")
-    if config.num_experts:
-        if config.num_experts % ep:
-            problems.append(f"expert_model_parallel_size={ep} does not divide num_experts={config.num_experts}")
-        if t["moe_ffn_hidden_size"] % etp:
-            problems.append(f"expert_tensor_parallel_size={etp} does not divide moe_ffn_hidden_size="
-                            f"{t['moe_ffn_hidden_size']}")
-    layers, stages = t["num_layers"], pp * vpp
-    if not custom_pipeline_layout:
-        if stages > layers:
-            problems.append(f"pipeline_model_parallel_size={pp} x virtual size {vpp} = {stages} stages is more "
-                            f"than num_layers={layers}")
-        elif layers % stages:
-            problems.append(f"num_layers={layers} does not split evenly into pipeline_model_parallel_size={pp} x "
-                            f"virtual size {vpp} stages (give pipeline_model_parallel_layout for an uneven split)")
-    if problems:
-        raise ValueError(f"{config.hf_model_type}: " + "; ".join(problems) + ".")

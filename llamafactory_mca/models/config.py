@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
+from ..checkpoints import MCA_CONFIG_NAME
+from ..errors import UserError
 
-MCA_CONFIG_NAME = "mca_config.json"
 
 # Activation names stored in JSON; TransformerConfig wants callables.
 _ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}
@@ -77,7 +78,7 @@ class McaConfig:
         known = {f.name for f in dataclasses.fields(TransformerConfig)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise ValueError(f"Unknown TransformerConfig fields {unknown} (from additional_configs or the model "
+            raise UserError(f"Unknown TransformerConfig fields {unknown} (from additional_configs or the model "
                              f"config); megatron-core's TransformerConfig has no such fields.")
         return TransformerConfig(**kwargs)
 
@@ -110,9 +111,9 @@ def rope_inv_freq(config: McaConfig, head_dim: int) -> torch.Tensor | None:
     hf = HfAutoConfig.for_model(config.hf_model_type, **fields)
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](hf, torch.device("cpu"))
     if attention_scaling != 1.0:
-        raise ValueError(f"rope_type={kind!r} scales attention by {attention_scaling}; not supported.")
+        raise UserError(f"rope_type={kind!r} scales attention by {attention_scaling}; not supported.")
     if inv_freq.numel() * 2 != head_dim:
-        raise ValueError(f"rope inv_freq has {inv_freq.numel()} entries for head_dim={head_dim}; partial rotary "
+        raise UserError(f"rope inv_freq has {inv_freq.numel()} entries for head_dim={head_dim}; partial rotary "
                          "is not supported.")
     return inv_freq.float()
 
@@ -122,5 +123,5 @@ def check_rope(model_type: str, rope_parameters: dict[str, Any] | None) -> None:
         return
     kind = rope_parameters.get("rope_type", rope_parameters.get("type"))
     if kind not in SUPPORTED_ROPE:
-        raise ValueError(f"{model_type}: rope scaling {kind!r} is not supported by llamafactory_mca; supported: "
+        raise UserError(f"{model_type}: rope scaling {kind!r} is not supported by llamafactory_mca; supported: "
                          f"{', '.join(SUPPORTED_ROPE)}. Training it would silently give a different model.")

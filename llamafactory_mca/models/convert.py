@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import logging
 import os
 import subprocess
 import sys
 
 import torch
 
-from .config import MCA_CONFIG_NAME
+from ..checkpoints import MCA_CONFIG_NAME
+from ..errors import UserError, user_errors
 
-
-logger = logging.getLogger(__name__)
 
 LAYOUT_NAME = "mca_layout.json"  # the layout a checkpoint was written in (informational; loads reshard)
 _LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
@@ -37,41 +36,51 @@ def _check_flags_against_checkpoint(args: argparse.Namespace, checkpoint: str) -
     for name in (*_LAYOUT_FLAGS, "moe_grouped_gemm"):
         given = getattr(args, name, None)
         if given is not None and saved.get(name) is not None and given != saved[name]:
-            raise ValueError(f"--{name}={given} contradicts the checkpoint, which was written with {name}="
-                             f"{saved[name]}. Drop the flag: the merge reads the layout from the checkpoint.")
+            raise UserError(f"--{name}={given} contradicts the checkpoint, which was written with {name}="
+                            f"{saved[name]}. Drop the flag: the merge reads the layout from the checkpoint.")
 
 
 def _merge_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Merge a llamafactory_mca checkpoint into Hugging Face weights.")
-    parser.add_argument("paths", nargs="*", help="[checkpoint_path output_path] (LLaMA-Factory style)")
-    parser.add_argument("--checkpoint_path")
-    parser.add_argument("--output_path")
+    parser = argparse.ArgumentParser(
+        prog="megatron_merge.py", description="Merge a llamafactory_mca checkpoint (any parallel layout) into Hugging "
+        "Face weights, on CPU in one process, one tensor group at a time.",
+        epilog="LLaMA-Factory's merge flags (the parallel sizes, --moe_grouped_gemm) are accepted so existing "
+        "commands keep working; the layout is read from the checkpoint, and a flag that contradicts it is an error.")
+    parser.add_argument("paths", nargs="*", metavar="PATH", help="checkpoint_path output_path, positionally")
+    parser.add_argument("--checkpoint_path", help="an output_dir/checkpoint-N folder written by training")
+    parser.add_argument("--output_path", help="where the Hugging Face model goes (written only when complete)")
     precision = parser.add_mutually_exclusive_group()
-    precision.add_argument("--bf16", action="store_true")
-    precision.add_argument("--fp16", action="store_true")
+    precision.add_argument("--bf16", action="store_true", help="write bfloat16 weights (default: as trained)")
+    precision.add_argument("--fp16", action="store_true", help="write float16 weights")
     for name in _LAYOUT_FLAGS:
-        parser.add_argument(f"--{name}", type=int)
+        parser.add_argument(f"--{name}", type=int, metavar="N", help="accepted for LLaMA-Factory commands; must match "
+                            "the checkpoint")
     parser.add_argument("--moe_grouped_gemm", type=lambda s: s.lower() in ("1", "true", "yes"), nargs="?",
-                        const=True, default=None)
-    parser.add_argument("--convert_model_max_length", type=int, help="max_position_embeddings in config.json")
-    parser.add_argument("--max_shard_size_gb", type=float, default=5.0)
+                        const=True, default=None, metavar="BOOL", help="accepted; must match the checkpoint")
+    parser.add_argument("--convert_model_max_length", type=int, metavar="N",
+                        help="set max_position_embeddings in the written config.json")
+    parser.add_argument("--max_shard_size_gb", type=float, default=5.0, metavar="GB",
+                        help="largest safetensors file (default 5)")
     return parser
 
 
 def merge_main(argv: list[str] | None = None) -> int:
+    from ..log import setup_logging
+    from ..quiet import quiet_third_party
     from .export import export_hf
 
-    from ..log import setup_logging
-
     setup_logging()
-    args = _merge_parser().parse_args(argv)
+    quiet_third_party()
+    parser = _merge_parser()
+    args = parser.parse_args(argv)
     checkpoint = args.checkpoint_path or (args.paths[0] if args.paths else None)
     output = args.output_path or (args.paths[1] if len(args.paths) > 1 else None)
     if not checkpoint or not output:
-        _merge_parser().error("give --checkpoint_path and --output_path")
-    _check_flags_against_checkpoint(args, checkpoint)
-    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-    export_hf(checkpoint, output, dtype=dtype, max_shard_bytes=int(args.max_shard_size_gb * 1024**3))
+        parser.error("give --checkpoint_path and --output_path")
+    with user_errors():
+        _check_flags_against_checkpoint(args, checkpoint)
+        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+        result = export_hf(checkpoint, output, dtype=dtype, max_shard_bytes=int(args.max_shard_size_gb * 1024**3))
     if args.convert_model_max_length:
         path = os.path.join(output, "config.json")
         with open(path, encoding="utf-8") as f:
@@ -79,49 +88,79 @@ def merge_main(argv: list[str] | None = None) -> int:
         config["max_position_embeddings"] = args.convert_model_max_length
         with open(path, "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, sort_keys=True)
-    print(f"Hugging Face checkpoint written to {output}")
+    size, seconds = result["bytes"] / 2**20, result["seconds"]
+    print(f"Hugging Face weights written to {output} ({size:,.1f} MiB in {seconds:.1f} s; "
+          f"{', '.join(result['side_files']) or 'no tokenizer files'})")
     return 0
 
 
+def _convert_parser() -> argparse.ArgumentParser:
+    from ..args import MegatronArguments
+
+    parser = argparse.ArgumentParser(
+        prog="llamafactory-mca convert", description="Pre-shard a Hugging Face model into a Megatron dist checkpoint "
+        "that training loads directly (model_name_or_path: OUTPUT_PATH), in the layout given. Starts the processes "
+        "the layout needs itself.", epilog="Other Megatron keys (see `llamafactory-mca train --help`) are accepted as "
+        "--key value.")
+    parser.add_argument("--hf_path", required=True, help="a Hugging Face model folder or hub id")
+    parser.add_argument("--output_path", required=True, help="where the dist checkpoint goes")
+    parser.add_argument("--bf16", action="store_true", help="store bfloat16 weights")
+    parser.add_argument("--fp16", action="store_true", help="store float16 weights")
+    helps = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(MegatronArguments)}
+    for name in _LAYOUT_FLAGS:
+        parser.add_argument(f"--{name}", type=int, metavar="N", help=helps[name])
+    return parser
+
+
 def convert_main(argv: list[str]) -> int:
-    """``llamafactory-mca convert --hf_path DIR --output_path DIR [layout flags]``: a dist checkpoint that
-    training loads directly (``model_name_or_path: DIR``). Starts the processes the layout needs itself."""
+    """``llamafactory-mca convert --hf_path DIR --output_path DIR [layout flags]``."""
     from transformers import HfArgumentParser
 
     from ..args import MegatronArguments
+    from ..hub import resolve_model
+    from ..parallel import ParallelLayout, check_layout, min_world_size
+    from ..quiet import quiet_third_party
+    from .auto import AutoConfig
 
-    parser = argparse.ArgumentParser(description="Convert a Hugging Face model into a Megatron dist checkpoint.")
-    parser.add_argument("--hf_path", required=True)
-    parser.add_argument("--output_path", required=True)
-    parser.add_argument("--bf16", action="store_true")
-    parser.add_argument("--fp16", action="store_true")
-    known, rest = parser.parse_known_args(argv)
-    (margs,) = HfArgumentParser(MegatronArguments).parse_args_into_dataclasses(args=rest)
-    margs.bf16, margs.fp16 = known.bf16, known.fp16
-    from ..parallel import min_world_size
+    quiet_third_party()
+    known, rest = _convert_parser().parse_known_args(argv)
+    with user_errors(also=(ValueError,)):
+        (margs, unknown) = HfArgumentParser(MegatronArguments).parse_args_into_dataclasses(
+            args=rest, return_remaining_strings=True)
+        if unknown:
+            raise UserError(f"unknown arguments {unknown}; see llamafactory-mca convert --help.")
+        for name in _LAYOUT_FLAGS:
+            if getattr(known, name) is not None:
+                setattr(margs, name, getattr(known, name))
+        margs.__post_init__()
+        margs.bf16, margs.fp16 = known.bf16, known.fp16
+        needed = min_world_size(margs.tensor_model_parallel_size, margs.pipeline_model_parallel_size,
+                                margs.context_parallel_size, margs.expert_model_parallel_size,
+                                margs.expert_tensor_parallel_size or 1)
+        world = int(os.environ.get("WORLD_SIZE", needed))
+        hf_path = resolve_model(known.hf_path)
+        config = AutoConfig.from_pretrained(hf_path, margs)
+        check_layout(config, ParallelLayout.from_args(margs, world_size=world),
+                     margs.pipeline_model_parallel_layout is not None)
+        if "WORLD_SIZE" in os.environ or needed == 1:
+            return _convert(hf_path, known.output_path, margs, config)
+    command = [sys.executable, "-m", "llamafactory_mca.launch", "--nproc_per_node", str(needed), "-m",
+               "llamafactory_mca.cli", "convert", *argv]
+    return subprocess.run(command, check=False).returncode
 
-    needed = min_world_size(margs.tensor_model_parallel_size, margs.pipeline_model_parallel_size,
-                            margs.context_parallel_size, margs.expert_model_parallel_size,
-                            margs.expert_tensor_parallel_size or 1)
-    if "WORLD_SIZE" not in os.environ and needed > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(needed),
-                   "-m", "llamafactory_mca.cli", "convert", *argv]
-        return subprocess.run(command, check=False).returncode
-    return _convert(known.hf_path, known.output_path, margs)
 
+def _convert(hf_path: str, output: str, margs, config) -> int:
+    """One rank's part (every check already passed in convert_main)."""
+    import shutil
 
-def _convert(hf_path: str, output: str, margs) -> int:
     from megatron.core import dist_checkpointing
 
     from .. import parallel
-    from .auto import DIST_DIR, AutoConfig, AutoModel
+    from ..checkpoints import DIST_DIR
+    from .auto import AutoModel
     from .hf_io import copy_side_files
 
     layout = parallel.ParallelLayout.from_args(margs)
-    config = AutoConfig.from_pretrained(hf_path, margs)
-    from .auto import check_layout
-
-    check_layout(config, layout, margs.pipeline_model_parallel_layout is not None)
     parallel.initialize(layout)
     model = AutoModel.from_pretrained(hf_path, margs)
     dist_dir = os.path.join(output, DIST_DIR)
@@ -133,8 +172,6 @@ def _convert(hf_path: str, output: str, margs) -> int:
         config.save_pretrained(output)
         write_layout(output, layout, None)
         copy_side_files(hf_path, output)
-        import shutil
-
         shutil.copy(os.path.join(hf_path, "config.json"), os.path.join(output, "config.json"))
         print(f"Megatron dist checkpoint written to {output} ({MCA_CONFIG_NAME}, {DIST_DIR}/)")
     torch.distributed.barrier()

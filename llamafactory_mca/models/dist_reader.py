@@ -42,6 +42,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from ..errors import UserError
+
 
 Index = int | slice | tuple[int | slice, ...]
 
@@ -128,7 +130,7 @@ class DistCheckpointReader:
         self.path = os.fspath(path)
         self.config = self._read_config()
         if not os.path.isfile(os.path.join(self.path, DCP_METADATA_FILE)):
-            raise ValueError(f"{self.path} is not a complete Megatron dist checkpoint: it has {CONFIG_FILE} but no "
+            raise UserError(f"{self.path} is not a complete Megatron dist checkpoint: it has {CONFIG_FILE} but no "
                              f"torch DCP {DCP_METADATA_FILE} file, which is written last; the save did not finish "
                              "or the folder was copied incompletely.")
         try:
@@ -136,33 +138,53 @@ class DistCheckpointReader:
             if not isinstance(metadata, Metadata):
                 raise TypeError(f"it holds a {type(metadata).__name__}")
         except Exception as e:
-            raise ValueError(f"{self.path} is not a readable Megatron dist checkpoint: its {DCP_METADATA_FILE} "
+            raise UserError(f"{self.path} is not a readable Megatron dist checkpoint: its {DCP_METADATA_FILE} "
                              f"file is truncated or corrupt ({type(e).__name__}: {e}).") from e
-        missing = sorted({info.relative_path for info in metadata.storage_data.values()
-                          if not os.path.isfile(os.path.join(self.path, info.relative_path))})
-        if missing:
-            raise ValueError(f"{self.path} is an incomplete Megatron dist checkpoint: {DCP_METADATA_FILE} refers "
-                             f"to data files that are missing: {', '.join(missing)}.")
+        self._check_data_files(metadata)
         self.metadata = metadata
         self._storage = _CachedMetadataReader(self.path, metadata)
         self._by_layer: dict[str, tuple[list[int], list[ChunkStorageMetadata], int]] = {}
 
+    def _check_data_files(self, metadata: Metadata) -> None:
+        """Every data file ``.metadata`` refers to exists and is long enough (a copy or save cut short)."""
+        needed: dict[str, int] = {}
+        for info in metadata.storage_data.values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        missing = sorted(name for name in needed if not os.path.isfile(os.path.join(self.path, name)))
+        if missing:
+            raise UserError(f"{self.path} is an incomplete Megatron dist checkpoint: {DCP_METADATA_FILE} refers "
+                            f"to data files that are missing: {', '.join(missing)}.")
+        for name, size in sorted(needed.items()):
+            have = os.path.getsize(os.path.join(self.path, name))
+            if have < size:
+                raise UserError(f"{os.path.join(self.path, name)} is truncated: {have:,} bytes, but the checkpoint's "
+                                f"{DCP_METADATA_FILE} needs {size:,}. The save or a copy was cut short.")
+
+    def verify(self) -> None:
+        """Beyond the metadata and data-file sizes checked on opening: the common state loads."""
+        path = os.path.join(self.path, COMMON_FILE)
+        if os.path.isfile(path):
+            try:
+                self.common(weights_only=False)
+            except Exception as e:
+                raise UserError(f"{path} is truncated or corrupt ({type(e).__name__}: {e}).") from e
+
     def _read_config(self) -> dict:
         if not os.path.isdir(self.path):
-            raise ValueError(f"{self.path} is not a Megatron dist checkpoint: no such folder.")
+            raise UserError(f"{self.path} is not a Megatron dist checkpoint: no such folder.")
         config_path = os.path.join(self.path, CONFIG_FILE)
         if not os.path.isfile(config_path):
-            raise ValueError(f"{self.path} is not a Megatron dist checkpoint: it has no {CONFIG_FILE}."
+            raise UserError(f"{self.path} is not a Megatron dist checkpoint: it has no {CONFIG_FILE}."
                              + _describe_folder(self.path))
         try:
             with open(config_path) as f:
                 config = json.load(f)
             backend = config["sharded_backend"]
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{self.path} is not a Megatron dist checkpoint: {config_path} is not a Megatron "
+            raise UserError(f"{self.path} is not a Megatron dist checkpoint: {config_path} is not a Megatron "
                              f"checkpoint config (JSON with 'sharded_backend'; {type(e).__name__}: {e}).") from e
         if backend != "torch_dist":
-            raise ValueError(f"{self.path} is a Megatron dist checkpoint with sharded_backend={backend!r}; only "
+            raise UserError(f"{self.path} is a Megatron dist checkpoint with sharded_backend={backend!r}; only "
                              "'torch_dist' (Megatron's default) can be read. Convert it with Megatron first.")
         return config
 
@@ -205,9 +227,14 @@ class DistCheckpointReader:
             # Saved chunks never overlap (each replica is written once), so a gap shows as a smaller total;
             # unchecked, it would come back as uninitialised memory.
             if sum(math.prod(item.lengths) for item in items) != buffer.numel():
-                raise ValueError(f"the checkpoint at {self.path} does not store all of {key}[{index!r}] (global "
+                raise UserError(f"the checkpoint at {self.path} does not store all of {key}[{index!r}] (global "
                                  f"shape {tuple(md.size)}): no saved chunk covers part of it.")
-            _load({key: buffer}, items, self._storage)
+            try:
+                _load({key: buffer}, items, self._storage)
+            except Exception as e:
+                files = sorted({self.metadata.storage_data[item.storage_index].relative_path for item in items})
+                raise UserError(f"reading {key} from {', '.join(os.path.join(self.path, f) for f in files)} failed: "
+                                f"the file is corrupt ({type(e).__name__}: {e}).") from e
         return buffer.view(kept)
 
     def _near(self, key: str, md: TensorStorageMetadata, offsets: list[int], sizes: list[int]

@@ -8,22 +8,22 @@ all consume it, so a model larger than host memory can be merged.
 
 from __future__ import annotations
 
-import logging
 import os
+import shutil
 import time
 from collections.abc import Iterator
 
 import torch
 
-from .config import MCA_CONFIG_NAME, McaConfig
+from ..checkpoints import MCA_CONFIG_NAME, dist_checkpoint_dir, verify_checkpoint
+from ..errors import UserError
+from .config import McaConfig
 from .dist_reader import DistCheckpointReader
-from .hf_io import ShardedWriter, copy_side_files, write_hf_config
+from .hf_io import INDEX_NAME, ShardedWriter, copy_side_files, write_hf_config
 from .loading import dims_for
 from .mapping import WeightTable, fill
 from .registry import get_family
 
-
-logger = logging.getLogger(__name__)
 
 # Canonical (separate-norm) names → how Megatron's specs store them in a dist checkpoint.
 _STORED_ALIASES = {
@@ -81,35 +81,47 @@ def _read(reader: DistCheckpointReader, pattern: str, index: tuple[int, ...], co
         found = reader.locate_layer(key, index[0])  # layers stacked on axis 0, or one key per layer
         if found is not None:
             return reader.read(found[0], (*found[1], *index[1:]))
-    raise ValueError(f"the checkpoint at {reader.path} has no tensor for {pattern} (looked for "
+    raise UserError(f"the checkpoint at {reader.path} has no tensor for {pattern} (looked for "
                      f"{stored_keys(pattern)}); was it written by llamafactory_mca for a {config.hf_model_type} "
                      "model?")
 
 
 def export_hf(checkpoint: str, output: str, dtype: torch.dtype | None = None,
               max_shard_bytes: int = 5 * 1024**3) -> dict:
-    """Write HF safetensors, config.json and tokenizer files for the checkpoint at ``checkpoint``."""
-    from .auto import dist_checkpoint_dir
+    """Write HF safetensors, config.json and tokenizer files for the checkpoint at ``checkpoint``.
 
+    The checkpoint is verified before anything is written, and the files are written into a temporary sibling
+    folder that moves into ``output`` only when complete: a failed merge leaves no output folder behind (and an
+    existing one as it was).
+    """
     start = time.perf_counter()
-    config_path = os.path.join(checkpoint, MCA_CONFIG_NAME)
-    dist = dist_checkpoint_dir(checkpoint)
-    if not os.path.isfile(config_path) or dist is None:
-        raise ValueError(f"{checkpoint} is not a llamafactory_mca checkpoint: it needs {MCA_CONFIG_NAME} and a "
-                         "Megatron "
-                         "dist checkpoint (metadata.json) in it or in its dist_ckpt/ folder. Point --checkpoint_path "
-                         "at an output_dir/checkpoint-N folder.")
-    config = McaConfig.from_json_file(config_path)
-    reader = DistCheckpointReader(dist)
-    writer = ShardedWriter(output, max_shard_bytes)
-    stored_dtype = None
-    for name, tensor in iter_hf_tensors(reader, config, dtype):
-        stored_dtype = stored_dtype or tensor.dtype
-        writer.add(name, tensor)
-    writer.finish()
-    write_hf_config(config.hf_config, output, dtype or stored_dtype)
-    copied = copy_side_files(checkpoint, output)
-    seconds = time.perf_counter() - start
-    logger.info("Merged %s into %s: %.1f MiB in %.1fs (%s)", checkpoint, output, writer.total_bytes / 2**20,
-                seconds, ", ".join(copied) or "no tokenizer files")
-    return {"bytes": writer.total_bytes, "seconds": seconds, "side_files": copied}
+    verify_checkpoint(checkpoint)
+    config = McaConfig.from_json_file(os.path.join(checkpoint, MCA_CONFIG_NAME))
+    reader = DistCheckpointReader(dist_checkpoint_dir(checkpoint))
+    staging = f"{os.path.abspath(output)}.tmp-{os.getpid()}"
+    try:
+        writer = ShardedWriter(staging, max_shard_bytes)
+        stored_dtype = None
+        for name, tensor in iter_hf_tensors(reader, config, dtype):
+            stored_dtype = stored_dtype or tensor.dtype
+            writer.add(name, tensor)
+        writer.finish()
+        write_hf_config(config.hf_config, staging, dtype or stored_dtype)
+        copied = copy_side_files(checkpoint, staging)
+        _move_into(staging, output)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return {"bytes": writer.total_bytes, "seconds": time.perf_counter() - start, "side_files": copied}
+
+
+def _move_into(staging: str, output: str) -> None:
+    """``staging`` becomes ``output``; into an existing folder (a run's output_dir), its files replace the old
+    weights, whose shard names may differ."""
+    if not os.path.exists(output):
+        os.replace(staging, output)
+        return
+    for name in os.listdir(output):
+        if name.endswith(".safetensors") or name == INDEX_NAME:
+            os.remove(os.path.join(output, name))
+    for name in os.listdir(staging):
+        os.replace(os.path.join(staging, name), os.path.join(output, name))

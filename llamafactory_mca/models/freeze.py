@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ..errors import UserError
+
 # LLaMA-Factory names the HF modules of a decoder layer and of the model; these are their Megatron names.
 LAYER_MODULES = {"self_attn": "self_attention", "mlp": "mlp", "input_layernorm": "input_layernorm",
                  "post_attention_layernorm": "pre_mlp_layernorm", "block_sparse_moe": "mlp"}
@@ -16,7 +18,7 @@ def trainable_layer_ids(num_layers: int, trainable_layers: int, use_llama_pro: b
     """LLaMA-Factory's rule: the last n layers (n > 0), the first -n (n < 0), or every (L/n)-th (LLaMA Pro)."""
     if use_llama_pro:
         if num_layers % trainable_layers:
-            raise ValueError(f"num_layers={num_layers} is not divisible by freeze_trainable_layers="
+            raise UserError(f"num_layers={num_layers} is not divisible by freeze_trainable_layers="
                              f"{trainable_layers}.")
         stride = num_layers // trainable_layers
         return list(range(stride - 1, num_layers + stride - 1, stride))
@@ -35,7 +37,7 @@ def apply_freeze(model: Any, finetuning_args: Any) -> int:
     extras = list(finetuning_args.freeze_extra_modules or [])
     unknown += [m for m in extras if m not in EXTRA_MODULES]
     if unknown:
-        raise ValueError(f"freeze modules {unknown} are not known; choose layer modules from "
+        raise UserError(f"freeze modules {unknown} are not known; choose layer modules from "
                          f"{sorted(LAYER_MODULES)} (or all) and extra modules from {sorted(EXTRA_MODULES)}.")
     wanted = {LAYER_MODULES[m] for m in modules if m != "all"}
     trainable = 0

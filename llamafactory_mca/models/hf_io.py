@@ -16,6 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..errors import UserError
+
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -38,7 +40,7 @@ class SafetensorsSource:
         elif os.path.isfile(os.path.join(path, SINGLE_NAME)):
             self.weight_map = {name: SINGLE_NAME for name in self._open(SINGLE_NAME).keys()}
         else:
-            raise ValueError(f"{path} holds no Hugging Face safetensors weights (neither {SINGLE_NAME} nor "
+            raise UserError(f"{path} holds no Hugging Face safetensors weights (neither {SINGLE_NAME} nor "
                              f"{INDEX_NAME}). Point model_name_or_path at a model folder saved with save_pretrained.")
         self.bytes_read = 0
         self.tensors_read = 0
@@ -55,12 +57,12 @@ class SafetensorsSource:
         if file not in handles:
             full = os.path.join(self.path, file)
             if not os.path.isfile(full):
-                raise ValueError(f"{full} is listed in {INDEX_NAME} but missing: the checkpoint is incomplete "
+                raise UserError(f"{full} is listed in {INDEX_NAME} but missing: the checkpoint is incomplete "
                                  "(re-download or re-save it).")
             try:
                 handles[file] = safe_open(full, "pt")
             except Exception as err:
-                raise ValueError(f"{full} cannot be read, it is truncated or corrupt ({err}). "
+                raise UserError(f"{full} cannot be read, it is truncated or corrupt ({err}). "
                                  "Re-download it.") from err
         return handles[file]
 
@@ -81,8 +83,11 @@ class SafetensorsSource:
         try:
             tensor = piece[index]
         except Exception as err:
-            raise ValueError(f"reading {name!r} from {self.path} failed ({err}): the file is truncated or corrupt.") \
+            raise UserError(f"reading {name!r} from {self.path} failed ({err}): the file is truncated or corrupt.") \
                 from err
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise UserError(f"tensor {name!r} in {os.path.join(self.path, self.weight_map[name])} holds NaN or inf "
+                            "values: the model file is corrupt (re-download or re-save it).")
         self.bytes_read += tensor.numel() * tensor.element_size()
         self.tensors_read += 1
         return tensor

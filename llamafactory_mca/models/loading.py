@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 import torch
 from megatron.core import parallel_state as ps
 
+from ..errors import UserError
 from .mapping import Dims, Shard, Source, WeightTable
 
 
@@ -54,7 +55,7 @@ def _tp_shard(param: torch.nn.Parameter, expert: bool) -> Shard | None:
 def _copy_into(target: torch.Tensor) -> Callable[[torch.Tensor], None]:
     def assign(value: torch.Tensor) -> None:
         if tuple(value.shape) != tuple(target.shape):
-            raise ValueError(f"shape mismatch: checkpoint gives {tuple(value.shape)}, model expects "
+            raise UserError(f"shape mismatch: checkpoint gives {tuple(value.shape)}, model expects "
                              f"{tuple(target.shape)}")
         target.copy_(value.to(dtype=target.dtype, device=target.device))
 
@@ -124,6 +125,6 @@ def load_hf_weights(chunks: list[torch.nn.Module], src: Source, table: WeightTab
             try:
                 target.assign(op.load(src, names, target.shard, dims))
             except (KeyError, ValueError) as err:
-                raise ValueError(f"loading {target.canonical} from {names}: {err}") from err
+                raise UserError(f"loading {target.canonical} from {names}: {err}") from err
             filled += 1
     return filled

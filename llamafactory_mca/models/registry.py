@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 from collections.abc import Callable
 
+from ..errors import UserError
 from .config import McaConfig
 from .mapping import Op
 
@@ -51,6 +52,6 @@ def get_family(model_type: str) -> Family:
     from . import families  # noqa: F401  (registers every family)
 
     if model_type not in FAMILIES:
-        raise ValueError(f"model_type {model_type!r} is not supported by llamafactory_mca; supported: "
+        raise UserError(f"model_type {model_type!r} is not supported by llamafactory_mca; supported: "
                          f"{', '.join(sorted(FAMILIES))}.")
     return FAMILIES[model_type]

@@ -39,6 +39,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from ..compat import has_transformer_engine
+from ..errors import UserError
 from .native.attention import NativeDotProductAttention, check_supported
 from .native.experts import NativeGroupedMLP, describe_experts
 from .native.kernels import varlen_attn_available
@@ -75,7 +76,7 @@ def prepare_config(config: TransformerConfig | dict[str, Any]) -> TransformerCon
         if get("gradient_accumulation_fusion") and not _has_apex_wgrad():
             _turn_off(put, "gradient_accumulation_fusion", "it needs Transformer Engine or apex's fused wgrad kernel")
         if get("fp8") or get("fp4"):
-            raise ValueError(f"fp8={get('fp8')!r} / fp4={get('fp4')!r} need Transformer Engine, which is not "
+            raise UserError(f"fp8={get('fp8')!r} / fp4={get('fp4')!r} need Transformer Engine, which is not "
                              "installed. Drop the fp8 keys or install Transformer Engine.")
         if backend in _TE_ONLY_BACKENDS:
             logger.info("attention_backend=%s selects a Transformer Engine kernel, and TE is not installed: using the "
@@ -84,7 +85,7 @@ def prepare_config(config: TransformerConfig | dict[str, Any]) -> TransformerCon
     if get("bias_activation_fusion") and _cpu_only():
         _turn_off(put, "bias_activation_fusion", "its torch.compile kernels are for GPUs and this run is on CPU")
     if backend == "local" and not te and (get("context_parallel_size") or 1) > 1:
-        raise ValueError("attention_backend=local cannot do context parallelism (Megatron's local attention "
+        raise UserError("attention_backend=local cannot do context parallelism (Megatron's local attention "
                          "refuses it). Use attention_backend: auto for the native attention.")
     return config
 
@@ -178,7 +179,8 @@ def describe_kernels(config: TransformerConfig) -> str:
         attention = f"native (SDPA padded, {packed} packed"
         attention += f", CP{config.context_parallel_size} K/V all-gather)" if config.context_parallel_size > 1 else ")"
         experts = describe_experts() if config.moe_grouped_gemm else "sequential loop"
-    line = f"layer spec: {choice}; attention: {attention}"
+    absent = "" if choice == "te" else " (Transformer Engine and apex absent: PyTorch kernels)"
+    line = f"layer spec: {choice}{absent}; attention: {attention}"
     return line + (f"; MoE experts: {experts}" if config.num_moe_experts else "")
 
 
@@ -246,4 +248,4 @@ def _log_once(config: TransformerConfig, choice: str) -> None:
     key = (choice, bool(config.num_moe_experts), bool(config.moe_grouped_gemm), config.context_parallel_size)
     if key not in _LOGGED:
         _LOGGED.add(key)
-        logger.info(describe_kernels(config))
+        logger.debug(describe_kernels(config))  # the startup summary prints it

@@ -16,6 +16,7 @@ import torch
 from megatron.core import parallel_state as ps
 
 from ..data import MicroBatch
+from ..errors import UserError
 
 
 @dataclass
@@ -138,7 +139,7 @@ class StepFeeder:
     def steps(self, start: int = 0) -> Iterator[tuple[list[ModelBatch], int]]:
         """(this rank's micro-batches of the step, global micro-batches consumed after it), forever."""
         if start % self.per_step:
-            raise ValueError(f"resume point {start} is not a whole step of {self.per_step} micro-batches "
+            raise UserError(f"resume point {start} is not a whole step of {self.per_step} micro-batches "
                              "(dp x gradient_accumulation_steps changed in a way that splits a step)")
         iterator = self.plan.iterator(ps.get_data_parallel_rank(), self.layout.dp, consumed=start,
                                       multiple_of=self.per_step, tail="drop")

@@ -1,4 +1,4 @@
-"""Checkpoints that never look complete unless they are, and resume from the newest complete one.
+"""Saving and loading checkpoints: never complete-looking unless complete (names: ``checkpoints.py``).
 
 ``output_dir/checkpoint-N/``: ``dist_ckpt/`` (Megatron dist checkpoint: model, optimizer, RNG, LR
 schedule, consumed micro-batches; saved fully in parallel), ``mca_config.json``, ``mca_layout.json``,
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 from typing import Any
 
@@ -30,53 +29,18 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
 
-from ..models.auto import DIST_DIR, dist_checkpoint_dir
-from ..models.config import MCA_CONFIG_NAME
+from ..checkpoints import DIST_DIR, PREFIX, TMP_PREFIX, dist_checkpoint_dir, list_checkpoints, newest_intact
+from ..errors import UserError
+from ..models.auto import check_finite
 from .faults import maybe_crash
 from .optim import inner_optimizers, step_counter, use_fused_adam
 
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "checkpoint"
-TMP_PREFIX = "tmp-checkpoint"
 # dp_reshardable: every rank writes its own optimizer shard (no gathering) and a resume may change the
 # data-parallel size; megatron-core 0.16 no longer saves the older flattened "model space" format.
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "chained_optim_avoid_prefix": True}
-_CHECKPOINT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
-
-
-def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
-    """Complete checkpoints, oldest first."""
-    if not os.path.isdir(output_dir):
-        return []
-    found = []
-    for name in os.listdir(output_dir):
-        match = _CHECKPOINT_RE.match(name)
-        path = os.path.join(output_dir, name)
-        if match and os.path.isdir(path) and is_checkpoint(path):
-            found.append((int(match.group(1)), path))
-    return sorted(found)
-
-
-def is_checkpoint(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, MCA_CONFIG_NAME)) and dist_checkpoint_dir(path) is not None
-
-
-def resolve_resume(resume: Any, output_dir: str) -> str | None:
-    """``resume_from_checkpoint``: a path, true/"true" for the newest complete one, or None/false."""
-    if resume in (None, False, "", "false", "False"):
-        return None
-    if resume in (True, "true", "True"):
-        found = list_checkpoints(output_dir)
-        if not found:
-            raise ValueError(f"resume_from_checkpoint=true but {output_dir} holds no complete checkpoint-N folder.")
-        return found[-1][1]
-    if not os.path.isdir(resume) or not is_checkpoint(resume):
-        raise ValueError(f"resume_from_checkpoint={resume!r} is not a llamafactory_mca checkpoint (it needs "
-                         f"{MCA_CONFIG_NAME} and {DIST_DIR}/). Give a complete output_dir/checkpoint-N folder, "
-                         "or true.")
-    return resume
 
 
 def _rng_object(layout_key: tuple[int, int]) -> ShardedObject:
@@ -182,9 +146,17 @@ def load_checkpoint(path: str, model: Any, optimizer: Any | None) -> dict:
     if same_layout:
         state["rng_state"] = _rng_object(_layout_key())
     strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(directory), _dp_group())
-    loaded = dist_checkpointing.load(state, directory, sharded_strategy=strategy)
+    try:
+        loaded = dist_checkpointing.load(state, directory, sharded_strategy=strategy)
+    except Exception as err:
+        instead = newest_intact(os.path.dirname(os.path.abspath(path)), besides=path)
+        raise UserError(f"loading the checkpoint {path} failed ({type(err).__name__}: {err}): its files are corrupt "
+                        "or were written by an incompatible version."
+                        + (f" Resume from {instead} instead (resume_from_checkpoint: {instead})." if instead else "")
+                        ) from err
     for i, chunk in enumerate(model.chunks):
         chunk.load_state_dict(loaded["model" if len(model.chunks) == 1 else f"model{i}"], strict=False)
+    check_finite(model.chunks, path)
     if optimizer is not None:
         with torch.no_grad():  # fp32 runs: main params are the model's leaf parameters, copied into in place
             optimizer.load_state_dict(loaded["optimizer"])

@@ -1,26 +1,57 @@
-"""Deliberate crashes at named points, so tests can prove that resume survives them.
+"""Deliberate faults at named points, so tests can prove that resume, skipping and the watchdog work.
 
-``LLAMAFACTORY_MCA_FAULT=step:3`` kills every rank before step 3 runs; ``save:4`` kills them in the middle
-of writing checkpoint-4 (its dist checkpoint written, the folder not yet renamed). Unset in real runs.
+``LLAMAFACTORY_MCA_FAULT`` holds ``point:step`` or ``point:step@rank`` (only that rank), comma-separated:
+
+- ``step:3``: every rank dies before step 3 runs; ``save:4``: in the middle of writing checkpoint-4 (its dist
+  checkpoint written, the folder not yet renamed);
+- ``hang:2@1``: rank 1 stops before step 2 (sleeps), as a stuck GPU or a lost node would;
+- ``nan:2``: step 2's loss is NaN; ``nan:2+``: every loss from step 2 on.
+
+Unset in real runs.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 FAULT_ENV = "LLAMAFACTORY_MCA_FAULT"
 
 
+def _matches(point: str, step: int) -> bool:
+    rank = os.environ.get("RANK", "0")
+    for entry in os.environ.get(FAULT_ENV, "").split(","):
+        name, _, spec = entry.strip().partition(":")
+        spec, _, only = spec.partition("@")
+        if name != point or (only and only != rank) or not spec.rstrip("+").isdigit():
+            continue
+        first = int(spec.rstrip("+"))
+        if step == first or (spec.endswith("+") and step >= first):
+            return True
+    return False
+
+
 def maybe_crash(point: str, step: int) -> None:
-    if os.environ.get(FAULT_ENV) == f"{point}:{step}":
-        import torch
+    if not _matches(point, step):
+        return
+    import torch
 
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()  # every rank dies at the same point
-        print(f"[llamafactory_mca] {FAULT_ENV}={point}:{step}: crashing on purpose", file=sys.stderr, flush=True)
-        import psutil
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every rank dies at the same point
+    print(f"[llamafactory_mca] {FAULT_ENV}={point}:{step}: crashing on purpose", file=sys.stderr, flush=True)
+    import psutil
 
-        for child in psutil.Process().children(recursive=True):  # checkpoint writers etc. die with us, as in a crash
-            child.kill()
-        os._exit(17)
+    for child in psutil.Process().children(recursive=True):  # checkpoint writers etc. die with us, as in a crash
+        child.kill()
+    os._exit(17)
+
+
+def maybe_hang(step: int) -> None:
+    if _matches("hang", step):
+        while True:
+            time.sleep(60)
+
+
+def nan_loss(step: int) -> bool:
+    return _matches("nan", step)

@@ -107,6 +107,7 @@ def startup_summary(*, layout: Any, args: Any, model_type: str, params_total: in
                     memory: dict[str, float]) -> str:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (gloo)"
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    schedule = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
     lines = [
         "=" * 100,
         f"llamafactory_mca: training {model_type} ({params_total / 1e6:,.1f}M parameters) on {layout.world_size} x "
@@ -116,7 +117,7 @@ def startup_summary(*, layout: Any, args: Any, model_type: str, params_total: in
         f" x grad accumulation {layout.grad_accum}"
         + (f"; ~{tokens_per_step:,} tokens per step" if tokens_per_step else "")
         + (" (packed)" if args.sequence_packing else " (padded to the longest row)"),
-        f"  steps       {steps}; lr {args.learning_rate:g} ({args.lr_scheduler_type}), warmup "
+        f"  steps       {steps}; lr {args.learning_rate:g} ({schedule}), warmup "
         f"{args.get_warmup_steps(steps)}, weight decay {args.weight_decay:g}, max grad norm {args.max_grad_norm:g}",
         f"  kernels     {kernels}",
         f"  optimizer   {args.optimizer}{' (distributed)' if args.use_distributed_optimizer else ''}"
@@ -129,7 +130,7 @@ def startup_summary(*, layout: Any, args: Any, model_type: str, params_total: in
         f"  parameters  {params_on_rank / 1e6:,.1f}M on this rank; estimated memory per GPU before activations: "
         f"{memory['total']:.2f} GiB (weights {memory['weights']:.2f}, grads {memory['grads']:.2f}, optimizer "
         f"{memory['optimizer']:.2f})",
-        f"  data        {data_stats}",
+        f"  {data_stats}",
         "=" * 100,
     ]
     return "\n".join(lines)

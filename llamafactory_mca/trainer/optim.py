@@ -23,7 +23,7 @@ def wrap_ddp(chunks: list[torch.nn.Module], tc: Any, args: Any) -> list[Distribu
         overlap_param_gather=args.overlap_param_gather,
         align_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
-        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
+        check_for_nan_in_grad=False,  # the trainer checks, skips the step and counts (Megatron would abort)
         bucket_size=args.ddp_bucket_size,
         average_in_collective=args.ddp_average_in_collective,
     )

@@ -28,7 +28,9 @@ class ProgressCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
-            self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", dynamic_ncols=True)
+            # disable=None: no bar where stderr is no terminal (CI, nohup), where it would print a line per update
+            self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", dynamic_ncols=True,
+                            disable=None)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.bar is not None:
@@ -36,7 +38,7 @@ class ProgressCallback(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.bar is not None and logs:
-            self.bar.write(format_logs(state.global_step, state.max_steps, logs))
+            self.bar.write(format_logs(state.global_step, state.max_steps, logs))  # prints too when disabled
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.bar is not None:

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import time
+import warnings
 from functools import partial
 from typing import Any
 
@@ -25,10 +26,12 @@ from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metrics, save_state
 from transformers.trainer_utils import TrainOutput
 
-from .. import memory_report
+from .. import memory_report, watchdog
+from ..errors import UserError
+from ..checkpoints import PREFIX, resolve_resume
 from . import checkpoint as ckpt
 from .batches import StepFeeder
-from .faults import maybe_crash
+from .faults import maybe_crash, maybe_hang, nan_loss
 from .loss import PreferenceConfig, collect_pair_logps, dpo_loss, lm_loss
 from .metrics import flops_per_sequence_set, gpu_memory_gib, peak_flops
 from .optim import LRSchedule, build_optimizer, wrap_ddp
@@ -80,6 +83,7 @@ class McaTrainer:
         handlers = [DefaultFlowCallback] + ([] if args.disable_tqdm else [ProgressCallback]) + list(callbacks or [])
         self.callback_handler = CallbackHandler(handlers, model, tokenizer, self.optimizer, self.schedule)
         self.peak_flops = peak_flops()
+        self._inject_nan, self._nonfinite_run = False, 0
         self.control = self.callback_handler.on_init_end(args, self.state, self.control)
 
     # ---- Hugging Face Trainer surface LLaMA-Factory's workflows use ------------------------------------------
@@ -101,7 +105,7 @@ class McaTrainer:
     def _plan_steps(self) -> tuple[int, float]:
         per_epoch = self.train_feed.steps_per_epoch()
         if per_epoch < 1:
-            raise ValueError(f"the training set gives {self.train_data.num_micro_batches} micro-batches, fewer than "
+            raise UserError(f"the training set gives {self.train_data.num_micro_batches} micro-batches, fewer than "
                              f"one step needs (dp {self.layout.dp} x gradient_accumulation_steps "
                              f"{self.layout.grad_accum}). Add data or lower the batch sizes.")
         if self.args.max_steps and self.args.max_steps > 0:
@@ -111,9 +115,12 @@ class McaTrainer:
 
     # ---- one step -------------------------------------------------------------------------------------------------
     def _forward_step(self, data_iterator, model_chunk, *, collect_reference: bool = False):
+        watchdog.beat()
         batch = next(data_iterator)
         output = model_chunk(batch.tokens, batch.position_ids, None, labels=batch.model_labels,
                              packed_seq_params=batch.packed_seq_params())
+        if self._inject_nan:
+            output = output * float("nan")
         if collect_reference:
             return output, partial(collect_pair_logps, self.preference, batch)
         if self.preference is not None:
@@ -145,16 +152,28 @@ class McaTrainer:
         torch.distributed.all_reduce(total)
         return bool(torch.isfinite(total).item())
 
-    def train_step(self, micro_batches: list) -> dict[str, float]:
+    def _zero_grad(self) -> None:
         for wrapped in self.wrapped:
             wrapped.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        with warnings.catch_warnings():
+            # megatron-core 0.16.1's distributed optimizer reads .grad of its fp32 shard views (non-leaf tensors) in
+            # zero_grad, warning on every rank at every step ("throws grad-access warning", its own comment says).
+            warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+            self.optimizer.zero_grad()
+
+    def train_step(self, micro_batches: list) -> dict[str, float]:
+        self._zero_grad()
+        self._inject_nan = nan_loss(self.state.global_step + 1)
         outputs = self._run_schedule(micro_batches, forward_only=False)
+        self._inject_nan = False
         logged = _reduce_logged(outputs, self.device)
-        skipped = not (math.isfinite(logged.get("loss", 0.0)) and self._grads_finite())
+        nonfinite = self.args.check_for_nan_in_loss_and_grad and not (
+            math.isfinite(logged.get("loss", 0.0)) and self._grads_finite())
+        self._note_nonfinite(nonfinite)
+        skipped = nonfinite
         if skipped:
             logged["grad_norm"] = float("nan")
-            self.optimizer.zero_grad()
+            self._zero_grad()
         else:
             ok, grad_norm, _ = self.optimizer.step()
             skipped = not ok
@@ -164,6 +183,23 @@ class McaTrainer:
         logged["skipped"] = float(skipped)
         logged.update(self._moe_metrics(len(micro_batches)))
         return logged
+
+    def _note_nonfinite(self, nonfinite: bool) -> None:
+        """Count steps in a row with inf/nan loss or gradients: each is skipped; too many in a row stop the run."""
+        step = self.state.global_step + 1
+        if not nonfinite:
+            self._nonfinite_run = 0
+            return
+        self._nonfinite_run += 1
+        limit = self.args.max_nonfinite_steps
+        if self.is_world_process_zero():
+            logger.warning("step %d: inf/nan loss or gradients, step skipped (%d in a row; the run stops at %d)",
+                           step, self._nonfinite_run, limit)
+        if self._nonfinite_run >= limit:
+            first = step - self._nonfinite_run + 1
+            raise UserError(f"steps {first}-{step} all had inf/nan loss or gradients (max_nonfinite_steps={limit}): "
+                            "training has diverged. Lower learning_rate, check the data, or resume from an earlier "
+                            "checkpoint; raise max_nonfinite_steps to tolerate longer runs of bad steps.")
 
     def _moe_metrics(self, num_micro_batches: int) -> dict[str, float]:
         tc = self.model.transformer_config
@@ -191,7 +227,7 @@ class McaTrainer:
     # ---- the loop -------------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: Any = None) -> TrainOutput:
         args = self.args
-        resume = ckpt.resolve_resume(resume_from_checkpoint, args.output_dir)
+        resume = resolve_resume(resume_from_checkpoint, args.output_dir)
         consumed = 0
         self.state.max_steps, self.state.num_train_epochs = self.max_steps, self.num_epochs
         self.state.logging_steps, self.state.save_steps = args.logging_steps, args.save_steps
@@ -214,6 +250,8 @@ class McaTrainer:
         first_step_time = None
         while self.state.global_step < self.max_steps:
             maybe_crash("step", self.state.global_step + 1)
+            maybe_hang(self.state.global_step + 1)
+            watchdog.beat(step=self.state.global_step + 1)
             tick = time.perf_counter()  # the step's time includes reading and collating its micro-batches
             micro_batches, consumed = next(steps)
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
@@ -270,14 +308,14 @@ class McaTrainer:
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
 
     def _saved_at(self, step: int) -> bool:
-        return os.path.isdir(os.path.join(self.args.output_dir, f"{ckpt.PREFIX}-{step}"))
+        return os.path.isdir(os.path.join(self.args.output_dir, f"{PREFIX}-{step}"))
 
     def _save(self, consumed: int) -> str:
         for wrapped in self.wrapped:  # make sure overlapped parameter all-gathers have landed
             if self.args.overlap_param_gather:
                 wrapped.start_param_sync(force_sync=True)
         step = self.state.global_step
-        path = os.path.join(self.args.output_dir, f"{ckpt.PREFIX}-{step}")
+        path = os.path.join(self.args.output_dir, f"{PREFIX}-{step}")
 
         def side_files(directory: str) -> None:
             if self.save_side_files is not None:
@@ -356,6 +394,8 @@ class McaTrainer:
         self.model.save_pretrained(output_dir, dtype=self.model.transformer_config.params_dtype)
         if self.is_world_process_zero() and self.save_side_files is not None:
             self.save_side_files(output_dir)
+        if self.is_world_process_zero():
+            logger.info("Saved the trained model (Hugging Face safetensors) to %s", output_dir)
 
 
 class _Window:

@@ -66,7 +66,8 @@ def _run_layout(sizes: dict, jobs: list[tuple[str, str, str]]) -> list[dict]:
 
     from llamafactory_mca import parallel
     from llamafactory_mca.args import MegatronArguments
-    from llamafactory_mca.models.auto import DIST_DIR, AutoConfig, AutoModel
+    from llamafactory_mca.checkpoints import DIST_DIR
+    from llamafactory_mca.models.auto import AutoConfig, AutoModel
     from llamafactory_mca.models.convert import write_layout
 
     args = MegatronArguments(**sizes)
@@ -219,7 +220,8 @@ def _layout(**sizes):
     ("llama", {"pp": 3}, "does not split evenly"),
 ])
 def test_layout_errors_name_the_sizes(name, sizes, message, tiny_models, tmp_path):
-    from llamafactory_mca.models.auto import AutoConfig, check_layout
+    from llamafactory_mca.models.auto import AutoConfig
+    from llamafactory_mca.parallel import check_layout
 
     path = tiny_models.get(name) or save_tiny_model("llama", str(tmp_path / name), intermediate_size=93)
     with pytest.raises(ValueError, match=message):

@@ -32,6 +32,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from ...errors import UserError
 from . import context_parallel as cp_utils
 from .kernels import SegmentPlan, padded_attention, sbhd_to_thd, segment_attention
 
@@ -66,7 +67,7 @@ class NativeDotProductAttention(MegatronModule):
         self.cp_size = self.cp_group.size() if self.cp_group is not None else 1
         self.cp_rank = self.cp_group.rank() if self.cp_group is not None else 0
         if self.cp_size > 1 and self.dropout_p > 0:
-            raise ValueError(f"attention_dropout={self.dropout_p} with context_parallel_size={self.cp_size}: the "
+            raise UserError(f"attention_dropout={self.dropout_p} with context_parallel_size={self.cp_size}: the "
                              "native context-parallel attention has no dropout. Set attention_dropout: 0.")
 
     def forward(
@@ -80,14 +81,14 @@ class NativeDotProductAttention(MegatronModule):
         packed_seq_params: PackedSeqParams | None = None,
     ) -> torch.Tensor:
         if attention_bias is not None:
-            raise ValueError("attention_bias is not supported by the native attention.")
+            raise UserError("attention_bias is not supported by the native attention.")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         causal = mask_type in _CAUSAL
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             if not causal:
                 raise ValueError(f"packed (THD) batches need causal attention, got attn_mask_type={mask_type}")
             if self.training and self.dropout_p > 0:
-                raise ValueError(f"attention_dropout={self.dropout_p} with packed sequences: varlen_attn has no "
+                raise UserError(f"attention_dropout={self.dropout_p} with packed sequences: varlen_attn has no "
                                  "dropout. Set attention_dropout: 0 or turn sequence packing off.")
             out = self._packed(query, key, value, packed_seq_params)
             return out.reshape(out.size(0), -1)

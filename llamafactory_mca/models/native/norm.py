@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from ...errors import UserError
+
 
 class NativeNorm:
     """Builds ``torch.nn.RMSNorm`` or ``torch.nn.LayerNorm`` after ``config.normalization`` (a factory, like
@@ -23,7 +25,7 @@ class NativeNorm:
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5,
                 mark_sequence_parallel: bool = True, **_unused) -> torch.nn.Module:
         if config.layernorm_zero_centered_gamma:
-            raise ValueError("layernorm_zero_centered_gamma is not supported by the native norm (torch RMSNorm/"
+            raise UserError("layernorm_zero_centered_gamma is not supported by the native norm (torch RMSNorm/"
                              "LayerNorm); install Transformer Engine for it.")
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         kwargs = dict(eps=eps, device=device, dtype=config.params_dtype)
@@ -32,7 +34,7 @@ class NativeNorm:
         elif config.normalization == "LayerNorm":
             norm = torch.nn.LayerNorm(hidden_size, **kwargs)
         else:
-            raise ValueError(f"normalization={config.normalization!r}: the native norm does RMSNorm and LayerNorm.")
+            raise UserError(f"normalization={config.normalization!r}: the native norm does RMSNorm and LayerNorm.")
         if mark_sequence_parallel and config.sequence_parallel:
             for param in norm.parameters():
                 param.sequence_parallel = True

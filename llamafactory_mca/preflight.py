@@ -1,0 +1,246 @@
+"""Every check that needs no process group, in the launching process, before torchrun starts a worker.
+
+``llamafactory-cli train x.yaml`` under USE_MCA=1 (and ``llamafactory-mca train``) runs :func:`preflight`
+first: a mistake costs seconds and prints one message, not a minute and a traceback per rank. It parses the
+recipe as the workers will (LLaMA-Factory's parser with our argument classes), then checks what the workers
+would only find later: the model (a hub id is downloaded here, once per node), the layout against the model
+and the world size, the datasets, the resume point. It also takes the output_dir lock and hands the workers
+what it resolved through the environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .errors import UserError, user_errors
+
+# LLaMA-Factory's demo sets: in its repository's data/ folder, not in the pip package.
+LLAMAFACTORY_DATA = ("identity", "alpaca_en_demo", "alpaca_zh_demo", "dpo_en_demo", "dpo_zh_demo", "kto_en_demo",
+                     "glaive_toolcall_en_demo", "glaive_toolcall_zh_demo", "mllm_demo", "c4_demo", "wiki_demo")
+
+
+@dataclass
+class Plan:
+    """What the preflight found, for the launcher and (through the environment) the workers."""
+
+    world_size: int
+    layout: Any
+    model_path: str
+    output_dir: str
+
+
+def _recipe_name(argv: list[str]) -> str:
+    return argv[0] if argv and argv[0].endswith((".yaml", ".yml", ".json")) else "the command line"
+
+
+def read_recipe(argv: list[str]) -> dict[str, Any] | list[str]:
+    """The recipe as LLaMA-Factory reads it (YAML/JSON file plus ``key=value`` overrides, or ``--key value``)."""
+    from llamafactory.hparams.parser import read_args
+
+    if argv and argv[0].endswith((".yaml", ".yml", ".json")) and not os.path.isfile(argv[0]):
+        raise UserError(f"recipe {argv[0]!r} does not exist.")
+    saved = sys.argv
+    sys.argv = ["llamafactory-cli", *argv]
+    try:
+        return read_args()
+    except Exception as err:  # YAML syntax and the like
+        raise UserError(f"cannot read {_recipe_name(argv)}: {err}") from err
+    finally:
+        sys.argv = saved
+
+
+def _valid_keys() -> set[str]:
+    from llamafactory.hparams import parser
+
+    return {f.name for cls in parser._TRAIN_MCA_ARGS for f in fields(cls) if f.init}
+
+
+def check_keys(recipe: dict[str, Any] | list[str], where: str) -> None:
+    """Unknown keys, each with the nearest valid key: LLaMA-Factory's parser would list them without a hint."""
+    from llamafactory.extras.misc import is_env_enabled
+
+    if is_env_enabled("ALLOW_EXTRA_ARGS"):
+        return
+    if isinstance(recipe, dict):
+        keys = list(recipe)
+    else:
+        keys = [a[2:].split("=", 1)[0] for a in recipe if a.startswith("--")]
+    valid = _valid_keys()
+    unknown = [k for k in keys if k not in valid]
+    if not unknown:
+        return
+    parts = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+        parts.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise UserError(f"unknown key{'s' if len(unknown) > 1 else ''} in {where}: {', '.join(parts)}. Keys of "
+                    "LLaMA-Factory, Hugging Face's TrainingArguments and `llamafactory-mca train --help` are "
+                    "accepted.")
+
+
+@contextlib.contextmanager
+def _quiet_parse() -> Iterator[None]:
+    """LLaMA-Factory's parser logs its conclusions; the workers log them again, so here they stay silent."""
+    import transformers
+
+    lf_logger = logging.getLogger("llamafactory")
+    level, tf_level = lf_logger.level, transformers.utils.logging.get_verbosity()
+    lf_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        lf_logger.setLevel(level)
+        transformers.utils.logging.set_verbosity(tf_level)
+
+
+def parse(recipe: dict[str, Any] | list[str]) -> tuple:
+    """LLaMA-Factory's ``get_train_args`` with our classes (and our stage checks, see plugin.py), on the CPU:
+    Hugging Face's argument classes pick a device while parsing, and the launcher must not hold a GPU."""
+    from llamafactory.hparams.parser import get_train_args
+
+    if isinstance(recipe, dict):
+        recipe = {**recipe, "use_cpu": True}
+    else:
+        recipe = [*recipe, "--use_cpu", "true"]
+    with _quiet_parse():
+        return get_train_args(recipe)
+
+
+def planned_world_size(min_world: int) -> int:
+    """The world torchrun will start: NPROC_PER_NODE x NNODES as LLaMA-Factory's launcher reads them. Without
+    GPUs and without NPROC_PER_NODE (LLaMA-Factory would ask for 0 processes), as many CPU processes as the
+    layout needs."""
+    from llamafactory.extras.misc import get_device_count
+
+    if "NPROC_PER_NODE" not in os.environ:
+        count = get_device_count()
+        os.environ["NPROC_PER_NODE"] = str(count if count > 0 else min_world)
+    nproc = os.environ["NPROC_PER_NODE"]
+    nnodes = os.environ.get("NNODES", "1")
+    if not nproc.isdigit() or int(nproc) < 1:
+        raise UserError(f"NPROC_PER_NODE={nproc!r} must be a positive number of processes per node.")
+    return int(nproc) * (int(nnodes) if nnodes.isdigit() else 1)
+
+
+def check_datasets(data_args: Any) -> None:
+    """Every named dataset is in dataset_info.json and, when it is a local file, exists."""
+    from llamafactory.data.parser import get_dataset_list
+
+    directory = data_args.dataset_dir
+    for key in ("dataset", "eval_dataset"):
+        names = getattr(data_args, key) or []
+        if not names:
+            continue
+        try:
+            attrs = get_dataset_list(names, directory)
+        except ValueError as err:
+            raise UserError(f"{key}={','.join(names)}: {err}{_data_hint(names, directory)}") from err
+        for name, attr in zip(names, attrs):
+            if attr.load_from != "file" or isinstance(directory, dict) or directory.startswith("REMOTE:"):
+                continue
+            path = os.path.join(directory, attr.dataset_name)
+            if not os.path.exists(path):
+                raise UserError(f"dataset {name!r}: {path} does not exist (dataset_info.json in {directory} names "
+                                f"the file {attr.dataset_name!r}).{_data_hint([name], directory)}")
+
+
+def _data_hint(names: list[str], directory: Any) -> str:
+    demo = [n for n in names if n in LLAMAFACTORY_DATA]
+    if not demo:
+        return ""
+    where = os.path.abspath(directory) if isinstance(directory, str) else directory
+    return (f" {', '.join(demo)} {'is' if len(demo) == 1 else 'are'} LLaMA-Factory's demo data, shipped in its "
+            "repository's data/ folder, not in its pip package: git clone https://github.com/hiyouga/LLaMA-Factory "
+            f"and set dataset_dir to LLaMA-Factory/data (dataset_dir is now {where}).")
+
+
+def preflight(argv: list[str]) -> Plan:
+    """All checks, in the order a user would fix them. Raises UserError."""
+    from .checkpoints import resolve_resume
+    from .hub import resolve_model
+    from .models.auto import AutoConfig
+    from .parallel import check_layout, min_world_size
+    from .workflow import check_model_fits, packing_request
+
+    recipe = read_recipe(argv)
+    check_keys(recipe, _recipe_name(argv))
+    model_args, data_args, training_args, finetuning_args, _ = parse(recipe)
+    world = planned_world_size(min_world_size(
+        training_args.tensor_model_parallel_size, training_args.pipeline_model_parallel_size,
+        training_args.context_parallel_size, training_args.expert_model_parallel_size,
+        training_args.expert_tensor_parallel_size or 1))
+    _, cutoff_len = packing_request(data_args, training_args, recipe)
+    layout = training_args.resolve_layout(world, seq_length=cutoff_len)
+    model_path = resolve_model(model_args.model_name_or_path, model_args)
+    config = AutoConfig.from_pretrained(model_path, training_args, model_args.trust_remote_code)
+    check_layout(config, layout, training_args.pipeline_model_parallel_layout is not None)
+    check_model_fits(config, cutoff_len)
+    if getattr(finetuning_args, "ref_model", None):
+        resolve_model(finetuning_args.ref_model, model_args)
+    check_datasets(data_args)
+    resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
+    return Plan(world_size=world, layout=layout, model_path=model_path, output_dir=training_args.output_dir)
+
+
+def run_preflight(argv: list[str]) -> Plan:
+    """The launcher's entry: help, checks (one message and exit 1 on a user error), the output_dir lock."""
+    import atexit
+
+    from .quiet import quiet_third_party
+    from .run_lock import HELD_ENV, acquire
+
+    if not argv or any(a in ("-h", "--help") for a in argv):
+        print(train_help())
+        raise SystemExit(0)
+    quiet_third_party()
+    with user_errors(also=(ValueError,)):
+        plan = preflight(argv)
+        if os.environ.get("NODE_RANK", "0") == "0":
+            lock = acquire(plan.output_dir)
+            atexit.register(lock.release)
+            os.environ[HELD_ENV] = lock.path
+    return plan
+
+
+USAGE = """usage: llamafactory-mca train RECIPE.yaml [key=value ...]
+       USE_MCA=1 llamafactory-cli train RECIPE.yaml [key=value ...]
+
+Trains with Megatron-Core. A recipe is a LLaMA-Factory YAML (model_name_or_path, stage, dataset, template,
+cutoff_len, output_dir, per_device_train_batch_size, gradient_accumulation_steps, learning_rate, ...; see
+LLaMA-Factory's documentation) plus the Megatron keys below. key=value after the recipe overrides it.
+Processes: NPROC_PER_NODE x NNODES (GPUs by default; without GPUs, as many CPU processes as the layout needs).
+"""
+
+
+def train_help() -> str:
+    """The Megatron keys with their help, grouped; imports nothing heavy (answers in well under a second)."""
+    from .args import DistributingParallelArguments, MegatronArguments
+
+    groups = {
+        "layout": ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                   "virtual_pipeline_model_parallel_size", "pipeline_model_parallel_layout", "context_parallel_size",
+                   "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel"),
+        "engine": tuple(f.name for f in fields(MegatronArguments)
+                        if f.name not in {g.name for g in fields(DistributingParallelArguments)}),
+    }
+    grouped = set(groups["layout"]) | set(groups["engine"])
+    groups["model and kernels"] = tuple(f.name for f in fields(DistributingParallelArguments) if f.name not in grouped)
+    by_name = {f.name: f for f in fields(MegatronArguments)}
+    lines = [USAGE]
+    for title, names in groups.items():
+        lines.append(f"{title}:")
+        for name in names:
+            f = by_name[name]
+            default = "" if f.default is None or f.default is False else f" (default {f.default})"
+            lines.append(f"  {name:40s} {f.metadata.get('help', '')}{default}")
+        lines.append("")
+    lines.append("Environment: LLAMAFACTORY_MCA_DEBUG=1 shows tracebacks for recipe errors; "
+                 "LLAMAFACTORY_MCA_DISABLE=1 turns the USE_MCA=1 hook off.")
+    return "\n".join(lines)

@@ -1,0 +1,51 @@
+"""Third-party noise, folded: a successful run prints the startup summary, a progress bar and one line per
+logging step, not the model config five times and two dozen warnings from every rank.
+
+What is hidden only ever says something the startup summary already says in one line (Transformer Engine
+and apex are absent, so the native kernels run), or is a deprecation inside a library we pin (Megatron's
+own calls into torch.distributed). Our own warnings are fixed at their source, not filtered here.
+``LLAMAFACTORY_MCA_DEBUG=1`` keeps everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+from .errors import debug_enabled
+
+# (category, message regex) of warnings that only restate "no TE / no apex" or are library-internal deprecations.
+_WARNINGS = (
+    (UserWarning, r".*(Transformer Engine|Apex|apex) (and Apex )?(is|are) not installed"),
+    (FutureWarning, r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor|_all_gather_base|"
+                    r"_reduce_scatter_base)` is deprecated"),
+    (UserWarning, r"torch\.distributed is disabled"),  # a plain merge process reading a dist checkpoint on purpose
+)
+# Loggers whose messages below ERROR say nothing a user can act on here.
+_LOGGERS = (
+    "torch.utils.cpp_extension",  # "No CUDA runtime is found" on CPU machines
+    "megatron.core.rerun_state_machine",  # "RerunStateMachine initialized in mode DISABLED"
+    "torch.distributed.elastic.multiprocessing.redirects",  # "NOTE: Redirects are currently not supported ..."
+)
+
+
+def quiet_third_party() -> None:
+    """Install the filters in this process (idempotent; workers inherit nothing, each calls it at start)."""
+    if debug_enabled():
+        return
+    for category, message in _WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    for name in _LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def quiet_transformers() -> None:
+    """LLaMA-Factory sets transformers' logging to INFO on the main process, which prints every config it loads
+    (five times per run) and every tokenizer file saved; warnings stay."""
+    if debug_enabled():
+        return
+    import transformers
+
+    transformers.utils.logging.set_verbosity_warning()
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "warning")

@@ -1,0 +1,88 @@
+"""One live run per output_dir: a lock file names the process that holds it.
+
+Two runs writing checkpoints into one folder corrupt each other's resume point. The launcher takes the lock
+before any worker starts (``torchrun`` started by hand: global rank 0 takes it); a second run is refused
+with the holder's PID. A lock whose process is gone (killed, machine rebooted) is stale and taken over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+
+from .errors import UserError
+
+LOCK_NAME = ".llamafactory_mca.lock"
+HELD_ENV = "LLAMAFACTORY_MCA_LOCK"  # set by the launcher: its workers need not take the lock again
+
+
+def _started(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def _alive(holder: dict) -> bool:
+    if holder.get("host") != socket.gethostname():
+        return True  # cannot look into another machine: assume it runs (the message says how to clear it)
+    started = _started(int(holder.get("pid", -1)))
+    return started is not None and abs(started - float(holder.get("started", 0))) < 1.0
+
+
+def _read(path: str) -> dict | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class RunLock:
+    path: str
+    pid: int
+
+    def release(self) -> None:
+        holder = _read(self.path)
+        if holder is not None and holder.get("pid") == self.pid and holder.get("host") == socket.gethostname():
+            try:
+                os.remove(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def acquire(output_dir: str) -> RunLock:
+    """Take the lock of ``output_dir`` for this process, or raise a UserError naming the live holder."""
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, LOCK_NAME)
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": _started(os.getpid()),
+          "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
+    for _ in range(10):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            holder = _read(path)
+            if holder is not None and _alive(holder):
+                raise UserError(
+                    f"output_dir={output_dir!r} is in use by another run: pid {holder.get('pid')} on "
+                    f"{holder.get('host')}, since {holder.get('since')} ({holder.get('command')}). Wait for it to "
+                    f"finish, stop it, or choose another output_dir. If no such run is alive, delete {path}."
+                ) from None
+            what = f"of pid {holder.get('pid')}, which is no longer running" if holder else "that is unreadable"
+            print(f"[llamafactory_mca] taking over the stale lock {path} ({what})", file=sys.stderr)
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+            continue
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(me, f)
+        return RunLock(path, me["pid"])
+    raise UserError(f"could not take the lock {path}: other processes keep creating it.")

@@ -1,0 +1,58 @@
+"""The two argument classes LLaMA-Factory parses under ``USE_MCA=1`` (``mcore_adapter.TrainingArguments``).
+
+They mix our keys (``args.py``) into Hugging Face's ``TrainingArguments``: our checks run first, before any
+process group exists, then Hugging Face's. Kept apart from ``args.py`` because importing transformers'
+argument classes takes seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import transformers
+
+from .args import MegatronArguments, _HostCompatArguments
+from .errors import UserError
+
+
+class _McaTrainingMixin:
+    """The shared ``__post_init__``: our checks first (no process group yet), then Hugging Face's."""
+
+    def _mca_post_init(self, hf_cls: type) -> None:
+        MegatronArguments.__post_init__(self)
+        if self.deepspeed:
+            raise UserError(
+                f"deepspeed={self.deepspeed!r} cannot be combined with USE_MCA=1: Megatron-Core does the sharding "
+                "itself. Remove the deepspeed key (use use_distributed_optimizer: true for ZeRO-1-like sharding)."
+            )
+        if self.bf16 and self.fp16:
+            raise UserError("bf16=True and fp16=True: choose one precision.")
+        if self.bf16 and not self.accumulate_allreduce_grads_in_fp32:
+            self.accumulate_allreduce_grads_in_fp32 = True
+        from .cpu_mode import cpu_mode_needed
+
+        if cpu_mode_needed():
+            self.use_cpu = True  # no GPU: gloo, and Hugging Face's bf16-needs-a-GPU check stays quiet
+        hf_cls.__post_init__(self)
+
+    def resolve_layout(self, world_size: int | None = None, seq_length: int | None = None):
+        """The second check, once the world size is known: see ``parallel.ParallelLayout``."""
+        from .parallel import ParallelLayout
+
+        return ParallelLayout.from_args(self, world_size=world_size, seq_length=seq_length)
+
+
+@dataclass
+class TrainingArguments(_McaTrainingMixin, MegatronArguments, _HostCompatArguments, transformers.TrainingArguments):
+    def __post_init__(self) -> None:
+        self._mca_post_init(transformers.TrainingArguments)
+
+
+@dataclass
+class Seq2SeqTrainingArguments(
+    _McaTrainingMixin, MegatronArguments, _HostCompatArguments, transformers.Seq2SeqTrainingArguments
+):
+    def __post_init__(self) -> None:
+        self._mca_post_init(transformers.Seq2SeqTrainingArguments)
+
+
