@@ -48,7 +48,7 @@ RUNS = {
 
 
 def run_one(name: str, work: str, assets: dict, gpu: bool) -> dict:
-    from tests.test_training import losses, recipe, train
+    from tests._cli import losses, recipe, train
 
     model, world, keys, ref_world, ref_keys = RUNS[name]
     base = dict(model_name_or_path=assets["models"][model], max_steps=4, save_steps=2, save_strategy="steps",

@@ -116,21 +116,19 @@ def _world_words(world_size: int) -> str:
 def check_layout(config: Any, layout: ParallelLayout, custom_pipeline_layout: bool = False) -> None:
     """The model against the layout (``config``: a models.McaConfig), before any process group exists.
 
-    Each problem names the size, the model dimension it must divide, and the sizes that would work in this
-    world, so the fix is one edit.
+    Each problem names the size, the model dimension it must divide, and the sizes that fit the model, so the
+    fix is one edit (the world size is checked in ``ParallelLayout.from_args``).
     """
     t = config.transformer
-    tp, pp, vpp, cp, ep, etp = layout.tp, layout.pp, layout.vpp or 1, layout.cp, layout.ep, layout.etp
-    world = layout.world_size
+    tp, pp, vpp, ep, etp = layout.tp, layout.pp, layout.vpp or 1, layout.ep, layout.etp
     heads, groups = t["num_attention_heads"], t.get("num_query_groups") or t["num_attention_heads"]
     dense_ffn = None if config.num_experts else t["ffn_hidden_size"]
 
     def tp_fits(d: int) -> bool:
-        return heads % d == 0 and groups % d == 0 and (dense_ffn is None or dense_ffn % d == 0) \
-            and world % (d * pp * cp) == 0
+        return heads % d == 0 and groups % d == 0 and (dense_ffn is None or dense_ffn % d == 0)
 
     problems = []
-    tp_hint = f" (tensor_model_parallel_size can be {_listing(d for d in _divisors(world) if tp_fits(d))})"
+    tp_hint = f" (sizes that fit this model: {_listing(d for d in _divisors(heads) if tp_fits(d))})"
     if heads % tp:
         problems.append(f"tensor_model_parallel_size={tp} does not divide num_attention_heads={heads}" + tp_hint)
     elif groups % tp:
@@ -141,16 +139,14 @@ def check_layout(config: Any, layout: ParallelLayout, custom_pipeline_layout: bo
     if config.num_experts:
         experts, moe_ffn = config.num_experts, t["moe_ffn_hidden_size"]
         if experts % ep:
-            fits = (d for d in _divisors(experts) if world % (d * etp * pp) == 0)
             problems.append(f"expert_model_parallel_size={ep} does not divide num_experts={experts} "
-                            f"(expert_model_parallel_size can be {_listing(fits)})")
+                            f"(sizes that fit this model: {_listing(_divisors(experts))})")
         if moe_ffn % etp:
             problems.append(f"expert_tensor_parallel_size={etp} does not divide moe_ffn_hidden_size={moe_ffn} "
-                            f"(expert_tensor_parallel_size can be {_listing(_divisors(math.gcd(moe_ffn, world)))})")
+                            f"(sizes that fit: {_listing(d for d in _divisors(moe_ffn) if d <= 64)})")
     layers, stages = t["num_layers"], pp * vpp
     if not custom_pipeline_layout and (stages > layers or layers % stages):
-        fits = [d for d in _divisors(layers) if d % vpp == 0 and world % (d // vpp * tp * cp) == 0]
-        pp_fits = _listing(d // vpp for d in fits)
+        pp_fits = _listing(d // vpp for d in _divisors(layers) if d % vpp == 0)
         what = f"pipeline_model_parallel_size={pp}" + (f" x virtual_pipeline_model_parallel_size={vpp}" if vpp > 1
                                                         else "")
         if stages > layers:

@@ -59,6 +59,8 @@ def _guard_train_args(module: types.ModuleType) -> None:
     parse = module.get_train_args
 
     def get_train_args(args=None):
+        if os.environ.get("LOCAL_RANK") is not None:  # a worker: our process group first, see _join_process_group
+            _join_process_group(module.read_args(args))
         parsed = parse(args)
         from .workflow import check_request
 
@@ -67,6 +69,21 @@ def _guard_train_args(module: types.ModuleType) -> None:
         return parsed
 
     module.get_train_args = get_train_args
+
+
+def _join_process_group(recipe) -> None:
+    """Create the process group before Hugging Face's TrainingArguments does (it would, with ddp_timeout as the
+    group's timeout): ours is a minute longer, so the watchdog's message (rank, step, operation) comes first."""
+    from .parallel import init_distributed
+
+    timeout = 1800.0
+    if isinstance(recipe, dict):
+        timeout = float(recipe.get("ddp_timeout") or timeout)
+    else:
+        for i, arg in enumerate(recipe):
+            if arg.startswith("--ddp_timeout"):
+                timeout = float(arg.split("=", 1)[1] if "=" in arg else recipe[i + 1])
+    init_distributed(timeout)
 
 
 class _Torchrun:

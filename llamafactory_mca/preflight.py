@@ -37,7 +37,9 @@ class Plan:
 
 
 def _recipe_name(argv: list[str]) -> str:
-    return argv[0] if argv and argv[0].endswith((".yaml", ".yml", ".json")) else "the command line"
+    if argv and argv[0].endswith((".yaml", ".yml", ".json")):
+        return argv[0] + (" or its overrides" if len(argv) > 1 else "")
+    return "the command line"
 
 
 def read_recipe(argv: list[str]) -> dict[str, Any] | list[str]:

@@ -8,86 +8,16 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
-from llamafactory_mca.tiny import alpaca_rows, save_tiny_model, save_tiny_tokenizer, write_alpaca_dataset
+from tests._cli import losses, ok, one_error, recipe, train
 from tests._dist import run_distributed
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    root = tmp_path_factory.mktemp("assets")
-    tokenizer_dir = save_tiny_tokenizer(str(root / "tokenizer"))
-    vocab = len(AutoTokenizer.from_pretrained(tokenizer_dir)) + 5  # not a multiple of 128: padding is exercised
-    models = {}
-    for name in ("qwen3", "qwen3_moe"):
-        path = save_tiny_model(name, str(root / name), vocab_size=vocab)
-        save_tiny_tokenizer(path)
-        models[name] = path
-    rows = alpaca_rows(48)
-    rows += [{"instruction": "", "input": "", "output": ""}]  # empty: still one target (the end token)
-    rows += [{"instruction": " ".join(["Explain rain in one sentence ."] * 30), "input": "", "output": "Sure ."}]
-    sft_dir = write_alpaca_dataset(str(root / "sft"), 0, rows=rows)
-    dpo_dir = write_alpaca_dataset(str(root / "dpo"), 24, ranking=True)
-    pt_dir = os.path.join(root, "pt")
-    os.makedirs(pt_dir)
-    texts = [{"text": r["instruction"] + " " + r["output"]} for r in alpaca_rows(40)]
-    with open(os.path.join(pt_dir, "text.json"), "w") as f:
-        json.dump(texts, f)
-    with open(os.path.join(pt_dir, "dataset_info.json"), "w") as f:
-        json.dump({"tiny_text": {"file_name": "text.json", "columns": {"prompt": "text"}}}, f)
-    return {"models": models, "sft": sft_dir, "dpo": dpo_dir, "pt": pt_dir}
-
-
-def recipe(assets, out, **overrides):
-    base = dict(model_name_or_path=assets["models"]["qwen3"], stage="sft", do_train=True, finetuning_type="full",
-                dataset="tiny_alpaca", dataset_dir=assets["sft"], template="qwen3_nothink", cutoff_len=64,
-                output_dir=str(out), overwrite_output_dir=True, per_device_train_batch_size=2,
-                gradient_accumulation_steps=4, max_steps=2, learning_rate=1.0e-3, lr_scheduler_type="constant",
-                logging_steps=1, save_strategy="no", report_to="none", seed=42, disable_tqdm=True,
-                preprocessing_num_workers=1)
-    return {**base, **overrides}
-
-
-def train(tmp_path, config, world=1, env=None, name="run", gpu=False, timeout=300):
-    """``USE_MCA=1 llamafactory-cli train`` with ``world`` processes (CPU processes unless ``gpu``)."""
-    tmp_path = Path(tmp_path)
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    full_env = {k: v for k, v in os.environ.items() if k not in ("USE_MCA", "LLAMAFACTORY_MCA_FAULT")}
-    full_env.update({"USE_MCA": "1", "NPROC_PER_NODE": str(world), **(env or {})})
-    if not gpu:
-        full_env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    log = tmp_path / f"{name}.log"
-    with open(log, "w") as f:  # a file, not a pipe: a killed run's leftovers cannot hold it open
-        result = subprocess.run(["llamafactory-cli", "train", str(path)], env=full_env, stdout=f,
-                                stderr=subprocess.STDOUT, timeout=timeout, cwd=tmp_path)
-    return result, log.read_text()
-
-
-def losses(output_dir) -> dict[int, float]:
-    """Step -> loss from LLaMA-Factory's trainer_log.jsonl (the last entry wins after a resume)."""
-    found = {}
-    with open(os.path.join(output_dir, "trainer_log.jsonl")) as f:
-        for line in f:
-            entry = json.loads(line)
-            if entry.get("loss") is not None:
-                found[entry["current_steps"]] = entry["loss"]
-    return found
-
-
-def ok(result, output):
-    assert result.returncode == 0, output[-6000:]
 
 
 @pytest.mark.parametrize("stage", ["pt", "sft", "dpo"])
@@ -253,7 +183,6 @@ def test_bad_input_fails_clearly_and_writes_nothing(overrides, message, assets, 
         (tmp_path / "plain").mkdir()
         overrides = {"resume_from_checkpoint": str(tmp_path / "plain")}
     result, output = train(tmp_path, recipe(assets, tmp_path / "out", **overrides))
-    assert result.returncode != 0
-    assert message in output, output[-4000:]
+    one_error(result, output, message)
     out = tmp_path / "out"
     assert not out.exists() or not any(n.startswith("checkpoint") for n in os.listdir(out))

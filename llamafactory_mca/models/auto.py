@@ -60,8 +60,10 @@ def _engine_fields(config: McaConfig, args: Any) -> dict[str, Any]:
         deallocate_pipeline_outputs=True,
         # Our losses return (sum, count): the step's loss is a per-token mean over the whole global batch.
         calculate_per_token_loss=True,
-        variable_seq_lengths=args.allow_variable_seq_lengths() if hasattr(args, "allow_variable_seq_lengths")
-        else True,
+        # Under pipeline parallelism every micro-batch of a step has one length (trainer/batches.py), passed to the
+        # schedule; without it Megatron exchanges shapes before each transfer (see StepFeeder._step for why not).
+        variable_seq_lengths=(args.allow_variable_seq_lengths() if hasattr(args, "allow_variable_seq_lengths")
+                              else True) and getattr(args, "pipeline_model_parallel_size", 1) == 1,
         # gloo pairs batched sends/receives between the same two ranks out of order (seen with PP2 + VPP on CPU:
         # activations of one micro-batch reached another); NCCL batches them correctly.
         batch_p2p_comm=not cpu_mode_needed(),

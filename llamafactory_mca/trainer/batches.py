@@ -150,9 +150,11 @@ class StepFeeder:
 
     def _step(self, micro_batches: list[MicroBatch]) -> list[ModelBatch]:
         batches = [prepare(b) for b in micro_batches]
-        if self.layout.vpp:
-            # One length per step under the interleaved schedule: with lengths varying inside a step, megatron-core
-            # 0.16.1's shape exchange went wrong on gloo (mismatched gradient shapes, aborts). Cheap insurance.
+        if self.layout.pp > 1:
+            # One length per step under pipeline parallelism, so the schedule runs without its per-micro-batch shape
+            # exchange (variable_seq_lengths off, see models/auto.py). That exchange posts a send whose receive the
+            # next stage posts only after a send of its own; where sends wait for their receive (gloo), PP2 x VPP2
+            # with as many micro-batches as stages deadlocked. It also costs a host sync per transfer.
             length = max(b.tokens.shape[1] for b in batches)
             batches = [pad_to_length(b, length) for b in batches]
         return [split_context_parallel(b) for b in batches]

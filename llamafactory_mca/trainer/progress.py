@@ -23,14 +23,17 @@ def format_logs(step: int, max_steps: int, logs: dict) -> str:
 
 
 class ProgressCallback(TrainerCallback):
+    """The bar (where there is a terminal) and one line per logging step (always), on rank 0."""
+
     def __init__(self) -> None:
         self.bar = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
-            # disable=None: no bar where stderr is no terminal (CI, nohup), where it would print a line per update
+            # disable=None: no bar where stderr is no terminal (CI, nohup), where it would print a line per update;
+            # disable_tqdm: no bar at all. The log lines come either way.
             self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", dynamic_ncols=True,
-                            disable=None)
+                            disable=True if args.disable_tqdm else None)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.bar is not None:

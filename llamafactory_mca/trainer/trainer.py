@@ -80,7 +80,7 @@ class McaTrainer:
         self.state = TrainerState(is_local_process_zero=args.local_process_index == 0,
                                   is_world_process_zero=torch.distributed.get_rank() == 0)
         self.control = TrainerControl()
-        handlers = [DefaultFlowCallback] + ([] if args.disable_tqdm else [ProgressCallback]) + list(callbacks or [])
+        handlers = [DefaultFlowCallback, ProgressCallback] + list(callbacks or [])
         self.callback_handler = CallbackHandler(handlers, model, tokenizer, self.optimizer, self.schedule)
         self.peak_flops = peak_flops()
         self._inject_nan, self._nonfinite_run = False, 0
@@ -131,7 +131,8 @@ class McaTrainer:
                       collect_reference: bool = False) -> list[dict]:
         chunks = chunks or self.wrapped
         iterators = [iter(micro_batches) for _ in chunks]
-        seq_length = max(b.tokens.shape[-1] for b in micro_batches)
+        # the whole sequence: Megatron divides by the context-parallel size itself (and by TP under SP)
+        seq_length = max(b.tokens.shape[-1] for b in micro_batches) * ps.get_context_parallel_world_size()
         return get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, collect_reference=collect_reference),
             data_iterator=iterators if len(iterators) > 1 else iterators[0],

@@ -1,0 +1,117 @@
+"""Running the real commands from tests: ``USE_MCA=1 llamafactory-cli train`` on a recipe, and reading its results.
+
+Used by the training tests, the first-hour tests and ``benchmarks/scale_out.py``. ``make_assets`` builds what a
+recipe needs without a download: tiny Qwen3 and Qwen3-MoE models, a tokenizer, sft / dpo / pt datasets.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from llamafactory_mca.tiny import alpaca_rows, save_tiny_model, save_tiny_tokenizer, write_alpaca_dataset
+
+
+def make_assets(root: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = save_tiny_tokenizer(str(root / "tokenizer"))
+    vocab = len(AutoTokenizer.from_pretrained(tokenizer_dir)) + 5  # not a multiple of 128: padding is exercised
+    models = {}
+    for name in ("qwen3", "qwen3_moe"):
+        path = save_tiny_model(name, str(root / name), vocab_size=vocab)
+        save_tiny_tokenizer(path)
+        models[name] = path
+    rows = alpaca_rows(48)
+    rows += [{"instruction": "", "input": "", "output": ""}]  # empty: still one target (the end token)
+    rows += [{"instruction": " ".join(["Explain rain in one sentence ."] * 30), "input": "", "output": "Sure ."}]
+    sft_dir = write_alpaca_dataset(str(root / "sft"), 0, rows=rows)
+    dpo_dir = write_alpaca_dataset(str(root / "dpo"), 24, ranking=True)
+    pt_dir = os.path.join(root, "pt")
+    os.makedirs(pt_dir)
+    texts = [{"text": r["instruction"] + " " + r["output"]} for r in alpaca_rows(40)]
+    with open(os.path.join(pt_dir, "text.json"), "w") as f:
+        json.dump(texts, f)
+    with open(os.path.join(pt_dir, "dataset_info.json"), "w") as f:
+        json.dump({"tiny_text": {"file_name": "text.json", "columns": {"prompt": "text"}}}, f)
+    return {"models": models, "sft": sft_dir, "dpo": dpo_dir, "pt": pt_dir, "vocab": vocab}
+
+
+def recipe(assets, out, **overrides):
+    base = dict(model_name_or_path=assets["models"]["qwen3"], stage="sft", do_train=True, finetuning_type="full",
+                dataset="tiny_alpaca", dataset_dir=assets["sft"], template="qwen3_nothink", cutoff_len=64,
+                output_dir=str(out), overwrite_output_dir=True, per_device_train_batch_size=2,
+                gradient_accumulation_steps=4, max_steps=2, learning_rate=1.0e-3, lr_scheduler_type="constant",
+                logging_steps=1, save_strategy="no", report_to="none", seed=42, disable_tqdm=True,
+                preprocessing_num_workers=1)
+    return {**base, **overrides}
+
+
+def cli_env(world: int | None = 1, env: dict | None = None, gpu: bool = False) -> dict:
+    full = {k: v for k, v in os.environ.items() if k not in ("USE_MCA", "LLAMAFACTORY_MCA_FAULT", "NPROC_PER_NODE")}
+    full["USE_MCA"] = "1"
+    if world is not None:
+        full["NPROC_PER_NODE"] = str(world)
+    if not gpu:
+        full.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    full.update(env or {})
+    return full
+
+
+def train(tmp_path, config, world=1, env=None, name="run", gpu=False, timeout=300, args=()):
+    """``USE_MCA=1 llamafactory-cli train`` with ``world`` processes (CPU processes unless ``gpu``)."""
+    tmp_path = Path(tmp_path)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = tmp_path / f"{name}.log"
+    with open(log, "w") as f:  # a file, not a pipe: a killed run's leftovers cannot hold it open
+        result = subprocess.run(["llamafactory-cli", "train", str(path), *args], env=cli_env(world, env, gpu),
+                                stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=tmp_path)
+    return result, log.read_text()
+
+
+def losses(output_dir) -> dict[int, float]:
+    """Step -> loss from LLaMA-Factory's trainer_log.jsonl (the last entry wins after a resume)."""
+    found = {}
+    with open(os.path.join(output_dir, "trainer_log.jsonl")) as f:
+        for line in f:
+            entry = json.loads(line)
+            if entry.get("loss") is not None:
+                found[entry["current_steps"]] = entry["loss"]
+    return found
+
+
+def ok(result, output):
+    assert result.returncode == 0, output[-6000:]
+
+
+def one_error(result, output: str, *fragments: str) -> str:
+    """The run failed with one user error: printed once, last on screen, no traceback; returns the message."""
+    assert result.returncode != 0, output[-4000:]
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("[llamafactory_mca] error: "), output[-4000:]
+    message = lines[-1]
+    assert output.count(message) == 1, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+    return message
+
+
+def run(args, env=None, timeout=120, cwd=None):
+    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    return result, result.stdout + result.stderr
+
+
+def fake_hub_cache(root, repo: str, model_dir: str) -> str:
+    """``models--org--name/snapshots/<hash>`` with the files and ``refs/main``, as huggingface_hub lays it out."""
+    folder = os.path.join(root, "models--" + repo.replace("/", "--"))
+    snapshot = os.path.join(folder, "snapshots", "0123456789abcdef0123456789abcdef01234567")
+    shutil.copytree(model_dir, snapshot)
+    os.makedirs(os.path.join(folder, "refs"))
+    with open(os.path.join(folder, "refs", "main"), "w") as f:
+        f.write(os.path.basename(snapshot))
+    return snapshot

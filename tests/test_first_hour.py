@@ -1,0 +1,347 @@
+"""A new user's first hour (issue 12), through the real commands: the installed set works, help is quick, a mistake
+is one message before any worker starts, hub ids resolve like LLaMA-Factory's default path, faults are named,
+killed launchers take their workers with them, and nothing waits forever.
+"""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import yaml
+
+from tests._cli import cli_env, fake_hub_cache, losses, ok, one_error, recipe, run, train
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MERGE = os.path.join(ROOT, "scripts", "megatron_merge.py")
+
+
+# ---- 1. install ------------------------------------------------------------------------------------------------
+
+
+def test_installed_torch_set_agrees_with_itself_and_the_pins():
+    from llamafactory_mca.health import TORCH_SET, _module_version, check_installation, pinned, torch_set_problems
+
+    installed = {name: _module_version(name) for name in TORCH_SET}
+    assert torch_set_problems(installed) == [], installed
+    pins = pinned()
+    for name in TORCH_SET:
+        assert installed[name].split("+")[0] == pins[name], (name, installed, pins)
+    assert check_installation() == []
+
+
+def test_a_broken_torch_set_is_one_line_naming_packages_versions_and_fix():
+    from llamafactory_mca.health import torch_set_problems
+
+    problems = torch_set_problems({"torch": "2.15.0+cu132", "torchvision": "0.29.2+cu132",
+                                   "torchaudio": "2.11.0+cu130"})
+    assert len(problems) == 1, problems
+    line = problems[0]
+    for fragment in ("torch 2.15.0+cu132", "torchaudio 2.11.0+cu130", "pip install torch==2.14.1 torchvision==0.29.1 "
+                     "torchaudio==2.11.0"):
+        assert fragment in line, line
+    assert "\n" not in line
+
+
+def test_version_command_reports_the_torch_set_and_succeeds():
+    result, output = run(["llamafactory-mca", "version"])
+    assert result.returncode == 0, output
+    for name in ("torchvision", "torchaudio", "megatron-core", "llamafactory"):
+        assert name in result.stdout
+    assert "problem" not in output
+
+
+# ---- 4. quiet, quick help ----------------------------------------------------------------------------------------
+
+
+def test_train_help_is_quick_and_names_the_megatron_keys():
+    start = time.perf_counter()
+    result, output = run(["llamafactory-mca", "train", "--help"])
+    assert result.returncode == 0 and time.perf_counter() - start < 5, output
+    assert len(output.splitlines()) < 120
+    for key in ("tensor_model_parallel_size", "expert_model_parallel_size", "sequence_packing", "max_nonfinite_steps"):
+        assert key in output
+
+
+def test_convert_and_merge_help_explain_every_flag():
+    result, output = run(["llamafactory-mca", "convert", "--help"])
+    assert result.returncode == 0
+    for flag in ("--tensor_model_parallel_size", "--pipeline_model_parallel_size", "--expert_model_parallel_size",
+                 "--hf_path", "--output_path"):
+        assert flag in output
+    from llamafactory_mca.models.convert import _merge_parser
+
+    for action in _merge_parser()._actions:
+        assert action.help, f"{action.option_strings or action.dest} has no help text"
+
+
+def test_unknown_subcommand_says_so():
+    result, output = run(["llamafactory-mca", "trian", "x.yaml"])
+    assert result.returncode == 2 and "unknown command 'trian' (did you mean 'train'?)" in output
+
+
+def test_demo_is_quiet_and_answers_what_it_learned(tmp_path):
+    result, output = run(["llamafactory-mca", "demo", "--output_dir", str(tmp_path / "demo")],
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, output[-4000:]
+    lines = output.splitlines()
+    assert len(lines) < 60, output
+    assert "Traceback" not in output and "Warning" not in output and "warnings.warn" not in output, output
+    assert "llamafactory_mca: training qwen3" in output and "step 40/40 | loss" in output
+    answer = next(line for line in lines if line.startswith("A: "))
+    assert answer == "A: The capital of France is Paris.", output
+
+
+# ---- 3. one clear error, before any worker starts -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides,fragments", [
+    ({"lerning_rate": 1e-4}, ["unknown key", "'lerning_rate' (did you mean 'learning_rate'?)"]),
+    ({"tensor_model_parallel_size": 3}, ["tensor_model_parallel_size=3 does not divide num_attention_heads=4",
+                                         "sizes that fit this model: 1, 2"]),
+    ({"stage": "rm"}, ["stage='rm' is not supported with USE_MCA=1; supported: pt, sft, dpo"]),
+])
+def test_a_mistake_is_one_message_before_any_worker(overrides, fragments, assets, tmp_path):
+    start = time.perf_counter()
+    result, output = train(tmp_path, recipe(assets, tmp_path / "out", **overrides), world=None)
+    one_error(result, output, *fragments)
+    assert "Initializing" not in output  # LLaMA-Factory's launcher never got to start torchrun
+    assert time.perf_counter() - start < 60
+    assert not (tmp_path / "out").exists()
+
+
+def test_debug_variable_shows_the_traceback(assets, tmp_path):
+    result, output = train(tmp_path, recipe(assets, tmp_path / "out", stage="rm"),
+                           env={"LLAMAFACTORY_MCA_DEBUG": "1"})
+    assert result.returncode != 0 and "Traceback" in output and "UserError" in output
+
+
+def test_llamafactory_demo_data_missing_says_where_it_lives(assets, tmp_path):
+    config = recipe(assets, tmp_path / "out", dataset="identity,alpaca_en_demo", dataset_dir=str(tmp_path / "data"))
+    result, output = train(tmp_path, config)
+    one_error(result, output, "identity, alpaca_en_demo are LLaMA-Factory's demo data",
+              "set dataset_dir to LLaMA-Factory/data")
+
+
+def test_a_dataset_file_that_is_not_there_is_named(assets, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "dataset_info.json").write_text(json.dumps({"mine": {"file_name": "mine.json"}}))
+    result, output = train(tmp_path, recipe(assets, tmp_path / "out", dataset="mine", dataset_dir=str(data)))
+    one_error(result, output, f"dataset 'mine': {data / 'mine.json'} does not exist")
+
+
+def test_layout_against_the_world_lists_what_works(assets, tmp_path):
+    result, output = train(tmp_path, recipe(assets, tmp_path / "out", tensor_model_parallel_size=2,
+                                            pipeline_model_parallel_size=2), world=3)
+    one_error(result, output, "does not divide the world size 3 (NPROC_PER_NODE=3 x NNODES=1)")
+
+
+# ---- 2. hub ids ---------------------------------------------------------------------------------------------------
+
+
+def test_a_hub_id_in_the_cache_trains_offline_as_without_use_mca(assets, tmp_path):
+    cache = tmp_path / "hub"
+    fake_hub_cache(str(cache), "tiny-org/tiny-qwen3", assets["models"]["qwen3"])
+    hub_env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    # one step over all 8 rows: both paths see the same batch, whatever order they shuffle in
+    config = recipe(assets, tmp_path / "mca", model_name_or_path="tiny-org/tiny-qwen3", max_steps=1, max_samples=8,
+                    per_device_train_batch_size=8, gradient_accumulation_steps=1)
+    result, output = train(tmp_path, config, env=hub_env, name="mca")
+    ok(result, output)
+    default = {**config, "output_dir": str(tmp_path / "default")}
+    (tmp_path / "default.yaml").write_text(yaml.safe_dump(default))
+    env = {k: v for k, v in cli_env(None, hub_env).items() if k != "USE_MCA"}
+    result, output = run(["llamafactory-cli", "train", str(tmp_path / "default.yaml")], env=env, timeout=300,
+                          cwd=tmp_path)
+    assert result.returncode == 0, output[-4000:]
+    ours, theirs = losses(tmp_path / "mca")[1], losses(tmp_path / "default")[1]
+    assert ours == pytest.approx(theirs, rel=1e-4), (ours, theirs)
+
+
+def test_a_missing_hub_id_offline_is_one_line(assets, tmp_path):
+    env = {"HF_HUB_CACHE": str(tmp_path / "empty"), "HF_HUB_OFFLINE": "1"}
+    result, output = train(tmp_path, recipe(assets, tmp_path / "out", model_name_or_path="tiny-org/missing"),
+                           env=env)
+    one_error(result, output, "model_name_or_path='tiny-org/missing'", "HF_HUB_OFFLINE=1 forbids downloading it")
+
+
+# ---- 5. faults -----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoints(assets, tmp_path_factory):
+    """An output_dir with checkpoint-2 and checkpoint-4 (the tests copy it before breaking it)."""
+    tmp = tmp_path_factory.mktemp("ckpts")
+    config = recipe(assets, tmp / "out", max_steps=4, save_strategy="steps", save_steps=2)
+    result, output = train(tmp, config)
+    ok(result, output)
+    return tmp / "out", config
+
+
+def _data_file(checkpoint) -> str:
+    dist = checkpoint / "dist_ckpt"
+    return str(dist / sorted(n for n in os.listdir(dist) if n.endswith(".distcp"))[0])
+
+
+def test_resume_from_a_corrupt_checkpoint_names_the_file_and_the_one_to_use(checkpoints, tmp_path):
+    source, config = checkpoints
+    out = tmp_path / "out"
+    shutil.copytree(source, out)
+    broken = _data_file(out / "checkpoint-4")
+    with open(broken, "r+b") as f:
+        f.truncate(os.path.getsize(broken) // 2)
+    # LLaMA-Factory resumes from the newest checkpoint by itself when output_dir is kept
+    result, output = train(tmp_path, {**config, "output_dir": str(out), "overwrite_output_dir": False})
+    one_error(result, output, f"{broken} is truncated", f"resume_from_checkpoint: {out / 'checkpoint-2'}")
+
+
+def test_resume_from_garbled_data_names_the_checkpoint_and_the_one_to_use(checkpoints, tmp_path):
+    source, config = checkpoints
+    out = tmp_path / "out"
+    shutil.copytree(source, out)
+    broken = _data_file(out / "checkpoint-4")
+    size = os.path.getsize(broken)
+    with open(broken, "r+b") as f:  # same size, garbage inside: only reading it tells
+        f.write(os.urandom(size))
+    result, output = train(tmp_path, {**config, "output_dir": str(out), "overwrite_output_dir": False})
+    one_error(result, output, f"loading the checkpoint {out / 'checkpoint-4'} failed",
+              f"resume_from_checkpoint: {out / 'checkpoint-2'}")
+
+
+def test_merge_of_a_truncated_checkpoint_names_the_file_and_leaves_nothing(checkpoints, tmp_path):
+    source, _ = checkpoints
+    checkpoint = tmp_path / "checkpoint-4"
+    shutil.copytree(source / "checkpoint-4", checkpoint)
+    broken = _data_file(checkpoint)
+    with open(broken, "r+b") as f:
+        f.truncate(100)
+    result, output = run([sys.executable, MERGE, "--checkpoint_path", str(checkpoint), "--output_path",
+                           str(tmp_path / "hf")])
+    one_error(result, output, f"{broken} is truncated")
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-4"]  # no output folder, no temporary one
+
+
+def test_nan_in_the_weights_names_the_tensor(assets, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(assets["models"]["qwen3"], model)
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight"][3, 5] = float("nan")
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    result, output = train(tmp_path, recipe(assets, tmp_path / "out", model_name_or_path=str(model)), world=2)
+    one_error(result, output, "tensor 'model.layers.1.mlp.down_proj.weight'", "holds NaN or inf values")
+
+
+def test_a_nan_step_is_skipped_and_counted_and_a_run_of_them_stops(assets, tmp_path):
+    config = recipe(assets, tmp_path / "out", max_steps=3)
+    result, output = train(tmp_path, config, env={"LLAMAFACTORY_MCA_FAULT": "nan:2"})
+    ok(result, output)
+    assert "step 2: inf/nan loss or gradients, step skipped (1 in a row; the run stops at 10)" in output
+    assert "skipped 1 step(s) with inf/nan" in output
+    curve = losses(tmp_path / "out")
+    assert sorted(curve) == [1, 3] and all(math.isfinite(v) for v in curve.values()), curve
+
+    config = recipe(assets, tmp_path / "out2", max_steps=5, max_nonfinite_steps=2)
+    result, output = train(tmp_path, config, env={"LLAMAFACTORY_MCA_FAULT": "nan:2+"}, name="diverges")
+    one_error(result, output, "steps 2-3 all had inf/nan loss or gradients (max_nonfinite_steps=2)")
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _workers(launcher: psutil.Process) -> list[psutil.Process]:
+    return [p for p in launcher.children(recursive=True) if "llamafactory/launcher.py" in " ".join(p.cmdline())]
+
+
+def _start(tmp_path, config, name):
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = open(tmp_path / f"{name}.log", "w")
+    process = subprocess.Popen(["llamafactory-cli", "train", str(path)], env=cli_env(2), stdout=log,
+                               stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
+    return process, tmp_path / f"{name}.log"
+
+
+def test_killed_launchers_stop_their_workers_and_one_live_run_per_output_dir(assets, tmp_path):
+    out = tmp_path / "out"
+    config = recipe(assets, out, max_steps=100000, gradient_accumulation_steps=2)
+    first, first_log = _start(tmp_path, config, "first")
+    launcher = psutil.Process(first.pid)
+    try:
+        _wait_for(lambda: len(_workers(launcher)) == 2 and (out / "trainer_log.jsonl").exists(), 120, "training")
+        workers = _workers(launcher)
+        # a second run on the same output_dir is refused, naming the live one
+        result, output = train(tmp_path, config, world=2, name="second")
+        one_error(result, output, f"output_dir='{out}' is in use by another run: pid {first.pid}")
+        # torchrun killed outright: its workers notice and stop
+        torchrun = next(p for p in launcher.children() if "llamafactory_mca.launch" in " ".join(p.cmdline()))
+        torchrun.kill()
+        _wait_for(lambda: not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers), 30,
+                  "the workers to stop")
+        first.wait(timeout=30)
+        assert not (out / ".llamafactory_mca.lock").exists()  # the launcher let go of its lock on the way out
+    finally:
+        for p in [launcher, *launcher.children(recursive=True)] if launcher.is_running() else []:
+            p.kill()
+
+    # the launcher itself killed outright: its torchrun stops the workers; its lock stays behind, stale
+    third, _ = _start(tmp_path, config, "third")
+    launcher = psutil.Process(third.pid)
+    _wait_for(lambda: len(_workers(launcher)) == 2, 120, "workers")
+    workers = _workers(launcher)
+    launcher.kill()
+    third.wait(timeout=30)
+    _wait_for(lambda: not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers), 60,
+              "the workers to stop")
+    assert (out / ".llamafactory_mca.lock").exists()
+    result, output = train(tmp_path, {**config, "max_steps": 1}, world=2, name="fourth")
+    ok(result, output)
+    assert f"taking over the stale lock {out / '.llamafactory_mca.lock'} (of pid {third.pid}" in output
+
+
+# ---- 6. no silent hangs -------------------------------------------------------------------------------------------
+
+
+def test_a_collective_waiting_past_ddp_timeout_aborts_naming_rank_step_and_call(assets, tmp_path):
+    config = recipe(assets, tmp_path / "out", max_steps=4, gradient_accumulation_steps=2, ddp_timeout=5)
+    start = time.perf_counter()
+    result, output = train(tmp_path, config, world=2, env={"LLAMAFACTORY_MCA_FAULT": "hang:2@1"})
+    message = one_error(result, output, "rank 0 (step 2) waited", "longer than ddp_timeout=5 s")
+    assert "called from" in message, message
+    assert time.perf_counter() - start < 120
+
+
+def test_the_known_pipeline_hang_trains(assets, tmp_path):
+    """Two identical short rows, PP2 x VPP2, two micro-batches of one row, one step: it used to wait forever."""
+    from llamafactory_mca.tiny import write_alpaca_dataset
+
+    row = {"instruction": "Tell me something about cats please .", "input": "", "output": "Sure , cats ."}
+    data = write_alpaca_dataset(str(tmp_path), 0, rows=[row, row])
+    config = recipe(assets, tmp_path / "out", dataset_dir=data, pipeline_model_parallel_size=2,
+                    virtual_pipeline_model_parallel_size=2, gradient_accumulation_steps=2,
+                    per_device_train_batch_size=1, max_steps=1, ddp_timeout=60)
+    result, output = train(tmp_path, config, world=2, timeout=180)
+    ok(result, output)
+    assert len(losses(tmp_path / "out")) == 1
+
+
+def test_convert_refuses_a_bad_layout_before_starting_processes(assets, tmp_path):
+    result, output = run(["llamafactory-mca", "convert", "--hf_path", assets["models"]["qwen3"], "--output_path",
+                           str(tmp_path / "out"), "--tensor_model_parallel_size", "3"],
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    one_error(result, output, "tensor_model_parallel_size=3 does not divide num_attention_heads=4")
+    assert not (tmp_path / "out").exists()
