@@ -13,6 +13,7 @@ It runs torch's own elastic launcher in this process and adds what a user needs 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.pop("LOGLEVEL", None)
     else:
         os.environ["LOGLEVEL"] = saved
+    if not debug_enabled():  # modules that use plain logging.getLogger inherit from here
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         run(parse_args(argv))
         return 0

@@ -264,7 +264,13 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 
 
 def _workers(launcher: psutil.Process) -> list[psutil.Process]:
-    return [p for p in launcher.children(recursive=True) if "llamafactory/launcher.py" in " ".join(p.cmdline())]
+    """The training processes under a launcher (our torchrun's command line names the script too)."""
+    found = []
+    for p in launcher.children(recursive=True):
+        command = " ".join(p.cmdline())
+        if "llamafactory/launcher.py" in command and "llamafactory_mca.launch" not in command:
+            found.append(p)
+    return found
 
 
 def _start(tmp_path, config, name):

@@ -28,6 +28,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
     FullyParallelSaveStrategyWrapper,
 )
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..checkpoints import DIST_DIR, PREFIX, TMP_PREFIX, dist_checkpoint_dir, list_checkpoints, newest_intact
 from ..errors import UserError
@@ -148,10 +149,10 @@ def load_checkpoint(path: str, model: Any, optimizer: Any | None) -> dict:
     strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(directory), _dp_group())
     try:
         loaded = dist_checkpointing.load(state, directory, sharded_strategy=strategy)
-    except Exception as err:
+    except (Exception, CheckpointException) as err:  # torch DCP's is a BaseException
         instead = newest_intact(os.path.dirname(os.path.abspath(path)), besides=path)
-        raise UserError(f"loading the checkpoint {path} failed ({type(err).__name__}: {err}): its files are corrupt "
-                        "or were written by an incompatible version."
+        raise UserError(f"loading the checkpoint {path} failed ({_root_cause(err)}): its files are corrupt or were "
+                        "written by an incompatible version."
                         + (f" Resume from {instead} instead (resume_from_checkpoint: {instead})." if instead else "")
                         ) from err
     for i, chunk in enumerate(model.chunks):
@@ -175,6 +176,16 @@ def load_checkpoint(path: str, model: Any, optimizer: Any | None) -> dict:
         logger.warning("Checkpoint was written with (pp, tp)=%s, this run uses %s: RNG states not restored.",
                        trainer_state.get("layout_key"), _layout_key())
     return trainer_state
+
+
+def _root_cause(err: BaseException) -> str:
+    """One line for what went wrong (torch DCP wraps each rank's failure, traceback and all, in its message)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        err = next(iter(failures.values()))
+        err = err[0] if isinstance(err, tuple) else err  # (exception, stack summary)
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {text[:200]}" if text else type(err).__name__
 
 
 def rotate_checkpoints(output_dir: str, limit: int | None) -> None:
