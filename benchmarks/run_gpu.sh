@@ -21,8 +21,19 @@ check() {  # the trainer on GPUs end to end (DP2, distributed optimizer, merge, 
   llamafactory-mca demo --output_dir /tmp/demo > "$out/demo.log" 2>&1; echo "== demo: exit $?"; tail -n 4 "$out/demo.log"
   check_tests 0,1
 }
+first_hour() {  # issue 12 on a GPU pair: the demo (and which processes hold GPU memory), a collective hung over NCCL
+  (for _ in $(seq 1 90); do nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader; sleep 1; done \
+    > "$out/gpu_apps.log" 2>&1) & local smi=$!
+  llamafactory-mca demo --output_dir /tmp/demo > "$out/demo.log" 2>&1; echo "== demo: exit $?"; tail -n 6 "$out/demo.log"
+  kill $smi 2>/dev/null; echo "== processes that held GPU memory during the demo (pid, memory):"; sort -u "$out/gpu_apps.log"
+  local start=$SECONDS
+  LLAMAFACTORY_MCA_FAULT=hang:3@1 USE_MCA=1 llamafactory-cli train /tmp/demo/demo_sft.yaml output_dir=/tmp/hang \
+    ddp_timeout=20 max_steps=8 > "$out/hang.log" 2>&1
+  echo "== hung collective over NCCL: exit $? after $((SECONDS - start)) s"; tail -n 3 "$out/hang.log"
+}
 case $phase in
   check) check ;;
+  first_hour) first_hour; check_tests 0,1 ;;
   single)  # check, then one GPU each: dense and MoE side by side
     check
     bench 0 g0 --workloads dense --gpus 1 & bench 1 g1 --workloads moe --gpus 1 & wait ;;

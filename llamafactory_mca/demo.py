@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -49,11 +50,12 @@ def demo_main(argv: list[str] | None = None) -> int:
     save_tiny_model("qwen3", model_dir, vocab_size=vocab, hidden_size=128, intermediate_size=256, head_dim=32,
                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
 
+    shutil.rmtree(os.path.join(out, "saves"), ignore_errors=True)  # a fresh run each time, not a resume
     gpus = torch.cuda.device_count()
     recipe = {
         "model_name_or_path": model_dir, "stage": "sft", "do_train": True, "finetuning_type": "full",
         "dataset": "demo_sft", "dataset_dir": DATA_DIR, "template": "qwen3_nothink", "cutoff_len": 64,
-        "output_dir": os.path.join(out, "saves"), "overwrite_output_dir": True,
+        "output_dir": os.path.join(out, "saves"),
         "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": args.steps,
         "learning_rate": 3.0e-3, "lr_scheduler_type": "cosine", "warmup_steps": args.steps // 10, "logging_steps": 5,
         "save_steps": args.steps, "plot_loss": True, "report_to": "none", "bf16": gpus > 0,

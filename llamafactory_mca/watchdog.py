@@ -1,7 +1,8 @@
 """No silent hangs and no orphans: a thread in every worker that ends it when
 
-- its main thread has waited in one communication call (a torch.distributed collective, a Megatron pipeline
-  send/receive, a gradient bucket's reduce) for longer than ``ddp_timeout`` without any progress, naming the
+- its main thread has waited at one spot for longer than ``ddp_timeout`` without any progress, in a
+  communication call (a torch.distributed collective, a Megatron pipeline send/receive, a gradient bucket's
+  reduce) or, on GPUs, in a host synchronisation behind an asynchronous NCCL collective; the message names the
   rank, the step and the call; or
 - the launcher that started it is gone (torchrun killed with SIGKILL cannot stop its workers itself).
 
@@ -61,6 +62,9 @@ class Watchdog:
         self.progress = 0
         self._parent = os.getppid()
         self._main = threading.main_thread().ident
+        import torch
+
+        self._gpu = torch.cuda.is_available()
         self._thread = threading.Thread(target=self._run, name="llamafactory_mca-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
@@ -72,7 +76,7 @@ class Watchdog:
         return f"rank {self.rank} ({step})"
 
     def _run(self) -> None:
-        seen, since = -1, time.monotonic()
+        seen, since, spot = -1, time.monotonic(), None
         while True:
             time.sleep(self.poll_s)
             if os.getppid() != self._parent:
@@ -80,16 +84,26 @@ class Watchdog:
                     print(f"[llamafactory_mca] the launcher (pid {self._parent}) is gone: stopping its workers.",
                           file=sys.stderr, flush=True)
                 os._exit(1)
-            call = waiting_in(sys._current_frames().get(self._main))
+            frame = sys._current_frames().get(self._main)
             now = time.monotonic()
-            if call is None or self.progress != seen:
-                seen, since = self.progress, now
+            here = (id(frame), frame.f_lasti) if frame is not None else None
+            if self.progress != seen or here != spot:
+                seen, since, spot = self.progress, now, here
                 continue
-            if now - since > self.timeout_s:
-                report(f"{self._where()} waited {now - since:.0f} s in {call}, longer than ddp_timeout="
-                       f"{self.timeout_s:g} s: another rank stopped, crashed or is stuck. Stopping the run. (Raise "
-                       "ddp_timeout if a rank legitimately needs longer, e.g. to tokenize a large dataset.)")
-                os._exit(1)
+            if now - since <= self.timeout_s:
+                continue
+            call = waiting_in(frame)
+            if call is None and self._gpu and frame is not None:
+                # NCCL collectives are asynchronous: a hung one shows as a host sync (.item(), .cpu()) that never
+                # returns, in whatever frame asked for the result.
+                call = (f"a GPU synchronisation at {os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} "
+                        f"({frame.f_code.co_name}), behind a collective")
+            if call is None:
+                continue  # computing, not waiting for another rank
+            report(f"{self._where()} waited {now - since:.0f} s in {call}, longer than ddp_timeout="
+                   f"{self.timeout_s:g} s: another rank stopped, crashed or is stuck. Stopping the run. (Raise "
+                   "ddp_timeout if a rank legitimately needs longer, e.g. to tokenize a large dataset.)")
+            os._exit(1)
 
 
 def start(timeout_s: float, rank: int) -> Watchdog:

@@ -65,9 +65,10 @@ def _our_data(folder: str) -> None:
             entry["file_name"] = f"{name}.json"
             del entry["hf_hub_url"]
     _write(os.path.join(folder, "dataset_info.json"), info)
+    # ~2k-token conversations, enough for 4 packs of 32k: a CPU spends its time on attention, which grows with length
     _write(os.path.join(folder, "long_align_10k.json"),
-           [{"messages": [{"role": "user", "content": _sentence(i, 600)},
-                          {"role": "assistant", "content": _sentence(i + 1, 20)}]} for i in range(30)])
+           [{"messages": [{"role": "user", "content": _sentence(i, 200)},
+                          {"role": "assistant", "content": _sentence(i + 1, 20)}]} for i in range(60)])
 
 
 @pytest.fixture(scope="module")

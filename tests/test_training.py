@@ -1,7 +1,8 @@
 """Training end to end through the real command: ``USE_MCA=1 llamafactory-cli train x.yaml`` on CPU (gloo).
 
 A tiny Qwen3-shaped model (and a Qwen3-MoE one), a word-level tokenizer trained here and LLaMA-Factory
-datasets in its own format. Every run is a subprocess, as a user would start it.
+datasets in its own format. Every run is a subprocess, as a user would start it. (Every parallel layout's loss
+is checked against Hugging Face's in one multi-process run: tests/test_layouts.py.)
 """
 
 import json
@@ -63,53 +64,6 @@ def test_freeze_and_evaluation(assets, tmp_path):
     last = f"model.layers.{len([k for k in before if k.endswith('input_layernorm.weight')]) - 1}."
     for key, tensor in before.items():
         assert torch.equal(after[key], tensor) != key.startswith(last), key  # only the last layer moved
-
-
-LAYOUT_RUNS = {  # name: (world, overrides); the global batch stays 8 rows
-    "dense": (1, {}),
-    "dp2": (2, {"gradient_accumulation_steps": 2}),
-    "tp2": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
-    "pp2": (2, {"pipeline_model_parallel_size": 2}),
-    "pp2_vpp2": (2, {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}),
-    "cp2": (2, {"context_parallel_size": 2}),
-    "dist_opt_dp2": (2, {"gradient_accumulation_steps": 2, "use_distributed_optimizer": True,
-                         "overlap_grad_reduce": True, "overlap_param_gather": True}),
-}
-MOE_RUNS = {"moe": (1, {}), "ep2": (2, {"expert_model_parallel_size": 2, "gradient_accumulation_steps": 2})}
-
-
-@pytest.fixture(scope="module")
-def layout_losses(assets, tmp_path_factory):
-    found = {}
-    for runs, model in ((LAYOUT_RUNS, "qwen3"), (MOE_RUNS, "qwen3_moe")):
-        for name, (world, overrides) in runs.items():
-            tmp = tmp_path_factory.mktemp(name)
-            config = recipe(assets, tmp / "out", model_name_or_path=assets["models"][model], **overrides)
-            result, output = train(tmp, config, world=world, name=name)
-            ok(result, output)
-            found[name] = losses(tmp / "out")
-    return found
-
-
-@pytest.mark.parametrize("name", [n for n in LAYOUT_RUNS if n != "dense"] + ["ep2"])
-def test_first_steps_match_across_layouts(name, layout_losses):
-    reference = layout_losses["moe" if name == "ep2" else "dense"]
-    got = layout_losses[name]
-    assert abs(got[1] - reference[1]) <= 1e-4 * reference[1], (name, got, reference)
-    assert abs(got[2] - reference[2]) <= 1e-3 * reference[2], (name, got, reference)
-
-
-def test_packing_does_not_change_the_loss(assets, tmp_path):
-    """One step over the same 8 rows: padded (8 rows per micro-batch) and packed (one pack) give one loss."""
-    common = dict(max_steps=1, gradient_accumulation_steps=1, cutoff_len=512, max_samples=8)
-    padded, output = train(tmp_path, recipe(assets, tmp_path / "padded", per_device_train_batch_size=8, **common),
-                           name="padded")
-    ok(padded, output)
-    packed, output = train(tmp_path, recipe(assets, tmp_path / "packed", per_device_train_batch_size=1,
-                                            sequence_packing=True, **common), name="packed")
-    ok(packed, output)
-    a, b = losses(tmp_path / "padded")[1], losses(tmp_path / "packed")[1]
-    assert abs(a - b) <= 1e-4 * a, (a, b)
 
 
 def _megatron_logits(checkpoint: str) -> torch.Tensor:

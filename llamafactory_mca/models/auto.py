@@ -18,7 +18,6 @@ import torch
 from ..checkpoints import MCA_CONFIG_NAME, dist_checkpoint_dir
 from .config import McaConfig, rope_inv_freq
 from .hf_io import SafetensorsSource
-from .loading import dims_for, load_hf_weights
 from .mapping import WeightTable
 from .registry import get_family
 
@@ -119,6 +118,8 @@ class McaModel:
 
     def load_hf_weights(self, path: str) -> SafetensorsSource:
         from megatron.core import parallel_state as ps
+
+        from .loading import dims_for, load_hf_weights
 
         src = SafetensorsSource(path)
         table = WeightTable(get_family(self.config.hf_model_type).weights(self.config))

@@ -59,10 +59,12 @@ def pipeline_logits(model, ids: torch.Tensor):
     return logits.clone() if ps.get_tensor_model_parallel_rank() == 0 else None  # padded vocabulary included
 
 
-def _run_layout(sizes: dict, jobs: list[tuple[str, str, str]]) -> list[dict]:
-    """In each rank: build every (family, model_dir, work_dir) job in the layout, return logits and read stats,
-    save HF weights (save_pretrained) and a dist checkpoint for the round trips."""
+def _run_layouts(plan: list[tuple[str, dict, list[tuple[str, str, str]]]]) -> dict:
+    """In each rank, layout after layout (process groups rebuilt in between): build every (family, model_dir,
+    work_dir) job, return logits and read stats, save HF weights (save_pretrained) and a dist checkpoint for the
+    round trips. One process group for all layouts: spawning and importing per layout costs minutes in CI."""
     from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
 
     from llamafactory_mca import parallel
     from llamafactory_mca.args import MegatronArguments
@@ -70,28 +72,30 @@ def _run_layout(sizes: dict, jobs: list[tuple[str, str, str]]) -> list[dict]:
     from llamafactory_mca.models.auto import AutoConfig, AutoModel
     from llamafactory_mca.models.convert import write_layout
 
-    args = MegatronArguments(**sizes)
-    args.gradient_accumulation_steps = args.pipeline_model_parallel_size  # micro-batches per forward (VPP needs pp)
-    layout = parallel.ParallelLayout.from_args(args)
-    parallel.initialize(layout)
-    results = []
-    for name, model_dir, work_dir in jobs:
-        model = AutoModel.from_config(AutoConfig.from_pretrained(model_dir), args)
-        source = model.load_hf_weights(model_dir)
-        model.eval()
-        logits = pipeline_logits(model, INPUT)
-        model.save_pretrained(os.path.join(work_dir, "hf"))
-        ckpt = os.path.join(work_dir, "ckpt")
-        if torch.distributed.get_rank() == 0:
-            os.makedirs(os.path.join(ckpt, DIST_DIR), exist_ok=True)
-        torch.distributed.barrier()
-        dist_checkpointing.save(model.sharded_state_dict(), os.path.join(ckpt, DIST_DIR))
-        if torch.distributed.get_rank() == 0:
-            model.config.save_pretrained(ckpt)
-            write_layout(ckpt, layout, None)
-        torch.distributed.barrier()
-        results.append({"name": name, "logits": logits, "bytes_read": source.bytes_read,
-                        "files": source.files_opened})
+    results = {}
+    for layout_name, sizes, jobs in plan:
+        args = MegatronArguments(**sizes)
+        args.gradient_accumulation_steps = args.pipeline_model_parallel_size  # micro-batches per forward (VPP: pp)
+        layout = parallel.ParallelLayout.from_args(args)
+        parallel.initialize(layout)
+        for name, model_dir, work_dir in jobs:
+            model = AutoModel.from_config(AutoConfig.from_pretrained(model_dir), args)
+            source = model.load_hf_weights(model_dir)
+            model.eval()
+            logits = pipeline_logits(model, INPUT)
+            model.save_pretrained(os.path.join(work_dir, "hf"))
+            ckpt = os.path.join(work_dir, "ckpt")
+            if torch.distributed.get_rank() == 0:
+                os.makedirs(os.path.join(ckpt, DIST_DIR), exist_ok=True)
+            torch.distributed.barrier()
+            dist_checkpointing.save(model.sharded_state_dict(), os.path.join(ckpt, DIST_DIR))
+            if torch.distributed.get_rank() == 0:
+                model.config.save_pretrained(ckpt)
+                write_layout(ckpt, layout, None)
+            torch.distributed.barrier()
+            results[(layout_name, name)] = {"logits": logits, "bytes_read": source.bytes_read,
+                                            "files": source.files_opened, "dp_rank": ps.get_data_parallel_rank()}
+        ps.destroy_model_parallel()
     return results
 
 
@@ -105,8 +109,8 @@ def tiny_models(tmp_path_factory):
 def single_rank(tiny_models, tmp_path_factory):
     work = tmp_path_factory.mktemp("single")
     jobs = [(name, path, str(work / name)) for name, path in tiny_models.items()]
-    (results,) = run_distributed(_run_layout, 1, {}, jobs)
-    return {r["name"]: r["logits"] for r in results}
+    (results,) = run_distributed(_run_layouts, 1, [("single", {}, jobs)])
+    return {name: results[("single", name)]["logits"] for name in tiny_models}
 
 
 @pytest.mark.parametrize("name", list(TINY))
@@ -123,32 +127,37 @@ def test_parity_with_transformers(name, tiny_models, single_rank):
     assert abs(ours.item() - theirs.item()) <= 1e-5
 
 
-LAYOUTS = {
-    "tp2": (2, {"tensor_model_parallel_size": 2}, ["qwen3", "qwen2_moe", "mixtral", "llama3_tied"]),
-    "pp2": (2, {"pipeline_model_parallel_size": 2}, ["llama3_tied", "qwen3_moe"]),
-    "pp2_vpp2": (2, {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}, ["qwen2"]),
-    "ep2": (2, {"expert_model_parallel_size": 2}, ["qwen3_moe", "qwen2_moe"]),
-    "ep2_grouped": (2, {"expert_model_parallel_size": 2, "moe_grouped_gemm": True}, ["qwen2_moe"]),
-    "ep2_etp2": (4, {"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2}, ["qwen3_moe"]),
-    "tp2_pp2": (4, {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, ["llama", "qwen3_moe"]),
+LAYOUTS = {  # all run in one 4-process world (dp = 4 / model-parallel size)
+    "tp2": ({"tensor_model_parallel_size": 2}, ["qwen3", "qwen2_moe", "mixtral", "llama3_tied"]),
+    "pp2": ({"pipeline_model_parallel_size": 2}, ["llama3_tied", "qwen3_moe"]),
+    "pp2_vpp2": ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}, ["qwen2"]),
+    "ep2": ({"expert_model_parallel_size": 2}, ["qwen3_moe", "qwen2_moe"]),
+    "ep2_grouped": ({"expert_model_parallel_size": 2, "moe_grouped_gemm": True}, ["qwen2_moe"]),
+    "ep2_etp2": ({"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2}, ["qwen3_moe"]),
+    "tp2_pp2": ({"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, ["llama", "qwen3_moe"]),
 }
+WORLD = 4
 
 
 @pytest.fixture(scope="module")
 def layouts(tiny_models, tmp_path_factory):
-    out = {}
-    for layout, (world, sizes, names) in LAYOUTS.items():
+    plan = []
+    for layout, (sizes, names) in LAYOUTS.items():
         work = tmp_path_factory.mktemp(layout)
-        jobs = [(name, tiny_models[name], str(work / name)) for name in names]
-        per_rank = run_distributed(_run_layout, world, sizes, jobs)
-        for j, (name, _, work_dir) in enumerate(jobs):
-            logits = next(r[j]["logits"] for r in per_rank if r[j]["logits"] is not None)
-            out[(layout, name)] = {"logits": logits, "work": work_dir, "bytes": [r[j]["bytes_read"] for r in per_rank],
-                                   "files": [r[j]["files"] for r in per_rank]}
+        plan.append((layout, sizes, [(name, tiny_models[name], str(work / name)) for name in names]))
+    per_rank = run_distributed(_run_layouts, WORLD, plan)
+    out = {}
+    for layout, _, jobs in plan:
+        for name, _, work_dir in jobs:
+            found = [r[(layout, name)] for r in per_rank]
+            first_replica = [f for f in found if f["dp_rank"] == 0]
+            out[(layout, name)] = {"logits": next(f["logits"] for f in found if f["logits"] is not None),
+                                   "work": work_dir, "bytes": [f["bytes_read"] for f in first_replica],
+                                   "files": [f["files"] for f in first_replica]}
     return out
 
 
-ALL_LAYOUT_JOBS = [(layout, name) for layout, (_, _, names) in LAYOUTS.items() for name in names]
+ALL_LAYOUT_JOBS = [(layout, name) for layout, (_, names) in LAYOUTS.items() for name in names]
 
 
 @pytest.mark.slow
@@ -168,7 +177,7 @@ def _assert_same_weights(exported_dir: str, source_dir: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,name", [(layout, names[0]) for layout, (_, _, names) in LAYOUTS.items()])
+@pytest.mark.parametrize("layout,name", [(layout, names[0]) for layout, (_, names) in LAYOUTS.items()])
 def test_round_trip_is_bit_identical(layout, name, layouts, tiny_models):
     from transformers import AutoModelForCausalLM
 
