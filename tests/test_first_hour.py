@@ -52,7 +52,8 @@ def test_a_broken_torch_set_is_one_line_naming_packages_versions_and_fix():
 def test_version_command_reports_the_torch_set_and_succeeds():
     result, output = run(["llamafactory-mca", "version"])
     assert result.returncode == 0, output
-    for name in ("torchvision", "torchaudio", "megatron-core", "llamafactory"):
+    for name in ("llamafactory-mca", "llamafactory", "megatron-core", "torch", "torchvision", "torchaudio", "CUDA",
+                 "transformer-engine", "flash-attn"):
         assert name in result.stdout
     assert "problem" not in output
 
