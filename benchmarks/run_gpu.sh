@@ -26,6 +26,8 @@ first_hour() {  # issue 12 on a GPU pair: the demo (and which processes hold GPU
     > "$out/gpu_apps.log" 2>&1) & local smi=$!
   llamafactory-mca demo --output_dir /tmp/demo > "$out/demo.log" 2>&1; echo "== demo: exit $?"; tail -n 6 "$out/demo.log"
   kill $smi 2>/dev/null; echo "== processes that held GPU memory during the demo (pid, memory):"; sort -u "$out/gpu_apps.log"
+  llamafactory-mca version > "$out/version.log" 2>&1; echo "== version: exit $?"; cat "$out/version.log"
+  [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "== one GPU: no NCCL hang test"; return; }
   local start=$SECONDS
   LLAMAFACTORY_MCA_FAULT=hang:3@1 USE_MCA=1 llamafactory-cli train /tmp/demo/demo_sft.yaml output_dir=/tmp/hang \
     ddp_timeout=20 max_steps=8 > "$out/hang.log" 2>&1

@@ -52,11 +52,14 @@ def demo_main(argv: list[str] | None = None) -> int:
 
     shutil.rmtree(os.path.join(out, "saves"), ignore_errors=True)  # a fresh run each time, not a resume
     gpus = torch.cuda.device_count()
+    procs = gpus or 2
+    micro = 4 if procs <= 4 else 2
+    accumulation = max(1, 16 // (procs * micro))  # a global batch of 16 rows on any machine: the same lesson
     recipe = {
         "model_name_or_path": model_dir, "stage": "sft", "do_train": True, "finetuning_type": "full",
         "dataset": "demo_sft", "dataset_dir": DATA_DIR, "template": "qwen3_nothink", "cutoff_len": 64,
         "output_dir": os.path.join(out, "saves"),
-        "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": args.steps,
+        "per_device_train_batch_size": micro, "gradient_accumulation_steps": accumulation, "max_steps": args.steps,
         "learning_rate": 3.0e-3, "lr_scheduler_type": "cosine", "warmup_steps": args.steps // 10, "logging_steps": 5,
         "save_steps": args.steps, "plot_loss": True, "report_to": "none", "bf16": gpus > 0,
         "sequence_packing": True, "use_distributed_optimizer": True, "overlap_grad_reduce": True,
@@ -64,7 +67,7 @@ def demo_main(argv: list[str] | None = None) -> int:
     recipe_path = os.path.join(out, "demo_sft.yaml")
     with open(recipe_path, "w", encoding="utf-8") as f:
         yaml.safe_dump(recipe, f, sort_keys=False)
-    env = {**os.environ, "USE_MCA": "1", "NPROC_PER_NODE": str(gpus or 2)}
+    env = {**os.environ, "USE_MCA": "1", "NPROC_PER_NODE": str(procs)}
     _run(["llamafactory-cli", "train", recipe_path], env)
 
     merged = os.path.join(out, "hf")

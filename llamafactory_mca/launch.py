@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     quiet_third_party()
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(_nproc(argv), 1)))
+    if os.environ.get("TORCH_NCCL_AVOID_RECORD_STREAMS") == "1" and _torch_at_least(2, 11):
+        # LLaMA-Factory's launcher sets it; torch 2.11+ does this by default and warns on every rank that it is set
+        del os.environ["TORCH_NCCL_AVOID_RECORD_STREAMS"]
     fd, error_file = tempfile.mkstemp(prefix="llamafactory_mca-", suffix=".err")
     os.close(fd)
     os.remove(error_file)  # workers create it exclusively: the first one to fail wins
@@ -91,6 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if os.path.exists(error_file):
             os.remove(error_file)
+
+
+def _torch_at_least(major: int, minor: int) -> bool:
+    import importlib.metadata
+    import re
+
+    match = re.match(r"(\d+)\.(\d+)", importlib.metadata.version("torch"))
+    return bool(match) and (int(match.group(1)), int(match.group(2))) >= (major, minor)
 
 
 def _read(path: str) -> str | None:

@@ -179,8 +179,11 @@ def init_distributed(timeout_s: float = 1800) -> None:
     apply_megatron_fixes()
     if torch.distributed.is_initialized():
         return
+    device = {}
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # a bound device: NCCL neither guesses it from the rank nor warns at every barrier
+        device["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device["device_id"])
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     from datetime import timedelta
@@ -188,7 +191,7 @@ def init_distributed(timeout_s: float = 1800) -> None:
     torch.distributed.init_process_group(
         backend="nccl" if torch.cuda.is_available() else "gloo",
         rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1")),
-        timeout=timedelta(seconds=timeout_s + 60),
+        timeout=timedelta(seconds=timeout_s + 60), **device,
     )
 
 
