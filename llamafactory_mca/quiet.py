@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 
 from .errors import debug_enabled
@@ -42,10 +43,15 @@ def quiet_third_party() -> None:
 
 def quiet_transformers() -> None:
     """LLaMA-Factory sets transformers' logging to INFO on the main process, which prints every config it loads
-    (five times per run) and every tokenizer file saved; warnings stay."""
+    (five times per run) and every tokenizer file saved; warnings stay. The datasets library's progress bars stay
+    where a terminal shows them; in a log file each of their updates would be a line."""
     if debug_enabled():
         return
     import transformers
 
     transformers.utils.logging.set_verbosity_warning()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "warning")
+    if not sys.stderr.isatty():
+        import datasets
+
+        datasets.disable_progress_bars()

@@ -118,6 +118,8 @@ def _load_rows(stage: str, template: Any, model_args: Any, data_args: Any, train
     try:
         return get_dataset(template, model_args, data_args, training_args, stage="rm" if stage == "dpo" else stage,
                            **tokenizer_module)
+    except ValueError as err:  # LLaMA-Factory's word for data it cannot use (format, columns, no valid samples)
+        raise UserError(f"LLaMA-Factory could not prepare dataset={','.join(data_args.dataset or [])}: {err}") from err
     finally:
         data_args.cutoff_len, data_args.packing, data_args.neat_packing = saved
 
