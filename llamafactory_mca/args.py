@@ -33,6 +33,7 @@ DROP_POLICIES = ("probs", "position")
 LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 OPTIMIZERS = ("adam", "sgd")
+PT_BLOCKS = ("documents", "concatenated")
 
 
 def _split_csv(value: Any) -> Any:
@@ -268,10 +269,18 @@ class MegatronArguments(DistributingParallelArguments):
     optimizer_cpu_offload: bool = field(default=False, metadata={"help": "Keep optimizer states on CPU."})
     save_hf_model: bool = field(default=False, metadata={"help": "Also write HF safetensors in each checkpoint."})
     sequence_packing: bool = field(default=False, metadata={"help": "Pack rows into THD micro-batches."})
+    pt_blocks: str = field(
+        default="documents",
+        metadata={"help": "pt only. documents: every document split into cutoff_len pieces, each its own sequence "
+                          "(no attention across documents, nothing dropped). concatenated: LLaMA-Factory's default "
+                          "path, documents joined and cut into cutoff_len blocks (attention crosses documents; each "
+                          "tokenizer batch's remainder is dropped)."},
+    )
 
     def __post_init__(self) -> None:
         DistributingParallelArguments.__post_init__(self)
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
+        _one_of("pt_blocks", self.pt_blocks, PT_BLOCKS)
         if self.overlap_param_gather:
             _require(self.use_distributed_optimizer and self.overlap_grad_reduce,
                      f"overlap_param_gather=True needs use_distributed_optimizer=True and overlap_grad_reduce=True "

@@ -110,18 +110,34 @@ def packing_request(data_args: Any, training_args: Any, recipe: dict | list | No
 
 def _load_rows(stage: str, template: Any, model_args: Any, data_args: Any, training_args: Any,
                tokenizer_module: dict, cutoff_len: int) -> dict:
-    """LLaMA-Factory's tokenized rows, one sequence per row, cutoff_len + 1 tokens (shifted later)."""
+    """LLaMA-Factory's tokenized rows, one sequence per row, shifted later inside each sequence.
+
+    sft/dpo: LLaMA-Factory truncates each row (its own way: mask_history, train_on_prompt) to cutoff_len + 1
+    tokens, so that the shift loses nothing. pt: whole documents, split here into cutoff_len pieces
+    (``split_documents``), or, with ``pt_blocks: concatenated``, LLaMA-Factory's own cutoff_len blocks.
+    """
     from llamafactory.data import get_dataset
 
+    from .data.rows import split_documents
+
+    documents = stage == "pt" and training_args.pt_blocks == "documents"
+    concatenated = stage == "pt" and not documents
     saved = data_args.cutoff_len, data_args.packing, data_args.neat_packing
-    data_args.cutoff_len, data_args.packing, data_args.neat_packing = cutoff_len + 1, False, False
+    data_args.cutoff_len = 2**31 - 1 if documents else cutoff_len if concatenated else cutoff_len + 1
+    data_args.packing, data_args.neat_packing = concatenated, False
     try:
-        return get_dataset(template, model_args, data_args, training_args, stage="rm" if stage == "dpo" else stage,
-                           **tokenizer_module)
+        module = get_dataset(template, model_args, data_args, training_args, stage="rm" if stage == "dpo" else stage,
+                             **tokenizer_module)
     except ValueError as err:  # LLaMA-Factory's word for data it cannot use (format, columns, no valid samples)
         raise UserError(f"LLaMA-Factory could not prepare dataset={','.join(data_args.dataset or [])}: {err}") from err
     finally:
         data_args.cutoff_len, data_args.packing, data_args.neat_packing = saved
+    if documents:
+        with training_args.main_process_first(desc="splitting documents"):  # one rank writes the cache
+            for key in ("train_dataset", "eval_dataset"):
+                if module.get(key) is not None and not isinstance(module[key], dict):
+                    module[key] = split_documents(module[key], cutoff_len, data_args.preprocessing_num_workers)
+    return module
 
 
 def _side_files(config: Any, layout: Any, tokenizer_module: dict, grouped: bool | None):

@@ -56,6 +56,25 @@ CASES = [
 ]
 REFERENCE = {"qwen3": "dp4", "qwen3_moe": "moe-dp4"}  # step 2 of every same-batch case must match these
 
+# One whole epoch over data that does not divide into steps: 21 sft rows, or 4 pt documents of 3-5 x cutoff_len
+# split into pieces. (name, model, arguments, gradient accumulation, data)
+EPOCH_CASES = [
+    ("epoch-dp4", "qwen3", {}, 2, "rows"),
+    ("epoch-dp4-packed", "qwen3", {"sequence_packing": True}, 2, "rows"),
+    ("epoch-dp4-documents", "qwen3", {"sequence_packing": True}, 2, "documents"),
+    ("epoch-dp4-documents-padded", "qwen3", {}, 1, "documents"),
+    ("epoch-pp2", "qwen3", {"pipeline_model_parallel_size": 2}, 3, "rows"),
+    ("epoch-pp2-vpp2", "qwen3", {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}, 2,
+     "rows"),
+    ("epoch-pp4-documents", "qwen3", {"pipeline_model_parallel_size": 4, "sequence_packing": True}, 3, "documents"),
+    ("epoch-moe-ep2", "qwen3_moe", {"expert_model_parallel_size": 2}, 2, "rows"),
+]
+
+
+def _documents() -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    return [{"input_ids": torch.randint(5, VOCAB, (96 + 37 * i,), generator=g).tolist()} for i in range(4)]
+
 
 def _rows(n: int) -> list[dict]:
     g = torch.Generator().manual_seed(0)
@@ -89,47 +108,65 @@ def _hf_loss(model_dir: str, rows: list[dict]) -> float:
     return total / count
 
 
-def _walk(models: dict, out_dir: str, cases: list) -> list[tuple]:
+def _walk(models: dict, out_dir: str, cases: list, epoch_cases: list) -> tuple[list, list]:
     from datasets import Dataset
     from megatron.core import parallel_state as ps
 
     from llamafactory_mca import parallel, watchdog
     from llamafactory_mca.data import BatchingConfig, DataPlan
+    from llamafactory_mca.data.rows import split_documents
     from llamafactory_mca.models.auto import AutoModel
     from llamafactory_mca.trainer.trainer import McaTrainer
     from llamafactory_mca.training_args import TrainingArguments
 
-    dataset = Dataset.from_list(_rows(64))
-    results = []
+    data = {"steps": Dataset.from_list(_rows(64)), "rows": Dataset.from_list(_rows(21)),
+            "documents": split_documents(Dataset.from_list(_documents()), cutoff_len=32)}
     parallel.init_distributed(60)
     watchdog.start(60, torch.distributed.get_rank())  # a hang ends this rank (and the test) after a minute
-    for name, model_name, sizes, micro in cases:
+
+    def train(model_name, sizes, micro, dataset, **steps):
         args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=1, gradient_accumulation_steps=micro,
-                                 learning_rate=1e-3, max_steps=2, logging_steps=1, save_strategy="no",
-                                 report_to="none", disable_tqdm=True, seed=0, **sizes)
+                                 learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none",
+                                 disable_tqdm=True, seed=0, **steps, **sizes)
         layout = args.resolve_layout(WORLD, seq_length=32)
         parallel.initialize(layout, seed=0)
         model = AutoModel.from_pretrained(models[model_name], args)
-        plan = DataPlan(dataset, BatchingConfig(cutoff_len=32, micro_batch_size=1, pad_multiple=layout.pad_multiple,
-                                                packing=args.sequence_packing), log=False)
+        plan = DataPlan(dataset, BatchingConfig.from_args(args, cutoff_len=32, packing=args.sequence_packing,
+                                                          pad_multiple=layout.pad_multiple, pad_token_id=0), log=False)
         trainer = McaTrainer(model=model, args=args, layout=layout, train_data=plan)
         trainer.train()
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        rows = [dataset[int(i)] for group in plan.epoch_groups(0)[: layout.dp * micro] for i in group]
-        reference = _hf_loss(models[model_name], rows) if torch.distributed.get_rank() == 0 else None
-        results.append((name, losses, reference, len(rows)))
+        state = (trainer.state.global_step, trainer.state.epoch, trainer.state.num_input_tokens_seen)
+        groups = plan.epoch_groups(0)[: layout.dp * micro]
         del trainer, model
         ps.destroy_model_parallel()
-    return results
+        return losses, groups, state, plan.steps_per_epoch(layout.dp, micro)
+
+    results = []
+    for name, model_name, sizes, micro in cases:
+        losses, groups, _, _ = train(model_name, sizes, micro, data["steps"], max_steps=2)
+        rows = [data["steps"][int(i)] for group in groups for i in group]
+        reference = _hf_loss(models[model_name], rows) if torch.distributed.get_rank() == 0 else None
+        results.append((name, losses, reference, len(rows)))
+    epochs = []
+    for name, model_name, sizes, micro, which in epoch_cases:
+        losses, _, state, steps = train(model_name, sizes, micro, data[which], num_train_epochs=1)
+        source = _documents() if which == "documents" else _rows(21)  # the dataset's tokens, before any split
+        epochs.append((name, losses, state, steps, sum(len(row["input_ids"]) for row in source)))
+    return results, epochs
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def walked(tmp_path_factory):
     root = tmp_path_factory.mktemp("layouts")
     models = {name: save_tiny_model(name, str(root / name), num_hidden_layers=LAYERS if name == "qwen3" else 4)
               for name in REFERENCE}
-    found = run_distributed(_walk, WORLD, models, str(root / "out"), CASES)[0]
-    return {name: (losses, reference, rows) for name, losses, reference, rows in found}
+    return run_distributed(_walk, WORLD, models, str(root / "out"), CASES, EPOCH_CASES)[0]
+
+
+@pytest.fixture(scope="module")
+def results(walked):
+    return {name: (losses, reference, rows) for name, losses, reference, rows in walked[0]}
 
 
 @pytest.mark.parametrize("name,model", [(c[0], c[1]) for c in CASES], ids=[c[0] for c in CASES])
@@ -153,3 +190,13 @@ def test_interleaved_micro_batch_counts_megatron_refuses_are_refused_first(pp, v
     with pytest.raises(UserError, match=f"gradient_accumulation_steps={micro} must be a multiple of "
                                         f"pipeline_model_parallel_size={pp}"):
         args.resolve_layout(world_size=WORLD)
+
+
+@pytest.mark.parametrize("case", EPOCH_CASES, ids=[c[0] for c in EPOCH_CASES])
+def test_one_epoch_trains_every_token_once(case, walked):
+    """The last step of the epoch takes what is left: the steps, the epoch counter and the tokens trained come out
+    exact, whatever the data-parallel size, pipeline layout or packing."""
+    name, losses, (steps, epoch, tokens_seen), steps_per_epoch, tokens = next(e for e in walked[1] if e[0] == case[0])
+    assert steps == steps_per_epoch and epoch == pytest.approx(1.0), (name, steps, steps_per_epoch, epoch)
+    assert tokens_seen == tokens, (name, tokens_seen, tokens)
+    assert len(losses) == steps and all(math.isfinite(v) for v in losses), (name, losses)

@@ -37,7 +37,7 @@ def test_stage_trains_and_loss_falls(stage, assets, tmp_path):
         or stage == "dpo"
     if stage == "pt":  # plain (not distributed) optimizer checkpoints; save_total_limit keeps the newest
         assert sorted(n for n in os.listdir(tmp_path / "out") if n.startswith("checkpoint")) == ["checkpoint-6"]
-        assert (tmp_path / "out" / "checkpoint-6" / "hf" / "model.safetensors").is_file()  # save_hf_model
+        _check_checkpoint_hf(tmp_path / "out" / "checkpoint-6", tmp_path / "merged")  # save_hf_model
     if stage == "sft":
         assert (tmp_path / "out" / "training_loss.png").is_file()
         assert "1 reach cutoff_len and were truncated" in output  # the long row
@@ -46,6 +46,27 @@ def test_stage_trains_and_loss_falls(stage, assets, tmp_path):
         with open(tmp_path / "out" / "trainer_log.jsonl") as f:
             first = json.loads(f.readline())
         assert abs(first["loss"] - 0.6931) < 1e-3  # policy == reference at step 1
+
+
+def _check_checkpoint_hf(checkpoint, merged) -> None:
+    """save_hf_model: checkpoint-N/hf/ is what transformers loads as is (model and tokenizer), with the merged
+    checkpoint's logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.models.test_bridge import INPUT
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint / "hf")
+    assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
+    merge = [sys.executable, os.path.join(ROOT, "scripts", "megatron_merge.py"), "--checkpoint_path", str(checkpoint),
+             "--output_path", str(merged)]
+    result = subprocess.run(merge, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    logits = []
+    for folder in (checkpoint / "hf", merged):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits.append(model(INPUT.clamp(max=model.config.vocab_size - 1)).logits)
+    assert torch.equal(logits[0], logits[1])
 
 
 def test_freeze_and_evaluation(assets, tmp_path):
@@ -85,40 +106,46 @@ def test_crash_resume_merge(assets, tmp_path):
 
     from tests.models.test_bridge import INPUT
 
-    config = dict(max_steps=4, save_steps=2, save_strategy="steps", gradient_accumulation_steps=2,
-                  use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True)
+    # 25 micro-batches per epoch, 4 per step at DP2: the epoch's last step (7) has one, step 8 starts epoch 2
+    config = dict(max_steps=8, save_steps=4, save_strategy="steps", gradient_accumulation_steps=2,
+                  use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
+                  include_num_input_tokens_seen=True)
     reference, output = train(tmp_path, recipe(assets, tmp_path / "ref", **config), world=2, name="ref")
     ok(reference, output)
     expected = losses(tmp_path / "ref")
 
     out = tmp_path / "crash"
     run = recipe(assets, out, **config)
-    crashed, output = train(tmp_path, run, world=2, env={"LLAMAFACTORY_MCA_FAULT": "save:4"}, name="c1")
+    crashed, output = train(tmp_path, run, world=2, env={"LLAMAFACTORY_MCA_FAULT": "save:8"}, name="c1")
     assert crashed.returncode != 0 and "crashing on purpose" in output
-    assert (out / "checkpoint-2").is_dir() and (out / "tmp-checkpoint-4").is_dir()
-    assert not (out / "checkpoint-4").exists()
-    assert losses(out)[3] == pytest.approx(expected[3], rel=1e-5)
+    assert (out / "checkpoint-4").is_dir() and (out / "tmp-checkpoint-8").is_dir()
+    assert not (out / "checkpoint-8").exists()
+    assert losses(out)[7] == pytest.approx(expected[7], rel=1e-5)
 
     run["overwrite_output_dir"] = False  # LLaMA-Factory then resumes from the newest checkpoint by itself
 
     resumed, output = train(tmp_path, {**run, "gradient_accumulation_steps": 4}, world=1, name="c2")  # dp 2 -> 1
     ok(resumed, output)
-    assert "Resumed from" in output and "checkpoint-2" in output
+    assert "Resumed from" in output and "checkpoint-4" in output
     got = losses(out)
-    for step in (3, 4):
+    for step in (5, 6, 7, 8):  # the same samples in the same order, across the epoch's end
         assert got[step] == pytest.approx(expected[step], rel=1e-4), (step, got, expected)
-    assert (out / "checkpoint-4").is_dir() and not (out / "tmp-checkpoint-4").exists()
+    assert (out / "checkpoint-8").is_dir() and not (out / "tmp-checkpoint-8").exists()
+    with open(out / "trainer_state.json") as f, open(tmp_path / "ref" / "trainer_state.json") as g:
+        resumed_state, reference_state = json.load(f), json.load(g)
+    assert resumed_state["num_input_tokens_seen"] == reference_state["num_input_tokens_seen"] > 0
+    assert resumed_state["epoch"] == pytest.approx(reference_state["epoch"]) == pytest.approx(29 / 25)  # 25 + 4
 
     merged = tmp_path / "merged"
     result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "megatron_merge.py"), "--checkpoint_path",
-                             str(out / "checkpoint-4"), "--output_path", str(merged)], capture_output=True, text=True,
+                             str(out / "checkpoint-8"), "--output_path", str(merged)], capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     hf = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
     ids = INPUT.clamp(max=hf.config.vocab_size - 1)
     with torch.no_grad():
         hf_logits = hf(ids).logits
-    (megatron,) = run_distributed(_megatron_logits, 1, str(out / "checkpoint-4"))
+    (megatron,) = run_distributed(_megatron_logits, 1, str(out / "checkpoint-8"))
     megatron = megatron[..., : hf_logits.shape[-1]]  # the padded vocabulary rows are not exported
     assert torch.allclose(hf_logits, megatron, atol=1e-4), (hf_logits - megatron).abs().max()
     assert (merged / "tokenizer_config.json").is_file()

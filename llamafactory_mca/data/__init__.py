@@ -1,11 +1,12 @@
 """Tokenized rows -> micro-batches: packed (THD + cu_seqlens) or padded, DP-sharded and resumable.
 
 The trainer's entry points: ``BatchingConfig`` (how), ``DataPlan`` (which rows form which micro-batch, per
-epoch; stats), ``DataPlan.iterator`` (one rank's micro-batches from a resume point) and ``MicroBatch``.
+epoch; stats), ``DataPlan.steps`` (one rank's micro-batches per optimizer step from a resume point) and
+``MicroBatch``.
 """
 
 from .batch import IGNORE_INDEX, MicroBatch
-from .loader import BatchingConfig, DataPlan, MicroBatchIterator, format_stats
+from .loader import BatchingConfig, DataPlan, Step, format_stats
 from .packing import collate_packed, collate_padded, pack_window_ffd
 from .rows import PAIRWISE, PT, SFT, RowTable, Sample, detect_kind, scan_rows
 
@@ -17,9 +18,9 @@ __all__ = [
     "BatchingConfig",
     "DataPlan",
     "MicroBatch",
-    "MicroBatchIterator",
     "RowTable",
     "Sample",
+    "Step",
     "collate_packed",
     "collate_padded",
     "detect_kind",

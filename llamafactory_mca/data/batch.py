@@ -39,6 +39,7 @@ class MicroBatch:
     num_tokens: int  # all positions, padding included
     num_real_tokens: int  # positions holding a real token
     num_loss_tokens: int  # positions whose target counts
+    num_data_tokens: int  # the dataset's tokens trained: positions + each sequence's last token, once per document
     num_pairs: int = 0  # DPO: pairs in this micro-batch; 0 otherwise
     ref_chosen_logps: torch.Tensor | None = None  # [num_pairs] float32, when the dataset carries them
     ref_rejected_logps: torch.Tensor | None = None
@@ -83,6 +84,8 @@ class MicroBatch:
             self,
             labels=torch.full_like(self.labels, IGNORE_INDEX),
             loss_mask=torch.zeros_like(self.loss_mask),
+            num_real_tokens=0,
             num_loss_tokens=0,
+            num_data_tokens=0,
             is_padding=True,
         )

@@ -1,12 +1,13 @@
 """The data plan: deterministic, DP-sharded, resumable micro-batches from a tokenized dataset.
 
 The plan is built from row lengths only (one Arrow scan), so every rank can afford it: it answers how
-many micro-batches and steps an epoch has. Only ranks that feed the model (first and last pipeline
-stage; the trainer decides) create an iterator, which reads rows lazily, one micro-batch at a time.
+many micro-batches and steps an epoch has. ``DataPlan.steps`` reads rows lazily, one micro-batch at a time.
 
 The stream is global and independent of the data-parallel size: epoch after epoch, global micro-batch
-``g`` goes to rank ``g % dp``. A run resumed with ``consumed`` micro-batches (steps × dp × grad_accum)
-continues the same stream, even onto a different dp (only where an epoch's tail is cut can depend on dp).
+``g`` goes to rank ``g % dp``. An optimizer step takes dp × grad_accum micro-batches; the last step of an
+epoch takes what is left (nothing is dropped), each rank running the same count so collectives stay in step
+(loss-free stand-ins fill in, see ``Step``). A run resumed with ``consumed`` micro-batches continues the same
+stream, even onto a different dp as long as the resume point is a whole step of the new layout.
 
 Epochs: padded micro-batches are cut from the rows shuffled with (seed, epoch). Packs are built once,
 from the rows shuffled with the seed, and each epoch shuffles the packs with (seed, epoch): so every
@@ -19,10 +20,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..errors import UserError
 from .batch import MicroBatch
 from .packing import (
     chunk,
@@ -41,8 +44,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-TAILS = ("keep", "drop", "pad")
 _PACK_STREAM, _EPOCH_STREAM = 0, 1  # separate random streams: the packing order and each epoch's shuffle
+
+
+@dataclass
+class Step:
+    """One rank's micro-batches of an optimizer step and where the global stream stands after it."""
+
+    micro_batches: list[MicroBatch]
+    consumed: int  # global micro-batches consumed after this step (real ones: stand-ins do not count)
+    epoch: int
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,7 @@ class BatchingConfig:
     packing: bool = False
     pad_multiple: int = 1
     variable_seq_lengths: bool = True  # False: one length for every micro-batch (MoE allgather dispatcher)
+    equal_rows: bool = False  # every padded micro-batch has micro_batch_size rows (pipeline parallel transfers)
     pack_window: int = 128  # rows per first-fit-decreasing window
     pad_token_id: int = 0
     seed: int = 42
@@ -80,7 +92,7 @@ class BatchingConfig:
         seed = args.data_seed if getattr(args, "data_seed", None) is not None else args.seed
         return cls(cutoff_len=cutoff_len, micro_batch_size=micro, packing=packing, pad_multiple=pad_multiple,
                    variable_seq_lengths=args.allow_variable_seq_lengths(), pad_token_id=pad_token_id, seed=seed,
-                   shuffle=not for_eval)
+                   shuffle=not for_eval, equal_rows=getattr(args, "pipeline_model_parallel_size", 1) > 1)
 
     def capacity(self, sequences_per_row: int = 1) -> int:
         """Tokens per pack."""
@@ -116,6 +128,7 @@ class DataPlan:
             order = _rng(config.seed, _PACK_STREAM).permutation(self._kept) if config.shuffle else self._kept
             self._packs = pack_window_ffd(sizes, order, self.capacity, config.pack_window)
         self._epochs: dict[int, list[tuple[int, ...]]] = {}  # the last two epochs asked for
+        self._stand_in: MicroBatch | None = None
         self.stats = self._stats()
         if log:
             logger.info(format_stats(self.stats))
@@ -130,24 +143,14 @@ class DataPlan:
 
     @property
     def num_micro_batches(self) -> int:
-        """Micro-batches in every epoch, before any tail is cut or padded."""
+        """Micro-batches in every epoch."""
         if self._packs is not None:
             return len(self._packs)
         return -(-len(self._kept) // self.config.micro_batch_size)
 
-    def micro_batches_per_epoch(self, multiple_of: int = 1, tail: str = "keep") -> int:
-        """``drop`` cuts the ragged tail, ``pad`` fills it with loss-free stand-ins, to a multiple of ``multiple_of``
-        (dp × grad_accum for training, so every step has exactly that many micro-batches)."""
-        if tail not in TAILS:
-            raise ValueError(f"tail={tail!r} is not one of {TAILS}.")
-        count = self.num_micro_batches
-        if tail == "drop":
-            return count - count % multiple_of
-        return round_up(count, multiple_of) if tail == "pad" else count
-
     def steps_per_epoch(self, dp_size: int, grad_accum: int) -> int:
-        """Optimizer steps per epoch with the ragged tail dropped."""
-        return self.num_micro_batches // (dp_size * grad_accum)
+        """Optimizer steps per epoch, the last one taking what is left."""
+        return -(-self.num_micro_batches // (dp_size * grad_accum))
 
     def epoch_groups(self, epoch: int) -> list[tuple[int, ...]]:
         """The global micro-batches of ``epoch``, as row indices into the dataset."""
@@ -172,19 +175,48 @@ class DataPlan:
             total = None if config.variable_seq_lengths else self.capacity
             return collate_packed(samples, config.pad_multiple, config.pad_token_id, self.pairwise, total)
         fixed = None if config.variable_seq_lengths else config.fixed_length
-        return collate_padded(samples, config.pad_multiple, config.pad_token_id, self.pairwise, fixed)
+        rows = config.micro_batch_size if config.equal_rows or fixed else None
+        return collate_padded(samples, config.pad_multiple, config.pad_token_id, self.pairwise, fixed, rows)
 
     def micro_batch(self, epoch: int, index: int) -> MicroBatch:
-        """Micro-batch ``index`` of ``epoch``; past the real ones (``tail="pad"``), a loss-free copy of the first."""
-        groups = self.epoch_groups(epoch)
-        if index < len(groups):
-            return self.collate(groups[index])
-        return self.collate(groups[0]).without_loss()
+        """Micro-batch ``index`` of ``epoch``."""
+        return self.collate(self.epoch_groups(epoch)[index])
 
-    def iterator(self, dp_rank: int = 0, dp_size: int = 1, consumed: int = 0, multiple_of: int = 1,
-                 tail: str = "keep", epochs: int | None = None) -> MicroBatchIterator:
-        """This rank's micro-batches from global position ``consumed`` on; see ``MicroBatchIterator``."""
-        return MicroBatchIterator(self, dp_rank, dp_size, consumed, multiple_of, tail, epochs)
+    def stand_in(self) -> MicroBatch:
+        """A loss-free micro-batch for a rank with nothing left in a step: it trains and counts nothing."""
+        if self._stand_in is None:
+            self._stand_in = self.collate(min(self.epoch_groups(0), key=len)).without_loss()
+        return self._stand_in
+
+    def steps(self, dp_rank: int = 0, dp_size: int = 1, grad_accum: int = 1, multiple_of: int = 1,
+              equal_counts: bool = False, consumed: int = 0, epochs: int | None = None) -> Iterator[Step]:
+        """This rank's steps from global position ``consumed`` on (``epochs`` epochs, or forever).
+
+        A step covers the next dp × grad_accum global micro-batches, or the rest of the epoch; the rank takes every
+        dp-th one starting at its rank. In an epoch's last step ranks may get one fewer, or none: a rank runs what
+        it got (a stand-in if nothing), all ranks the same count where collectives inside the step span them
+        (``equal_counts``: expert parallelism), rounded up to ``multiple_of`` (the pipeline size under the
+        interleaved schedule); stand-ins make up the difference.
+        """
+        n, per_step = self.num_micro_batches, dp_size * grad_accum
+        if n == 0:
+            raise UserError("the dataset has no row left to train on (see the data line of the summary).")
+        epoch, offset = divmod(consumed, n)
+        if offset % per_step:
+            raise UserError(f"resume point {consumed} is not a whole step of dp x gradient_accumulation_steps = "
+                            f"{per_step} micro-batches into its epoch of {n}: the layout changed in a way that "
+                            "splits a step. Resume with the layout the checkpoint was written in.")
+        while epochs is None or epoch < epochs:
+            while offset < n:
+                taken = min(per_step, n - offset)
+                mine = [offset + g for g in range(dp_rank, taken, dp_size)]
+                count = -(-taken // dp_size) if equal_counts else max(len(mine), 1)
+                count = round_up(count, multiple_of)
+                batches = [self.micro_batch(epoch, g) for g in mine]
+                batches += [self.stand_in()] * (count - len(batches))
+                offset += taken
+                yield Step(batches, epoch * n + offset, epoch)
+            epoch, offset = epoch + 1, 0
 
     def _stats(self) -> dict[str, Any]:
         table, config = self.table, self.config
@@ -205,6 +237,9 @@ class DataPlan:
             "rows_dropped_no_loss": table.num_no_loss,
             "rows_truncated": table.num_truncated,
             "tokens": tokens,
+            "data_tokens": int(table.data_tokens[self._kept].sum()),
+            "documents": int((~table.continues).sum()),
+            "pieces": table.num_rows if table.split else None,
             "loss_tokens": int(table.loss_tokens[self._kept].sum()),
             "padded_tokens": padded_tokens,
             "micro_batches": self.num_micro_batches,
@@ -224,52 +259,14 @@ class DataPlan:
 def format_stats(stats: dict[str, Any]) -> str:
     """The one log line a run prints about its data."""
     layout = f"packed, capacity {stats['capacity']}" if stats["layout"] == "packed" else "padded"
+    rows = f"{stats['rows']} rows"
+    if stats.get("pieces"):
+        rows = f"{stats['documents']} documents in {stats['pieces']} pieces of at most cutoff_len"
     return (
-        f"data ({stats['kind']}): {stats['rows']} rows, {stats['rows_kept']} kept "
+        f"data ({stats['kind']}): {rows}, {stats['rows_kept']} kept "
         f"(dropped {stats['rows_dropped_empty']} empty, {stats['rows_dropped_no_loss']} without loss tokens; "
-        f"{stats['rows_truncated']} reach cutoff_len and were truncated), {stats['tokens']} tokens "
+        f"{stats['rows_truncated']} reach cutoff_len and were truncated), {stats['data_tokens']} tokens "
         f"({stats['loss_tokens']} with loss), "
         f"{stats['micro_batches']} micro-batches per epoch ({layout}), "
         f"efficiency {100 * stats['packing_efficiency']:.1f}% real tokens"
     )
-
-
-class MicroBatchIterator:
-    """One data-parallel rank's share of the global stream, crossing epochs.
-
-    Global micro-batch ``g`` (epoch ``g // per_epoch``) goes to rank ``g % dp_size``; iteration starts at the
-    first ``g >= consumed`` of this rank. Creating it reads nothing; each ``next`` reads one micro-batch.
-    """
-
-    def __init__(self, plan: DataPlan, dp_rank: int = 0, dp_size: int = 1, consumed: int = 0,
-                 multiple_of: int = 1, tail: str = "keep", epochs: int | None = None) -> None:
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank={dp_rank} is outside [0, dp_size={dp_size}).")
-        if consumed < 0:
-            raise ValueError(f"consumed={consumed} must be >= 0.")
-        self.plan = plan
-        self.dp_size = dp_size
-        self.per_epoch = plan.micro_batches_per_epoch(multiple_of, tail)
-        if self.per_epoch == 0:
-            raise ValueError(
-                f"The dataset gives {plan.num_micro_batches} micro-batches per epoch, fewer than one step needs "
-                f"({multiple_of} = dp x gradient_accumulation_steps). Use more data, a smaller batch or less "
-                "gradient accumulation."
-            )
-        self.next_global = consumed + (dp_rank - consumed) % dp_size
-        self.end = None if epochs is None else epochs * self.per_epoch
-
-    def __iter__(self) -> MicroBatchIterator:
-        return self
-
-    def __len__(self) -> int:
-        if self.end is None:
-            raise TypeError("An iterator without an epoch limit has no length.")
-        return max(0, -(-(self.end - self.next_global) // self.dp_size))
-
-    def __next__(self) -> MicroBatch:
-        if self.end is not None and self.next_global >= self.end:
-            raise StopIteration
-        epoch, index = divmod(self.next_global, self.per_epoch)
-        self.next_global += self.dp_size
-        return self.plan.micro_batch(epoch, index)

@@ -81,6 +81,13 @@ def _ref_logps(samples: list[Sample]) -> tuple[torch.Tensor | None, torch.Tensor
     return torch.tensor(chosen, dtype=torch.float32), torch.tensor(rejected, dtype=torch.float32)
 
 
+def _data_tokens(samples: list[Sample]) -> int:
+    """The dataset tokens these samples train: each sequence's positions plus its last token (a target only),
+    which a piece continuing a document shares with the piece before it."""
+    return sum(len(tokens) + (0 if sample.continues else 1) for sample in samples if not sample.filler
+               for tokens, _ in sample.sequences)
+
+
 def _finish(tokens: np.ndarray, labels: np.ndarray, positions: np.ndarray, num_real: int, samples: list[Sample],
             pairwise: bool, cu_seqlens: np.ndarray | None, max_seqlen: int) -> MicroBatch:
     loss_mask = labels != IGNORE_INDEX
@@ -95,6 +102,7 @@ def _finish(tokens: np.ndarray, labels: np.ndarray, positions: np.ndarray, num_r
         num_tokens=int(tokens.size),
         num_real_tokens=int(num_real),
         num_loss_tokens=int(loss_mask.sum()),
+        num_data_tokens=_data_tokens(samples),
         num_pairs=len(samples) if pairwise else 0,
         ref_chosen_logps=chosen,
         ref_rejected_logps=rejected,
@@ -128,18 +136,26 @@ def collate_packed(samples: list[Sample], pad_multiple: int, pad_token_id: int, 
 
 
 def collate_padded(samples: list[Sample], pad_multiple: int, pad_token_id: int, pairwise: bool = False,
-                   fixed_length: int | None = None) -> MicroBatch:
-    """``b`` rows (DPO: all chosen, then all rejected), right-padded to the longest (rounded) or a fixed length."""
+                   fixed_length: int | None = None, rows: int | None = None) -> MicroBatch:
+    """``b`` rows (DPO: all chosen, then all rejected), right-padded to the longest (rounded) or a fixed length.
+
+    ``rows``: as many samples as that, loss-free fillers making up a short group (an epoch's last rows), where every
+    micro-batch must have one shape (pipeline transfers, the allgather dispatcher).
+    """
     width = len(samples[0].sequences) if samples else 1
+    real = [len(tokens) for sample in samples for tokens, _ in sample.sequences]
+    if rows is not None and len(samples) < rows:
+        filler = Sample([(np.array([pad_token_id]), np.array([IGNORE_INDEX]))] * width, (0.0, 0.0) if pairwise
+                        else None, filler=True)
+        samples = samples + [filler] * (rows - len(samples))
     sequences = [sample.sequences[k] for k in range(width) for sample in samples]
-    real = [len(tokens) for tokens, _ in sequences]
     length = fixed_length or round_up(max(real, default=1), padded_multiple(pad_multiple))
     if max(real, default=0) > length:
         raise ValueError(f"A row of {max(real)} tokens exceeds the fixed length {length}.")
     tokens = np.full((len(sequences), length), pad_token_id, dtype=np.int64)
     labels = np.full((len(sequences), length), IGNORE_INDEX, dtype=np.int64)
-    for row, ((seq_tokens, seq_targets), n) in enumerate(zip(sequences, real)):
-        tokens[row, :n] = seq_tokens
-        labels[row, :n] = seq_targets
+    for row, (seq_tokens, seq_targets) in enumerate(sequences):
+        tokens[row, :len(seq_tokens)] = seq_tokens
+        labels[row, :len(seq_tokens)] = seq_targets
     positions = np.broadcast_to(np.arange(length, dtype=np.int64), tokens.shape).copy()
     return _finish(tokens, labels, positions, sum(real), samples, pairwise, None, length)

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 
 PT, SFT, PAIRWISE = "pt", "sft", "pairwise"
+DOCUMENT_START = "document_start"  # pt pieces (split_documents): False where a piece continues a document
 _PREFIXES = {PT: ("",), SFT: ("",), PAIRWISE: ("chosen_", "rejected_")}
 REF_LOGP_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 
@@ -41,6 +42,8 @@ def columns_for(kind: str, column_names: list[str]) -> list[str]:
     wanted = [f"{p}{c}" for p in _PREFIXES[kind] for c in ("input_ids", "labels") if kind != PT or c != "labels"]
     if kind == PAIRWISE:
         wanted += [c for c in REF_LOGP_COLUMNS if c in column_names]
+    if kind == PT and DOCUMENT_START in column_names:
+        wanted.append(DOCUMENT_START)
     return wanted
 
 
@@ -52,6 +55,8 @@ class RowTable:
     lengths: np.ndarray  # int64 [rows, sequences per row]: positions after truncation and shift
     keep: np.ndarray  # bool [rows]: non-empty and with at least one loss token (both sides of a pair)
     loss_tokens: np.ndarray  # int64 [rows]
+    continues: np.ndarray  # bool [rows]: a pt piece that continues a document (its first token was counted before)
+    split: bool  # rows are pieces of documents (split_documents)
     num_empty: int
     num_no_loss: int
     num_truncated: int
@@ -63,6 +68,11 @@ class RowTable:
     @property
     def sequences_per_row(self) -> int:
         return self.lengths.shape[1]
+
+    @property
+    def data_tokens(self) -> np.ndarray:
+        """Per row, the dataset tokens it trains: positions, plus each sequence's last token unless shared."""
+        return self.lengths.sum(axis=1) + np.where(self.continues, 0, self.sequences_per_row)
 
 
 def _list_lengths(column: Any) -> np.ndarray:
@@ -84,8 +94,13 @@ def _loss_counts(labels: Any, cutoff_len: int) -> np.ndarray:
 def scan_rows(dataset: Dataset, kind: str, cutoff_len: int, batch_size: int = 1024) -> RowTable:
     """Lengths and loss presence of every row, read through Arrow in batches (no Python per token)."""
     prefixes = _PREFIXES[kind]
-    lengths, losses, truncated = [], [], []
+    lengths, losses, truncated, continues = [], [], [], []
+    split = DOCUMENT_START in dataset.column_names  # pieces of documents: long ones were split, not truncated
     for table in dataset.with_format("arrow").iter(batch_size=batch_size):
+        if split:
+            continues.append(~table.column(DOCUMENT_START).to_numpy(zero_copy_only=False).astype(bool))
+        else:
+            continues.append(np.zeros(table.num_rows, dtype=bool))
         seq_lengths, seq_losses, seq_truncated = [], [], []
         for prefix in prefixes:
             ids = table.column(f"{prefix}input_ids").combine_chunks()
@@ -93,7 +108,7 @@ def scan_rows(dataset: Dataset, kind: str, cutoff_len: int, batch_size: int = 10
             positions = np.clip(np.minimum(count, cutoff_len + 1) - 1, 0, None)
             seq_lengths.append(positions)
             # LLaMA-Factory already cut rows to cutoff_len + 1 tokens: reaching the limit means truncated
-            seq_truncated.append(count >= cutoff_len + 1)
+            seq_truncated.append(np.zeros(len(count), dtype=bool) if split else count >= cutoff_len + 1)
             if kind == PT:
                 seq_losses.append(positions)
             else:
@@ -112,6 +127,8 @@ def scan_rows(dataset: Dataset, kind: str, cutoff_len: int, batch_size: int = 10
         lengths=lengths_all,
         keep=~empty & ~no_loss,
         loss_tokens=losses_all.sum(axis=1),
+        continues=np.concatenate(continues) if continues else np.zeros(0, dtype=bool),
+        split=split,
         num_empty=int(empty.sum()),
         num_no_loss=int(no_loss.sum()),
         num_truncated=int(truncated_all.sum()),
@@ -124,6 +141,8 @@ class Sample:
 
     sequences: list[tuple[np.ndarray, np.ndarray]]
     ref_logps: tuple[float, float] | None = None
+    continues: bool = False  # a pt piece after the first of its document
+    filler: bool = False  # a loss-free stand-in row that keeps a short group's shape (collate_padded)
 
 
 def make_sample(row: dict[str, Any], kind: str, cutoff_len: int) -> Sample:
@@ -136,7 +155,7 @@ def make_sample(row: dict[str, Any], kind: str, cutoff_len: int) -> Sample:
     ref = None
     if kind == PAIRWISE and all(row.get(c) is not None for c in REF_LOGP_COLUMNS):
         ref = (float(row[REF_LOGP_COLUMNS[0]]), float(row[REF_LOGP_COLUMNS[1]]))
-    return Sample(sequences, ref)
+    return Sample(sequences, ref, continues=kind == PT and row.get(DOCUMENT_START, True) is False)
 
 
 def fetch_samples(dataset: Dataset, indices: list[int], kind: str, cutoff_len: int) -> list[Sample]:
@@ -146,3 +165,29 @@ def fetch_samples(dataset: Dataset, indices: list[int], kind: str, cutoff_len: i
     columns = dataset[list(indices)]
     rows = [{name: values[i] for name, values in columns.items()} for i in range(len(indices))]
     return [make_sample(row, kind, cutoff_len) for row in rows]
+
+
+def split_documents(dataset: Dataset, cutoff_len: int, num_proc: int | None = None) -> Dataset:
+    """pt: every document (a row of ``input_ids``) as pieces of ``cutoff_len + 1`` tokens overlapping by one.
+
+    Each piece is its own sequence in a pack, so attention never crosses a document, and every token but a
+    document's first is a target exactly once: a piece's last token is the next piece's first (its input), the
+    shift inside each sequence happens at collation. The last, shorter piece is kept. ``document_start`` marks a
+    document's first piece, for token accounting.
+    """
+    step = cutoff_len
+
+    def pieces(batch: dict[str, list]) -> dict[str, list]:
+        ids_out, starts = [], []
+        for ids in batch["input_ids"]:
+            start = 0
+            while True:
+                ids_out.append(ids[start: start + step + 1])
+                starts.append(start == 0)
+                if start + step + 1 >= len(ids):
+                    break
+                start += step
+        return {"input_ids": ids_out, DOCUMENT_START: starts}
+
+    return dataset.map(pieces, batched=True, remove_columns=dataset.column_names, num_proc=num_proc,
+                       desc="Splitting documents into cutoff_len pieces")

@@ -16,7 +16,6 @@ import torch
 from megatron.core import parallel_state as ps
 
 from ..data import MicroBatch
-from ..errors import UserError
 
 
 @dataclass
@@ -32,10 +31,11 @@ class ModelBatch:
     max_seqlen: int
     seqlens: list[int]
     num_real_tokens: int
+    num_data_tokens: int
     num_pairs: int = 0
     ref_chosen_logps: torch.Tensor | None = None
     ref_rejected_logps: torch.Tensor | None = None
-    is_padding: bool = False  # a loss-free stand-in that keeps ranks in step (evaluation tail)
+    is_padding: bool = False  # a loss-free stand-in that keeps ranks in step (an epoch's last step)
 
     def packed_seq_params(self):
         if self.cu_seqlens is None:
@@ -75,6 +75,7 @@ def prepare(batch: MicroBatch) -> ModelBatch:
         tokens=batch.tokens, position_ids=batch.position_ids, model_labels=batch.labels.clamp(min=0),
         loss_mask=batch.loss_mask, seq_ids=_seq_ids(batch), cu_seqlens=batch.cu_seqlens,
         max_seqlen=batch.max_seqlen, seqlens=seqlens, num_real_tokens=batch.num_real_tokens,
+        num_data_tokens=batch.num_data_tokens,
         num_pairs=batch.num_pairs, ref_chosen_logps=batch.ref_chosen_logps,
         ref_rejected_logps=batch.ref_rejected_logps, is_padding=batch.is_padding,
     )
@@ -122,31 +123,31 @@ def split_context_parallel(batch: ModelBatch) -> ModelBatch:
 
 
 class StepFeeder:
-    """Steps of micro-batches for this rank from a DataPlan, resumable at a consumed-micro-batch count."""
+    """This rank's optimizer steps from a DataPlan, as the model chunks eat them; resumable at a consumed count.
+
+    The plan decides which global micro-batches a step takes (the last step of an epoch takes what is left, see
+    ``DataPlan.steps``); this adds what the layout needs: one length per step under pipeline parallelism, a
+    micro-batch count that is a multiple of the pipeline size under the interleaved schedule, the CP split.
+    """
 
     def __init__(self, plan: Any, layout: Any) -> None:
         self.plan = plan
         self.layout = layout
-        self.per_step = layout.dp * layout.grad_accum
+        self.multiple = layout.pp if layout.vpp else 1
 
     @property
     def micro_batches_per_epoch(self) -> int:
-        return self.plan.micro_batches_per_epoch(self.per_step, "drop")
+        return self.plan.num_micro_batches
 
     def steps_per_epoch(self) -> int:
-        return self.micro_batches_per_epoch // self.per_step
+        return self.plan.steps_per_epoch(self.layout.dp, self.layout.grad_accum)
 
-    def steps(self, start: int = 0) -> Iterator[tuple[list[ModelBatch], int]]:
-        """(this rank's micro-batches of the step, global micro-batches consumed after it), forever."""
-        if start % self.per_step:
-            raise UserError(f"resume point {start} is not a whole step of {self.per_step} micro-batches "
-                             "(dp x gradient_accumulation_steps changed in a way that splits a step)")
-        iterator = self.plan.iterator(ps.get_data_parallel_rank(), self.layout.dp, consumed=start,
-                                      multiple_of=self.per_step, tail="drop")
-        consumed = start
-        while True:
-            yield self._step([next(iterator) for _ in range(self.layout.grad_accum)]), consumed + self.per_step
-            consumed += self.per_step
+    def steps(self, start: int = 0, epochs: int | None = None) -> Iterator[tuple[list[ModelBatch], int]]:
+        """(this rank's micro-batches of the step, global micro-batches consumed after it)."""
+        # expert parallel groups span data-parallel ranks: their all-to-alls need every rank at every micro-batch
+        for step in self.plan.steps(ps.get_data_parallel_rank(), self.layout.dp, self.layout.grad_accum,
+                                    self.multiple, equal_counts=self.layout.ep > 1, consumed=start, epochs=epochs):
+            yield self._step(step.micro_batches), step.consumed
 
     def _step(self, micro_batches: list[MicroBatch]) -> list[ModelBatch]:
         batches = [prepare(b) for b in micro_batches]
@@ -160,14 +161,10 @@ class StepFeeder:
         return [split_context_parallel(b) for b in batches]
 
     def eval_steps(self) -> Iterator[list[ModelBatch]]:
-        """One pass over the evaluation set, padded with loss-free micro-batches to whole steps."""
-        iterator = self.plan.iterator(ps.get_data_parallel_rank(), self.layout.dp, multiple_of=self.per_step,
-                                      tail="pad", epochs=1)
-        batches = list(iterator)
-        for i in range(0, len(batches), self.layout.grad_accum):
-            yield self._step(batches[i: i + self.layout.grad_accum])
+        """One pass over the evaluation set."""
+        for batches, _ in self.steps(epochs=1):
+            yield batches
 
     def tokens_per_step(self) -> int:
         """Average real tokens per optimizer step over an epoch."""
-        stats = self.plan.stats
-        return int(stats["tokens"] / max(stats["micro_batches"], 1) * self.per_step)
+        return int(self.plan.stats["tokens"] / max(self.steps_per_epoch(), 1))

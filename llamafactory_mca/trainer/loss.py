@@ -106,8 +106,7 @@ def collect_pair_logps(cfg: PreferenceConfig, batch, token_losses: torch.Tensor)
 
 def dpo_loss(cfg: PreferenceConfig, batch, token_losses: torch.Tensor):
     """Megatron loss function for a micro-batch of preference pairs (sequence 2i chosen, 2i+1 rejected)."""
-    pairs = batch.num_pairs
-    sums, counts = sequence_logps(token_losses, batch.loss_mask, batch.seq_ids, 2 * pairs)
+    sums, counts = sequence_logps(token_losses, batch.loss_mask, batch.seq_ids, 2 * batch.num_pairs)
     averages = sums / counts.clamp(min=1)
     logps = averages if cfg.average_logps else sums
     chosen, rejected = logps[0::2], logps[1::2]
@@ -116,25 +115,25 @@ def dpo_loss(cfg: PreferenceConfig, batch, token_losses: torch.Tensor):
         ref_chosen, ref_rejected = batch.ref_chosen_logps.float(), batch.ref_rejected_logps.float()
     losses, chosen_rewards, rejected_rewards = preference_losses(cfg, chosen, rejected, ref_chosen, ref_rejected,
                                                                  averages[0::2])
-    if batch.is_padding:  # an evaluation stand-in: it must add nothing
-        losses, pairs = losses * 0.0, 0
+    # A real pair has targets on both sides; the rows that fill a short micro-batch and the stand-ins that keep
+    # ranks in step have none, and must add nothing.
+    valid = ((counts[0::2] > 0) & (counts[1::2] > 0)).float()
     cp = ps.get_context_parallel_world_size()
     # Every CP rank computes the same pair losses; count the pairs once so Megatron's dp·cp all-reduce of the
     # count is right, and scale so the gradients summed over CP ranks are those of one copy.
-    count = torch.tensor(pairs if ps.get_context_parallel_rank() == 0 else 0, dtype=torch.int,
-                         device=token_losses.device)
-    total = losses.sum() / cp
+    n = valid.sum()
+    count = (n if ps.get_context_parallel_rank() == 0 else n * 0).to(torch.int)
+    total = (losses * valid).sum() / cp
     sums_logged = {
-        "loss": losses.sum().detach(),
-        "rewards/chosen": chosen_rewards.sum(),
-        "rewards/rejected": rejected_rewards.sum(),
-        "rewards/accuracies": (chosen_rewards > rejected_rewards).float().sum(),
-        "rewards/margins": (chosen_rewards - rejected_rewards).sum(),
-        "logps/chosen": chosen.detach().sum(),
-        "logps/rejected": rejected.detach().sum(),
+        "loss": (losses * valid).sum().detach(),
+        "rewards/chosen": (chosen_rewards * valid).sum(),
+        "rewards/rejected": (rejected_rewards * valid).sum(),
+        "rewards/accuracies": ((chosen_rewards > rejected_rewards).float() * valid).sum(),
+        "rewards/margins": ((chosen_rewards - rejected_rewards) * valid).sum(),
+        "logps/chosen": (chosen.detach() * valid).sum(),
+        "logps/rejected": (rejected.detach() * valid).sum(),
     }
-    n = torch.tensor(float(pairs), device=losses.device)
     logged = {k: torch.stack([v.float(), n]) for k, v in sums_logged.items()}  # [sum, count], averaged later
-    if batch.is_padding or (cp > 1 and ps.get_context_parallel_rank() != 0):
+    if cp > 1 and ps.get_context_parallel_rank() != 0:
         logged = {k: torch.zeros_like(v) for k, v in logged.items()}
     return total, count, logged

@@ -103,11 +103,10 @@ class McaTrainer:
 
     # ---- planning ----------------------------------------------------------------------------------------------
     def _plan_steps(self) -> tuple[int, float]:
+        """(max_steps, epochs): an epoch's last step takes what is left, so every epoch has ceil(n / per step)."""
         per_epoch = self.train_feed.steps_per_epoch()
         if per_epoch < 1:
-            raise UserError(f"the training set gives {self.train_data.num_micro_batches} micro-batches, fewer than "
-                             f"one step needs (dp {self.layout.dp} x gradient_accumulation_steps "
-                             f"{self.layout.grad_accum}). Add data or lower the batch sizes.")
+            raise UserError("the training set has no row left to train on (see the data line of the summary).")
         if self.args.max_steps and self.args.max_steps > 0:
             return self.args.max_steps, self.args.max_steps / per_epoch
         epochs = self.args.num_train_epochs
@@ -240,6 +239,7 @@ class McaTrainer:
             loaded = TrainerState.load_from_json(os.path.join(resume, "trainer_state.json"))
             self.state.global_step, self.state.log_history = loaded.global_step, loaded.log_history
             self.state.num_input_tokens_seen = loaded.num_input_tokens_seen
+            self.state.total_flos = loaded.total_flos
             if self.is_world_process_zero():
                 logger.info("Resumed from %s at step %d (%d micro-batches consumed)", resume,
                             self.state.global_step, consumed)
@@ -259,10 +259,13 @@ class McaTrainer:
             logged = self.train_step([b.to(self.device) for b in micro_batches])
             seconds = time.perf_counter() - tick
             first_step_time = first_step_time or time.time() - start_time
-            window.add(logged, seconds, self._step_work(micro_batches))
+            work = self._step_work(micro_batches)
+            window.add(logged, seconds, work)
+            self.state.num_input_tokens_seen += int(work[0])  # every step: a checkpoint between logs is exact
+            self.state.total_flos += work[1]
             self.state.global_step += 1
             memory_report.maybe_write(self.state.global_step)
-            self.state.epoch = consumed / max(self.train_feed.micro_batches_per_epoch, 1)
+            self.state.epoch = consumed / self.train_feed.micro_batches_per_epoch
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             if self.control.should_log or self.state.global_step == self.max_steps:
                 self._log(window.summary(self.schedule.lr, self.layout.world_size, self.peak_flops))
@@ -288,11 +291,13 @@ class McaTrainer:
         return TrainOutput(self.state.global_step, train_losses[-1] if train_losses else float("nan"), metrics)
 
     def _step_work(self, micro_batches: list) -> tuple[float, float]:
-        """(real tokens, model FLOPs) of this step over all data-parallel ranks."""
+        """(the dataset's tokens trained, model FLOPs) of this step over all data-parallel ranks; stand-ins count
+        for neither."""
         t = self.model.config.transformer
         vocab = self.model.config.vocab_size
-        local = torch.tensor([sum(b.num_real_tokens for b in micro_batches),
-                              sum(flops_per_sequence_set(t, vocab, b.seqlens) for b in micro_batches)],
+        real = [b for b in micro_batches if not b.is_padding]
+        local = torch.tensor([sum(b.num_data_tokens for b in real),
+                              sum(flops_per_sequence_set(t, vocab, b.seqlens) for b in real)],
                              dtype=torch.float64, device=self.device)
         # one contributor per data-parallel replica: the first stage's TP/CP rank 0 (each holds its own rows)
         if not (ps.is_pipeline_first_stage() and ps.get_tensor_model_parallel_rank() == 0
@@ -303,8 +308,8 @@ class McaTrainer:
 
     def _log(self, logs: dict[str, float]) -> None:
         logs["epoch"] = round(self.state.epoch or 0.0, 4)
-        self.state.num_input_tokens_seen += int(logs.pop("_tokens", 0))
-        self.state.total_flos += logs.pop("_flops", 0.0)
+        if self.args.include_num_input_tokens_seen not in (False, "no", None):
+            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
 
@@ -327,7 +332,7 @@ class McaTrainer:
                              {"scheduler": self.schedule.state_dict(), "consumed_micro_batches": consumed,
                               "global_step": step}, side_files)
         if self.args.save_hf_model:
-            self.model.save_pretrained(os.path.join(path, "hf"), dtype=self.model.transformer_config.params_dtype)
+            self._export(path, os.path.join(path, "hf"))
         ckpt.rotate_checkpoints(self.args.output_dir, self.args.save_total_limit)
         if self.is_world_process_zero():
             logger.info("Saved %s", path)
@@ -389,13 +394,26 @@ class McaTrainer:
         self.train_feed = StepFeeder(train_data, self.layout)
         self.eval_feed = StepFeeder(eval_data, self.layout) if eval_data is not None else None
 
-    def save_model(self, output_dir: str | None = None) -> None:
-        """The final model: HF safetensors + config + tokenizer in ``output_dir`` (all ranks call it)."""
-        output_dir = output_dir or self.args.output_dir
-        self.model.save_pretrained(output_dir, dtype=self.model.transformer_config.params_dtype)
-        if self.is_world_process_zero() and self.save_side_files is not None:
-            self.save_side_files(output_dir)
+    def _export(self, checkpoint: str, target: str) -> None:
+        """Hugging Face weights, config and tokenizer files from a checkpoint just written (collective)."""
         if self.is_world_process_zero():
+            from ..models.export import export_hf
+
+            export_hf(checkpoint, target)
+        torch.distributed.barrier()
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """The final model: HF safetensors + config + tokenizer in ``output_dir`` (all ranks call it); exported
+        from the checkpoint of the last step when there is one, else gathered from the ranks."""
+        output_dir = output_dir or self.args.output_dir
+        last = os.path.join(self.args.output_dir, f"{PREFIX}-{self.state.global_step}")
+        if self._saved_at(self.state.global_step):
+            self._export(last, output_dir)
+        else:
+            self.model.save_pretrained(output_dir, dtype=self.model.transformer_config.params_dtype)
+        if self.is_world_process_zero():
+            if self.save_side_files is not None:
+                self.save_side_files(output_dir)
             logger.info("Saved the trained model (Hugging Face safetensors) to %s", output_dir)
 
 
@@ -432,6 +450,4 @@ class _Window:
             logs["peak_memory_gib"] = round(peak_alloc, 2)
         if self.skipped:
             logs["skipped_steps"] = self.skipped
-        logs["_tokens"] = self.tokens
-        logs["_flops"] = self.flops
         return logs

@@ -1,5 +1,6 @@
-"""The plan and the iterator: coverage per epoch, determinism, resume, DP sharding, tails, stats."""
+"""The plan and its steps: coverage per epoch, determinism, resume, DP sharding, epoch tails, stats."""
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import datasets
@@ -24,6 +25,11 @@ def rows_of(batch: MicroBatch) -> list[int]:
     return (batch.tokens[:, 0] // 1000).tolist()
 
 
+def stream(plan: DataPlan, **kwargs) -> list[MicroBatch]:
+    """The micro-batches of ``plan.steps(**kwargs)``, in order."""
+    return [batch for step in plan.steps(**kwargs) for batch in step.micro_batches]
+
+
 def same(a: MicroBatch, b: MicroBatch) -> bool:
     return all(torch.equal(getattr(a, k), getattr(b, k)) for k in ("tokens", "labels", "loss_mask", "position_ids"))
 
@@ -42,10 +48,10 @@ def test_every_row_once_per_epoch(name):
     for epoch in range(2):
         seen = [row for group in plan.epoch_groups(epoch) for row in group]
         assert sorted(seen) == list(range(60))
-    stream = list(plan.iterator(epochs=1))
-    assert len(stream) == plan.num_micro_batches
-    assert sorted(row for batch in stream for row in rows_of(batch)) == list(range(60))
-    for batch in stream:
+    batches = stream(plan, epochs=1)
+    assert len(batches) == plan.num_micro_batches
+    assert sorted(row for batch in batches for row in rows_of(batch)) == list(range(60))
+    for batch in batches:
         assert batch.num_tokens <= (plan.capacity if plan.config.packing else 2 * 32)
         if not plan.config.variable_seq_lengths:
             assert batch.tokens.shape[1] == (plan.capacity if plan.config.packing else 32)
@@ -70,10 +76,10 @@ def test_eval_plan_keeps_dataset_order():
 @pytest.mark.parametrize("packing", [True, False])
 def test_resume_continues_the_uninterrupted_stream(packing):
     plan = DataPlan(sft_dataset(), BatchingConfig(cutoff_len=32, micro_batch_size=2, packing=packing, seed=2))
-    full = list(plan.iterator(epochs=3))
+    full = stream(plan, epochs=3)
     per_epoch = plan.num_micro_batches
     for consumed in (0, 7, per_epoch - 1, per_epoch + 3):
-        resumed = list(DataPlan(sft_dataset(), plan.config, log=False).iterator(consumed=consumed, epochs=3))
+        resumed = stream(DataPlan(sft_dataset(), plan.config, log=False), consumed=consumed, epochs=3)
         assert len(resumed) == len(full) - consumed
         assert all(same(x, y) for x, y in zip(resumed, full[consumed:]))
 
@@ -81,32 +87,64 @@ def test_resume_continues_the_uninterrupted_stream(packing):
 @pytest.mark.parametrize("packing", [True, False])
 def test_dp2_ranks_interleave_into_the_dp1_stream(packing):
     plan = DataPlan(sft_dataset(), BatchingConfig(cutoff_len=32, micro_batch_size=2, packing=packing, seed=4))
-    multiple = 4  # dp 2 x grad_accum 2; the tail is cut the same way for both
-    single = list(plan.iterator(0, 1, multiple_of=multiple, tail="drop", epochs=2))
-    rank0 = list(plan.iterator(0, 2, multiple_of=multiple, tail="drop", epochs=2))
-    rank1 = list(plan.iterator(1, 2, multiple_of=multiple, tail="drop", epochs=2))
-    assert len(rank0) == len(rank1) == len(single) // 2
-    assert all(same(x, y) for x, y in zip(single[0::2], rank0))
-    assert all(same(x, y) for x, y in zip(single[1::2], rank1))
-    # resuming onto dp 2 after 6 micro-batches consumed at dp 1 continues that same stream
-    resumed = list(plan.iterator(1, 2, consumed=6, multiple_of=multiple, tail="drop", epochs=2))
-    assert all(same(x, y) for x, y in zip(single[7::2], resumed))
+    single = stream(plan, epochs=2)
+    n = plan.num_micro_batches
+    ranks = [stream(plan, dp_rank=r, dp_size=2, grad_accum=2, epochs=2) for r in (0, 1)]
+    for r in (0, 1):
+        real = [b for b in ranks[r] if not b.is_padding]
+        expected = [b for e in range(2) for b in single[e * n + r: (e + 1) * n: 2]]
+        assert len(real) == len(expected) and all(same(x, y) for x, y in zip(real, expected))
+    # resuming onto dp 2 after 4 micro-batches consumed at dp 1 continues that same stream
+    resumed = [b for b in stream(plan, dp_rank=1, dp_size=2, grad_accum=2, consumed=4, epochs=1)]
+    assert all(same(x, y) for x, y in zip(resumed, single[5:n:2]))
 
 
-def test_tail_drop_and_pad():
+def test_the_last_step_of_an_epoch_takes_what_is_left():
     plan = DataPlan(sft_dataset(n_rows=21), BatchingConfig(cutoff_len=64, micro_batch_size=2))  # 11 micro-batches
-    assert plan.num_micro_batches == 11
-    assert plan.micro_batches_per_epoch(4, "drop") == 8 and plan.steps_per_epoch(dp_size=2, grad_accum=2) == 2
-    assert plan.micro_batches_per_epoch(4, "pad") == 12 and plan.micro_batches_per_epoch(4) == 11
-    padded = list(plan.iterator(multiple_of=4, tail="pad", epochs=1))
-    assert [b.is_padding for b in padded] == [False] * 11 + [True]
-    assert padded[-1].num_loss_tokens == 0 and padded[-1].labels.eq(IGNORE_INDEX).all()
-    it = plan.iterator(1, 2, multiple_of=4, tail="drop", epochs=2)
-    assert len(it) == 8 and len(list(it)) == 8
-    with pytest.raises(ValueError, match="fewer than one step"):
-        plan.iterator(multiple_of=16, tail="drop")
-    with pytest.raises(ValueError, match="tail"):
-        plan.micro_batches_per_epoch(4, "ragged")
+    assert plan.num_micro_batches == 11 and plan.steps_per_epoch(dp_size=2, grad_accum=2) == 3
+    steps = [list(plan.steps(dp_rank=r, dp_size=2, grad_accum=2, epochs=1)) for r in (0, 1)]
+    assert [s.consumed for s in steps[0]] == [4, 8, 11] and [s.epoch for s in steps[0]] == [0, 0, 0]
+    assert [len(s.micro_batches) for s in steps[0]] == [2, 2, 2]  # micro-batches 8 and 10
+    assert [len(s.micro_batches) for s in steps[1]] == [2, 2, 1]  # micro-batch 9: one fewer, no stand-in
+    assert sum(len(rows_of(b)) for s in steps[0] + steps[1] for b in s.micro_batches) == 21  # every row, once
+    # expert parallelism needs equal counts, the interleaved schedule a multiple of the pipeline size
+    tail = list(plan.steps(dp_rank=1, dp_size=2, grad_accum=2, equal_counts=True, epochs=1))[-1].micro_batches
+    assert [b.is_padding for b in tail] == [False, True]
+    tail = list(plan.steps(dp_rank=0, dp_size=2, grad_accum=2, multiple_of=4, epochs=1))[-1].micro_batches
+    assert [b.is_padding for b in tail] == [False, False, True, True]
+    stand_in = tail[-1]
+    assert stand_in.num_loss_tokens == 0 and stand_in.labels.eq(IGNORE_INDEX).all()
+    assert stand_in.num_real_tokens == 0 and stand_in.num_data_tokens == 0
+    # an epoch ending with fewer micro-batches than ranks: the rank without one runs a stand-in
+    small = DataPlan(sft_dataset(n_rows=5), BatchingConfig(cutoff_len=64, micro_batch_size=2))  # 3 micro-batches
+    last = list(small.steps(dp_rank=1, dp_size=2, grad_accum=1, epochs=1))
+    assert [[b.is_padding for b in s.micro_batches] for s in last] == [[False], [True]]
+    with pytest.raises(ValueError, match="not a whole step"):
+        next(plan.steps(dp_size=2, grad_accum=2, consumed=6))
+
+
+def test_equal_rows_fill_a_short_group_with_loss_free_rows():
+    config = BatchingConfig(cutoff_len=64, micro_batch_size=2)  # 5 rows: the last micro-batch has one
+    plain, filled = DataPlan(sft_dataset(n_rows=5), config), DataPlan(sft_dataset(n_rows=5), replace(config,
+                                                                                                     equal_rows=True))
+    short, full = plain.micro_batch(0, 2), filled.micro_batch(0, 2)
+    assert short.tokens.shape[0] == 1 and full.tokens.shape[0] == 2 and full.loss_mask[1].sum() == 0
+    for name in ("num_real_tokens", "num_loss_tokens", "num_data_tokens"):
+        assert getattr(full, name) == getattr(short, name), name
+
+
+def test_documents_split_into_overlapping_pieces_train_every_token_once():
+    from llamafactory_mca.data.rows import split_documents
+
+    documents = [list(range(100 * d, 100 * d + n)) for d, n in enumerate((3, 8, 9, 10, 21))]
+    pieces = split_documents(datasets.Dataset.from_list([{"input_ids": d} for d in documents]), cutoff_len=4)
+    plan = DataPlan(pieces, BatchingConfig(cutoff_len=4, micro_batch_size=1, packing=True, shuffle=False))
+    assert plan.stats["documents"] == 5 and plan.stats["pieces"] == len(pieces) == 1 + 2 + 2 + 3 + 5
+    assert plan.stats["rows_truncated"] == 0 and plan.stats["data_tokens"] == sum(map(len, documents))
+    targets = [t for batch in stream(plan, epochs=1) for t in batch.labels[batch.loss_mask.bool()].tolist()]
+    assert sorted(targets) == sorted(t for d in documents for t in d[1:])  # every token but the first, once
+    assert sum(b.num_data_tokens for b in stream(plan, epochs=1)) == sum(map(len, documents))
+    assert "5 documents in 13 pieces of at most cutoff_len" in format_stats(plan.stats)
 
 
 def test_stats_count_dropped_and_truncated_rows(caplog):
@@ -125,7 +163,7 @@ def test_stats_count_dropped_and_truncated_rows(caplog):
     assert stats["tokens"] == 9 + 16 and stats["loss_tokens"] == 8 + 15
     assert stats["padded_tokens"] == 12 + 16 and stats["packing_efficiency"] == pytest.approx(25 / 28)
     assert stats["micro_batches"] == 2 and format_stats(stats) in caplog.text
-    batch = next(b for b in plan.iterator(epochs=1) if rows_of(b) == [4])
+    batch = next(b for b in stream(plan, epochs=1) if rows_of(b) == [4])
     assert batch.tokens[0].tolist() == [4000 + j for j in range(16)]
     assert batch.labels[0].tolist() == [IGNORE_INDEX] + [4000 + j for j in range(2, 17)]
 
@@ -137,7 +175,7 @@ def test_pairwise_plan_keeps_pairs_and_drops_incomplete_ones():
     packed = DataPlan(dataset, BatchingConfig(cutoff_len=16, micro_batch_size=2, packing=True, pad_multiple=2))
     assert packed.kind == "pairwise" and packed.stats["rows_dropped_no_loss"] == 1 and packed.capacity == 64
     pairs = []
-    for batch in packed.iterator(epochs=1):
+    for batch in stream(packed, epochs=1):
         owners = rows_of(batch)
         assert batch.num_pairs * 2 == len(owners) and batch.num_tokens <= 64
         assert owners[1::2] == [o + 500 for o in owners[0::2]]  # chosen then rejected, adjacent
