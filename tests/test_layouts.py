@@ -8,6 +8,10 @@ step: DataPlan, StepFeeder, Megatron's schedules, DDP, optimizer) on rows of dif
 differ and pipeline steps pad to their longest). Step 1's loss must equal the HF model's per-token loss over the
 same rows; step 2's must equal the reference layout's when the global batch is the same (8 rows), finite otherwise.
 The interleaved micro-batch counts Megatron refuses are refused by our layout check first.
+
+The same run then trains one whole epoch per case over data that does not divide into steps (sft rows, and pt
+documents split into pieces), at DP4, DP2 x PP2 (with and without VPP), PP4 and EP2, packed and padded: the steps,
+the epoch counter and the tokens trained must come out exact.
 """
 
 import functools

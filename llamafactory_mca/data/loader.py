@@ -183,7 +183,8 @@ class DataPlan:
         return self.collate(self.epoch_groups(epoch)[index])
 
     def stand_in(self) -> MicroBatch:
-        """A loss-free micro-batch for a rank with nothing left in a step: it trains and counts nothing."""
+        """A loss-free micro-batch for a rank with nothing left in a step: it trains and counts nothing. (Under
+        expert parallelism its tokens are routed too, so that step's router load-balancing loss sees them.)"""
         if self._stand_in is None:
             self._stand_in = self.collate(min(self.epoch_groups(0), key=len)).without_loss()
         return self._stand_in
