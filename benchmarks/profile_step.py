@@ -40,8 +40,8 @@ def main() -> None:
     from llamafactory_mca import parallel
     from llamafactory_mca.training_args import TrainingArguments
     from llamafactory_mca.models.auto import AutoModel
-    from llamafactory_mca.models.registry import get_family
-    from llamafactory_mca.trainer.batches import ModelBatch
+    from llamafactory_mca.models.families import get_family
+    from llamafactory_mca.data import MicroBatch
     from llamafactory_mca.trainer.loss import lm_loss
     from llamafactory_mca.trainer.optim import build_optimizer, wrap_ddp
 
@@ -65,12 +65,13 @@ def main() -> None:
     cu = torch.arange(0, tokens + 1, length, dtype=torch.int32)
     g = torch.Generator().manual_seed(0)
 
-    def batch() -> ModelBatch:
+    def batch() -> MicroBatch:
         ids = torch.randint(0, shape["vocab_size"], (1, tokens), generator=g)
-        return ModelBatch(tokens=ids, position_ids=torch.arange(length).repeat(seqs).view(1, -1),
-                          model_labels=ids.roll(-1, 1), loss_mask=torch.ones(1, tokens),
+        return MicroBatch(tokens=ids, labels=ids.roll(-1, 1), loss_mask=torch.ones(1, tokens),
+                          position_ids=torch.arange(length).repeat(seqs).view(1, -1),
                           seq_ids=torch.arange(seqs).repeat_interleave(length).view(1, -1), cu_seqlens=cu,
-                          max_seqlen=length, seqlens=[length] * seqs, num_real_tokens=tokens).to(device)
+                          max_seqlen=length, seqlens=[length] * seqs, num_tokens=tokens, num_real_tokens=tokens,
+                          num_loss_tokens=tokens, num_data_tokens=tokens).to(device)
 
     batches = [batch() for _ in range(micro)]
 

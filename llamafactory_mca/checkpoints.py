@@ -1,23 +1,132 @@
-"""The checkpoint folder: its names, which folders are complete checkpoints of ours, and which one to resume.
+"""Our checkpoint folder, its one owner: what it holds, writing it, whether a folder is one, which one to resume.
 
-``output_dir/checkpoint-N/`` holds ``dist_ckpt/`` (Megatron dist checkpoint), ``mca_config.json`` and side
-files; it is written as ``tmp-checkpoint-N`` and renamed when complete (``trainer/checkpoint.py``). This module
-imports nothing heavy: the launcher asks it before any worker starts, the merge before it writes anything.
+A folder of ours (``output_dir/checkpoint-N`` of training, or the output of ``llamafactory-mca convert``) holds
+
+- ``dist_ckpt/``: the Megatron dist checkpoint (model; for training also optimizer, RNG, LR schedule, consumed
+  micro-batches — what goes in is ``trainer/checkpoint.py``'s business, how it is written is ``write_folder``'s);
+- ``mca_config.json``: the model in Megatron terms (``models.config.McaConfig``);
+- ``mca_layout.json``: the parallel layout it was written in (informational: every load reshards);
+- Hugging Face ``config.json``, tokenizer and processor files, and for training ``trainer_state.json``.
+
+``write_folder`` writes it all into ``tmp-<name>`` and renames it when complete, so a folder with our name is
+whole. Everyone else asks this module; it imports nothing heavy at module level (the launcher asks it before any
+worker starts, the merge before it writes anything).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import re
-from typing import Any
+import shutil
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from .errors import UserError
+
+if TYPE_CHECKING:
+    from .models.config import McaConfig
 
 PREFIX = "checkpoint"
 TMP_PREFIX = "tmp-checkpoint"
 DIST_DIR = "dist_ckpt"  # where a checkpoint folder keeps its Megatron dist checkpoint
 MCA_CONFIG_NAME = "mca_config.json"  # the model in Megatron terms (models.config.McaConfig)
+LAYOUT_NAME = "mca_layout.json"  # the layout it was written in
+TRAINER_STATE_NAME = "trainer_state.json"
+LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+               "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size")
+_LAYOUT_ATTRS = ("tp", "pp", "vpp", "ep", "etp", "cp")
 _CHECKPOINT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
+
+
+def checkpoint_path(output_dir: str, step: int) -> str:
+    return os.path.join(output_dir, f"{PREFIX}-{step}")
+
+
+def is_ours(path: str) -> bool:
+    """A folder written by us (training or convert), as opposed to a Hugging Face model folder."""
+    return os.path.isfile(os.path.join(path, MCA_CONFIG_NAME))
+
+
+def read_config(path: str) -> McaConfig:
+    from .models.config import McaConfig
+
+    return McaConfig.from_json_file(os.path.join(path, MCA_CONFIG_NAME))
+
+
+def read_layout(path: str) -> dict[str, Any]:
+    """The layout a folder was written in (``LAYOUT_KEYS`` + ``moe_grouped_gemm``), or {} when not recorded."""
+    file = os.path.join(path, LAYOUT_NAME)
+    if not os.path.isfile(file):
+        return {}
+    with open(file, encoding="utf-8") as f:
+        return json.load(f)
+
+
+@dataclasses.dataclass
+class SideFiles:
+    """Everything a folder of ours carries besides its dist checkpoint."""
+
+    config: McaConfig
+    layout: Any = None  # parallel.ParallelLayout
+    grouped_experts: bool | None = None
+    tokenizer: Any = None
+    processor: Any = None
+    hf_source: str | None = None  # a Hugging Face folder to copy config.json and tokenizer files from (convert)
+
+    def write(self, directory: str) -> None:
+        from .models.hf_io import copy_side_files, write_hf_config
+
+        os.makedirs(directory, exist_ok=True)
+        _write_json(os.path.join(directory, MCA_CONFIG_NAME), dataclasses.asdict(self.config))
+        if self.layout is not None:
+            record = {key: getattr(self.layout, attr) for key, attr in zip(LAYOUT_KEYS, _LAYOUT_ATTRS)}
+            _write_json(os.path.join(directory, LAYOUT_NAME), {**record, "moe_grouped_gemm": self.grouped_experts})
+        if self.hf_source is not None:
+            copy_side_files(self.hf_source, directory)
+            shutil.copy(os.path.join(self.hf_source, "config.json"), os.path.join(directory, "config.json"))
+        else:
+            write_hf_config(self.config.hf_config, directory, None)
+        for saver in (self.tokenizer, self.processor):
+            if saver is not None:
+                saver.save_pretrained(directory)
+
+
+def write_folder(path: str, state: dict, side_files: SideFiles, *, extra: Callable[[str], None] | None = None,
+                 before_commit: Callable[[], None] | None = None, strategy: Any = None) -> str:
+    """Write one folder of ours (collective): the sharded ``state`` as its dist checkpoint, then (rank 0) the side
+    files and ``extra(tmp)``; everything lands in ``tmp-<name>`` first and is renamed to ``path`` only when whole.
+    An existing ``path`` of ours is replaced (a rerun of the same step); anything else there is refused."""
+    import torch
+    from megatron.core import dist_checkpointing
+
+    path = os.path.abspath(path)
+    tmp = os.path.join(os.path.dirname(path), f"tmp-{os.path.basename(path)}")
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        if os.path.exists(path) and not is_ours(path) and os.listdir(path):
+            raise UserError(f"{path} exists and is not a llamafactory_mca checkpoint; choose another folder.")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(tmp, DIST_DIR))
+    torch.distributed.barrier()
+    dist_checkpointing.save(state, os.path.join(tmp, DIST_DIR), sharded_strategy=strategy)
+    torch.distributed.barrier()
+    if before_commit is not None:
+        before_commit()
+    if rank == 0:
+        side_files.write(tmp)
+        if extra is not None:
+            extra(tmp)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    torch.distributed.barrier()
+    return path
+
+
+def _write_json(path: str, data: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
 
 
 def dist_checkpoint_dir(path: str) -> str | None:
@@ -30,7 +139,7 @@ def dist_checkpoint_dir(path: str) -> str | None:
 
 def is_checkpoint(path: str) -> bool:
     """Ours and finished (renamed from tmp-, with both configs); says nothing about whether its files are intact."""
-    return os.path.isfile(os.path.join(path, MCA_CONFIG_NAME)) and dist_checkpoint_dir(path) is not None
+    return is_ours(path) and dist_checkpoint_dir(path) is not None
 
 
 def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
@@ -103,3 +212,15 @@ def resolve_resume(resume: Any, output_dir: str) -> str | None:
                else "No other intact checkpoint is there: set overwrite_output_dir: true to start over")
         raise UserError(f"cannot resume from {resume}: {err} {fix}.") from err
     return resume
+
+
+def rotate(output_dir: str, limit: int | None) -> None:
+    """Keep the newest ``limit`` complete checkpoints (call on one rank); stale tmp- folders go too."""
+    for name in os.listdir(output_dir):
+        if name.startswith(TMP_PREFIX):
+            shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+    if not limit:
+        return
+    found = list_checkpoints(output_dir)
+    for _, path in found[: max(len(found) - limit, 0)]:
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""``llamafactory-mca``: train, convert, demo, version.
+"""``llamafactory-mca``: train, merge, convert, demo, version — the front ends; the work is in the library.
 
 ``train x.yaml`` is exactly ``USE_MCA=1 llamafactory-cli train x.yaml`` (LLaMA-Factory's launcher, parser and
 dispatch, with our preflight), for people who would rather not set the variable. Everything here imports
@@ -11,17 +11,19 @@ import difflib
 import os
 import sys
 
-COMMANDS = ("train", "convert", "demo", "version", "help")
+COMMANDS = ("train", "merge", "convert", "demo", "version", "help")
 USAGE = """usage: llamafactory-mca <command> [args]
 
   train RECIPE.yaml [key=value ...]  train with Megatron-Core (same as USE_MCA=1 llamafactory-cli train ...)
+  merge --checkpoint_path DIR --output_path DIR [--bf16]
+                                     a checkpoint (any layout) -> Hugging Face weights, on CPU
   convert --hf_path DIR --output_path DIR [--tensor_model_parallel_size N ...]
                                      pre-shard a Hugging Face model into a Megatron dist checkpoint
   demo [--output_dir DIR]            build a tiny Qwen3-style model, train, merge, generate (CPU or GPU)
   version                            versions of the installed set, and whether they work together
 
-`llamafactory-mca <command> --help` says more; scripts/megatron_merge.py turns checkpoints back into Hugging Face
-weights."""
+`llamafactory-mca <command> --help` says more; scripts/megatron_merge.py is `merge` under the name LLaMA-Factory
+users know."""
 
 
 def train(argv: list[str]) -> int:
@@ -61,8 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         return train(argv)
     if command == "version":
         return version(argv)
+    if command == "merge":
+        from .merge import main as merge_main
+
+        return merge_main(argv)
     if command == "convert":
-        from .models.convert import convert_main
+        from .convert import main as convert_main
 
         return convert_main(argv)
     if command == "demo":

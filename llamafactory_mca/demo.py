@@ -2,7 +2,7 @@
 
 Builds a tiny Qwen3-style model and a tokenizer for the dataset shipped in ``examples/data``, trains it
 with ``USE_MCA=1 llamafactory-cli train`` (two CPU processes without a GPU, all GPUs with them), merges the
-last checkpoint with ``scripts/megatron_merge.py`` and lets ``transformers`` answer a question with it.
+last checkpoint (``llamafactory-mca merge``, in this process) and lets ``transformers`` answer a question with it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import yaml
 
@@ -31,6 +30,7 @@ def demo_main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from .merge import main as merge_main
     from .tiny import save_tiny_model, save_tiny_tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__)
@@ -72,8 +72,10 @@ def demo_main(argv: list[str] | None = None) -> int:
 
     merged = os.path.join(out, "hf")
     checkpoint = os.path.join(recipe["output_dir"], f"checkpoint-{args.steps}")
-    script = os.path.join(ROOT, "scripts", "megatron_merge.py")
-    _run([sys.executable, script, "--checkpoint_path", checkpoint, "--output_path", merged], dict(os.environ))
+    merge_args = ["--checkpoint_path", checkpoint, "--output_path", merged]
+    print("+ llamafactory-mca merge " + " ".join(merge_args), flush=True)
+    if merge_main(merge_args) != 0:
+        raise SystemExit(1)
 
     tokenizer = AutoTokenizer.from_pretrained(merged)
     model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()

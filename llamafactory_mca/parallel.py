@@ -121,7 +121,7 @@ def check_layout(config: Any, layout: ParallelLayout, custom_pipeline_layout: bo
     """
     t = config.transformer
     tp, pp, vpp, ep, etp = layout.tp, layout.pp, layout.vpp or 1, layout.ep, layout.etp
-    heads, groups = t["num_attention_heads"], t.get("num_query_groups") or t["num_attention_heads"]
+    heads, groups, _ = config.attention
     dense_ffn = None if config.num_experts else t["ffn_hidden_size"]
 
     def tp_fits(d: int) -> bool:

@@ -140,49 +140,6 @@ def _load_rows(stage: str, template: Any, model_args: Any, data_args: Any, train
     return module
 
 
-def _side_files(config: Any, layout: Any, tokenizer_module: dict, grouped: bool | None):
-    """What each checkpoint carries besides weights: configs, layout, tokenizer, processor."""
-    from .models.convert import write_layout
-    from .models.hf_io import write_hf_config
-
-    def write(directory: str) -> None:
-        os.makedirs(directory, exist_ok=True)
-        config.save_pretrained(directory)
-        write_layout(directory, layout, grouped)
-        if not os.path.isfile(os.path.join(directory, "config.json")):
-            write_hf_config(config.hf_config, directory, None)
-        tokenizer_module["tokenizer"].save_pretrained(directory)
-        if tokenizer_module.get("processor") is not None:
-            tokenizer_module["processor"].save_pretrained(directory)
-
-    return write
-
-
-def _attach_reference_logps(trainer: Any, finetuning_args: Any, training_args: Any, train_dataset: Any,
-                            eval_dataset: Any) -> None:
-    """DPO's reference log-probs, computed once before training by the frozen initial model (or ref_model)."""
-    from .data import DataPlan
-    from .models.auto import AutoModel
-
-    reference = None
-    if finetuning_args.ref_model:
-        reference = AutoModel.from_pretrained(finetuning_args.ref_model, training_args)
-    plans = []
-    for dataset, plan in ((train_dataset, trainer.train_data), (eval_dataset, trainer.eval_data)):
-        if plan is None:
-            plans.append(None)
-            continue
-        chosen, rejected = trainer.compute_reference_logps(plan, reference)
-        for name in ("ref_chosen_logps", "ref_rejected_logps"):
-            if name in dataset.column_names:
-                dataset = dataset.remove_columns(name)
-        dataset = dataset.add_column("ref_chosen_logps", chosen.tolist()).add_column("ref_rejected_logps",
-                                                                                      rejected.tolist())
-        plans.append(DataPlan(dataset, plan.config, log=False))
-    trainer.replace_data(*plans)
-    del reference
-
-
 def _run(stage: str, model_args, data_args, training_args, finetuning_args, callbacks=None) -> None:
     """A worker's run: a user error is one message (see errors.py), Ctrl-C a quiet exit."""
     from .errors import user_errors
@@ -214,6 +171,7 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
     from llamafactory.model import load_tokenizer
 
     from . import memory_report, parallel, run_lock, watchdog
+    from .checkpoints import SideFiles
     from .data import BatchingConfig, DataPlan, format_stats
     from .log import setup_logging
     from .models import spec
@@ -275,14 +233,13 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
                                       ftx=finetuning_args.pref_ftx, simpo_gamma=finetuning_args.simpo_gamma)
 
     grouped = getattr(model.transformer_config, "moe_grouped_gemm", None) if config.num_experts else None
+    processor = tokenizer_module.get("processor")
     trainer = McaTrainer(
         model=model, args=training_args, layout=layout, train_data=train_plan, eval_data=eval_plan,
-        tokenizer=tokenizer, processor=tokenizer_module.get("processor"), callbacks=callbacks, preference=preference,
-        save_side_files=_side_files(config, layout, tokenizer_module, grouped),
+        tokenizer=tokenizer, processor=processor, callbacks=callbacks, preference=preference,
+        reference_model=finetuning_args.ref_model if stage == "dpo" else None,
+        side_files=SideFiles(config, layout, grouped, tokenizer, processor),
     )
-    if preference is not None and preference.needs_reference:
-        _attach_reference_logps(trainer, finetuning_args, training_args, dataset_module["train_dataset"],
-                                eval_dataset)
 
     if torch.distributed.get_rank() == 0:
         on_rank = count_parameters(model.chunks)

@@ -1,4 +1,5 @@
-"""Megatron dist checkpoint (written by llamafactory_mca, any TP/PP/VPP/EP layout) → Hugging Face weights.
+"""Megatron dist checkpoint (written by llamafactory_mca, any TP/PP/VPP/EP layout) → Hugging Face weights:
+``llamafactory-mca merge`` under the name LLaMA-Factory users know.
 
     python scripts/megatron_merge.py --checkpoint_path saves/x/checkpoint-50 --output_path saves/hf --bf16
 
@@ -14,6 +15,6 @@ from llamafactory_mca.quiet import quiet_third_party
 
 if __name__ == "__main__":
     quiet_third_party()  # before Megatron's import-time warnings
-    from llamafactory_mca.models.convert import merge_main
+    from llamafactory_mca.merge import main
 
-    sys.exit(merge_main())
+    sys.exit(main(prog="megatron_merge.py"))

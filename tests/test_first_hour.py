@@ -76,9 +76,9 @@ def test_convert_and_merge_help_explain_every_flag():
     for flag in ("--tensor_model_parallel_size", "--pipeline_model_parallel_size", "--expert_model_parallel_size",
                  "--hf_path", "--output_path"):
         assert flag in output
-    from llamafactory_mca.models.convert import _merge_parser
+    from llamafactory_mca.merge import _parser
 
-    for action in _merge_parser()._actions:
+    for action in _parser("megatron_merge.py")._actions:
         assert action.help, f"{action.option_strings or action.dest} has no help text"
 
 

@@ -1,6 +1,8 @@
-"""``MicroBatch``: what one forward/backward pass of the Megatron schedule receives.
+"""``MicroBatch``: what one forward/backward pass of the Megatron schedule receives, from collation to the model.
 
-Two layouts share one type so the trainer has a single code path:
+The data side builds it (``packing.py``), lengthens it to a step's common length (``padded_to``) and cuts it
+to one context-parallel rank's tokens (``context_parallel.py``); the trainer moves it to the device and feeds
+it to the model and the loss as it is. Two layouts share one type so the trainer has a single code path:
 
 - packed (THD): ``b == 1``; the sequences lie end to end and ``cu_seqlens`` marks their boundaries. Each
   sequence is padded up to the pad multiple on its own; the padding sits at the end of its sequence, so with
@@ -34,8 +36,10 @@ class MicroBatch:
     labels: torch.Tensor  # [b, s] int64, IGNORE_INDEX where no loss
     loss_mask: torch.Tensor  # [b, s] float32, 1.0 where a target counts
     position_ids: torch.Tensor  # [b, s] int64, restarting at 0 in every packed sequence
+    seq_ids: torch.Tensor  # [b, s] int64, per position its sequence (DPO pair i: 2i chosen, 2i + 1 rejected)
     cu_seqlens: torch.Tensor | None  # [n + 1] int32, packed only: padded boundaries of the n sequences
     max_seqlen: int  # longest (padded) sequence
+    seqlens: list[int]  # every sequence's (padded) length over the whole context-parallel group (FLOPs)
     num_tokens: int  # all positions, padding included
     num_real_tokens: int  # positions holding a real token
     num_loss_tokens: int  # positions whose target counts
@@ -43,7 +47,7 @@ class MicroBatch:
     num_pairs: int = 0  # DPO: pairs in this micro-batch; 0 otherwise
     ref_chosen_logps: torch.Tensor | None = None  # [num_pairs] float32, when the dataset carries them
     ref_rejected_logps: torch.Tensor | None = None
-    is_padding: bool = False  # a stand-in that keeps ranks in step (eval tail); it must add nothing to any loss
+    is_padding: bool = False  # a stand-in that keeps ranks in step (an epoch's last step); it adds to no loss
 
     @property
     def packed(self) -> bool:
@@ -52,6 +56,11 @@ class MicroBatch:
     @property
     def num_sequences(self) -> int:
         return self.cu_seqlens.numel() - 1 if self.packed else self.tokens.shape[0]
+
+    @property
+    def model_labels(self) -> torch.Tensor:
+        """Targets as Megatron's cross entropy takes them: it indexes with every one, so no ignore index."""
+        return self.labels.clamp(min=0)
 
     def packed_seq_params(self) -> PackedSeqParams | None:
         """Megatron's THD description of this micro-batch, or None for a padded one."""
@@ -77,6 +86,33 @@ class MicroBatch:
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
         return replace(self, **moved)
+
+    def padded_to(self, length: int) -> MicroBatch:
+        """Lengthened with loss-free padding to ``length`` positions: packed, the last sequence grows; padded, every
+        row. (Every micro-batch of a pipeline-parallel step has one length.)"""
+        extra = length - self.tokens.shape[1]
+        if extra <= 0:
+            return self
+
+        def grow(tensor: torch.Tensor, tail: torch.Tensor | float) -> torch.Tensor:
+            if not isinstance(tail, torch.Tensor):
+                tail = torch.full((tensor.shape[0], extra), tail)
+            return torch.cat([tensor, tail.to(tensor.dtype)], dim=1)
+
+        positions = grow(self.position_ids, self.position_ids[:, -1:] + torch.arange(1, extra + 1))
+        seq_ids = grow(self.seq_ids, self.seq_ids[:, -1:].expand(-1, extra))
+        cu_seqlens, seqlens, max_seqlen = self.cu_seqlens, list(self.seqlens), self.max_seqlen
+        if cu_seqlens is not None:
+            cu_seqlens = cu_seqlens.clone()
+            cu_seqlens[-1] += extra
+            seqlens[-1] += extra
+            max_seqlen = max(max_seqlen, seqlens[-1])
+        else:
+            seqlens, max_seqlen = [length] * len(seqlens), length
+        return replace(self, tokens=grow(self.tokens, 0), labels=grow(self.labels, IGNORE_INDEX),
+                       loss_mask=grow(self.loss_mask, 0.0), position_ids=positions, seq_ids=seq_ids,
+                       cu_seqlens=cu_seqlens, seqlens=seqlens, max_seqlen=max_seqlen,
+                       num_tokens=self.num_tokens + extra * self.tokens.shape[0])
 
     def without_loss(self) -> MicroBatch:
         """The same shapes with every target masked: a stand-in micro-batch for ranks that ran out of data."""

@@ -129,6 +129,7 @@ class DataPlan:
             self._packs = pack_window_ffd(sizes, order, self.capacity, config.pack_window)
         self._epochs: dict[int, list[tuple[int, ...]]] = {}  # the last two epochs asked for
         self._stand_in: MicroBatch | None = None
+        self.reference: tuple[np.ndarray, np.ndarray] | None = None  # DPO: per row (chosen, rejected) log-probs
         self.stats = self._stats()
         if log:
             logger.info(format_stats(self.stats))
@@ -170,13 +171,19 @@ class DataPlan:
     def collate(self, group: tuple[int, ...]) -> MicroBatch:
         """Read the group's rows and lay them out (packed or padded, as configured)."""
         config = self.config
-        samples = fetch_samples(self._dataset, list(group), self.kind, config.cutoff_len)
+        samples = fetch_samples(self._dataset, list(group), self.kind, config.cutoff_len, self.reference)
         if config.packing:
             total = None if config.variable_seq_lengths else self.capacity
             return collate_packed(samples, config.pad_multiple, config.pad_token_id, self.pairwise, total)
         fixed = None if config.variable_seq_lengths else config.fixed_length
         rows = config.micro_batch_size if config.equal_rows or fixed else None
         return collate_padded(samples, config.pad_multiple, config.pad_token_id, self.pairwise, fixed, rows)
+
+    def set_reference(self, chosen: np.ndarray, rejected: np.ndarray) -> None:
+        """DPO's reference log-probs, one pair per row, computed once before training (``McaTrainer``); every
+        micro-batch collated from now on carries its rows' values."""
+        self.reference = (chosen, rejected)
+        self._stand_in = None
 
     def micro_batch(self, epoch: int, index: int) -> MicroBatch:
         """Micro-batch ``index`` of ``epoch``."""

@@ -92,13 +92,26 @@ def _finish(tokens: np.ndarray, labels: np.ndarray, positions: np.ndarray, num_r
             pairwise: bool, cu_seqlens: np.ndarray | None, max_seqlen: int) -> MicroBatch:
     loss_mask = labels != IGNORE_INDEX
     chosen, rejected = _ref_logps(samples) if pairwise else (None, None)
+    rows, length = tokens.shape
+    if cu_seqlens is not None:  # packed: a pair's sequences are adjacent, so sequence i is already 2i / 2i + 1
+        seqlens = np.diff(cu_seqlens)
+        seq_ids = np.repeat(np.arange(len(seqlens)), seqlens)[None]
+    else:  # padded: rows [0, n) chosen, [n, 2n) rejected
+        seqlens = np.full(rows, length)
+        order = np.arange(rows)
+        if pairwise:
+            n = len(samples)
+            order = np.where(order < n, 2 * order, 2 * (order - n) + 1)
+        seq_ids = np.broadcast_to(order[:, None], (rows, length))
     return MicroBatch(
         tokens=torch.from_numpy(tokens),
         labels=torch.from_numpy(labels),
         loss_mask=torch.from_numpy(loss_mask.astype(np.float32)),
         position_ids=torch.from_numpy(positions),
+        seq_ids=torch.from_numpy(np.ascontiguousarray(seq_ids, dtype=np.int64)),
         cu_seqlens=None if cu_seqlens is None else torch.from_numpy(cu_seqlens.astype(np.int32)),
         max_seqlen=int(max_seqlen),
+        seqlens=[int(n) for n in seqlens],
         num_tokens=int(tokens.size),
         num_real_tokens=int(num_real),
         num_loss_tokens=int(loss_mask.sum()),

@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 PT, SFT, PAIRWISE = "pt", "sft", "pairwise"
 DOCUMENT_START = "document_start"  # pt pieces (split_documents): False where a piece continues a document
 _PREFIXES = {PT: ("",), SFT: ("",), PAIRWISE: ("chosen_", "rejected_")}
-REF_LOGP_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
 def detect_kind(column_names: list[str]) -> str:
@@ -38,10 +37,8 @@ def detect_kind(column_names: list[str]) -> str:
 
 
 def columns_for(kind: str, column_names: list[str]) -> list[str]:
-    """The columns collation reads: ids, labels, and the reference log-probs when precomputed."""
+    """The columns collation reads: ids, labels, and where a pt piece starts its document."""
     wanted = [f"{p}{c}" for p in _PREFIXES[kind] for c in ("input_ids", "labels") if kind != PT or c != "labels"]
-    if kind == PAIRWISE:
-        wanted += [c for c in REF_LOGP_COLUMNS if c in column_names]
     if kind == PT and DOCUMENT_START in column_names:
         wanted.append(DOCUMENT_START)
     return wanted
@@ -152,19 +149,22 @@ def make_sample(row: dict[str, Any], kind: str, cutoff_len: int) -> Sample:
         ids = np.asarray(row[f"{prefix}input_ids"][: cutoff_len + 1], dtype=np.int64)
         labels = ids if kind == PT else np.asarray(row[f"{prefix}labels"][: cutoff_len + 1], dtype=np.int64)
         sequences.append((ids[:-1], labels[1:]))
-    ref = None
-    if kind == PAIRWISE and all(row.get(c) is not None for c in REF_LOGP_COLUMNS):
-        ref = (float(row[REF_LOGP_COLUMNS[0]]), float(row[REF_LOGP_COLUMNS[1]]))
-    return Sample(sequences, ref, continues=kind == PT and row.get(DOCUMENT_START, True) is False)
+    return Sample(sequences, continues=kind == PT and row.get(DOCUMENT_START, True) is False)
 
 
-def fetch_samples(dataset: Dataset, indices: list[int], kind: str, cutoff_len: int) -> list[Sample]:
-    """One batched read for a micro-batch's rows (``Dataset.__getitem__`` with a list is a single Arrow take)."""
+def fetch_samples(dataset: Dataset, indices: list[int], kind: str, cutoff_len: int,
+                  reference: tuple[np.ndarray, np.ndarray] | None = None) -> list[Sample]:
+    """One batched read for a micro-batch's rows (``Dataset.__getitem__`` with a list is a single Arrow take);
+    ``reference``: DPO's (chosen, rejected) reference log-probs of every row, when computed."""
     if not indices:
         return []
     columns = dataset[list(indices)]
     rows = [{name: values[i] for name, values in columns.items()} for i in range(len(indices))]
-    return [make_sample(row, kind, cutoff_len) for row in rows]
+    samples = [make_sample(row, kind, cutoff_len) for row in rows]
+    if reference is not None:
+        for sample, index in zip(samples, indices):
+            sample.ref_logps = (float(reference[0][index]), float(reference[1][index]))
+    return samples
 
 
 def split_documents(dataset: Dataset, cutoff_len: int, num_proc: int | None = None) -> Dataset:

@@ -2,8 +2,8 @@
 
 ``AutoModel.from_pretrained(path, args)`` builds only the chunks this rank owns (its pipeline stage,
 one chunk per virtual stage) in the layout ``args`` asks for, and reads only its slices of the HF
-safetensors. A path holding ``mca_config.json`` is one of our checkpoints (training or
-``llamafactory-mca convert``): its dist checkpoint is loaded instead, resharded to the current layout.
+safetensors. A folder of ours (``checkpoints.is_ours``: training or ``llamafactory-mca convert``) has its dist
+checkpoint loaded instead, resharded to the current layout.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from ..checkpoints import MCA_CONFIG_NAME, dist_checkpoint_dir
+from .. import checkpoints
 from .config import McaConfig, rope_inv_freq
+from .families import get_family
 from .hf_io import SafetensorsSource
 from .mapping import WeightTable
-from .registry import get_family
 
 
 logger = logging.getLogger(__name__)
@@ -27,15 +27,14 @@ logger = logging.getLogger(__name__)
 class AutoConfig:
     @staticmethod
     def from_pretrained(path: str, args: Any = None, trust_remote_code: bool = False) -> McaConfig:
-        """McaConfig from ``mca_config.json`` (our checkpoints) or from a HF ``config.json``."""
-        ours = os.path.join(path, MCA_CONFIG_NAME)
-        if os.path.isfile(ours):
-            config = McaConfig.from_json_file(ours)
+        """McaConfig of one of our folders, or from a HF ``config.json``."""
+        if checkpoints.is_ours(path):
+            config = checkpoints.read_config(path)
             get_family(config.hf_model_type)  # fails clearly for an unknown type
             return config
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"{path} is neither a Hugging Face model folder (no config.json) nor a "
-                             f"llamafactory_mca checkpoint (no {MCA_CONFIG_NAME}).")
+                             f"llamafactory_mca checkpoint (no {checkpoints.MCA_CONFIG_NAME}).")
         from transformers import AutoConfig as HfAutoConfig
 
         hf = HfAutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -59,7 +58,7 @@ def _engine_fields(config: McaConfig, args: Any) -> dict[str, Any]:
         deallocate_pipeline_outputs=True,
         # Our losses return (sum, count): the step's loss is a per-token mean over the whole global batch.
         calculate_per_token_loss=True,
-        # Under pipeline parallelism every micro-batch of a step has one length (trainer/batches.py), passed to the
+        # Under pipeline parallelism every micro-batch of a step has one length (trainer/feeder.py), passed to the
         # schedule; without it Megatron exchanges shapes before each transfer (see StepFeeder._step for why not).
         variable_seq_lengths=(args.allow_variable_seq_lengths() if hasattr(args, "allow_variable_seq_lengths")
                               else True) and getattr(args, "pipeline_model_parallel_size", 1) == 1,
@@ -141,24 +140,17 @@ class McaModel:
     def save_pretrained(self, directory: str, dtype: torch.dtype | None = None) -> None:
         """Hugging Face safetensors + config.json, gathered from every rank (all ranks must call it).
 
-        Writes a dist checkpoint beside the target and merges it on rank 0 — the same streaming path as
-        ``scripts/megatron_merge.py``, so both exports cannot disagree.
+        Writes a folder of ours beside the target and merges it on rank 0 — the same streaming path as
+        ``llamafactory-mca merge``, so both exports cannot disagree.
         """
-        from megatron.core import dist_checkpointing
+        import shutil
 
         from .export import export_hf
 
         staging = directory.rstrip("/") + ".dist_tmp"
-        rank = torch.distributed.get_rank()
-        if rank == 0:
-            os.makedirs(staging, exist_ok=True)
-        torch.distributed.barrier()
-        dist_checkpointing.save(self.sharded_state_dict(), staging)
-        if rank == 0:
-            self.config.save_pretrained(staging)
+        checkpoints.write_folder(staging, self.sharded_state_dict(), checkpoints.SideFiles(self.config))
+        if torch.distributed.get_rank() == 0:
             export_hf(staging, directory, dtype=dtype)
-            import shutil
-
             shutil.rmtree(staging)
         torch.distributed.barrier()
 
@@ -257,7 +249,7 @@ class AutoModel:
         start = time.perf_counter()
         config = AutoConfig.from_pretrained(path, args, trust_remote_code)
         model = AutoModel.from_config(config, args)
-        dist = dist_checkpoint_dir(path) if os.path.isfile(os.path.join(path, MCA_CONFIG_NAME)) else None
+        dist = checkpoints.dist_checkpoint_dir(path) if checkpoints.is_ours(path) else None
         if dist is not None:
             model.load_dist_checkpoint(dist, strict=False)
             what = f"dist checkpoint {dist}"

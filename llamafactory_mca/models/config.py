@@ -10,18 +10,30 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from ..checkpoints import MCA_CONFIG_NAME
 from ..errors import UserError
 
 
 # Activation names stored in JSON; TransformerConfig wants callables.
 _ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}
+
+
+class AttentionShape(NamedTuple):
+    num_heads: int
+    num_query_groups: int
+    head_dim: int
+
+
+def attention_shape(transformer: dict[str, Any]) -> AttentionShape:
+    """Heads, query groups and head_dim of TransformerConfig fields, with TransformerConfig's own defaults
+    (no GQA, head_dim = hidden / heads) so every size computed from the dict agrees with the built model."""
+    heads = transformer["num_attention_heads"]
+    return AttentionShape(heads, transformer.get("num_query_groups") or heads,
+                          transformer.get("kv_channels") or transformer["hidden_size"] // heads)
 
 
 @dataclass
@@ -36,12 +48,7 @@ class McaConfig:
     sliding_window: int | None = None  # only valid when every training sequence fits inside it
     hf_config: dict[str, Any] = field(default_factory=dict)  # the source config.json, for the way back
 
-    # ---- persistence -------------------------------------------------------------------------------------------
-    def save_pretrained(self, directory: str) -> None:
-        os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, MCA_CONFIG_NAME), "w", encoding="utf-8") as f:
-            json.dump(dataclasses.asdict(self), f, indent=2, sort_keys=True)
-
+    # ---- persistence (the file's name and writing it: checkpoints.py) -------------------------------------------
     @classmethod
     def from_json_file(cls, path: str) -> McaConfig:
         with open(path, encoding="utf-8") as f:
@@ -57,6 +64,10 @@ class McaConfig:
     @property
     def num_experts(self) -> int | None:
         return self.transformer.get("num_moe_experts")
+
+    @property
+    def attention(self) -> AttentionShape:
+        return attention_shape(self.transformer)
 
     def padded_vocab_size(self, tensor_parallel_size: int) -> int:
         """Megatron pads the vocabulary to a multiple of tp × 128; the padding is trimmed on export."""

@@ -2,8 +2,8 @@
 
 The streaming primitive is ``iter_hf_tensors``: a generator of ``(hf_name, tensor)`` that reads one
 layer (or one expert) region of one global tensor, turns it back into HF tensors with the family's
-ops, and forgets it. ``export_hf``, ``McaModel.save_pretrained`` and ``scripts/megatron_merge.py``
-all consume it, so a model larger than host memory can be merged.
+ops, and forgets it. ``export_hf`` consumes it (the merge command, the trainer's exports and
+``McaModel.save_pretrained`` all call that), so a model larger than host memory can be merged.
 """
 
 from __future__ import annotations
@@ -15,32 +15,23 @@ from collections.abc import Iterator
 
 import torch
 
-from ..checkpoints import MCA_CONFIG_NAME, dist_checkpoint_dir, verify_checkpoint
+from ..checkpoints import dist_checkpoint_dir, read_config, verify_checkpoint
 from ..errors import UserError
 from .config import McaConfig
 from .dist_reader import DistCheckpointReader
+from .families import get_family
 from .hf_io import INDEX_NAME, ShardedWriter, copy_side_files, write_hf_config
 from .loading import dims_for
-from .mapping import WeightTable, fill
-from .registry import get_family
-
-
-# Canonical (separate-norm) names → how Megatron's specs store them in a dist checkpoint.
-_STORED_ALIASES = {
-    "decoder.layers.input_layernorm.": ("decoder.layers.self_attention.linear_qkv.layer_norm_",),
-    "decoder.layers.pre_mlp_layernorm.": ("decoder.layers.mlp.linear_fc1.layer_norm_",),
-}
+from .mapping import WeightTable, fill, te_norm_name
 
 
 def stored_keys(pattern: str) -> list[str]:
-    """Dist-checkpoint keys a canonical pattern may be stored under (layers/experts become tensor axes)."""
+    """Dist-checkpoint keys a canonical pattern may be stored under (layers/experts become tensor axes; the TE
+    spec keeps layer norms under its fused linears' names)."""
     key = pattern.replace("decoder.layers.*.", "decoder.layers.").replace(
         ".mlp.experts.local_experts.*.", ".mlp.experts.experts.")
-    candidates = [key]
-    for ours, theirs in _STORED_ALIASES.items():
-        if key.startswith(ours):
-            candidates += [alias + key[len(ours):] for alias in theirs]
-    return candidates
+    stored = te_norm_name(key)
+    return [key] if stored == key else [key, stored]
 
 
 def _index_ranges(pattern: str, config: McaConfig) -> list[tuple[int, ...]]:
@@ -96,7 +87,7 @@ def export_hf(checkpoint: str, output: str, dtype: torch.dtype | None = None,
     """
     start = time.perf_counter()
     verify_checkpoint(checkpoint)
-    config = McaConfig.from_json_file(os.path.join(checkpoint, MCA_CONFIG_NAME))
+    config = read_config(checkpoint)
     reader = DistCheckpointReader(dist_checkpoint_dir(checkpoint))
     staging = f"{os.path.abspath(output)}.tmp-{os.getpid()}"
     try:

@@ -17,16 +17,10 @@ import torch
 from megatron.core import parallel_state as ps
 
 from ..errors import UserError
-from .mapping import Dims, Shard, Source, WeightTable
+from .config import McaConfig
+from .mapping import Dims, Shard, Source, WeightTable, canonical_norm_name
 
 
-# TE's fused norm+linear modules hold the layer norms; canonical names use the separate-norm modules.
-_TE_ALIASES = (
-    (".self_attention.linear_qkv.layer_norm_weight", ".input_layernorm.weight"),
-    (".self_attention.linear_qkv.layer_norm_bias", ".input_layernorm.bias"),
-    (".mlp.linear_fc1.layer_norm_weight", ".pre_mlp_layernorm.weight"),
-    (".mlp.linear_fc1.layer_norm_bias", ".pre_mlp_layernorm.bias"),
-)
 _TE_GROUPED = re.compile(r"^(.*\.mlp\.experts)\.linear_fc([12])\.weight(\d+)$")
 _SEQUENTIAL = re.compile(r"^(.*\.mlp\.experts)\.local_experts\.(\d+)\.(.*)$")
 _LEGACY_GROUPED = re.compile(r"^(.*\.mlp\.experts)\.weight([12])$")
@@ -82,9 +76,7 @@ def local_targets(chunk: torch.nn.Module, num_experts: int | None = None) -> Ite
             if name.startswith(local):
                 name = glob + name[len(local):]
                 break
-        for te_name, ours in _TE_ALIASES:
-            if name.endswith(te_name):
-                name = name[: -len(te_name)] + ours
+        name = canonical_norm_name(name)
         data = param.data
         if match := _LEGACY_GROUPED.match(name):
             prefix, which = match.group(1), match.group(2)
@@ -106,11 +98,8 @@ def local_targets(chunk: torch.nn.Module, num_experts: int | None = None) -> Ite
         yield Target(name, _tp_shard(param, expert), (lambda d=data: d), _copy_into(data))
 
 
-def dims_for(config, tensor_parallel_size: int) -> Dims:
-    t = config.transformer
-    heads = t["num_attention_heads"]
-    return Dims(num_heads=heads, num_query_groups=t.get("num_query_groups") or heads,
-                head_dim=t.get("kv_channels") or t["hidden_size"] // heads, vocab_size=config.vocab_size,
+def dims_for(config: McaConfig, tensor_parallel_size: int) -> Dims:
+    return Dims(**config.attention._asdict(), vocab_size=config.vocab_size,
                 padded_vocab_size=config.padded_vocab_size(tensor_parallel_size))
 
 

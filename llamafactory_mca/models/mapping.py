@@ -172,22 +172,51 @@ def gated_mlp(mca: str, hf: str, gate: str = "gate_proj", up: str = "up_proj", d
             Rename(f"{mca}.linear_fc2.weight", (f"{hf}.{down}.weight",))]
 
 
+# Every layer's tensors start so, ``*`` the layer index: Megatron side, HF side.
+LAYER, HF_LAYER = "decoder.layers.*.", "model.layers.*."
+
+
 def dense_layer(attn: str = "self_attn", mlp: str = "mlp", qkv_bias: bool = False) -> list[Op]:
     """The Llama-style decoder layer every family here shares (``mlp=""``: the MLP is mapped elsewhere)."""
-    prefix, hf = "decoder.layers.*.", "model.layers.*."
     ops: list[Op] = [
-        Rename(prefix + "input_layernorm.weight", (hf + "input_layernorm.weight",)),
-        FusedQKV(prefix + "self_attention.linear_qkv.weight",
-                 tuple(f"{hf}{attn}.{p}_proj.weight" for p in "qkv")),
-        Rename(prefix + "self_attention.linear_proj.weight", (f"{hf}{attn}.o_proj.weight",)),
-        Rename(prefix + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",)),
+        Rename(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)),
+        FusedQKV(LAYER + "self_attention.linear_qkv.weight",
+                 tuple(f"{HF_LAYER}{attn}.{p}_proj.weight" for p in "qkv")),
+        Rename(LAYER + "self_attention.linear_proj.weight", (f"{HF_LAYER}{attn}.o_proj.weight",)),
+        Rename(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "post_attention_layernorm.weight",)),
     ]
     if qkv_bias:
-        ops.append(FusedQKV(prefix + "self_attention.linear_qkv.bias",
-                            tuple(f"{hf}{attn}.{p}_proj.bias" for p in "qkv")))
+        ops.append(FusedQKV(LAYER + "self_attention.linear_qkv.bias",
+                            tuple(f"{HF_LAYER}{attn}.{p}_proj.bias" for p in "qkv")))
     if mlp:
-        ops += gated_mlp(prefix + "mlp", hf + mlp)
+        ops += gated_mlp(LAYER + "mlp", HF_LAYER + mlp)
     return ops
+
+
+# Canonical names use separate norm modules; Megatron's TE spec fuses each norm into the linear after it and
+# names it there. Parameters (loading), dist-checkpoint keys (export) and the native spec's sharded-state-dict
+# keys (so checkpoints move between specs) all translate through this one table.
+NORM_ALIASES = {
+    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+}
+
+
+def _rename_norm(name: str, pairs: list[tuple[str, str]]) -> str:
+    for old, new in pairs:
+        if f".{old}" in name:
+            return name.replace(f".{old}", f".{new}", 1)
+    return name
+
+
+def te_norm_name(name: str) -> str:
+    """``….input_layernorm.weight`` → ``….self_attention.linear_qkv.layer_norm_weight``; other names unchanged."""
+    return _rename_norm(name, list(NORM_ALIASES.items()))
+
+
+def canonical_norm_name(name: str) -> str:
+    """The inverse of ``te_norm_name``."""
+    return _rename_norm(name, [(te, ours) for ours, te in NORM_ALIASES.items()])
 
 
 def embeddings(tied: bool) -> list[Op]:

@@ -43,15 +43,11 @@ from ..errors import UserError
 from .native.attention import NativeDotProductAttention, check_supported
 from .native.experts import NativeGroupedMLP, describe_experts
 from .native.kernels import varlen_attn_available
+from .mapping import NORM_ALIASES
 from .native.norm import NativeNorm
 
 logger = logging.getLogger(__name__)
 
-# Dist-checkpoint keys of the separate norms, renamed to where TE's fused norm+linear modules keep them.
-NORM_KEYS_MAP = {
-    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
-}
 _QK_NORM = ModuleSpec(module=NativeNorm, params={"mark_sequence_parallel": False})
 _TE_ONLY_BACKENDS = ("flash", "fused", "unfused")
 
@@ -161,7 +157,7 @@ def native_layer_spec(config: TransformerConfig) -> ModuleSpec:
             pre_mlp_layernorm=NativeNorm,
             mlp=mlp,
             mlp_bda=get_bias_dropout_add,
-            sharded_state_dict_keys_map=dict(NORM_KEYS_MAP),
+            sharded_state_dict_keys_map=dict(NORM_ALIASES),  # dist-checkpoint keys as the TE spec's
         ),
     )
 

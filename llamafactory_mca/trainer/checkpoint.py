@@ -1,19 +1,16 @@
-"""Saving and loading checkpoints: never complete-looking unless complete (names: ``checkpoints.py``).
+"""What a training checkpoint holds and how a run comes back from it: model, optimizer, RNG, LR schedule,
+consumed micro-batches. The folder itself (names, side files, tmp-then-rename) is ``checkpoints.py``'s.
 
-``output_dir/checkpoint-N/``: ``dist_ckpt/`` (Megatron dist checkpoint: model, optimizer, RNG, LR
-schedule, consumed micro-batches; saved fully in parallel), ``mca_config.json``, ``mca_layout.json``,
-HF ``config.json`` and tokenizer files, ``trainer_state.json``. Everything is written into
-``tmp-checkpoint-N`` and renamed at the end: a crash leaves a ``tmp-`` folder, which resume ignores
-(and the next save removes). The distributed optimizer's state is saved in Megatron's dp-reshardable
-format, so a run resumes onto a different data-parallel size.
+Saved fully in parallel; the distributed optimizer's state in Megatron's dp-reshardable format, so a run resumes
+onto a different data-parallel size. A crash mid-save leaves a ``tmp-`` folder, which resume ignores (and the next
+save removes).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import shutil
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,7 +27,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 )
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..checkpoints import DIST_DIR, PREFIX, TMP_PREFIX, dist_checkpoint_dir, list_checkpoints, newest_intact
+from ..checkpoints import SideFiles, checkpoint_path, dist_checkpoint_dir, newest_intact, write_folder
 from ..errors import UserError
 from ..models.auto import check_finite
 from .faults import maybe_crash
@@ -109,32 +106,16 @@ def _dp_group():
 
 
 def save_checkpoint(output_dir: str, step: int, model: Any, optimizer: Any, trainer_state: dict,
-                    write_side_files: Any) -> str:
-    """Collective. ``trainer_state``: plain values (LR schedule, consumed micro-batches, ...), saved once.
-    ``write_side_files(path)`` runs on rank 0 before the rename (configs, tokenizer, trainer_state.json)."""
-    rank = torch.distributed.get_rank()
-    final = os.path.join(output_dir, f"{PREFIX}-{step}")
-    tmp = os.path.join(output_dir, f"{TMP_PREFIX}-{step}")
-    if rank == 0:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp)
-        os.makedirs(os.path.join(tmp, DIST_DIR))
-    torch.distributed.barrier()
+                    side_files: SideFiles, extra: Callable[[str], None]) -> str:
+    """Collective. ``trainer_state``: plain values (LR schedule, consumed micro-batches, ...), saved once;
+    ``extra(folder)`` runs on rank 0 beside the side files (trainer_state.json)."""
     state = _state(model, optimizer, is_loading=False)
     state["rng_state"] = _rng_object(_layout_key())
     state["trainer"] = {**trainer_state, "layout_key": list(_layout_key()),
                         "optimizer_step": optimizer_step_count(optimizer) if optimizer is not None else None}
     strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), _dp_group())
-    dist_checkpointing.save(state, os.path.join(tmp, DIST_DIR), sharded_strategy=strategy)
-    torch.distributed.barrier()
-    maybe_crash("save", step)
-    if rank == 0:
-        write_side_files(tmp)
-        if os.path.isdir(final):  # a rerun of the same step: keep the new one
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    torch.distributed.barrier()
-    return final
+    return write_folder(checkpoint_path(output_dir, step), state, side_files, extra=extra,
+                        before_commit=lambda: maybe_crash("save", step), strategy=strategy)
 
 
 def load_checkpoint(path: str, model: Any, optimizer: Any | None) -> dict:
@@ -186,22 +167,3 @@ def _root_cause(err: BaseException) -> str:
         err = err[0] if isinstance(err, tuple) else err  # (exception, stack summary)
     text = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return f"{type(err).__name__}: {text[:200]}" if text else type(err).__name__
-
-
-def rotate_checkpoints(output_dir: str, limit: int | None) -> None:
-    """Keep the newest ``limit`` complete checkpoints (rank 0); stale tmp- folders go too."""
-    if torch.distributed.get_rank() != 0:
-        return
-    for name in os.listdir(output_dir):
-        if name.startswith(TMP_PREFIX):
-            shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
-    if not limit:
-        return
-    found = list_checkpoints(output_dir)
-    for _, path in found[: max(len(found) - limit, 0)]:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def write_json(path: str, data: dict) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=True)

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..models.config import attention_shape
+
 
 # Dense bf16 peak (no sparsity) by device name; MFU is reported only where the peak is known.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "H20": 148e12, "A100": 312e12, "A800": 312e12,
@@ -33,9 +35,7 @@ def flops_per_sequence_set(t: dict[str, Any], vocab_size: int, seqlens: Sequence
     tokens = float(sum(seqlens))
     squares = float(sum(s * s for s in seqlens))
     h = t["hidden_size"]
-    heads = t["num_attention_heads"]
-    head_dim = t.get("kv_channels") or h // heads
-    groups = t.get("num_query_groups") or heads
+    heads, groups, head_dim = attention_shape(t)
     q_width, kv_width = heads * head_dim, groups * head_dim
     per_layer = 2 * tokens * h * (q_width + 2 * kv_width)  # qkv projection
     per_layer += 2 * tokens * q_width * h  # output projection
@@ -54,9 +54,9 @@ def flops_per_sequence_set(t: dict[str, Any], vocab_size: int, seqlens: Sequence
 def model_parameter_count(config: Any) -> int:
     """All parameters of the model (every expert), from its config."""
     t = config.transformer
-    h, heads = t["hidden_size"], t["num_attention_heads"]
-    head_dim = t.get("kv_channels") or h // heads
-    q, kv = heads * head_dim, (t.get("num_query_groups") or heads) * head_dim
+    h = t["hidden_size"]
+    heads, groups, head_dim = config.attention
+    q, kv = heads * head_dim, groups * head_dim
     glu = 3 if t.get("gated_linear_unit", True) else 2
     layer = h * (q + 2 * kv) + q * h + 2 * h
     if t.get("add_qkv_bias"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 import time
 import warnings
 from functools import partial
@@ -28,9 +29,10 @@ from transformers.trainer_utils import TrainOutput
 
 from .. import memory_report, watchdog
 from ..errors import UserError
-from ..checkpoints import PREFIX, resolve_resume
+from .. import checkpoints
+from ..checkpoints import SideFiles, checkpoint_path, resolve_resume
 from . import checkpoint as ckpt
-from .batches import StepFeeder
+from .feeder import StepFeeder
 from .faults import maybe_crash, maybe_hang, nan_loss
 from .loss import PreferenceConfig, collect_pair_logps, dpo_loss, lm_loss
 from .metrics import flops_per_sequence_set, gpu_memory_gib, peak_flops
@@ -62,14 +64,15 @@ def _reduce_logged(outputs: list[dict], device) -> dict[str, float]:
 class McaTrainer:
     def __init__(self, model: Any, args: Any, layout: Any, train_data: Any, eval_data: Any = None,
                  tokenizer: Any = None, processor: Any = None, callbacks: list | None = None,
-                 preference: PreferenceConfig | None = None, save_side_files: Any = None) -> None:
+                 preference: PreferenceConfig | None = None, reference_model: str | None = None,
+                 side_files: SideFiles | None = None) -> None:
         self.model, self.args, self.layout = model, args, layout
         self.train_data, self.eval_data = train_data, eval_data
         self.train_feed = StepFeeder(train_data, layout)
         self.eval_feed = StepFeeder(eval_data, layout) if eval_data is not None else None
         self.tokenizer, self.processor = tokenizer, processor
-        self.preference = preference
-        self.save_side_files = save_side_files
+        self.preference, self.reference_model = preference, reference_model
+        self.side_files = side_files or SideFiles(model.config, layout, tokenizer=tokenizer, processor=processor)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
         tc = model.transformer_config
@@ -228,6 +231,7 @@ class McaTrainer:
     def train(self, resume_from_checkpoint: Any = None) -> TrainOutput:
         args = self.args
         resume = resolve_resume(resume_from_checkpoint, args.output_dir)
+        self._attach_reference_logps()
         consumed = 0
         self.state.max_steps, self.state.num_train_epochs = self.max_steps, self.num_epochs
         self.state.logging_steps, self.state.save_steps = args.logging_steps, args.save_steps
@@ -314,27 +318,22 @@ class McaTrainer:
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
 
     def _saved_at(self, step: int) -> bool:
-        return os.path.isdir(os.path.join(self.args.output_dir, f"{PREFIX}-{step}"))
+        return os.path.isdir(checkpoint_path(self.args.output_dir, step))
 
     def _save(self, consumed: int) -> str:
         for wrapped in self.wrapped:  # make sure overlapped parameter all-gathers have landed
             if self.args.overlap_param_gather:
                 wrapped.start_param_sync(force_sync=True)
         step = self.state.global_step
-        path = os.path.join(self.args.output_dir, f"{PREFIX}-{step}")
-
-        def side_files(directory: str) -> None:
-            if self.save_side_files is not None:
-                self.save_side_files(directory)
-            self.state.save_to_json(os.path.join(directory, "trainer_state.json"))
-
-        ckpt.save_checkpoint(self.args.output_dir, step, self.model, self.optimizer,
-                             {"scheduler": self.schedule.state_dict(), "consumed_micro_batches": consumed,
-                              "global_step": step}, side_files)
+        path = ckpt.save_checkpoint(
+            self.args.output_dir, step, self.model, self.optimizer,
+            {"scheduler": self.schedule.state_dict(), "consumed_micro_batches": consumed, "global_step": step},
+            self.side_files, extra=lambda folder: self.state.save_to_json(
+                os.path.join(folder, checkpoints.TRAINER_STATE_NAME)))
         if self.args.save_hf_model:
             self._export(path, os.path.join(path, "hf"))
-        ckpt.rotate_checkpoints(self.args.output_dir, self.args.save_total_limit)
         if self.is_world_process_zero():
+            checkpoints.rotate(self.args.output_dir, self.args.save_total_limit)
             logger.info("Saved %s", path)
         return path
 
@@ -353,10 +352,25 @@ class McaTrainer:
         return metrics
 
     # ---- DPO reference log-probs ---------------------------------------------------------------------------
+    def _attach_reference_logps(self) -> None:
+        """DPO's reference log-probs, computed once before training (and before a resume loads later weights) by
+        the initial model or ``reference_model``; kept beside each plan, which hands them to its micro-batches."""
+        if self.preference is None or not self.preference.needs_reference or self.train_data.reference is not None:
+            return
+        reference = None
+        if self.reference_model:
+            from ..models.auto import AutoModel
+
+            reference = AutoModel.from_pretrained(self.reference_model, self.args)
+        for plan in (self.train_data, self.eval_data):
+            if plan is not None:
+                plan.set_reference(*self._reference_logps(plan, reference))
+        del reference
+
     @torch.no_grad()
-    def compute_reference_logps(self, plan: Any, reference: Any = None) -> tuple[Any, Any]:
-        """Reference (chosen, rejected) log-probs for every row of ``plan``, computed once before training
-        with the frozen initial model (or ``reference``, another McaModel). Collective; every rank gets all."""
+    def _reference_logps(self, plan: Any, reference: Any = None) -> tuple[Any, Any]:
+        """Reference (chosen, rejected) log-probs for every row of ``plan`` with the frozen current model (or
+        ``reference``, another McaModel). Collective; every rank gets all."""
         import numpy as np
 
         feed = StepFeeder(plan, self.layout)
@@ -388,14 +402,8 @@ class McaTrainer:
             chunk.train()
         return chosen, rejected
 
-    def replace_data(self, train_data: Any, eval_data: Any = None) -> None:
-        """Same rows, new columns (reference log-probs): the plans and step counts stay the same."""
-        self.train_data, self.eval_data = train_data, eval_data
-        self.train_feed = StepFeeder(train_data, self.layout)
-        self.eval_feed = StepFeeder(eval_data, self.layout) if eval_data is not None else None
-
     def _export(self, checkpoint: str, target: str) -> None:
-        """Hugging Face weights, config and tokenizer files from a checkpoint just written (collective)."""
+        """Hugging Face weights, config, tokenizer and processor files from a folder just written (collective)."""
         if self.is_world_process_zero():
             from ..models.export import export_hf
 
@@ -403,17 +411,19 @@ class McaTrainer:
         torch.distributed.barrier()
 
     def save_model(self, output_dir: str | None = None) -> None:
-        """The final model: HF safetensors + config + tokenizer in ``output_dir`` (all ranks call it); exported
-        from the checkpoint of the last step when there is one, else gathered from the ranks."""
+        """The final model as Hugging Face safetensors + config + tokenizer in ``output_dir`` (all ranks call it),
+        exported from the checkpoint of the last step; without one (save_strategy: no), from a model-only folder
+        written for the purpose and removed after."""
         output_dir = output_dir or self.args.output_dir
-        last = os.path.join(self.args.output_dir, f"{PREFIX}-{self.state.global_step}")
         if self._saved_at(self.state.global_step):
-            self._export(last, output_dir)
+            self._export(checkpoint_path(self.args.output_dir, self.state.global_step), output_dir)
         else:
-            self.model.save_pretrained(output_dir, dtype=self.model.transformer_config.params_dtype)
+            staging = os.path.join(self.args.output_dir, "export-staging")
+            checkpoints.write_folder(staging, self.model.sharded_state_dict(), self.side_files)
+            self._export(staging, output_dir)
+            if self.is_world_process_zero():
+                shutil.rmtree(staging, ignore_errors=True)
         if self.is_world_process_zero():
-            if self.save_side_files is not None:
-                self.save_side_files(output_dir)
             logger.info("Saved the trained model (Hugging Face safetensors) to %s", output_dir)
 
 

@@ -53,9 +53,6 @@ def sft_row(i: int, n: int, prompt: int = 2) -> dict:
     return {"input_ids": ids, "attention_mask": [1] * n, "labels": [IGNORE_INDEX] * prompt + ids[prompt:]}
 
 
-def pair_row(i: int, n_chosen: int, n_rejected: int, ref: bool = False) -> dict:
+def pair_row(i: int, n_chosen: int, n_rejected: int) -> dict:
     chosen, rejected = sft_row(i, n_chosen), sft_row(i + 500, n_rejected)
-    row = {f"chosen_{k}": v for k, v in chosen.items()} | {f"rejected_{k}": v for k, v in rejected.items()}
-    if ref:
-        row |= {"ref_chosen_logps": -float(i), "ref_rejected_logps": -float(i) - 0.5}
-    return row
+    return {f"chosen_{k}": v for k, v in chosen.items()} | {f"rejected_{k}": v for k, v in rejected.items()}

@@ -169,11 +169,13 @@ def test_stats_count_dropped_and_truncated_rows(caplog):
 
 
 def test_pairwise_plan_keeps_pairs_and_drops_incomplete_ones():
-    rows = [pair_row(i, 5 + i % 4, 4 + i % 3, ref=True) for i in range(12)]
+    rows = [pair_row(i, 5 + i % 4, 4 + i % 3) for i in range(12)]
     rows[5]["rejected_labels"] = [IGNORE_INDEX] * len(rows[5]["rejected_labels"])  # a side without loss: drop the pair
     dataset = datasets.Dataset.from_list(rows)
     packed = DataPlan(dataset, BatchingConfig(cutoff_len=16, micro_batch_size=2, packing=True, pad_multiple=2))
     assert packed.kind == "pairwise" and packed.stats["rows_dropped_no_loss"] == 1 and packed.capacity == 64
+    assert packed.micro_batch(0, 0).ref_chosen_logps is None  # until the trainer computes them
+    packed.set_reference(-np.arange(12, dtype=np.float32), -np.arange(12, dtype=np.float32) - 0.5)
     pairs = []
     for batch in stream(packed, epochs=1):
         owners = rows_of(batch)

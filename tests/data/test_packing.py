@@ -98,8 +98,10 @@ def test_pretraining_targets_are_the_next_tokens():
 
 
 def test_dpo_pairs_stay_adjacent_when_packed_and_split_when_padded():
-    rows = [pair_row(1, 6, 9, ref=True), pair_row(2, 4, 3, ref=True)]
+    rows = [pair_row(1, 6, 9), pair_row(2, 4, 3)]
     samples = [make_sample(row, PAIRWISE, cutoff_len=16) for row in rows]
+    for i, sample in zip((1, 2), samples):
+        sample.ref_logps = (-float(i), -float(i) - 0.5)
 
     packed = collate_packed(samples, pad_multiple=2, pad_token_id=0, pairwise=True)
     assert packed.num_pairs == 2 and packed.num_sequences == 4
@@ -125,6 +127,28 @@ def test_micro_batch_to_moves_every_tensor():
     masked = batch.without_loss()
     assert masked.is_padding and masked.num_loss_tokens == 0 and masked.loss_mask.sum() == 0
     assert torch.equal(masked.tokens, batch.tokens)
+
+
+def test_padded_to_a_step_length_then_cut_for_context_parallel_ranks():
+    from llamafactory_mca.data.context_parallel import for_context_parallel_rank
+
+    pair = [make_sample(pair_row(i, 5, 3), PAIRWISE, 8) for i in range(2)]
+    for batch in (collate_packed(pair, 4, 0, pairwise=True), collate_padded(pair, 4, 0, pairwise=True)):
+        longer = batch.padded_to(batch.tokens.shape[1] + 4)
+        assert longer.num_loss_tokens == batch.num_loss_tokens and longer.loss_mask.sum() == batch.loss_mask.sum()
+        assert (longer.labels[:, -4:] == IGNORE_INDEX).all() and (longer.model_labels >= 0).all()
+        assert longer.seqlens[-1] == batch.seqlens[-1] + 4 and longer.seq_ids.shape == longer.tokens.shape
+        if batch.packed:
+            assert longer.cu_seqlens[-1] == batch.cu_seqlens[-1] + 4 and longer.seq_ids[0, -1] == 3
+            assert longer.seq_ids[0].unique().tolist() == [0, 1, 2, 3]  # pair i: 2i chosen, 2i + 1 rejected
+        else:
+            assert longer.seq_ids[:, 0].tolist() == [0, 2, 1, 3]  # rows: chosen of both pairs, then rejected
+        halves = [for_context_parallel_rank(longer, rank, 2) for rank in range(2)]
+        for name in ("tokens", "labels", "loss_mask", "position_ids", "seq_ids"):
+            assert sum(getattr(h, name).numel() for h in halves) == getattr(longer, name).numel()
+        assert sum(h.loss_mask.sum() for h in halves) == longer.loss_mask.sum()
+        assert halves[0].seqlens == longer.seqlens and halves[0].cu_seqlens is longer.cu_seqlens  # stay global
+    assert for_context_parallel_rank(batch, 0, 1) is batch
 
 
 def test_rows_from_llamafactory_processing_pack_correctly(tmp_path):

@@ -148,7 +148,8 @@ def test_varlen_signature_and_causal_kwargs():
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_varlen_segments_match_causal_attention(cp):
     """varlen_attn with the CP plan (non-square, bottom-right causal segments) == per-sequence causal SDPA."""
-    from llamafactory_mca.models.native.context_parallel import local_token_index, packed_plan
+    from llamafactory_mca.data.context_parallel import local_token_index
+    from llamafactory_mca.models.native.context_parallel import packed_plan
     from llamafactory_mca.models.native.kernels import segment_attention
 
     lengths = [2 * cp * n for n in (96, 160, 32, 256)]
@@ -281,7 +282,7 @@ def _cp_run(ckpt: str, cp: int) -> dict:
     from megatron.core import parallel_state as ps
 
     from llamafactory_mca import parallel
-    from llamafactory_mca.models.native import split_for_context_parallel
+    from llamafactory_mca.data.context_parallel import split_for_context_parallel
 
     parallel.initialize(_layout(world=cp, cp=cp), seed=3)
     torch.manual_seed(0)
@@ -312,7 +313,7 @@ def _cp_run(ckpt: str, cp: int) -> dict:
 @pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_cp2_bf16_equals_cp1(tmp_path):
-    from llamafactory_mca.models.native.context_parallel import local_token_index
+    from llamafactory_mca.data.context_parallel import local_token_index
 
     ref = run_distributed(_cp_run, 1, str(tmp_path / "ckpt"), 1)[0]
     per_rank = run_distributed(_cp_run, 2, str(tmp_path / "ckpt"), 2)

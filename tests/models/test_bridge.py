@@ -63,14 +63,12 @@ def _run_layouts(plan: list[tuple[str, dict, list[tuple[str, str, str]]]]) -> di
     """In each rank, layout after layout (process groups rebuilt in between): build every (family, model_dir,
     work_dir) job, return logits and read stats, save HF weights (save_pretrained) and a dist checkpoint for the
     round trips. One process group for all layouts: spawning and importing per layout costs minutes in CI."""
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
     from llamafactory_mca import parallel
     from llamafactory_mca.args import MegatronArguments
-    from llamafactory_mca.checkpoints import DIST_DIR
+    from llamafactory_mca.checkpoints import SideFiles, write_folder
     from llamafactory_mca.models.auto import AutoConfig, AutoModel
-    from llamafactory_mca.models.convert import write_layout
 
     results = {}
     for layout_name, sizes, jobs in plan:
@@ -84,15 +82,7 @@ def _run_layouts(plan: list[tuple[str, dict, list[tuple[str, str, str]]]]) -> di
             model.eval()
             logits = pipeline_logits(model, INPUT)
             model.save_pretrained(os.path.join(work_dir, "hf"))
-            ckpt = os.path.join(work_dir, "ckpt")
-            if torch.distributed.get_rank() == 0:
-                os.makedirs(os.path.join(ckpt, DIST_DIR), exist_ok=True)
-            torch.distributed.barrier()
-            dist_checkpointing.save(model.sharded_state_dict(), os.path.join(ckpt, DIST_DIR))
-            if torch.distributed.get_rank() == 0:
-                model.config.save_pretrained(ckpt)
-                write_layout(ckpt, layout, None)
-            torch.distributed.barrier()
+            write_folder(os.path.join(work_dir, "ckpt"), model.sharded_state_dict(), SideFiles(model.config, layout))
             results[(layout_name, name)] = {"logits": logits, "bytes_read": source.bytes_read,
                                             "files": source.files_opened, "dp_rank": ps.get_data_parallel_rank()}
         ps.destroy_model_parallel()
@@ -311,7 +301,7 @@ def test_every_hf_key_maps_exactly_once(tiny_models):
     from llamafactory_mca.models.auto import AutoConfig
     from llamafactory_mca.models.export import _index_ranges
     from llamafactory_mca.models.mapping import WeightTable, fill
-    from llamafactory_mca.models.registry import get_family
+    from llamafactory_mca.models.families import get_family
 
     for name, path in tiny_models.items():
         config = AutoConfig.from_pretrained(path)

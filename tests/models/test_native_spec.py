@@ -217,7 +217,7 @@ def _cp2_run(ckpt_dir: str) -> dict:
     from megatron.core import parallel_state as ps
 
     from llamafactory_mca import parallel
-    from llamafactory_mca.models.native import split_for_context_parallel
+    from llamafactory_mca.data.context_parallel import split_for_context_parallel
 
     parallel.initialize(_layout(world=2, cp=2), seed=11)
     rank, group = ps.get_context_parallel_rank(), ps.get_context_parallel_group()
@@ -357,7 +357,7 @@ def test_packed_thd_equals_per_sequence_forwards(reference):
 
 
 def test_cp2_equals_cp1_padded_and_thd(reference):
-    from llamafactory_mca.models.native.context_parallel import local_token_index
+    from llamafactory_mca.data.context_parallel import local_token_index
 
     ckpt, res = reference
     per_rank = run_distributed(_cp2_run, 2, ckpt)
@@ -419,7 +419,7 @@ def test_grouped_experts_equal_sequential_loop():
 
 
 def test_split_for_context_parallel_padded_and_thd():
-    from llamafactory_mca.models.native import split_for_context_parallel
+    from llamafactory_mca.data.context_parallel import split_for_context_parallel
 
     tokens = torch.arange(16).view(2, 8)
     r0 = split_for_context_parallel({"tokens": tokens, "labels": None}, None, 0, 2)
@@ -438,7 +438,8 @@ def test_split_for_context_parallel_padded_and_thd():
 @pytest.mark.parametrize("cp", [2, 3])
 def test_context_parallel_plan_matches_full_causal_attention(cp):
     """Simulate every CP rank in one process: gathered K/V + plan == plain per-sequence causal attention."""
-    from llamafactory_mca.models.native.context_parallel import local_token_index, packed_plan
+    from llamafactory_mca.data.context_parallel import local_token_index
+    from llamafactory_mca.models.native.context_parallel import packed_plan
     from llamafactory_mca.models.native.kernels import segment_attention
 
     lengths = [2 * cp * n for n in (1, 3, 2)]
@@ -482,6 +483,7 @@ def test_spec_choice_and_checkpoint_keys():
     from megatron.core.transformer.enums import AttnBackend
 
     from llamafactory_mca.models import spec
+    from llamafactory_mca.models.mapping import NORM_ALIASES
     from llamafactory_mca.models.native.attention import NativeDotProductAttention
     from llamafactory_mca.models.native.experts import NativeGroupedMLP
 
@@ -494,7 +496,7 @@ def test_spec_choice_and_checkpoint_keys():
     attention = layer.submodules.self_attention
     assert attention.module is SelfAttention and attention.submodules.core_attention is NativeDotProductAttention
     assert layer.submodules.mlp.submodules.experts.module is NativeGroupedMLP
-    assert layer.submodules.sharded_state_dict_keys_map == spec.NORM_KEYS_MAP == {
+    assert layer.submodules.sharded_state_dict_keys_map == NORM_ALIASES == {
         "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
         "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
     }

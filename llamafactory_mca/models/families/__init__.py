@@ -1,3 +1,13 @@
-"""Every supported family, imported explicitly so the registry is complete after one import."""
+"""Every supported family, imported explicitly so the registry is complete once this package is imported."""
 
+from ...errors import UserError
+from ..registry import FAMILIES
 from . import llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe  # noqa: F401
+from .base import Family
+
+
+def get_family(model_type: str) -> Family:
+    if model_type not in FAMILIES:
+        raise UserError(f"model_type {model_type!r} is not supported by llamafactory_mca; supported: "
+                         f"{', '.join(sorted(FAMILIES))}.")
+    return FAMILIES[model_type]

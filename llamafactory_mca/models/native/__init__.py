@@ -2,11 +2,7 @@
 
 - ``attention.py``: core attention (SDPA for padded batches, ``varlen_attn`` for packed THD ones, CP)
 - ``kernels.py``: the attention math itself (padded SDPA, causal segments)
-- ``context_parallel.py``: load-balanced CP chunks, K/V all-gather plans, ``split_for_context_parallel``
+- ``context_parallel.py``: context-parallel attention (K/V all-gather, segment plans; the token split is in data/)
 - ``norm.py``: torch RMSNorm/LayerNorm that work with sequence parallelism
 - ``experts.py``: grouped MoE experts on ``torch._grouped_mm``
 """
-
-from .context_parallel import split_for_context_parallel
-
-__all__ = ["split_for_context_parallel"]

@@ -1,0 +1,88 @@
+"""``llamafactory-mca convert``: pre-shard a Hugging Face model into a folder of ours (a Megatron dist checkpoint)
+that training loads directly. Starts the processes the layout needs itself; ``convert_rank`` is one rank's part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+from typing import Any
+
+from .checkpoints import DIST_DIR, LAYOUT_KEYS, MCA_CONFIG_NAME
+from .errors import UserError, user_errors
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .args import MegatronArguments
+
+    parser = argparse.ArgumentParser(
+        prog="llamafactory-mca convert", description="Pre-shard a Hugging Face model into a Megatron dist checkpoint "
+        "that training loads directly (model_name_or_path: OUTPUT_PATH), in the layout given. Starts the processes "
+        "the layout needs itself.", epilog="Other Megatron keys (see `llamafactory-mca train --help`) are accepted as "
+        "--key value.")
+    parser.add_argument("--hf_path", required=True, help="a Hugging Face model folder or hub id")
+    parser.add_argument("--output_path", required=True, help="where the dist checkpoint goes")
+    parser.add_argument("--bf16", action="store_true", help="store bfloat16 weights")
+    parser.add_argument("--fp16", action="store_true", help="store float16 weights")
+    helps = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(MegatronArguments)}
+    for name in LAYOUT_KEYS:
+        parser.add_argument(f"--{name}", type=int, metavar="N", help=helps[name])
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """``llamafactory-mca convert --hf_path DIR --output_path DIR [layout flags]``."""
+    from transformers import HfArgumentParser
+
+    from .args import MegatronArguments
+    from .hub import resolve_model
+    from .models.auto import AutoConfig
+    from .parallel import ParallelLayout, check_layout, min_world_size
+    from .quiet import quiet_third_party
+
+    quiet_third_party()
+    known, rest = _parser().parse_known_args(argv)
+    with user_errors(also=(ValueError,)):
+        (margs, unknown) = HfArgumentParser(MegatronArguments).parse_args_into_dataclasses(
+            args=rest, return_remaining_strings=True)
+        if unknown:
+            raise UserError(f"unknown arguments {unknown}; see llamafactory-mca convert --help.")
+        for name in LAYOUT_KEYS:
+            if getattr(known, name) is not None:
+                setattr(margs, name, getattr(known, name))
+        margs.__post_init__()
+        margs.bf16, margs.fp16 = known.bf16, known.fp16
+        needed = min_world_size(margs.tensor_model_parallel_size, margs.pipeline_model_parallel_size,
+                                margs.context_parallel_size, margs.expert_model_parallel_size,
+                                margs.expert_tensor_parallel_size or 1)
+        world = int(os.environ.get("WORLD_SIZE", needed))
+        hf_path = resolve_model(known.hf_path)
+        config = AutoConfig.from_pretrained(hf_path, margs)
+        check_layout(config, ParallelLayout.from_args(margs, world_size=world),
+                     margs.pipeline_model_parallel_layout is not None)
+        if "WORLD_SIZE" in os.environ or needed == 1:
+            return convert_rank(hf_path, known.output_path, margs)
+    command = [sys.executable, "-m", "llamafactory_mca.launch", "--nproc_per_node", str(needed), "-m",
+               "llamafactory_mca.cli", "convert", *argv]
+    return subprocess.run(command, check=False).returncode
+
+
+def convert_rank(hf_path: str, output: str, margs: Any) -> int:
+    """One rank's part: build this rank's chunks from the HF weights and write them as a folder of ours."""
+    import torch
+
+    from . import parallel
+    from .checkpoints import SideFiles, write_folder
+    from .models.auto import AutoModel
+
+    layout = parallel.ParallelLayout.from_args(margs)
+    parallel.initialize(layout)
+    model = AutoModel.from_pretrained(hf_path, margs)
+    write_folder(output, model.sharded_state_dict(), SideFiles(model.config, layout, hf_source=hf_path))
+    if torch.distributed.get_rank() == 0:
+        print(f"Megatron dist checkpoint written to {output} ({MCA_CONFIG_NAME}, {DIST_DIR}/)")
+    parallel.destroy()
+    return 0

@@ -1,0 +1,88 @@
+"""``llamafactory-mca merge`` (and ``scripts/megatron_merge.py``): a checkpoint of ours → Hugging Face weights.
+
+Runs on CPU in one plain process (no GPU, no torchrun), one tensor group at a time, so a model larger than host
+memory merges. The work is ``models.export.export_hf``; call ``merge`` to do it in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from .checkpoints import LAYOUT_KEYS, read_layout
+from .errors import UserError, user_errors
+
+
+def _check_flags_against_checkpoint(args: argparse.Namespace, checkpoint: str) -> None:
+    saved = read_layout(checkpoint)
+    for name in (*LAYOUT_KEYS, "moe_grouped_gemm"):
+        given = getattr(args, name, None)
+        if given is not None and saved.get(name) is not None and given != saved[name]:
+            raise UserError(f"--{name}={given} contradicts the checkpoint, which was written with {name}="
+                            f"{saved[name]}. Drop the flag: the merge reads the layout from the checkpoint.")
+
+
+def merge(checkpoint: str, output: str, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 1024**3,
+          model_max_length: int | None = None) -> dict:
+    """Write ``output`` (HF safetensors, config.json, tokenizer files) from ``checkpoint``; returns bytes, seconds
+    and the side files copied. Nothing is written unless the checkpoint verifies, and ``output`` appears whole."""
+    from .models.export import export_hf
+
+    result = export_hf(checkpoint, output, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    if model_max_length:
+        path = os.path.join(output, "config.json")
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+        config["max_position_embeddings"] = model_max_length
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+    return result
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Merge a llamafactory_mca checkpoint (any parallel layout) into Hugging "
+        "Face weights, on CPU in one process, one tensor group at a time.",
+        epilog="LLaMA-Factory's merge flags (the parallel sizes, --moe_grouped_gemm) are accepted so existing "
+        "commands keep working; the layout is read from the checkpoint, and a flag that contradicts it is an error.")
+    parser.add_argument("paths", nargs="*", metavar="PATH", help="checkpoint_path output_path, positionally")
+    parser.add_argument("--checkpoint_path", help="an output_dir/checkpoint-N folder written by training")
+    parser.add_argument("--output_path", help="where the Hugging Face model goes (written only when complete)")
+    precision = parser.add_mutually_exclusive_group()
+    precision.add_argument("--bf16", action="store_true", help="write bfloat16 weights (default: as trained)")
+    precision.add_argument("--fp16", action="store_true", help="write float16 weights")
+    for name in LAYOUT_KEYS:
+        parser.add_argument(f"--{name}", type=int, metavar="N", help="accepted for LLaMA-Factory commands; must match "
+                            "the checkpoint")
+    parser.add_argument("--moe_grouped_gemm", type=lambda s: s.lower() in ("1", "true", "yes"), nargs="?",
+                        const=True, default=None, metavar="BOOL", help="accepted; must match the checkpoint")
+    parser.add_argument("--convert_model_max_length", type=int, metavar="N",
+                        help="set max_position_embeddings in the written config.json")
+    parser.add_argument("--max_shard_size_gb", type=float, default=5.0, metavar="GB",
+                        help="largest safetensors file (default 5)")
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str = "llamafactory-mca merge") -> int:
+    from .log import setup_logging
+    from .quiet import quiet_third_party
+
+    setup_logging()
+    quiet_third_party()
+    parser = _parser(prog)
+    args = parser.parse_args(argv)
+    checkpoint = args.checkpoint_path or (args.paths[0] if args.paths else None)
+    output = args.output_path or (args.paths[1] if len(args.paths) > 1 else None)
+    if not checkpoint or not output:
+        parser.error("give --checkpoint_path and --output_path")
+    with user_errors():
+        _check_flags_against_checkpoint(args, checkpoint)
+        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+        result = merge(checkpoint, output, dtype, int(args.max_shard_size_gb * 1024**3), args.convert_model_max_length)
+    size, seconds = result["bytes"] / 2**20, result["seconds"]
+    print(f"Hugging Face weights written to {output} ({size:,.1f} MiB in {seconds:.1f} s; "
+          f"{', '.join(result['side_files']) or 'no tokenizer files'})")
+    return 0

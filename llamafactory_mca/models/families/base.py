@@ -1,0 +1,209 @@
+"""The family contract, and the generic decoder that every family here declares itself on.
+
+A family says how one HF ``model_type`` becomes a Megatron model: what it refuses, the
+TransformerConfig fields its config gives, and the ops that map its weights (``mapping.py``).
+Sharding, file IO and export are generic and live elsewhere. Most decoders are Llama's layer plus a
+few optional parts, so ``DecoderFamily`` is that layer and each part (``QKNorm``, ``MoE``) brings its
+own config fields, refusals and weight ops: a family file only declares which parts it has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from ..config import AttentionShape, McaConfig, attention_shape, check_rope, rope_settings
+from ..mapping import HF_LAYER, LAYER, Op, Rename, dense_layer, embeddings, gated_mlp
+
+
+def refuse(model_type: str, what: str, fix: str) -> NoReturn:
+    raise ValueError(f"{model_type}: {what} is not supported by llamafactory_mca. {fix}")
+
+
+def hf_attention_shape(hf: Any) -> AttentionShape:
+    """HF's names for the attention sizes put into Megatron's, so HF's defaults and the built model's are one
+    derivation (``config.attention_shape``)."""
+    return attention_shape({"num_attention_heads": hf.num_attention_heads, "hidden_size": hf.hidden_size,
+                            "num_query_groups": getattr(hf, "num_key_value_heads", None),
+                            "kv_channels": getattr(hf, "head_dim", None)})
+
+
+class Family:
+    """What the bridge asks of a family (``model_type`` is set by ``registry.register``)."""
+
+    model_type: str = ""
+
+    def check(self, hf: Any) -> None:
+        """Refuse what we cannot honour, so a run never silently trains a different model."""
+
+    def config_from_hf(self, hf: Any) -> McaConfig:
+        raise NotImplementedError
+
+    def weights(self, config: McaConfig) -> list[Op]:
+        raise NotImplementedError
+
+
+class Part:
+    """An optional piece of the decoder layer; a new architectural feature is a new part, not a new base."""
+
+    def check(self, model_type: str, hf: Any) -> None:
+        """Refuse HF configs this part cannot honour."""
+
+    def transformer(self, hf: Any) -> dict[str, Any]:
+        """TransformerConfig fields, laid over the generic decoder's."""
+        return {}
+
+    def weights(self) -> list[Op]:
+        return []
+
+
+class QKNorm(Part):
+    """RMSNorm on each head's queries and keys before RoPE (Qwen3)."""
+
+    def transformer(self, hf: Any) -> dict[str, Any]:
+        return {"qk_layernorm": True}
+
+    def weights(self) -> list[Op]:
+        return [Rename(f"{LAYER}self_attention.{x}_layernorm.weight", (f"{HF_LAYER}self_attn.{x}_norm.weight",))
+                for x in "qk"]
+
+
+@dataclass(frozen=True)
+class SharedExpert:
+    """An expert every token goes through beside the routed ones. ``gate``: its output is scaled by a sigmoid
+    of a learned projection of the token (Qwen2-MoE's ``shared_expert_gate``)."""
+
+    gate: bool
+
+    def transformer(self, hf: Any) -> dict[str, Any]:
+        return {"moe_shared_expert_intermediate_size": hf.shared_expert_intermediate_size,
+                "moe_shared_expert_gate": self.gate}
+
+    def weights(self) -> list[Op]:
+        ops = gated_mlp(f"{LAYER}mlp.shared_experts", f"{HF_LAYER}mlp.shared_expert")
+        if self.gate:
+            ops.append(Rename(f"{LAYER}mlp.shared_experts.gate_weight", (f"{HF_LAYER}mlp.shared_expert_gate.weight",)))
+        return ops
+
+
+@dataclass(frozen=True)
+class MoE(Part):
+    """Routed experts replace the MLP of every layer.
+
+    ``norm_topk``: renormalise the top-k routing weights (None: HF's ``norm_topk_prob`` decides).
+    ``hf_module``: the HF module holding the router (``gate``) and ``experts``; ``projections``: each expert's
+    gate, up and down projection names.
+    """
+
+    norm_topk: bool | None = None
+    shared_expert: SharedExpert | None = None
+    hf_module: str = "mlp"
+    projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+    def check(self, model_type: str, hf: Any) -> None:
+        step, dense = getattr(hf, "decoder_sparse_step", 1), getattr(hf, "mlp_only_layers", None)
+        if step != 1 or dense:
+            refuse(model_type, f"dense layers between MoE layers (decoder_sparse_step={step}, mlp_only_layers="
+                   f"{dense})", "Supported: every layer an MoE layer.")
+
+    def transformer(self, hf: Any) -> dict[str, Any]:
+        norm_topk = hf.norm_topk_prob if self.norm_topk is None else self.norm_topk
+        fields = dict(
+            num_moe_experts=getattr(hf, "num_experts", None) or hf.num_local_experts,
+            moe_ffn_hidden_size=getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size,
+            moe_router_topk=hf.num_experts_per_tok,
+            # HF: softmax over all experts, top-k, renormalise if norm_topk_prob = Megatron's softmax over the top-k.
+            moe_router_pre_softmax=not norm_topk,
+            moe_aux_loss_coeff=float(getattr(hf, "router_aux_loss_coef", 0.0) or 0.0),
+            moe_router_load_balancing_type="aux_loss",
+        )
+        return fields | (self.shared_expert.transformer(hf) if self.shared_expert else {})
+
+    def weights(self) -> list[Op]:
+        hf = f"{HF_LAYER}{self.hf_module}"
+        ops = [Rename(f"{LAYER}mlp.router.weight", (f"{hf}.gate.weight",))]
+        ops += gated_mlp(f"{LAYER}mlp.experts.local_experts.*", f"{hf}.experts.*", *self.projections)
+        return ops + (self.shared_expert.weights() if self.shared_expert else [])
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """HF's ``sliding_window``, honoured only where every sequence fits inside it (the workflow checks).
+    ``switch``: the HF flag that turns it on (Qwen's ``use_sliding_window``); None: on whenever it is set."""
+
+    switch: str | None = None
+
+    def of(self, hf: Any) -> int | None:
+        if self.switch and not getattr(hf, self.switch, False):
+            return None
+        return getattr(hf, "sliding_window", None)
+
+
+class DecoderFamily(Family):
+    """Llama's decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, no biases. A family sets what it adds."""
+
+    qkv_bias: bool = False  # biases on q, k and v (not o)
+    qk_norm: QKNorm | None = None
+    moe: MoE | None = None
+    sliding_window: SlidingWindow | None = None
+
+    def parts(self) -> list[Part]:
+        """The declared parts, in the order their weight ops follow the layer's."""
+        return [part for part in (self.qk_norm, self.moe) if part is not None]
+
+    def check(self, hf: Any) -> None:
+        if getattr(hf, "hidden_act", "silu") != "silu":
+            refuse(self.model_type, f"hidden_act={hf.hidden_act!r}", "Supported: silu (SwiGLU).")
+        if getattr(hf, "attention_bias", False) and not self.qkv_bias:
+            refuse(self.model_type, "attention_bias=True (biases on q, k, v and o)", "Supported: no attention bias.")
+        if getattr(hf, "mlp_bias", False):
+            refuse(self.model_type, "mlp_bias=True", "Supported: no MLP bias.")
+        check_rope(self.model_type, rope_settings(hf)[1])
+        for part in self.parts():
+            part.check(self.model_type, hf)
+
+    def transformer(self, hf: Any) -> dict[str, Any]:
+        """TransformerConfig fields describing the architecture (never the run's layout)."""
+        heads, groups, head_dim = hf_attention_shape(hf)
+        fields = dict(
+            num_layers=hf.num_hidden_layers,
+            hidden_size=hf.hidden_size,
+            ffn_hidden_size=hf.intermediate_size,
+            num_attention_heads=heads,
+            num_query_groups=groups,
+            kv_channels=head_dim,
+            normalization="RMSNorm",
+            layernorm_epsilon=hf.rms_norm_eps,
+            gated_linear_unit=True,
+            activation="silu",
+            add_bias_linear=False,
+            add_qkv_bias=self.qkv_bias,
+            hidden_dropout=0.0,
+            attention_dropout=float(getattr(hf, "attention_dropout", 0.0) or 0.0),
+            init_method_std=getattr(hf, "initializer_range", 0.02),
+        )
+        for part in self.parts():
+            fields |= part.transformer(hf)
+        return fields
+
+    def config_from_hf(self, hf: Any) -> McaConfig:
+        self.check(hf)
+        theta, scaling = rope_settings(hf)
+        return McaConfig(
+            hf_model_type=self.model_type,
+            transformer=self.transformer(hf),
+            vocab_size=hf.vocab_size,
+            max_position_embeddings=hf.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            rotary_base=theta,
+            rope_parameters=scaling,
+            sliding_window=self.sliding_window.of(hf) if self.sliding_window else None,
+            hf_config=hf.to_dict(),
+        )
+
+    def weights(self, config: McaConfig) -> list[Op]:
+        ops = embeddings(config.tie_word_embeddings) + dense_layer(mlp="" if self.moe else "mlp",
+                                                                   qkv_bias=self.qkv_bias)
+        for part in self.parts():
+            ops += part.weights()
+        return ops

@@ -1,0 +1,65 @@
+"""From the data plan to what one rank's model chunks eat, one optimizer step at a time.
+
+A step is ``gradient_accumulation_steps`` micro-batches of this data-parallel rank (the last step of an epoch
+takes what is left), each lengthened to the step's one length under pipeline parallelism and cut to this
+rank's tokens under context parallelism.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from collections.abc import Iterator
+
+from megatron.core import parallel_state as ps
+
+from ..data import MicroBatch
+from ..data.context_parallel import for_context_parallel_rank
+
+
+class StepFeeder:
+    """This rank's optimizer steps from a DataPlan, as the model chunks eat them; resumable at a consumed count.
+
+    The plan decides which global micro-batches a step takes (the last step of an epoch takes what is left, see
+    ``DataPlan.steps``); this adds what the layout needs: one length per step under pipeline parallelism, a
+    micro-batch count that is a multiple of the pipeline size under the interleaved schedule, the CP split.
+    """
+
+    def __init__(self, plan: Any, layout: Any) -> None:
+        self.plan = plan
+        self.layout = layout
+        self.multiple = layout.pp if layout.vpp else 1
+
+    @property
+    def micro_batches_per_epoch(self) -> int:
+        return self.plan.num_micro_batches
+
+    def steps_per_epoch(self) -> int:
+        return self.plan.steps_per_epoch(self.layout.dp, self.layout.grad_accum)
+
+    def steps(self, start: int = 0, epochs: int | None = None) -> Iterator[tuple[list[MicroBatch], int]]:
+        """(this rank's micro-batches of the step, global micro-batches consumed after it)."""
+        # expert parallel groups span data-parallel ranks: their all-to-alls need every rank at every micro-batch
+        for step in self.plan.steps(ps.get_data_parallel_rank(), self.layout.dp, self.layout.grad_accum,
+                                    self.multiple, equal_counts=self.layout.ep > 1, consumed=start, epochs=epochs):
+            yield self._step(step.micro_batches), step.consumed
+
+    def _step(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
+        batches = micro_batches
+        if self.layout.pp > 1:
+            # One length per step under pipeline parallelism, so the schedule runs without its per-micro-batch shape
+            # exchange (variable_seq_lengths off, see models/auto.py). That exchange posts a send whose receive the
+            # next stage posts only after a send of its own; where sends wait for their receive (gloo), PP2 x VPP2
+            # with as many micro-batches as stages deadlocked. It also costs a host sync per transfer.
+            length = max(b.tokens.shape[1] for b in batches)
+            batches = [b.padded_to(length) for b in batches]
+        cp_rank, cp_size = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
+        return [for_context_parallel_rank(b, cp_rank, cp_size) for b in batches]
+
+    def eval_steps(self) -> Iterator[list[MicroBatch]]:
+        """One pass over the evaluation set."""
+        for batches, _ in self.steps(epochs=1):
+            yield batches
+
+    def tokens_per_step(self) -> int:
+        """Average real tokens per optimizer step over an epoch."""
+        return int(self.plan.stats["tokens"] / max(self.steps_per_epoch(), 1))
