@@ -33,6 +33,19 @@ TINY: dict[str, dict[str, Any]] = {
     "mixtral": dict(BASE, intermediate_size=32, num_local_experts=3, num_experts_per_tok=2, router_aux_loss_coef=0.0,
                     sliding_window=None),
 }
+# Vision-language: Qwen2's decoder under multimodal RoPE, a 2-block vision tower with 4-pixel patches (an image of
+# 16 x 16 pixels is a 4 x 4 patch grid, merged 2 x 2 into 4 tokens). Qwen2.5-VL's tower: windowed attention in
+# block 0, full in block 1.
+_VL_TEXT = dict(BASE, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 4]})
+_VL_VISION = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, initializer_range=0.05)
+_VL_TOKENS = dict(image_token_id=196, video_token_id=197, vision_start_token_id=198, vision_end_token_id=199)
+TINY.update({
+    "qwen2_vl": dict(text_config=_VL_TEXT, vision_config=_VL_VISION, **_VL_TOKENS),
+    "qwen2_5_vl": dict(text_config=_VL_TEXT, vision_config=dict(_VL_VISION, intermediate_size=48, out_hidden_size=64,
+                                                                window_size=16, fullatt_block_indexes=[1]),
+                       **_VL_TOKENS),
+})
 
 
 def model_type_of(name: str) -> str:
@@ -48,11 +61,12 @@ def tiny_hf_config(name: str, **overrides: Any):
 def save_tiny_model(name: str, directory: str, seed: int = 0, dtype: torch.dtype = torch.float32,
                     **overrides: Any) -> str:
     """Write a random tiny HF model of family ``name`` (see ``TINY``) to ``directory``."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
     config = tiny_hf_config(name, **overrides)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=dtype)
     model.save_pretrained(directory)
     return directory
 

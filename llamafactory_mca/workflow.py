@@ -78,6 +78,11 @@ def _check_output_dir(output_dir: str) -> None:
 
 
 def check_model_fits(config: Any, cutoff_len: int) -> None:
+    """Refuse a model this run would train wrongly (before any worker starts: the preflight calls it too)."""
+    if config.transformer.get("mrope_section"):
+        raise UserError(f"{config.hf_model_type}: training vision-language models with USE_MCA=1 is not wired up yet "
+                        "(their weights convert and merge, the data path with images does not exist): the images "
+                        "would be ignored. Unset USE_MCA to train it with LLaMA-Factory's default trainer.")
     if config.sliding_window is not None and cutoff_len > config.sliding_window:
         raise UserError(f"{config.hf_model_type}: the model uses sliding-window attention (window "
                          f"{config.sliding_window}), which llamafactory_mca does not implement; it matches full "

@@ -212,28 +212,28 @@ class AutoModel:
     def from_config(config: McaConfig, args: Any = None) -> McaModel:
         """Build this rank's chunks with random weights (process groups must exist)."""
         from megatron.core import parallel_state as ps
-        from megatron.core.models.gpt import GPTModel
-
-        from . import spec
 
         from ..parallel import check_layout
+        from . import spec
 
         check_layout(config, _current_layout(), getattr(args, "pipeline_model_parallel_layout", None) is not None)
         tc = build_transformer_config(config, args)
         tp = ps.get_tensor_model_parallel_world_size()
         vpp = ps.get_virtual_pipeline_model_parallel_world_size()
         inv_freq = rope_inv_freq(config, tc.kv_channels)
+        family = get_family(config.hf_model_type)
         chunks = []
         for stage in range(vpp or 1):
             vp_stage = stage if vpp else None
-            chunk = GPTModel(
-                config=tc, transformer_layer_spec=spec.get_block_spec(tc, vp_stage),
+            chunk = family.build_chunk(
+                mca=config, config=tc, transformer_layer_spec=spec.get_block_spec(tc, vp_stage),
                 vocab_size=config.padded_vocab_size(tp),
                 max_sequence_length=config.max_position_embeddings,
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
                 share_embeddings_and_output_weights=config.tie_word_embeddings,
-                position_embedding_type="rope", rotary_base=config.rotary_base, vp_stage=vp_stage,
+                position_embedding_type="mrope" if tc.mrope_section else "rope", rotary_base=config.rotary_base,
+                vp_stage=vp_stage,
             )
             if inv_freq is not None:
                 chunk.rotary_pos_emb.inv_freq = inv_freq.to(chunk.rotary_pos_emb.inv_freq.device)

@@ -9,6 +9,7 @@ ops, and forgets it. ``export_hf`` consumes it (the merge command, the trainer's
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -34,10 +35,18 @@ def stored_keys(pattern: str) -> list[str]:
     return [key] if stored == key else [key, stored]
 
 
-def _index_ranges(pattern: str, config: McaConfig) -> list[tuple[int, ...]]:
+_LAYERS = "decoder.layers.*."
+
+
+def _index_ranges(pattern: str, config: McaConfig, reader: DistCheckpointReader) -> list[tuple[int, ...]]:
+    """The indices a canonical pattern takes: decoder layers (and experts) from the config; anything else (a vision
+    tower's blocks) from the keys the checkpoint holds."""
     stars = pattern.count("*")
     if stars == 0:
         return [()]
+    if not pattern.startswith(_LAYERS):
+        regex = re.compile("^" + re.escape(pattern).replace(r"\*", r"(\d+)") + "$")
+        return sorted(tuple(map(int, m.groups())) for key in reader.keys() if (m := regex.match(key)))
     layers = range(config.num_layers)
     if stars == 1:
         return [(i,) for i in layers]
@@ -50,12 +59,13 @@ def iter_hf_tensors(reader: DistCheckpointReader, config: McaConfig, dtype: torc
     table = WeightTable(get_family(config.hf_model_type).weights(config))
     dims = dims_for(config, 1)
     ops = [op for op in table.ops if op.export]
-    # Non-layer tensors first, then each layer's tensors together (one layer's group in memory at a time).
-    order = [(op, idx) for op in ops if "*" not in op.mca for idx in [()]]
+    # Tensors outside the decoder layers first, then each layer's together (one layer's group in memory at a time).
+    order = [(op, idx) for op in ops if not op.mca.startswith(_LAYERS)
+             for idx in _index_ranges(op.mca, config, reader)]
     for layer in range(config.num_layers):
         for op in ops:
-            if "*" in op.mca:
-                order += [(op, idx) for idx in _index_ranges(op.mca, config) if idx[0] == layer]
+            if op.mca.startswith(_LAYERS):
+                order += [(op, idx) for idx in _index_ranges(op.mca, config, reader) if idx[0] == layer]
     for op, index in order:
         tensor = _read(reader, op.mca, index, config)
         for pattern, hf_tensor in zip(op.hf, op.to_hf(tensor, dims)):
@@ -65,9 +75,9 @@ def iter_hf_tensors(reader: DistCheckpointReader, config: McaConfig, dtype: torc
 def _read(reader: DistCheckpointReader, pattern: str, index: tuple[int, ...], config: McaConfig) -> torch.Tensor:
     """One canonical tensor (a layer's, an expert's) from wherever the checkpoint stored it."""
     for key in stored_keys(pattern):
-        if not index:
-            if key in reader:
-                return reader.read(key)
+        if not index or not pattern.startswith(_LAYERS):
+            if fill(key, index) in reader:
+                return reader.read(fill(key, index))
             continue
         found = reader.locate_layer(key, index[0])  # layers stacked on axis 0, or one key per layer
         if found is not None:

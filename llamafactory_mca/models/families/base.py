@@ -42,6 +42,12 @@ class Family:
     def weights(self, config: McaConfig) -> list[Op]:
         raise NotImplementedError
 
+    def build_chunk(self, mca: McaConfig, **gpt_kwargs: Any) -> Any:
+        """One model chunk (a pipeline stage's part of the model) from GPTModel's arguments."""
+        from megatron.core.models.gpt import GPTModel
+
+        return GPTModel(**gpt_kwargs)
+
 
 class Part:
     """An optional piece of the decoder layer; a new architectural feature is a new part, not a new base."""
@@ -50,10 +56,10 @@ class Part:
         """Refuse HF configs this part cannot honour."""
 
     def transformer(self, hf: Any) -> dict[str, Any]:
-        """TransformerConfig fields, laid over the generic decoder's."""
+        """TransformerConfig fields, laid over the generic decoder's (``hf``: the text model's config)."""
         return {}
 
-    def weights(self) -> list[Op]:
+    def weights(self, config: McaConfig) -> list[Op]:
         return []
 
 
@@ -63,7 +69,7 @@ class QKNorm(Part):
     def transformer(self, hf: Any) -> dict[str, Any]:
         return {"qk_layernorm": True}
 
-    def weights(self) -> list[Op]:
+    def weights(self, config: McaConfig) -> list[Op]:
         return [Rename(f"{LAYER}self_attention.{x}_layernorm.weight", (f"{HF_LAYER}self_attn.{x}_norm.weight",))
                 for x in "qk"]
 
@@ -119,11 +125,33 @@ class MoE(Part):
         )
         return fields | (self.shared_expert.transformer(hf) if self.shared_expert else {})
 
-    def weights(self) -> list[Op]:
+    def weights(self, config: McaConfig) -> list[Op]:
         hf = f"{HF_LAYER}{self.hf_module}"
         ops = [Rename(f"{LAYER}mlp.router.weight", (f"{hf}.gate.weight",))]
         ops += gated_mlp(f"{LAYER}mlp.experts.local_experts.*", f"{hf}.experts.*", *self.projections)
         return ops + (self.shared_expert.weights() if self.shared_expert else [])
+
+
+@dataclass(frozen=True)
+class Vision(Part):
+    """A vision tower (the HF module, on the first pipeline stage: ``models/multimodal.py``) whose image and video
+    features replace the placeholder tokens' embeddings; the text half rotates by 3-D positions (mrope)."""
+
+    def check(self, model_type: str, hf: Any) -> None:
+        if not _rope_dict(hf).get("mrope_section"):
+            refuse(model_type, "a vision-language config without mrope_section", "Supported: multimodal RoPE.")
+
+    def transformer(self, hf: Any) -> dict[str, Any]:
+        return {"mrope_section": list(_rope_dict(hf)["mrope_section"])}
+
+    def weights(self, config: McaConfig) -> list[Op]:
+        from ..multimodal import vision_ops
+
+        return vision_ops(config.hf_config)
+
+
+def _rope_dict(hf: Any) -> dict[str, Any]:
+    return dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
 
 
 @dataclass(frozen=True)
@@ -146,10 +174,11 @@ class DecoderFamily(Family):
     qk_norm: QKNorm | None = None
     moe: MoE | None = None
     sliding_window: SlidingWindow | None = None
+    vision: Vision | None = None
 
     def parts(self) -> list[Part]:
         """The declared parts, in the order their weight ops follow the layer's."""
-        return [part for part in (self.qk_norm, self.moe) if part is not None]
+        return [part for part in (self.qk_norm, self.moe, self.vision) if part is not None]
 
     def check(self, hf: Any) -> None:
         if getattr(hf, "hidden_act", "silu") != "silu":
@@ -187,17 +216,19 @@ class DecoderFamily(Family):
         return fields
 
     def config_from_hf(self, hf: Any) -> McaConfig:
-        self.check(hf)
-        theta, scaling = rope_settings(hf)
+        """From the HF config; a vision-language config's text half (``text_config``) describes the decoder."""
+        text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+        self.check(text)
+        theta, scaling = rope_settings(text)
         return McaConfig(
             hf_model_type=self.model_type,
-            transformer=self.transformer(hf),
-            vocab_size=hf.vocab_size,
-            max_position_embeddings=hf.max_position_embeddings,
+            transformer=self.transformer(text),
+            vocab_size=text.vocab_size,
+            max_position_embeddings=text.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             rotary_base=theta,
             rope_parameters=scaling,
-            sliding_window=self.sliding_window.of(hf) if self.sliding_window else None,
+            sliding_window=self.sliding_window.of(text) if self.sliding_window else None,
             hf_config=hf.to_dict(),
         )
 
@@ -205,5 +236,13 @@ class DecoderFamily(Family):
         ops = embeddings(config.tie_word_embeddings) + dense_layer(mlp="" if self.moe else "mlp",
                                                                    qkv_bias=self.qkv_bias)
         for part in self.parts():
-            ops += part.weights()
+            ops += part.weights(config)
         return ops
+
+    def build_chunk(self, mca: McaConfig, **gpt_kwargs: Any) -> Any:
+        """With a vision tower, our VisionLanguageModel (GPTModel + the tower on the first stage)."""
+        if self.vision is None:
+            return super().build_chunk(mca, **gpt_kwargs)
+        from ..multimodal import VisionLanguageModel
+
+        return VisionLanguageModel(hf_config=mca.hf_config, **gpt_kwargs)

@@ -1,0 +1,123 @@
+"""Vision-language families against ``transformers`` (CPU, fp32): logits on text + image input at TP1, TP2 with
+sequence parallelism and PP2 (the tower on the first stage only), and the weights' round trip (HF -> Megatron -> HF)
+bit for bit. (Training them through the recipe path is refused until their data path exists.)"""
+
+import os
+
+import pytest
+import torch
+
+from llamafactory_mca.tiny import save_tiny_model
+from tests._dist import run_distributed
+
+FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
+IMAGE_GRID = torch.tensor([[1, 4, 4], [1, 4, 8]])  # two images: 4 and 8 tokens after the 2 x 2 merge
+
+
+def _inputs(config) -> dict:
+    """One row: text, an image, text, a second image, text; pixel values for both images' patches."""
+    g = torch.Generator().manual_seed(0)
+    text = lambda n: torch.randint(0, 190, (n,), generator=g)  # noqa: E731
+    image = lambda n: torch.full((n,), config.image_token_id)  # noqa: E731
+    merged = (IMAGE_GRID.prod(-1) // 4).tolist()
+    ids = torch.cat([text(5), image(merged[0]), text(7), image(merged[1]), text(4)]).view(1, -1)  # 28: TP2+SP
+    v = config.vision_config
+    width = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+    pixels = torch.randn(int(IMAGE_GRID.prod(-1).sum()), width, generator=g)
+    return {"input_ids": ids, "pixel_values": pixels, "image_grid_thw": IMAGE_GRID,
+            "mm_token_type_ids": (ids == config.image_token_id).int()}
+
+
+def _hf(model_dir: str) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """(inputs, 3-D positions [3, 1, s], logits) from the HF model."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    inputs = _inputs(model.config)
+    positions, _ = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                              image_grid_thw=inputs["image_grid_thw"])
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    return inputs, positions, logits
+
+
+LAYOUTS = [("dp2", {}), ("tp2-sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+           ("pp2", {"pipeline_model_parallel_size": 2})]
+
+
+def _logits(model, inputs: dict, positions: torch.Tensor) -> torch.Tensor | None:
+    """Full-vocabulary logits through Megatron's schedule; None on ranks without them."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    def step(iterator, chunk):
+        next(iterator)
+        out = chunk(inputs["input_ids"], positions, None, pixel_values=inputs["pixel_values"],
+                    image_grid_thw=inputs["image_grid_thw"])
+        return out, lambda out, non_loss_data=True: out
+
+    with torch.no_grad():
+        out = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter([None]), model=model.chunks[0], num_microbatches=1,
+            seq_length=inputs["input_ids"].shape[1], micro_batch_size=1, forward_only=True, collect_non_loss_data=True)
+    if not ps.is_pipeline_last_stage():
+        return None
+    logits = gather_from_tensor_model_parallel_region(torch.cat(out))
+    return logits.clone() if ps.get_tensor_model_parallel_rank() == 0 else None
+
+
+def _ours(jobs: dict, layouts: list) -> dict:
+    """{(family, layout): logits} on the ranks that have them; in the first layout each model is saved back to HF."""
+    from megatron.core import parallel_state as ps
+
+    from llamafactory_mca import parallel
+    from llamafactory_mca.args import MegatronArguments
+    from llamafactory_mca.models.auto import AutoModel
+
+    found = {}
+    for layout, sizes in layouts:
+        args = MegatronArguments(**sizes)
+        parallel.initialize(parallel.ParallelLayout.from_args(args))
+        for name, (model_dir, inputs, positions, back_dir) in jobs.items():
+            model = AutoModel.from_pretrained(model_dir, args).eval()
+            logits = _logits(model, inputs, positions)
+            if logits is not None:
+                found[(name, layout)] = logits
+            if layout == layouts[0][0]:
+                model.save_pretrained(back_dir)
+        ps.destroy_model_parallel()
+    return found
+
+
+def test_vision_language_logits_and_round_trip_match_transformers(tmp_path):
+    """Both families, at DP2 (each rank the whole model), TP2 + SP and PP2 (the tower on the first stage only), in
+    one two-process run."""
+    from safetensors.torch import load_file
+
+    jobs, expected = {}, {}
+    for name in FAMILIES:
+        model_dir = save_tiny_model(name, str(tmp_path / name))
+        inputs, positions, expected[name] = _hf(model_dir)
+        assert positions[1:].ne(positions[0]).any()  # the image tokens' rows differ: 3-D positions are exercised
+        jobs[name] = (model_dir, inputs, positions, str(tmp_path / f"{name}-back"))
+    found = {k: v for rank in run_distributed(_ours, 2, jobs, LAYOUTS) for k, v in rank.items()}
+    assert sorted(found) == sorted((n, layout) for n in FAMILIES for layout, _ in LAYOUTS), found.keys()
+    for (name, layout), logits in found.items():
+        logits = logits[..., : expected[name].shape[-1]]
+        assert torch.allclose(logits, expected[name], atol=1e-4), (name, layout, (logits - expected[name]).abs().max())
+    for name, (model_dir, _, _, back_dir) in jobs.items():
+        original = load_file(os.path.join(model_dir, "model.safetensors"))
+        back = load_file(os.path.join(back_dir, "model.safetensors"))
+        assert sorted(original) == sorted(back) and any(k.startswith("visual.") for k in back)
+        assert all(torch.equal(original[k], back[k]) for k in original), name
+
+
+def test_training_a_vision_language_model_is_refused_until_its_data_path_exists(tmp_path):
+    from llamafactory_mca.errors import UserError
+    from llamafactory_mca.models.auto import AutoConfig
+    from llamafactory_mca.workflow import check_model_fits
+
+    config = AutoConfig.from_pretrained(save_tiny_model("qwen2_vl", str(tmp_path / "hf")))
+    with pytest.raises(UserError, match="the images would be ignored"):
+        check_model_fits(config, 64)
