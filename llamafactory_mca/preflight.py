@@ -183,7 +183,7 @@ def preflight(argv: list[str]) -> Plan:
     model_path = resolve_model(model_args.model_name_or_path, model_args)
     config = AutoConfig.from_pretrained(model_path, training_args, model_args.trust_remote_code)
     check_layout(config, layout, training_args.pipeline_model_parallel_layout is not None)
-    check_model_fits(config, cutoff_len)
+    check_model_fits(config, cutoff_len, finetuning_args.stage, layout)
     if getattr(finetuning_args, "ref_model", None):
         resolve_model(finetuning_args.ref_model, model_args)
     check_datasets(data_args)

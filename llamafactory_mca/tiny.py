@@ -112,6 +112,65 @@ def save_tiny_tokenizer(directory: str, texts: list[str] | None = None) -> str:
     return directory
 
 
+VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None, seed: int = 0) -> str:
+    """A tiny vision-language model of family ``name`` (``TINY``) with its tokenizer and processor, as the hub ships
+    them: the tokenizer knows the vision tokens, the config's token ids are the tokenizer's, and the image processor
+    cuts 4-pixel patches merged 2 x 2 (a 32 x 32 image: 64 patches, 16 tokens)."""
+    from transformers import AutoTokenizer, Qwen2_5_VLProcessor, Qwen2VLProcessor
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+    save_tiny_tokenizer(directory, texts)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"] + VL_TOKENS})
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VL_TOKENS}
+    pixels = dict(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16, max_pixels=64 * 64)
+    processor = (Qwen2_5_VLProcessor if name == "qwen2_5_vl" else Qwen2VLProcessor)(
+        image_processor=Qwen2VLImageProcessor(**pixels), video_processor=Qwen2VLVideoProcessor(**pixels),
+        tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
+    processor.save_pretrained(directory)
+    save_tiny_model(name, directory, seed=seed, vocab_size=len(tokenizer) + 3,
+                    text_config=dict(TINY[name]["text_config"], vocab_size=len(tokenizer) + 3),
+                    image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                    vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    return directory
+
+
+def write_image_dataset(directory: str, n_rows: int, name: str = "tiny_images") -> str:
+    """sharegpt rows with one or two small images each (LLaMA-Factory's mllm_demo format) and dataset_info.json."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    path = os.path.join(directory, "data")
+    os.makedirs(path, exist_ok=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(n_rows):
+        images = []
+        for k in range(1 + i % 2):
+            side = (32, 48)[(i + k) % 2]
+            file = os.path.join(path, f"{name}_{i}_{k}.png")
+            Image.fromarray(rng.integers(0, 255, (side, 32, 3), dtype=np.uint8)).save(file)
+            images.append(file)
+        topic = TOPICS[i % len(TOPICS)]
+        question = "<image>" * len(images) + SENTENCES[2].format(topic=topic)
+        rows.append({"messages": [{"role": "user", "content": question},
+                                  {"role": "assistant", "content": SENTENCES[3].format(topic=topic)}],
+                     "images": images})
+    with open(os.path.join(path, f"{name}.json"), "w", encoding="utf-8") as f:
+        json.dump(rows, f, indent=1)
+    info = {"file_name": f"{name}.json", "formatting": "sharegpt",
+            "columns": {"messages": "messages", "images": "images"},
+            "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}}
+    with open(os.path.join(path, "dataset_info.json"), "w", encoding="utf-8") as f:
+        json.dump({name: info}, f, indent=1)
+    return path
+
+
 def alpaca_rows(n_rows: int, ranking: bool = False) -> list[dict[str, str]]:
     """Rows of varied length whose words all come from ``corpus()``."""
     rows = []

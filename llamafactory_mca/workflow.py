@@ -77,12 +77,16 @@ def _check_output_dir(output_dir: str) -> None:
                          "to.") from err
 
 
-def check_model_fits(config: Any, cutoff_len: int) -> None:
+def check_model_fits(config: Any, cutoff_len: int, stage: str, layout: Any) -> None:
     """Refuse a model this run would train wrongly (before any worker starts: the preflight calls it too)."""
     if config.transformer.get("mrope_section"):
-        raise UserError(f"{config.hf_model_type}: training vision-language models with USE_MCA=1 is not wired up yet "
-                        "(their weights convert and merge, the data path with images does not exist): the images "
-                        "would be ignored. Unset USE_MCA to train it with LLaMA-Factory's default trainer.")
+        if stage == "dpo":
+            raise UserError(f"{config.hf_model_type}: DPO on vision-language models is not supported with USE_MCA=1 "
+                            "yet; sft and pt are. Unset USE_MCA to run it with LLaMA-Factory's default trainer.")
+        if layout.cp > 1:
+            raise UserError(f"context_parallel_size={layout.cp} is not supported for the vision-language model "
+                            f"{config.hf_model_type} yet (its image features would have to follow the token split); "
+                            "use context_parallel_size: 1.")
     if config.sliding_window is not None and cutoff_len > config.sliding_window:
         raise UserError(f"{config.hf_model_type}: the model uses sliding-window attention (window "
                          f"{config.sliding_window}), which llamafactory_mca does not implement; it matches full "
@@ -181,7 +185,7 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
     from .log import setup_logging
     from .models import spec
     from .models.auto import AutoConfig, AutoModel
-    from .models.freeze import apply_freeze
+    from .models.freeze import apply_freeze, apply_multimodal_freeze
     from .parallel import check_layout
     from .quiet import quiet_transformers
     from .trainer.loss import PreferenceConfig
@@ -202,7 +206,7 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
     _resolve_model_once_per_node(model_args, finetuning_args)
     config = AutoConfig.from_pretrained(model_args.model_name_or_path, training_args, model_args.trust_remote_code)
     check_layout(config, layout, training_args.pipeline_model_parallel_layout is not None)
-    check_model_fits(config, cutoff_len)
+    check_model_fits(config, cutoff_len, stage, layout)
 
     watchdog.beat(phase="loading data and model")
     parallel.initialize(layout, training_args.seed)
@@ -220,16 +224,22 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
     model = AutoModel.from_pretrained(model_args.model_name_or_path, training_args, model_args.trust_remote_code)
     if finetuning_args.finetuning_type == "freeze":
         apply_freeze(model, finetuning_args)
+    apply_multimodal_freeze(model, finetuning_args)
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     batching = dict(cutoff_len=cutoff_len, packing=packing, pad_multiple=layout.pad_multiple, pad_token_id=pad_id)
+    vision = None
+    if config.transformer.get("mrope_section"):
+        from .data.multimodal import VisionInputs
+
+        vision = VisionInputs(template.mm_plugin, tokenizer_module.get("processor"), config.hf_config)
     train_plan = DataPlan(dataset_module["train_dataset"], BatchingConfig.from_args(training_args, **batching),
-                          log=False)
+                          log=False, vision=vision)
     eval_dataset = dataset_module.get("eval_dataset")
     if isinstance(eval_dataset, dict):
         raise UserError("several eval datasets (eval_dataset with a dict) are not supported with USE_MCA=1.")
     eval_plan = None if eval_dataset is None else DataPlan(
-        eval_dataset, BatchingConfig.from_args(training_args, for_eval=True, **batching), log=False)
+        eval_dataset, BatchingConfig.from_args(training_args, for_eval=True, **batching), log=False, vision=vision)
 
     preference = None
     if stage == "dpo":

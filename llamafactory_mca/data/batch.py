@@ -48,6 +48,14 @@ class MicroBatch:
     ref_chosen_logps: torch.Tensor | None = None  # [num_pairs] float32, when the dataset carries them
     ref_rejected_logps: torch.Tensor | None = None
     is_padding: bool = False  # a stand-in that keeps ranks in step (an epoch's last step); it adds to no loss
+    rope_positions: torch.Tensor | None = None  # [b, s, 3] vision-language models' 3-D positions (mrope)
+    vision: dict[str, torch.Tensor] | None = None  # pixel_values, image_grid_thw, ... (data/multimodal.py)
+
+    def model_inputs(self, first_stage: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(positions, extra keyword arguments) for the model chunk: 3-D positions [3, b, s] for multimodal RoPE, and
+        the pixels only where the vision tower is (the first stage)."""
+        positions = self.position_ids if self.rope_positions is None else self.rope_positions.permute(2, 0, 1)
+        return positions, (self.vision or {}) if first_stage else {}
 
     @property
     def packed(self) -> bool:
@@ -85,6 +93,8 @@ class MicroBatch:
             for f in fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
+        if self.vision:
+            moved["vision"] = {k: v.to(device, non_blocking=non_blocking) for k, v in self.vision.items()}
         return replace(self, **moved)
 
     def padded_to(self, length: int) -> MicroBatch:
@@ -100,6 +110,9 @@ class MicroBatch:
             return torch.cat([tensor, tail.to(tensor.dtype)], dim=1)
 
         positions = grow(self.position_ids, self.position_ids[:, -1:] + torch.arange(1, extra + 1))
+        rope = self.rope_positions
+        if rope is not None:
+            rope = torch.cat([rope, rope[:, -1:] + torch.arange(1, extra + 1).view(1, -1, 1)], dim=1)
         seq_ids = grow(self.seq_ids, self.seq_ids[:, -1:].expand(-1, extra))
         cu_seqlens, seqlens, max_seqlen = self.cu_seqlens, list(self.seqlens), self.max_seqlen
         if cu_seqlens is not None:
@@ -111,6 +124,7 @@ class MicroBatch:
             seqlens, max_seqlen = [length] * len(seqlens), length
         return replace(self, tokens=grow(self.tokens, 0), labels=grow(self.labels, IGNORE_INDEX),
                        loss_mask=grow(self.loss_mask, 0.0), position_ids=positions, seq_ids=seq_ids,
+                       rope_positions=rope,
                        cu_seqlens=cu_seqlens, seqlens=seqlens, max_seqlen=max_seqlen,
                        num_tokens=self.num_tokens + extra * self.tokens.shape[0])
 

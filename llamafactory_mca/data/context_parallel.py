@@ -15,7 +15,7 @@ import torch
 
 from .batch import MicroBatch
 
-_TOKEN_FIELDS = ("tokens", "labels", "loss_mask", "position_ids", "seq_ids")
+_TOKEN_FIELDS = ("tokens", "labels", "loss_mask", "position_ids", "seq_ids", "rope_positions")
 
 
 def for_context_parallel_rank(batch: MicroBatch, cp_rank: int, cp_size: int) -> MicroBatch:

@@ -111,13 +111,14 @@ def _rng(seed: int, stream: int, epoch: int = 0) -> np.random.Generator:
 class DataPlan:
     """Which rows form which micro-batch, for every epoch; collation on demand."""
 
-    def __init__(self, dataset: Dataset, config: BatchingConfig, log: bool = True) -> None:
+    def __init__(self, dataset: Dataset, config: BatchingConfig, log: bool = True, vision: Any = None) -> None:
+        """``vision``: a ``data.multimodal.VisionInputs`` for vision-language models (pixels, 3-D positions)."""
         if not hasattr(dataset, "select_columns") or not hasattr(dataset, "__len__"):
             raise TypeError(
                 f"DataPlan needs a map-style datasets.Dataset, got {type(dataset).__name__}; streaming datasets "
                 "cannot be planned, shuffled or resumed exactly. Set streaming: false."
             )
-        self.config = config
+        self.config, self.vision = config, vision
         self.kind = detect_kind(dataset.column_names)
         self.table: RowTable = scan_rows(dataset, self.kind, config.cutoff_len)
         self._dataset = dataset.select_columns(columns_for(self.kind, dataset.column_names))
@@ -174,10 +175,12 @@ class DataPlan:
         samples = fetch_samples(self._dataset, list(group), self.kind, config.cutoff_len, self.reference)
         if config.packing:
             total = None if config.variable_seq_lengths else self.capacity
-            return collate_packed(samples, config.pad_multiple, config.pad_token_id, self.pairwise, total)
-        fixed = None if config.variable_seq_lengths else config.fixed_length
-        rows = config.micro_batch_size if config.equal_rows or fixed else None
-        return collate_padded(samples, config.pad_multiple, config.pad_token_id, self.pairwise, fixed, rows)
+            batch = collate_packed(samples, config.pad_multiple, config.pad_token_id, self.pairwise, total)
+        else:
+            fixed = None if config.variable_seq_lengths else config.fixed_length
+            rows = config.micro_batch_size if config.equal_rows or fixed else None
+            batch = collate_padded(samples, config.pad_multiple, config.pad_token_id, self.pairwise, fixed, rows)
+        return batch if self.vision is None else self.vision.attach(batch, samples)
 
     def set_reference(self, chosen: np.ndarray, rejected: np.ndarray) -> None:
         """DPO's reference log-probs, one pair per row, computed once before training (``McaTrainer``); every

@@ -7,7 +7,7 @@ therefore gives at most ``cutoff_len`` positions, and no target ever belongs to 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 PT, SFT, PAIRWISE = "pt", "sft", "pairwise"
 DOCUMENT_START = "document_start"  # pt pieces (split_documents): False where a piece continues a document
+MEDIA_COLUMNS = ("images", "videos")  # LLaMA-Factory keeps a row's images and videos (paths) beside its tokens
 _PREFIXES = {PT: ("",), SFT: ("",), PAIRWISE: ("chosen_", "rejected_")}
 
 
@@ -37,10 +38,11 @@ def detect_kind(column_names: list[str]) -> str:
 
 
 def columns_for(kind: str, column_names: list[str]) -> list[str]:
-    """The columns collation reads: ids, labels, and where a pt piece starts its document."""
+    """The columns collation reads: ids, labels, where a pt piece starts its document, and images and videos."""
     wanted = [f"{p}{c}" for p in _PREFIXES[kind] for c in ("input_ids", "labels") if kind != PT or c != "labels"]
     if kind == PT and DOCUMENT_START in column_names:
         wanted.append(DOCUMENT_START)
+    wanted += [c for c in MEDIA_COLUMNS if c in column_names]
     return wanted
 
 
@@ -140,6 +142,8 @@ class Sample:
     ref_logps: tuple[float, float] | None = None
     continues: bool = False  # a pt piece after the first of its document
     filler: bool = False  # a loss-free stand-in row that keeps a short group's shape (collate_padded)
+    images: list = field(default_factory=list)  # vision-language rows: as LLaMA-Factory's mm plugin reads them
+    videos: list = field(default_factory=list)
 
 
 def make_sample(row: dict[str, Any], kind: str, cutoff_len: int) -> Sample:
@@ -149,7 +153,8 @@ def make_sample(row: dict[str, Any], kind: str, cutoff_len: int) -> Sample:
         ids = np.asarray(row[f"{prefix}input_ids"][: cutoff_len + 1], dtype=np.int64)
         labels = ids if kind == PT else np.asarray(row[f"{prefix}labels"][: cutoff_len + 1], dtype=np.int64)
         sequences.append((ids[:-1], labels[1:]))
-    return Sample(sequences, continues=kind == PT and row.get(DOCUMENT_START, True) is False)
+    return Sample(sequences, continues=kind == PT and row.get(DOCUMENT_START, True) is False,
+                  images=list(row.get("images") or []), videos=list(row.get("videos") or []))
 
 
 def fetch_samples(dataset: Dataset, indices: list[int], kind: str, cutoff_len: int,

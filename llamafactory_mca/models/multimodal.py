@@ -94,16 +94,23 @@ class VisionLanguageModel(GPTModel):
         """Token embeddings [s, b, h] (sequence-parallel: this rank's part) with the vision features at the
         placeholder tokens."""
         embeddings = self.embedding(input_ids=input_ids, position_ids=None)
+        if pixel_values is None and pixel_values_videos is None and self.training:
+            # a text-only micro-batch: a zero that touches every trainable tower parameter, so each gets its
+            # (zero) gradient and DDP's overlapped bucket reduction is not left waiting for it
+            trainable = [p.sum() for p in self.vision.parameters() if p.requires_grad]
+            if trainable:
+                embeddings = embeddings + 0.0 * torch.stack(trainable).sum().to(embeddings.dtype)
         for pixels, grid, token in ((pixel_values, image_grid_thw, self.image_token_id),
                                     (pixel_values_videos, video_grid_thw, self.video_token_id)):
             if pixels is None:
                 continue
             features = self._features(pixels, grid).to(embeddings.dtype)
-            mask = (input_ids == token).transpose(0, 1)  # [s, b], the embeddings' layout
+            mask = input_ids == token  # [b, s]: features fill row after row, as the rows hold their images
             if int(mask.sum()) != features.shape[0]:
                 raise ValueError(f"{int(mask.sum())} placeholder tokens (id {token}) but {features.shape[0]} vision "
                                  "features: the rows and their images do not match")
-            embeddings = embeddings.masked_scatter(mask.unsqueeze(-1), features)
+            embeddings = embeddings.transpose(0, 1).masked_scatter(mask.unsqueeze(-1), features).transpose(0, 1)
+            embeddings = embeddings.contiguous()
         if self.config.sequence_parallel:
             from megatron.core import tensor_parallel
 

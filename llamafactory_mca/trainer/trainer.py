@@ -119,8 +119,10 @@ class McaTrainer:
     def _forward_step(self, data_iterator, model_chunk, *, collect_reference: bool = False):
         watchdog.beat()
         batch = next(data_iterator)
-        output = model_chunk(batch.tokens, batch.position_ids, None, labels=batch.model_labels,
-                             packed_seq_params=batch.packed_seq_params())
+        has_tower = getattr(getattr(model_chunk, "module", model_chunk), "vision", None) is not None
+        positions, vision = batch.model_inputs(first_stage=has_tower)
+        output = model_chunk(batch.tokens, positions, None, labels=batch.model_labels,
+                             packed_seq_params=batch.packed_seq_params(), **vision)
         if self._inject_nan:
             output = output * float("nan")
         if collect_reference:

@@ -1,6 +1,6 @@
 """Vision-language families against ``transformers`` (CPU, fp32): logits on text + image input at TP1, TP2 with
 sequence parallelism and PP2 (the tower on the first stage only), and the weights' round trip (HF -> Megatron -> HF)
-bit for bit. (Training them through the recipe path is refused until their data path exists.)"""
+bit for bit. (Training through the recipe: tests/test_multimodal_training.py.)"""
 
 import os
 
@@ -113,11 +113,16 @@ def test_vision_language_logits_and_round_trip_match_transformers(tmp_path):
         assert all(torch.equal(original[k], back[k]) for k in original), name
 
 
-def test_training_a_vision_language_model_is_refused_until_its_data_path_exists(tmp_path):
+def test_what_vision_language_training_cannot_do_yet_is_refused(tmp_path):
+    from types import SimpleNamespace
+
     from llamafactory_mca.errors import UserError
     from llamafactory_mca.models.auto import AutoConfig
     from llamafactory_mca.workflow import check_model_fits
 
     config = AutoConfig.from_pretrained(save_tiny_model("qwen2_vl", str(tmp_path / "hf")))
-    with pytest.raises(UserError, match="the images would be ignored"):
-        check_model_fits(config, 64)
+    check_model_fits(config, 64, "sft", SimpleNamespace(cp=1))
+    with pytest.raises(UserError, match="DPO on vision-language models"):
+        check_model_fits(config, 64, "dpo", SimpleNamespace(cp=1))
+    with pytest.raises(UserError, match="context_parallel_size=2 is not supported"):
+        check_model_fits(config, 64, "sft", SimpleNamespace(cp=2))

@@ -1,0 +1,92 @@
+"""The data half of vision-language models: a micro-batch's pixels and its 3-D multimodal RoPE positions.
+
+LLaMA-Factory already did the hard part while tokenising: its template's mm plugin expanded every image into as many
+placeholder tokens as the vision tower will give features. Here, per micro-batch, the same plugin turns the rows'
+images and videos into ``pixel_values`` / ``image_grid_thw`` (and the video pair), in the order their placeholders
+appear, and ``transformers``' own ``get_rope_index`` gives each sequence its [3, n] positions — per sequence, so
+positions restart inside a pack exactly as in an unpacked row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from .batch import MicroBatch
+from .rows import Sample
+
+IMAGE, VIDEO = 1, 2  # mm_token_type_ids of transformers' get_rope_index
+
+
+def _rope_index(hf_config: dict[str, Any]):
+    """``get_rope_index`` of the HF VL model, bound to an instance that holds only its config: the method reads
+    nothing else, and building the model (billions of parameters) to call it would be absurd."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    config = AutoConfig.for_model(hf_config["model_type"], **{k: v for k, v in hf_config.items() if k != "model_type"})
+    model_class = getattr(transformers, MODEL_MAPPING_NAMES[config.model_type])
+    holder = model_class.__new__(model_class)
+    object.__setattr__(holder, "config", config)
+    return holder.get_rope_index
+
+
+class VisionInputs:
+    """What a vision-language model needs beside the tokens, built at collation."""
+
+    def __init__(self, mm_plugin: Any, processor: Any, hf_config: dict[str, Any]) -> None:
+        self.plugin, self.processor = mm_plugin, processor
+        self.rope_index = _rope_index(hf_config)
+        self.image_token_id, self.video_token_id = hf_config["image_token_id"], hf_config.get("video_token_id")
+
+    def attach(self, batch: MicroBatch, samples: list[Sample]) -> MicroBatch:
+        """``batch`` with its vision inputs (None without images or videos) and 3-D positions."""
+        images = [image for sample in samples for image in sample.images]
+        videos = [video for sample in samples for video in sample.videos]
+        vision: dict[str, torch.Tensor] = {}
+        if images or videos:
+            inputs = self.plugin.get_mm_inputs(images, videos, [], [len(images)], [len(videos)], [0], [[]],
+                                               self.processor)
+            vision = {k: v for k, v in inputs.items() if k in ("pixel_values", "image_grid_thw",
+                                                               "pixel_values_videos", "video_grid_thw")}
+        positions = self._positions(batch, vision)
+        return replace(batch, rope_positions=positions, vision=vision or None)
+
+    def _positions(self, batch: MicroBatch, vision: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[b, s, 3]: each sequence's own 3-D positions (packed: restarting at every sequence)."""
+        grids = {"image_grid_thw": list(vision.get("image_grid_thw", [])),
+                 "video_grid_thw": list(vision.get("video_grid_thw", []))}
+        rows, length = batch.tokens.shape
+        out = torch.empty(rows, length, 3, dtype=torch.long)
+        bounds = batch.cu_seqlens.tolist() if batch.packed else [0, length]
+        for row in range(rows):
+            for start, stop in zip(bounds[:-1], bounds[1:]):
+                out[row, start:stop] = self._sequence(batch.tokens[row, start:stop], grids).T
+        return out
+
+    def _sequence(self, ids: torch.Tensor, grids: dict[str, list[torch.Tensor]]) -> torch.Tensor:
+        """[3, n] for one sequence, taking its images' and videos' grids off the front of ``grids``."""
+        types = torch.zeros_like(ids)
+        types[ids == self.image_token_id] = IMAGE
+        if self.video_token_id is not None:
+            types[ids == self.video_token_id] = VIDEO
+        kwargs = {}
+        for key, token_type in (("image_grid_thw", IMAGE), ("video_grid_thw", VIDEO)):
+            tokens = int((types == token_type).sum())
+            taken = []
+            while tokens > 0:
+                grid = grids[key].pop(0)
+                taken.append(grid)
+                tokens -= int(np.prod(grid.tolist())) // self._merge ** 2
+            if taken:
+                kwargs[key] = torch.stack(taken)
+        positions, _ = self.rope_index(ids.view(1, -1), mm_token_type_ids=types.view(1, -1), **kwargs)
+        return positions[:, 0]
+
+    @property
+    def _merge(self) -> int:
+        return self.rope_index.__self__.config.vision_config.spatial_merge_size
