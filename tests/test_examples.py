@@ -15,14 +15,22 @@ import shutil
 import pytest
 import yaml
 
-from llamafactory_mca.tiny import SENTENCES, TOPICS, save_tiny_model, save_tiny_tokenizer
+from llamafactory_mca.tiny import (
+    SENTENCES,
+    TOPICS,
+    save_tiny_model,
+    save_tiny_tokenizer,
+    save_tiny_vl_model,
+    write_image_dataset,
+)
 from tests._cli import cli_env, fake_hub_cache, losses, ok, run
 
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "megatron", "*.yaml")))
-FAMILY = {"Qwen/Qwen3-1.7B": "qwen3", "Qwen/Qwen3-30B-A3B-Instruct-2507": "qwen3_moe"}
+FAMILY = {"Qwen/Qwen3-1.7B": "qwen3", "Qwen/Qwen3-30B-A3B-Instruct-2507": "qwen3_moe",
+          "Qwen/Qwen2-VL-7B-Instruct": "qwen2_vl"}
 # LLaMA-Factory's own dataset_info.json entries for its demo sets (data/dataset_info.json in its repository).
 LLAMAFACTORY_INFO = {
     "identity": {"file_name": "identity.json"},
@@ -42,9 +50,12 @@ def _write(path: str, rows: list) -> None:
 
 
 def _llamafactory_data(folder: str) -> None:
-    """LLaMA-Factory's data/ layout: identity, alpaca_en_demo (alpaca format), dpo_en_demo (sharegpt pairs)."""
-    os.makedirs(folder)
-    _write(os.path.join(folder, "dataset_info.json"), LLAMAFACTORY_INFO)
+    """LLaMA-Factory's data/ layout: identity, alpaca_en_demo (alpaca format), dpo_en_demo (sharegpt pairs),
+    mllm_demo (sharegpt messages with images beside them)."""
+    images = write_image_dataset(os.path.dirname(folder), 24, name="mllm_demo")  # writes <root>/data
+    with open(os.path.join(images, "dataset_info.json")) as f:
+        mllm = json.load(f)
+    _write(os.path.join(folder, "dataset_info.json"), {**LLAMAFACTORY_INFO, **mllm})
     _write(os.path.join(folder, "identity.json"),
            [{"instruction": _sentence(i), "input": "", "output": _sentence(i + 1)} for i in range(100)])
     _write(os.path.join(folder, "alpaca_en_demo.json"),
@@ -82,14 +93,17 @@ def world(tmp_path_factory):
     tokenizer = save_tiny_tokenizer(str(root / "tokenizer"))
     vocab = len(AutoTokenizer.from_pretrained(tokenizer))
     for repo, family in FAMILY.items():
-        model = save_tiny_model(family, str(root / "models" / family), vocab_size=vocab)
-        save_tiny_tokenizer(model)
+        if family.endswith("_vl"):
+            model = save_tiny_vl_model(family, str(root / "models" / family))
+        else:
+            model = save_tiny_model(family, str(root / "models" / family), vocab_size=vocab)
+            save_tiny_tokenizer(model)
         fake_hub_cache(str(root / "hub"), repo, model)
     return root
 
 
 def test_every_example_is_covered():
-    assert [os.path.basename(e) for e in EXAMPLES] == ["qwen3_dense_sft.yaml", "qwen3_dpo.yaml",
+    assert [os.path.basename(e) for e in EXAMPLES] == ["qwen2_vl_full.yaml", "qwen3_dense_sft.yaml", "qwen3_dpo.yaml",
                                                        "qwen3_long_context_cp2.yaml", "qwen3_moe_full.yaml"]
     for example in EXAMPLES:
         with open(example) as f:
