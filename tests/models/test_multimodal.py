@@ -1,4 +1,4 @@
-"""Vision-language families against ``transformers`` (CPU, fp32): logits on text + image input at TP1, TP2 with
+"""Vision-language families against ``transformers`` (CPU, fp32): logits on text + image + video input at TP1, TP2 with
 sequence parallelism and PP2 (the tower on the first stage only), and the weights' round trip (HF -> Megatron -> HF)
 bit for bit. (Training through the recipe: tests/test_multimodal_training.py.)"""
 
@@ -12,20 +12,25 @@ from tests._dist import run_distributed
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
 IMAGE_GRID = torch.tensor([[1, 4, 4], [1, 4, 8]])  # two images: 4 and 8 tokens after the 2 x 2 merge
+VIDEO_GRID = torch.tensor([[2, 4, 4]])  # a video of two temporal patches: 8 tokens
 
 
 def _inputs(config) -> dict:
-    """One row: text, an image, text, a second image, text; pixel values for both images' patches."""
+    """One row: text, an image, text, a video of two frames, text, a second image, text; pixel values for all."""
     g = torch.Generator().manual_seed(0)
     text = lambda n: torch.randint(0, 190, (n,), generator=g)  # noqa: E731
-    image = lambda n: torch.full((n,), config.image_token_id)  # noqa: E731
+    tokens = lambda n, token: torch.full((n,), token)  # noqa: E731
     merged = (IMAGE_GRID.prod(-1) // 4).tolist()
-    ids = torch.cat([text(5), image(merged[0]), text(7), image(merged[1]), text(4)]).view(1, -1)  # 28: TP2+SP
+    ids = torch.cat([text(5), tokens(merged[0], config.image_token_id), text(3),
+                     tokens(int(VIDEO_GRID.prod()) // 4, config.video_token_id), text(4),
+                     tokens(merged[1], config.image_token_id), text(4)]).view(1, -1)  # 32 tokens: TP2 + SP
     v = config.vision_config
     width = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
-    pixels = torch.randn(int(IMAGE_GRID.prod(-1).sum()), width, generator=g)
-    return {"input_ids": ids, "pixel_values": pixels, "image_grid_thw": IMAGE_GRID,
-            "mm_token_type_ids": (ids == config.image_token_id).int()}
+    types = (ids == config.image_token_id).int() + 2 * (ids == config.video_token_id).int()
+    return {"input_ids": ids, "pixel_values": torch.randn(int(IMAGE_GRID.prod(-1).sum()), width, generator=g),
+            "image_grid_thw": IMAGE_GRID,
+            "pixel_values_videos": torch.randn(int(VIDEO_GRID.prod()), width, generator=g),
+            "video_grid_thw": VIDEO_GRID, "mm_token_type_ids": types}
 
 
 def _hf(model_dir: str) -> tuple[dict, torch.Tensor, torch.Tensor]:
@@ -35,7 +40,8 @@ def _hf(model_dir: str) -> tuple[dict, torch.Tensor, torch.Tensor]:
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     inputs = _inputs(model.config)
     positions, _ = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
-                                              image_grid_thw=inputs["image_grid_thw"])
+                                              image_grid_thw=inputs["image_grid_thw"],
+                                              video_grid_thw=inputs["video_grid_thw"])
     with torch.no_grad():
         logits = model(**inputs).logits
     return inputs, positions, logits
@@ -54,7 +60,8 @@ def _logits(model, inputs: dict, positions: torch.Tensor) -> torch.Tensor | None
     def step(iterator, chunk):
         next(iterator)
         out = chunk(inputs["input_ids"], positions, None, pixel_values=inputs["pixel_values"],
-                    image_grid_thw=inputs["image_grid_thw"])
+                    image_grid_thw=inputs["image_grid_thw"], pixel_values_videos=inputs["pixel_values_videos"],
+                    video_grid_thw=inputs["video_grid_thw"])
         return out, lambda out, non_loss_data=True: out
 
     with torch.no_grad():
