@@ -44,8 +44,20 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
             intermediate_size=128, vocab_size=512, max_position_embeddings=2048)
 SMOKE_SHAPES = {"dense": {**QWEN3_1_7B, **TINY}, "moe": {**QWEN3_30B_A3B, **TINY, "num_experts": 8,
                                                           "num_experts_per_tok": 2, "moe_intermediate_size": 32}}
-SHAPES = {"dense": QWEN3_1_7B, "moe": QWEN3_30B_A3B}
-LABELS = {"dense": "Qwen3-1.7B shape", "moe": "Qwen3-30B-A3B shape"}
+# Qwen2-VL-2B: its language model and its 32-block, 0.6B-parameter vision tower (frozen, as LLaMA-Factory's default).
+QWEN2_VL_2B = dict(model_type="qwen2_vl",
+                   text_config=dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                                    num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
+                                    max_position_embeddings=32768, rms_norm_eps=1e-6,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                     "mrope_section": [16, 24, 24]}),
+                   vision_config=dict(depth=32, embed_dim=1280, hidden_size=1536, num_heads=16, mlp_ratio=4,
+                                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+                   tie_word_embeddings=True)
+SMOKE_SHAPES["vl"] = dict(model_type="qwen2_vl")  # the tiny shapes of llamafactory_mca.tiny
+SHAPES = {"dense": QWEN3_1_7B, "moe": QWEN3_30B_A3B, "vl": QWEN2_VL_2B}
+LABELS = {"dense": "Qwen3-1.7B shape", "moe": "Qwen3-30B-A3B shape", "vl": "Qwen2-VL-2B shape"}
+IMAGE_SIDE = {"smoke": 32, "real": 448}  # pixels: 448 x 448 is 1024 patches of 14, 256 tokens after the merge
 
 
 @dataclass
@@ -115,6 +127,13 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                  about=f"SFT rows log-uniform {varlen[1]}..{cut} tokens; padded: 2 rows x 4, packed: 1 pack x 8"),
         Workload("varlen_moe", "moe", cut, varlen, [Run(**vars(r)) for r in varlen_runs],
                  about=f"SFT rows log-uniform {varlen[1]}..{cut} tokens; padded: 2 rows x 4, packed: 1 pack x 8"),
+        Workload("vl", "vl", cut, ("loguniform", max(32 // k, 4), cut // 2),
+                 _pair(1, 4, "1 GPU, padded", packing=False, micro_batch=2, suffix="_nopack")
+                 + [Run("ours_pack", "ours", 1, True, 1, 8, "1 GPU, packed")],
+                 about=f"Qwen2-VL sft: one {IMAGE_SIDE['smoke' if smoke else 'real']}-pixel image per row (256 "
+                       f"tokens; the tower frozen, LLaMA-Factory's default) and log-uniform {max(32 // k, 4)}.."
+                       f"{cut // 2} text tokens; padded: 2 rows x 4, packed: 1 pack x 8. MFU: the language model "
+                       "only"),
     ]
     if smoke:
         for w in found:
@@ -137,7 +156,11 @@ def _key(obj: Any) -> str:
 
 
 def model_config(kind: str, layers: int, smoke: bool) -> dict:
-    return {**(SMOKE_SHAPES if smoke else SHAPES)[kind], "num_hidden_layers": layers}
+    shape = (SMOKE_SHAPES if smoke else SHAPES)[kind]
+    if kind == "vl":
+        return {**shape, "text_config": {**shape.get("text_config", {}), "num_hidden_layers": layers},
+                "num_hidden_layers": layers}
+    return {**shape, "num_hidden_layers": layers}
 
 
 def prepare_model(config: dict, smoke: bool, cache: str) -> str:
@@ -154,7 +177,8 @@ def prepare_model(config: dict, smoke: bool, cache: str) -> str:
     print(f"[e2e] building {os.path.basename(path)} ...", flush=True)
     subprocess.run([sys.executable, os.path.abspath(__file__), "--_make-model", spec], check=True,
                    env={**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if smoke else {})})
-    save_tiny_tokenizer(path, texts=[" ".join(_words(smoke))] + corpus())
+    if config["model_type"] != "qwen2_vl":  # a VL model is saved with its tokenizer and processor
+        save_tiny_tokenizer(path, texts=[" ".join(_words(smoke))] + corpus())
     open(os.path.join(path, ".complete"), "w").close()
     return path
 
@@ -166,6 +190,14 @@ def _make_model(spec_path: str) -> None:
 
     with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)
+    if spec["config"]["model_type"] == "qwen2_vl":
+        from llamafactory_mca.tiny import corpus, save_tiny_vl_model
+
+        words = [f"w{i}" for i in range(WORDS["smoke" if spec["dtype"] == "float32" else "real"])]
+        save_tiny_vl_model("qwen2_vl", spec["dir"], texts=[" ".join(words)] + corpus(),
+                           dtype=getattr(torch, spec["dtype"]), text_config=spec["config"].get("text_config"),
+                           vision_config=spec["config"].get("vision_config"))
+        return
     config = AutoConfig.for_model(**spec["config"])
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
@@ -214,9 +246,34 @@ def prepare_dataset(w: Workload, steps: int, smoke: bool, cache: str) -> str:
         prompt = max(1, int(length) // 4)
         rows.append({"instruction": " ".join(words[ids[:prompt]]), "input": "",
                      "output": " ".join(words[ids[prompt:]])})
-    write_alpaca_dataset(path, 0, name="e2e", rows=rows)
+    if w.model == "vl":
+        _with_images(path, rows, IMAGE_SIDE["smoke" if smoke else "real"], rng)
+    else:
+        write_alpaca_dataset(path, 0, name="e2e", rows=rows)
     open(os.path.join(path, ".complete"), "w").close()
     return os.path.join(path, "data")
+
+
+def _with_images(path: str, rows: list[dict], side: int, rng: np.random.Generator) -> None:
+    """The rows as sharegpt conversations, each asking about one random side x side image."""
+    from PIL import Image
+
+    data = os.path.join(path, "data")
+    os.makedirs(data, exist_ok=True)
+    out = []
+    for i, row in enumerate(rows):
+        image = os.path.join(data, f"{i}.png")
+        Image.fromarray(rng.integers(0, 255, (side, side, 3), dtype=np.uint8)).save(image)
+        out.append({"messages": [{"role": "user", "content": "<image>" + row["instruction"]},
+                                 {"role": "assistant", "content": row["output"]}], "images": [image]})
+    with open(os.path.join(data, "e2e.json"), "w", encoding="utf-8") as f:
+        json.dump(out, f)
+    info = {"e2e": {"file_name": "e2e.json", "formatting": "sharegpt",
+                    "columns": {"messages": "messages", "images": "images"},
+                    "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                             "assistant_tag": "assistant"}}}
+    with open(os.path.join(data, "dataset_info.json"), "w", encoding="utf-8") as f:
+        json.dump(info, f)
 
 
 # ---- machine and versions -----------------------------------------------------------------------------------------
@@ -261,7 +318,8 @@ def peak_flops_for(name: str) -> float | None:
 # ---- one run ------------------------------------------------------------------------------------------------------
 def recipe(w: Workload, run: Run, model_dir: str, data_dir: str, out_dir: str, steps: int, args) -> dict:
     r = dict(model_name_or_path=model_dir, stage="sft", do_train=True, finetuning_type="full", dataset="e2e",
-             dataset_dir=data_dir, template="qwen3_nothink", cutoff_len=w.cutoff, output_dir=out_dir,
+             dataset_dir=data_dir, template="qwen2_vl" if w.model == "vl" else "qwen3_nothink", cutoff_len=w.cutoff,
+             output_dir=out_dir,
              overwrite_output_dir=True, per_device_train_batch_size=run.micro_batch,
              gradient_accumulation_steps=run.grad_accum, max_steps=steps, learning_rate=args.lr,
              lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, logging_steps=1,

@@ -40,12 +40,12 @@ _VL_TEXT = dict(BASE, rope_parameters={"rope_type": "default", "rope_theta": 100
 _VL_VISION = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
                   temporal_patch_size=2, initializer_range=0.05)
 _VL_TOKENS = dict(image_token_id=196, video_token_id=197, vision_start_token_id=198, vision_end_token_id=199)
-TINY.update({
+TINY_VL: dict[str, dict[str, Any]] = {
     "qwen2_vl": dict(text_config=_VL_TEXT, vision_config=_VL_VISION, **_VL_TOKENS),
     "qwen2_5_vl": dict(text_config=_VL_TEXT, vision_config=dict(_VL_VISION, intermediate_size=48, out_hidden_size=64,
                                                                 window_size=16, fullatt_block_indexes=[1]),
                        **_VL_TOKENS),
-})
+}
 
 
 def model_type_of(name: str) -> str:
@@ -55,7 +55,7 @@ def model_type_of(name: str) -> str:
 def tiny_hf_config(name: str, **overrides: Any):
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(model_type_of(name), **{**TINY[name], **overrides})
+    return AutoConfig.for_model(model_type_of(name), **{**(TINY.get(name) or TINY_VL[name]), **overrides})
 
 
 def save_tiny_model(name: str, directory: str, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -115,10 +115,12 @@ def save_tiny_tokenizer(directory: str, texts: list[str] | None = None) -> str:
 VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None, seed: int = 0) -> str:
-    """A tiny vision-language model of family ``name`` (``TINY``) with its tokenizer and processor, as the hub ships
-    them: the tokenizer knows the vision tokens, the config's token ids are the tokenizer's, and the image processor
-    cuts 4-pixel patches merged 2 x 2 (a 32 x 32 image: 64 patches, 16 tokens)."""
+def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None, seed: int = 0,
+                       dtype: torch.dtype = torch.float32, text_config: dict | None = None,
+                       vision_config: dict | None = None) -> str:
+    """A vision-language model of family ``name`` (``TINY_VL``, or the shapes given) with its tokenizer and processor,
+    as the hub ships them: the tokenizer knows the vision tokens, the config's token ids are the tokenizer's, and the
+    image processor cuts the tower's patches (tiny: 4 pixels merged 2 x 2, so a 32 x 32 image is 16 tokens)."""
     from transformers import AutoTokenizer, Qwen2_5_VLProcessor, Qwen2VLProcessor
     from transformers.models.qwen2_vl import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
@@ -126,13 +128,17 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
     tokenizer = AutoTokenizer.from_pretrained(directory)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"] + VL_TOKENS})
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VL_TOKENS}
-    pixels = dict(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16, max_pixels=64 * 64)
+    text = dict(TINY_VL[name]["text_config"], **(text_config or {}))
+    text["vocab_size"] = max(text["vocab_size"], len(tokenizer) + 3)
+    vision = dict(TINY_VL[name]["vision_config"], **(vision_config or {}))
+    patch, merge = vision["patch_size"], vision["spatial_merge_size"]
+    pixels = dict(patch_size=patch, merge_size=merge, temporal_patch_size=vision["temporal_patch_size"],
+                  min_pixels=(4 * patch) ** 2, max_pixels=(16 * patch * merge) ** 2)
     processor = (Qwen2_5_VLProcessor if name == "qwen2_5_vl" else Qwen2VLProcessor)(
         image_processor=Qwen2VLImageProcessor(**pixels), video_processor=Qwen2VLVideoProcessor(**pixels),
         tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
     processor.save_pretrained(directory)
-    save_tiny_model(name, directory, seed=seed, vocab_size=len(tokenizer) + 3,
-                    text_config=dict(TINY[name]["text_config"], vocab_size=len(tokenizer) + 3),
+    save_tiny_model(name, directory, seed=seed, dtype=dtype, text_config=text, vision_config=vision,
                     image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                     vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     return directory

@@ -38,9 +38,10 @@ def stored_keys(pattern: str) -> list[str]:
 _LAYERS = "decoder.layers.*."
 
 
-def _index_ranges(pattern: str, config: McaConfig, reader: DistCheckpointReader) -> list[tuple[int, ...]]:
+def _index_ranges(pattern: str, config: McaConfig, reader: DistCheckpointReader | None = None
+                  ) -> list[tuple[int, ...]]:
     """The indices a canonical pattern takes: decoder layers (and experts) from the config; anything else (a vision
-    tower's blocks) from the keys the checkpoint holds."""
+    tower's blocks) from the keys the checkpoint (``reader``) holds."""
     stars = pattern.count("*")
     if stars == 0:
         return [()]
