@@ -25,10 +25,11 @@ def _rope_index(hf_config: dict[str, Any]):
     """``get_rope_index`` of the HF VL model, bound to an instance that holds only its config: the method reads
     nothing else, and building the model (billions of parameters) to call it would be absurd."""
     import transformers
-    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
-    config = AutoConfig.for_model(hf_config["model_type"], **{k: v for k, v in hf_config.items() if k != "model_type"})
+    from ..models.config import hf_config_object
+
+    config = hf_config_object(hf_config)
     model_class = getattr(transformers, MODEL_MAPPING_NAMES[config.model_type])
     holder = model_class.__new__(model_class)
     object.__setattr__(holder, "config", config)
@@ -41,6 +42,7 @@ class VisionInputs:
     def __init__(self, mm_plugin: Any, processor: Any, hf_config: dict[str, Any]) -> None:
         self.plugin, self.processor = mm_plugin, processor
         self.rope_index = _rope_index(hf_config)
+        self.merge = hf_config["vision_config"]["spatial_merge_size"]  # vision tokens per patch grid: 1 / merge^2
         self.image_token_id, self.video_token_id = hf_config["image_token_id"], hf_config.get("video_token_id")
 
     def attach(self, batch: MicroBatch, samples: list[Sample]) -> MicroBatch:
@@ -81,12 +83,8 @@ class VisionInputs:
             while tokens > 0:
                 grid = grids[key].pop(0)
                 taken.append(grid)
-                tokens -= int(np.prod(grid.tolist())) // self._merge ** 2
+                tokens -= int(np.prod(grid.tolist())) // self.merge ** 2
             if taken:
                 kwargs[key] = torch.stack(taken)
         positions, _ = self.rope_index(ids.view(1, -1), mm_token_type_ids=types.view(1, -1), **kwargs)
         return positions[:, 0]
-
-    @property
-    def _merge(self) -> int:
-        return self.rope_index.__self__.config.vision_config.spatial_merge_size

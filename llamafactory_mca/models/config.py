@@ -110,16 +110,21 @@ def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
 SUPPORTED_ROPE = ("default", "linear", "llama3")
 
 
+def hf_config_object(hf_config: dict[str, Any]) -> Any:
+    """The ``transformers`` config object of a saved config.json dict (``McaConfig.hf_config``)."""
+    from transformers import AutoConfig as HfAutoConfig
+
+    return HfAutoConfig.for_model(hf_config["model_type"], **{k: v for k, v in hf_config.items() if k != "model_type"})
+
+
 def rope_inv_freq(config: McaConfig, head_dim: int) -> torch.Tensor | None:
     """HF's inverse frequencies for scaled RoPE kinds; None for plain RoPE (Megatron computes the same)."""
     if not config.rope_parameters:
         return None
-    from transformers import AutoConfig as HfAutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     kind = config.rope_parameters.get("rope_type", config.rope_parameters.get("type"))
-    fields = {k: v for k, v in config.hf_config.items() if k != "model_type"}
-    hf = HfAutoConfig.for_model(config.hf_model_type, **fields)
+    hf = hf_config_object(config.hf_config)
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](hf, torch.device("cpu"))
     if attention_scaling != 1.0:
         raise UserError(f"rope_type={kind!r} scales attention by {attention_scaling}; not supported.")

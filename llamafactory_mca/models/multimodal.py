@@ -20,16 +20,11 @@ from typing import Any
 import torch
 from megatron.core.models.gpt import GPTModel
 
+from .config import hf_config_object
 from .mapping import Op, Rename, WeightTable
 
 VISION_PREFIX = "vision."  # our name of the tower inside a model chunk
 HF_VISION_PREFIX = "visual."  # its name in Hugging Face checkpoints (transformers' on-disk layout)
-
-
-def _hf_config(hf_config: dict[str, Any]) -> Any:
-    from transformers import AutoConfig as HfAutoConfig
-
-    return HfAutoConfig.for_model(hf_config["model_type"], **{k: v for k, v in hf_config.items() if k != "model_type"})
 
 
 def _tower_class(hf: Any) -> type:
@@ -52,7 +47,7 @@ def _tower_class(hf: Any) -> type:
 
 def build_vision_tower(hf_config: dict[str, Any], dtype: torch.dtype) -> torch.nn.Module:
     """The HF vision tower of a VL config (``hf_config``: the whole config.json), with random weights."""
-    hf = _hf_config(hf_config)
+    hf = hf_config_object(hf_config)
     return _tower_class(hf)._from_config(hf.vision_config, dtype=dtype)
 
 
