@@ -46,6 +46,20 @@ TINY_VL: dict[str, dict[str, Any]] = {
                                                                 window_size=16, fullatt_block_indexes=[1]),
                        **_VL_TOKENS),
 }
+# Qwen3-VL: Qwen3's decoder under interleaved mrope (sections T 4, H 2, W 2 of head_dim 16's 8 frequencies), a
+# 3-block tower whose blocks 0 and 1 give deepstack features to decoder layers 0 and 1; its MoE sibling has 4 experts.
+_VL3_TEXT = dict(BASE, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                     "mrope_section": [4, 2, 2], "mrope_interleaved": True})
+_VL3_VISION = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4, spatial_merge_size=2,
+                   temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
+                   deepstack_visual_indexes=[0, 1], initializer_range=0.05)
+TINY_VL |= {
+    "qwen3_vl": dict(text_config=_VL3_TEXT, vision_config=_VL3_VISION, **_VL_TOKENS),
+    # experts' 2 x moe_intermediate_size != hidden_size, so the two on-disk expert layouts cannot be confused
+    "qwen3_vl_moe": dict(text_config=dict(_VL3_TEXT, **dict(MOE, moe_intermediate_size=24), num_experts=4,
+                                          decoder_sparse_step=1),
+                         vision_config=_VL3_VISION, **_VL_TOKENS),
+}
 
 
 def model_type_of(name: str) -> str:
@@ -121,8 +135,9 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
     """A vision-language model of family ``name`` (``TINY_VL``, or the shapes given) with its tokenizer and processor,
     as the hub ships them: the tokenizer knows the vision tokens, the config's token ids are the tokenizer's, and the
     image processor cuts the tower's patches (tiny: 4 pixels merged 2 x 2, so a 32 x 32 image is 16 tokens)."""
-    from transformers import AutoTokenizer, Qwen2_5_VLProcessor, Qwen2VLProcessor
+    from transformers import AutoTokenizer, Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
     from transformers.models.qwen2_vl import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+    from transformers.models.qwen3_vl import Qwen3VLVideoProcessor
 
     save_tiny_tokenizer(directory, texts)
     tokenizer = AutoTokenizer.from_pretrained(directory)
@@ -134,9 +149,15 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
     patch, merge = vision["patch_size"], vision["spatial_merge_size"]
     pixels = dict(patch_size=patch, merge_size=merge, temporal_patch_size=vision["temporal_patch_size"],
                   min_pixels=(4 * patch) ** 2, max_pixels=(16 * patch * merge) ** 2)
-    processor = (Qwen2_5_VLProcessor if name == "qwen2_5_vl" else Qwen2VLProcessor)(
-        image_processor=Qwen2VLImageProcessor(**pixels), video_processor=Qwen2VLVideoProcessor(**pixels),
-        tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
+    if name.startswith("qwen3"):
+        video_size = {"shortest_edge": pixels.pop("min_pixels"), "longest_edge": pixels.pop("max_pixels")}
+        processor = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels, size=video_size),
+                                     video_processor=Qwen3VLVideoProcessor(**pixels, size=video_size),
+                                     tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
+    else:
+        processor = (Qwen2_5_VLProcessor if name == "qwen2_5_vl" else Qwen2VLProcessor)(
+            image_processor=Qwen2VLImageProcessor(**pixels), video_processor=Qwen2VLVideoProcessor(**pixels),
+            tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
     processor.save_pretrained(directory)
     save_tiny_model(name, directory, seed=seed, dtype=dtype, text_config=text, vision_config=vision,
                     image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],

@@ -87,6 +87,17 @@ def check_model_fits(config: Any, cutoff_len: int, stage: str, layout: Any) -> N
             raise UserError(f"context_parallel_size={layout.cp} is not supported for the vision-language model "
                             f"{config.hf_model_type} yet (its image features would have to follow the token split); "
                             "use context_parallel_size: 1.")
+        from .models.multimodal import deepstack_layers
+
+        deepstack, stages = deepstack_layers(config.hf_config), layout.pp * (layout.vpp or 1)
+        first_chunk = config.num_layers // stages
+        if deepstack > first_chunk:
+            raise UserError(f"{config.hf_model_type}: the first {deepstack} decoder layers take the vision tower's "
+                            f"deepstack features and must share its pipeline stage, but pipeline_model_parallel_size="
+                            f"{layout.pp}" + (f" x virtual_pipeline_model_parallel_size={layout.vpp}" if layout.vpp
+                                              else "") + f" puts {first_chunk} layers there. Use fewer stages (at "
+                            f"most {config.num_layers // deepstack}) or a pipeline_model_parallel_layout whose first "
+                            f"stage holds {deepstack} layers.")
     if config.sliding_window is not None and cutoff_len > config.sliding_window:
         raise UserError(f"{config.hf_model_type}: the model uses sliding-window attention (window "
                          f"{config.sliding_window}), which llamafactory_mca does not implement; it matches full "

@@ -23,7 +23,7 @@ from .dist_reader import DistCheckpointReader
 from .families import get_family
 from .hf_io import INDEX_NAME, ShardedWriter, copy_side_files, write_hf_config
 from .loading import dims_for
-from .mapping import WeightTable, fill, te_norm_name
+from .mapping import WeightTable, fill, split_expert, te_norm_name
 
 
 def stored_keys(pattern: str) -> list[str]:
@@ -67,10 +67,19 @@ def iter_hf_tensors(reader: DistCheckpointReader, config: McaConfig, dtype: torc
         for op in ops:
             if op.mca.startswith(_LAYERS):
                 order += [(op, idx) for idx in _index_ranges(op.mca, config, reader) if idx[0] == layer]
+    stacking: dict[str, list[torch.Tensor]] = {}  # HF tensors that stack a layer's experts, until complete
     for op, index in order:
         tensor = _read(reader, op.mca, index, config)
         for pattern, hf_tensor in zip(op.hf, op.to_hf(tensor, dims)):
-            yield fill(pattern, index[: pattern.count("*")]), (hf_tensor if dtype is None else hf_tensor.to(dtype))
+            name = fill(pattern, index[: pattern.count("*")])
+            hf_tensor = hf_tensor if dtype is None else hf_tensor.to(dtype)
+            base, expert = split_expert(name)
+            if expert is None:
+                yield name, hf_tensor
+                continue
+            stacking.setdefault(base, []).append(hf_tensor)
+            if len(stacking[base]) == config.num_experts:
+                yield base, torch.stack(stacking.pop(base))
 
 
 def _read(reader: DistCheckpointReader, pattern: str, index: tuple[int, ...], config: McaConfig) -> torch.Tensor:

@@ -100,7 +100,8 @@ def local_targets(chunk: torch.nn.Module, num_experts: int | None = None) -> Ite
 
 def dims_for(config: McaConfig, tensor_parallel_size: int) -> Dims:
     return Dims(**config.attention._asdict(), vocab_size=config.vocab_size,
-                padded_vocab_size=config.padded_vocab_size(tensor_parallel_size))
+                padded_vocab_size=config.padded_vocab_size(tensor_parallel_size),
+                hidden_size=config.transformer["hidden_size"])
 
 
 @torch.no_grad()

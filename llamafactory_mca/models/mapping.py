@@ -6,6 +6,10 @@ per-expert (sequential) experts calls the tensor, with global layer and expert i
 is split over tensor-parallel ranks is not the op's business to decide: the loader passes a
 ``Shard`` read off the Megatron parameter itself; the op only knows how its HF tensors line up with
 that split (a fused QKV splits by query group, a fused gate/up splits each half).
+
+Some HF checkpoints stack a layer's experts into one tensor (Qwen3-VL-MoE's ``experts.gate_up_proj`` [E, in, out]).
+Their HF name ends in ``#*``: the expert index goes after the ``#`` like any other index, the op reads that expert's
+slice, and the exporter stacks the experts back into one tensor (``split_expert``).
 """
 
 from __future__ import annotations
@@ -52,6 +56,15 @@ class DictSource:
         return tensor.narrow(dim, start, (stop if stop is not None else tensor.shape[dim]) - start)
 
 
+EXPERT_SLICE = "#"
+
+
+def split_expert(name: str) -> tuple[str, int | None]:
+    """``"….gate_up_proj#5"`` → (``"….gate_up_proj"``, 5); a plain name → (name, None)."""
+    base, sep, index = name.rpartition(EXPERT_SLICE)
+    return (base, int(index)) if sep else (name, None)
+
+
 def fill(pattern: str, indices: tuple[int, ...]) -> str:
     """``fill("a.*.b.*.c", (3, 5)) == "a.3.b.5.c"``."""
     parts = pattern.split("*")
@@ -86,6 +99,7 @@ class Dims(NamedTuple):
     head_dim: int
     vocab_size: int
     padded_vocab_size: int
+    hidden_size: int
 
 
 def _part(src: Source, name: str, shard: Shard | None) -> torch.Tensor:
@@ -163,6 +177,38 @@ class GatedMLP(Op):
 
     def to_hf(self, tensor, dims):
         return [t.contiguous() for t in torch.chunk(tensor, 2, dim=0)]
+
+
+@dataclass(frozen=True)
+class StackedExpert(Op):
+    """One expert's weight out of an HF tensor stacking the layer's experts on dim 0. Hub checkpoints store each
+    expert transposed against Megatron's [out, in] (Qwen3-VL-MoE: gate_up_proj [E, hidden, 2I], down_proj
+    [E, I, hidden]); ``transformers``' own save_pretrained writes its in-memory [E, out, in]. Both are read (by where
+    the hidden size sits; the hub's when both sides are the hidden size) and the hub's is written.
+    ``glu``: the out dimension is [gate; up], which TP splits half by half."""
+
+    glu: bool = False
+
+    def load(self, src, names, shard, dims):
+        base, expert = split_expert(names[0])
+        _, rows, cols = src.shape(base)
+        weight = src.get(base, 0, expert, expert + 1)[0]
+        hub = rows == dims.hidden_size if self.glu else cols == dims.hidden_size
+        weight = weight.t() if hub else weight
+        if shard is not None:
+            halves = weight.chunk(2, dim=shard.dim) if self.glu else (weight,)
+            weight = torch.cat([h.narrow(shard.dim, lo, hi - lo) for h in halves
+                                for lo, hi in [shard.bounds(h.shape[shard.dim])]], dim=shard.dim)
+        return weight.contiguous()
+
+    def to_hf(self, tensor, dims):
+        return [tensor.t().contiguous()]
+
+
+def stacked_experts(mca: str, hf: str) -> list[Op]:
+    """Experts at ``mca`` (…local_experts.*) from HF's stacked ``hf``.gate_up_proj / .down_proj."""
+    return [StackedExpert(f"{mca}.linear_fc1.weight", (f"{hf}.gate_up_proj{EXPERT_SLICE}*",), glu=True),
+            StackedExpert(f"{mca}.linear_fc2.weight", (f"{hf}.down_proj{EXPERT_SLICE}*",))]
 
 
 def gated_mlp(mca: str, hf: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj") -> list[Op]:

@@ -8,9 +8,16 @@ first never see pixels. The image (and video) features replace the embeddings at
 decoder runs, so from there on the language model sees only embeddings; its positions are the 3-D multimodal
 RoPE positions (``position_ids`` of shape [3, b, s], Megatron's ``mrope``).
 
+Qwen3-VL adds two things. Interleaved multimodal RoPE: the rotary frequencies take the T, H and W positions in turn
+(``MultimodalRope``). Deepstack: the tower also returns features of some middle blocks, and feature i is added to
+the hidden states at the vision tokens after decoder layer i. Those layers must sit in the first model chunk (the
+workflow refuses layouts where they do not); the features travel to them as the decoder's ``context`` argument,
+which Megatron's TransformerBlock hands to every layer (and to activation recomputation) and which self-attention
+layers otherwise ignore.
+
 Weight names: the language half keeps the text families' canonical names (``decoder.layers.*``, ``embedding.*``,
 ``output_layer``); the tower's parameters are ``vision.<its own name>``, read from and written to the HF
-checkpoint's ``visual.<its own name>`` one to one (``vision_ops``).
+checkpoint's ``<tower prefix><its own name>`` one to one (``vision_ops``).
 """
 
 from __future__ import annotations
@@ -20,11 +27,11 @@ from typing import Any
 import torch
 from megatron.core.models.gpt import GPTModel
 
+from ..errors import UserError
 from .config import hf_config_object
 from .mapping import Op, Rename, WeightTable
 
 VISION_PREFIX = "vision."  # our name of the tower inside a model chunk
-HF_VISION_PREFIX = "visual."  # its name in Hugging Face checkpoints (transformers' on-disk layout)
 
 
 def _tower_class(hf: Any) -> type:
@@ -51,12 +58,49 @@ def build_vision_tower(hf_config: dict[str, Any], dtype: torch.dtype) -> torch.n
     return _tower_class(hf)._from_config(hf.vision_config, dtype=dtype)
 
 
-def vision_ops(hf_config: dict[str, Any]) -> list[Op]:
-    """One rename per parameter pattern of the tower (block indices become ``*``)."""
+def vision_ops(hf_config: dict[str, Any], hf_prefix: str) -> list[Op]:
+    """One rename per parameter pattern of the tower (block indices become ``*``); ``hf_prefix``: the tower's place
+    in the HF checkpoint."""
     with torch.device("meta"):
         tower = build_vision_tower(hf_config, torch.float32)
     patterns = sorted({WeightTable.pattern_of(name)[0] for name, _ in tower.named_parameters()})
-    return [Rename(VISION_PREFIX + p, (HF_VISION_PREFIX + p,)) for p in patterns]
+    return [Rename(VISION_PREFIX + p, (hf_prefix + p,)) for p in patterns]
+
+
+def deepstack_layers(hf_config: dict[str, Any]) -> int:
+    """How many of the first decoder layers receive deepstack features (0 without deepstack)."""
+    return len(hf_config.get("vision_config", {}).get("deepstack_visual_indexes") or [])
+
+
+class MultimodalRope(torch.nn.Module):
+    """Multimodal RoPE from 3-D positions, with the frequencies laid out as the family does: in three blocks
+    (T..., H..., W...: Qwen2-VL, what Megatron's MultimodalRotaryEmbedding does) or interleaved (THWTHW...T:
+    Qwen3-VL, ``transformers``' ``apply_interleaved_mrope``). Megatron has only the first; one gather of the
+    frequencies by axis gives both. Takes Megatron's place (``inv_freq`` from it) and its call signature."""
+
+    def __init__(self, megatron_rope: torch.nn.Module, interleaved: bool) -> None:
+        super().__init__()
+        self.inv_freq = megatron_rope.inv_freq
+        self.interleaved = interleaved
+
+    def axes(self, mrope_section: list[int]) -> torch.Tensor:
+        """For each frequency, the position axis (0 T, 1 H, 2 W) it rotates by."""
+        half = sum(mrope_section)
+        if not self.interleaved:
+            return torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))
+        axes = torch.zeros(half, dtype=torch.long)
+        for axis in (1, 2):
+            axes[axis: 3 * mrope_section[axis]: 3] = axis
+        return axes
+
+    def forward(self, position_ids: torch.Tensor, mrope_section: list[int], cp_group: Any = None) -> torch.Tensor:
+        """``position_ids`` [3, b, s] → rotary embedding [s, b, 1, head_dim] (Megatron's layout)."""
+        inv_freq = self.inv_freq.to(position_ids.device)
+        freqs = position_ids.float()[..., None] * inv_freq  # [3, b, s, head_dim / 2]
+        axes = self.axes(mrope_section).to(position_ids.device)
+        freqs = freqs.gather(0, axes.expand_as(freqs[:1]).contiguous())[0]  # [b, s, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb[:, :, None, :].transpose(0, 1).contiguous()
 
 
 class VisionLanguageModel(GPTModel):
@@ -66,11 +110,19 @@ class VisionLanguageModel(GPTModel):
     ``video_grid_thw`` (all None for text-only micro-batches, and on later stages).
     """
 
-    def __init__(self, *, hf_config: dict[str, Any], **gpt_kwargs: Any) -> None:
+    def __init__(self, *, hf_config: dict[str, Any], vision: Any, **gpt_kwargs: Any) -> None:
         # the features go in before the sequence-parallel scatter: ``embed`` scatters itself
         super().__init__(scatter_embedding_sequence_parallel=False, **gpt_kwargs)
         self.image_token_id = hf_config.get("image_token_id")
         self.video_token_id = hf_config.get("video_token_id")
+        self.rotary_pos_emb = MultimodalRope(self.rotary_pos_emb, vision.interleaved_mrope)
+        self.deepstack = deepstack_layers(hf_config)
+        for layer in self.decoder.layers:
+            if layer.layer_number <= self.deepstack:
+                if not self.pre_process:
+                    raise UserError(f"decoder layer {layer.layer_number - 1} takes deepstack features but is not "
+                                     "in the first pipeline stage's first model chunk")
+                layer.register_forward_hook(_add_deepstack, with_kwargs=True)
         self.vision = None
         if self.pre_process:
             self.vision = build_vision_tower(hf_config, self.config.params_dtype)
@@ -79,15 +131,12 @@ class VisionLanguageModel(GPTModel):
                 # Megatron's finalize_model_grads averages these over the TP group
                 param.average_gradients_across_tp_domain = True
 
-    def _features(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        output = self.vision(pixels.to(self.config.params_dtype), grid_thw=grid_thw)
-        return output.pooler_output if hasattr(output, "pooler_output") else output
-
-    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
+    def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
               image_grid_thw: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
-              video_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+              video_grid_thw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Token embeddings [s, b, h] (sequence-parallel: this rank's part) with the vision features at the
-        placeholder tokens."""
+        placeholder tokens, and the deepstack features laid out alike ([levels, s, b, h], zero at text tokens;
+        None without deepstack or without images)."""
         embeddings = self.embedding(input_ids=input_ids, position_ids=None)
         if pixel_values is None and pixel_values_videos is None and self.training:
             # a text-only micro-batch: a zero that touches every trainable tower parameter, so each gets its
@@ -95,22 +144,29 @@ class VisionLanguageModel(GPTModel):
             trainable = [p.sum() for p in self.vision.parameters() if p.requires_grad]
             if trainable:
                 embeddings = embeddings + 0.0 * torch.stack(trainable).sum().to(embeddings.dtype)
+        deepstack = None
         for pixels, grid, token in ((pixel_values, image_grid_thw, self.image_token_id),
                                     (pixel_values_videos, video_grid_thw, self.video_token_id)):
             if pixels is None:
                 continue
-            features = self._features(pixels, grid).to(embeddings.dtype)
+            output = self.vision(pixels.to(self.config.params_dtype), grid_thw=grid)
+            features = getattr(output, "pooler_output", output).to(embeddings.dtype)
             mask = input_ids == token  # [b, s]: features fill row after row, as the rows hold their images
             if int(mask.sum()) != features.shape[0]:
                 raise ValueError(f"{int(mask.sum())} placeholder tokens (id {token}) but {features.shape[0]} vision "
                                  "features: the rows and their images do not match")
-            embeddings = embeddings.transpose(0, 1).masked_scatter(mask.unsqueeze(-1), features).transpose(0, 1)
-            embeddings = embeddings.contiguous()
+            embeddings = _scatter(embeddings, mask, features)
+            if self.deepstack:
+                levels = output.deepstack_features
+                if deepstack is None:
+                    deepstack = [torch.zeros_like(embeddings) for _ in levels]
+                deepstack = [_scatter(d, mask, level.to(d.dtype)) for d, level in zip(deepstack, levels)]
         if self.config.sequence_parallel:
-            from megatron.core import tensor_parallel
+            from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region as scatter
 
-            embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
-        return embeddings
+            embeddings = scatter(embeddings)
+            deepstack = None if deepstack is None else [scatter(d) for d in deepstack]
+        return embeddings, (None if deepstack is None else torch.stack(deepstack))
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 decoder_input: torch.Tensor | None = None, labels: torch.Tensor | None = None,
@@ -118,7 +174,24 @@ class VisionLanguageModel(GPTModel):
                 pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
                 **kwargs: Any) -> torch.Tensor:
         if self.pre_process and decoder_input is None:
-            decoder_input = self.embed(input_ids, position_ids, pixel_values, image_grid_thw, pixel_values_videos,
-                                       video_grid_thw)
+            decoder_input, deepstack = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
+                                                  video_grid_thw)
+            if deepstack is not None:
+                kwargs["extra_block_kwargs"] = {"context": deepstack}
         return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
                                **kwargs)
+
+
+def _scatter(hidden: torch.Tensor, mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``hidden`` [s, b, h] with ``values`` at the positions of ``mask`` [b, s], taken row after row."""
+    return hidden.transpose(0, 1).masked_scatter(mask.unsqueeze(-1), values).transpose(0, 1).contiguous()
+
+
+def _add_deepstack(layer: torch.nn.Module, args: tuple, kwargs: dict, output: tuple) -> tuple:
+    """Forward hook of the first decoder layers: add this layer's deepstack level (the ``context`` the decoder
+    passes every layer; zero away from vision tokens, so adding it everywhere is exact)."""
+    context = kwargs.get("context")
+    if context is None:
+        return output
+    hidden, context_out = output
+    return hidden + context[layer.layer_number - 1], context_out

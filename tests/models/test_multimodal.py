@@ -1,6 +1,6 @@
 """Vision-language families against ``transformers`` (CPU, fp32): logits on text + image + video input at TP1, TP2 with
-sequence parallelism and PP2 (the tower on the first stage only), and the weights' round trip (HF -> Megatron -> HF)
-bit for bit. (Training through the recipe: tests/test_multimodal_training.py.)"""
+sequence parallelism, PP2 (the tower on the first stage only) and, for Qwen3-VL-MoE, EP2; and the weights' round trip
+(HF -> Megatron -> HF) bit for bit. (Training through the recipe: tests/test_multimodal_training.py.)"""
 
 import os
 
@@ -10,7 +10,7 @@ import torch
 from llamafactory_mca.tiny import save_tiny_model
 from tests._dist import run_distributed
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 IMAGE_GRID = torch.tensor([[1, 4, 4], [1, 4, 8]])  # two images: 4 and 8 tokens after the 2 x 2 merge
 VIDEO_GRID = torch.tensor([[2, 4, 4]])  # a video of two temporal patches: 8 tokens
 
@@ -21,9 +21,11 @@ def _inputs(config) -> dict:
     text = lambda n: torch.randint(0, 190, (n,), generator=g)  # noqa: E731
     tokens = lambda n, token: torch.full((n,), token)  # noqa: E731
     merged = (IMAGE_GRID.prod(-1) // 4).tolist()
-    ids = torch.cat([text(5), tokens(merged[0], config.image_token_id), text(3),
-                     tokens(int(VIDEO_GRID.prod()) // 4, config.video_token_id), text(4),
-                     tokens(merged[1], config.image_token_id), text(4)]).view(1, -1)  # 32 tokens: TP2 + SP
+    frame = tokens(int(VIDEO_GRID[0, 1:].prod()) // 4, config.video_token_id)
+    # Qwen3-VL writes a timestamp before each frame, so a video's frames are apart; Qwen2-VL's are one block
+    video = [frame, text(2), frame] if config.model_type.startswith("qwen3") else [frame, frame]
+    ids = torch.cat([text(5), tokens(merged[0], config.image_token_id), text(3), *video, text(4),
+                     tokens(merged[1], config.image_token_id), text(4)]).view(1, -1)  # even: TP2 + SP
     v = config.vision_config
     width = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
     types = (ids == config.image_token_id).int() + 2 * (ids == config.video_token_id).int()
@@ -48,7 +50,8 @@ def _hf(model_dir: str) -> tuple[dict, torch.Tensor, torch.Tensor]:
 
 
 LAYOUTS = [("dp2", {}), ("tp2-sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
-           ("pp2", {"pipeline_model_parallel_size": 2})]
+           ("pp2", {"pipeline_model_parallel_size": 2}), ("ep2", {"expert_model_parallel_size": 2})]
+MOE_ONLY = {"ep2"}  # layouts run for the MoE family only
 
 
 def _logits(model, inputs: dict, positions: torch.Tensor) -> torch.Tensor | None:
@@ -87,6 +90,8 @@ def _ours(jobs: dict, layouts: list) -> dict:
         args = MegatronArguments(**sizes)
         parallel.initialize(parallel.ParallelLayout.from_args(args))
         for name, (model_dir, inputs, positions, back_dir) in jobs.items():
+            if layout in MOE_ONLY and "moe" not in name:
+                continue
             model = AutoModel.from_pretrained(model_dir, args).eval()
             logits = _logits(model, inputs, positions)
             if logits is not None:
@@ -98,7 +103,7 @@ def _ours(jobs: dict, layouts: list) -> dict:
 
 
 def test_vision_language_logits_and_round_trip_match_transformers(tmp_path):
-    """Both families, at DP2 (each rank the whole model), TP2 + SP and PP2 (the tower on the first stage only), in
+    """Every family, at DP2 (each rank the whole model), TP2 + SP and PP2 (the tower on the first stage only), in
     one two-process run."""
     from safetensors.torch import load_file
 
@@ -109,15 +114,19 @@ def test_vision_language_logits_and_round_trip_match_transformers(tmp_path):
         assert positions[1:].ne(positions[0]).any()  # the image tokens' rows differ: 3-D positions are exercised
         jobs[name] = (model_dir, inputs, positions, str(tmp_path / f"{name}-back"))
     found = {k: v for rank in run_distributed(_ours, 2, jobs, LAYOUTS) for k, v in rank.items()}
-    assert sorted(found) == sorted((n, layout) for n in FAMILIES for layout, _ in LAYOUTS), found.keys()
+    assert sorted(found) == sorted((n, layout) for n in FAMILIES for layout, _ in LAYOUTS
+                                   if layout not in MOE_ONLY or "moe" in n), found.keys()
     for (name, layout), logits in found.items():
         logits = logits[..., : expected[name].shape[-1]]
         assert torch.allclose(logits, expected[name], atol=1e-4), (name, layout, (logits - expected[name]).abs().max())
     for name, (model_dir, _, _, back_dir) in jobs.items():
         original = load_file(os.path.join(model_dir, "model.safetensors"))
         back = load_file(os.path.join(back_dir, "model.safetensors"))
-        assert sorted(original) == sorted(back) and any(k.startswith("visual.") for k in back)
-        assert all(torch.equal(original[k], back[k]) for k in original), name
+        assert sorted(original) == sorted(back) and any("visual." in k for k in back)
+        for key in original:
+            # transformers saves stacked experts as it holds them ([E, out, in]); we write the hub's [E, in, out]
+            expected = original[key].transpose(1, 2) if ".mlp.experts." in key else original[key]
+            assert torch.equal(expected, back[key]), (name, key)
 
 
 def test_what_vision_language_training_cannot_do_yet_is_refused(tmp_path):
@@ -128,8 +137,15 @@ def test_what_vision_language_training_cannot_do_yet_is_refused(tmp_path):
     from llamafactory_mca.workflow import check_model_fits
 
     config = AutoConfig.from_pretrained(save_tiny_model("qwen2_vl", str(tmp_path / "hf")))
-    check_model_fits(config, 64, "sft", SimpleNamespace(cp=1))
+    layout = SimpleNamespace(cp=1, pp=1, vpp=None)
+    check_model_fits(config, 64, "sft", layout)
     with pytest.raises(UserError, match="DPO on vision-language models"):
-        check_model_fits(config, 64, "dpo", SimpleNamespace(cp=1))
+        check_model_fits(config, 64, "dpo", layout)
     with pytest.raises(UserError, match="context_parallel_size=2 is not supported"):
-        check_model_fits(config, 64, "sft", SimpleNamespace(cp=2))
+        check_model_fits(config, 64, "sft", SimpleNamespace(cp=2, pp=1, vpp=None))
+    # Qwen3-VL: decoder layers 0 and 1 take deepstack features, so they must sit with the tower
+    config = AutoConfig.from_pretrained(save_tiny_model("qwen3_vl", str(tmp_path / "hf3")))
+    check_model_fits(config, 64, "sft", SimpleNamespace(cp=1, pp=2, vpp=None))
+    with pytest.raises(UserError, match=r"first 2 decoder layers take .* deepstack .* pipeline_model_parallel_size=2 "
+                                        r"x virtual_pipeline_model_parallel_size=2 puts 1 layers there"):
+        check_model_fits(config, 64, "sft", SimpleNamespace(cp=1, pp=2, vpp=2))

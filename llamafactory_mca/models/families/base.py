@@ -9,11 +9,11 @@ own config fields, refusals and weight ops: a family file only declares which pa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
 from ..config import AttentionShape, McaConfig, attention_shape, check_rope, rope_settings
-from ..mapping import HF_LAYER, LAYER, Op, Rename, dense_layer, embeddings, gated_mlp
+from ..mapping import HF_LAYER, LAYER, Op, Rename, dense_layer, embeddings, gated_mlp, stacked_experts
 
 
 def refuse(model_type: str, what: str, fix: str) -> NoReturn:
@@ -98,13 +98,15 @@ class MoE(Part):
 
     ``norm_topk``: renormalise the top-k routing weights (None: HF's ``norm_topk_prob`` decides).
     ``hf_module``: the HF module holding the router (``gate``) and ``experts``; ``projections``: each expert's
-    gate, up and down projection names.
+    gate, up and down projection names. ``stacked``: the checkpoint stacks each layer's experts into one
+    ``gate_up_proj`` and one ``down_proj`` tensor (Qwen3-VL-MoE) instead of a module per expert.
     """
 
     norm_topk: bool | None = None
     shared_expert: SharedExpert | None = None
     hf_module: str = "mlp"
     projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    stacked: bool = False
 
     def check(self, model_type: str, hf: Any) -> None:
         step, dense = getattr(hf, "decoder_sparse_step", 1), getattr(hf, "mlp_only_layers", None)
@@ -128,14 +130,28 @@ class MoE(Part):
     def weights(self, config: McaConfig) -> list[Op]:
         hf = f"{HF_LAYER}{self.hf_module}"
         ops = [Rename(f"{LAYER}mlp.router.weight", (f"{hf}.gate.weight",))]
-        ops += gated_mlp(f"{LAYER}mlp.experts.local_experts.*", f"{hf}.experts.*", *self.projections)
+        if self.stacked:
+            ops += stacked_experts(f"{LAYER}mlp.experts.local_experts.*", f"{hf}.experts")
+        else:
+            ops += gated_mlp(f"{LAYER}mlp.experts.local_experts.*", f"{hf}.experts.*", *self.projections)
         return ops + (self.shared_expert.weights() if self.shared_expert else [])
 
 
 @dataclass(frozen=True)
 class Vision(Part):
     """A vision tower (the HF module, on the first pipeline stage: ``models/multimodal.py``) whose image and video
-    features replace the placeholder tokens' embeddings; the text half rotates by 3-D positions (mrope)."""
+    features replace the placeholder tokens' embeddings; the text half rotates by 3-D positions (mrope).
+
+    ``tower_prefix`` / ``text_prefix``: where the tower and the language model sit in the HF checkpoint (Qwen2-VL's
+    files keep the legacy ``visual.`` / ``model.``; Qwen3-VL's use ``model.visual.`` / ``model.language_model.``).
+    ``interleaved_mrope``: the rotary frequencies take T, H, W in turn (Qwen3-VL) instead of in three blocks.
+    Deepstack (Qwen3-VL: features of middle tower blocks added after the first decoder layers) follows from the
+    config's ``deepstack_visual_indexes``.
+    """
+
+    tower_prefix: str = "visual."
+    text_prefix: str = "model."
+    interleaved_mrope: bool = False
 
     def check(self, model_type: str, hf: Any) -> None:
         if not _rope_dict(hf).get("mrope_section"):
@@ -147,7 +163,14 @@ class Vision(Part):
     def weights(self, config: McaConfig) -> list[Op]:
         from ..multimodal import vision_ops
 
-        return vision_ops(config.hf_config)
+        return vision_ops(config.hf_config, self.tower_prefix)
+
+    def text_ops(self, ops: list[Op]) -> list[Op]:
+        """The language model's ops with their HF names under ``text_prefix``."""
+        if self.text_prefix == "model.":
+            return ops
+        move = lambda name: self.text_prefix + name[len("model."):] if name.startswith("model.") else name  # noqa: E731
+        return [replace(op, hf=tuple(move(name) for name in op.hf)) for op in ops]
 
 
 def _rope_dict(hf: Any) -> dict[str, Any]:
@@ -236,7 +259,10 @@ class DecoderFamily(Family):
         ops = embeddings(config.tie_word_embeddings) + dense_layer(mlp="" if self.moe else "mlp",
                                                                    qkv_bias=self.qkv_bias)
         for part in self.parts():
-            ops += part.weights(config)
+            if part is not self.vision:
+                ops += part.weights(config)
+        if self.vision is not None:
+            ops = self.vision.text_ops(ops) + self.vision.weights(config)
         return ops
 
     def build_chunk(self, mca: McaConfig, **gpt_kwargs: Any) -> Any:
@@ -245,4 +271,4 @@ class DecoderFamily(Family):
             return super().build_chunk(mca, **gpt_kwargs)
         from ..multimodal import VisionLanguageModel
 
-        return VisionLanguageModel(hf_config=mca.hf_config, **gpt_kwargs)
+        return VisionLanguageModel(hf_config=mca.hf_config, vision=self.vision, **gpt_kwargs)
