@@ -44,20 +44,44 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
             intermediate_size=128, vocab_size=512, max_position_embeddings=2048)
 SMOKE_SHAPES = {"dense": {**QWEN3_1_7B, **TINY}, "moe": {**QWEN3_30B_A3B, **TINY, "num_experts": 8,
                                                           "num_experts_per_tok": 2, "moe_intermediate_size": 32}}
-# Qwen2-VL-2B: its language model and its 32-block, 0.6B-parameter vision tower (frozen, as LLaMA-Factory's default).
-QWEN2_VL_2B = dict(model_type="qwen2_vl",
-                   text_config=dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                                    num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
-                                    max_position_embeddings=32768, rms_norm_eps=1e-6,
-                                    rope_parameters={"rope_type": "default", "rope_theta": 1e6,
-                                                     "mrope_section": [16, 24, 24]}),
-                   vision_config=dict(depth=32, embed_dim=1280, hidden_size=1536, num_heads=16, mlp_ratio=4,
-                                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
-                   tie_word_embeddings=True)
-SMOKE_SHAPES["vl"] = dict(model_type="qwen2_vl")  # the tiny shapes of llamafactory_mca.tiny
-SHAPES = {"dense": QWEN3_1_7B, "moe": QWEN3_30B_A3B, "vl": QWEN2_VL_2B}
-LABELS = {"dense": "Qwen3-1.7B shape", "moe": "Qwen3-30B-A3B shape", "vl": "Qwen2-VL-2B shape"}
-IMAGE_SIDE = {"smoke": 32, "real": 448}  # pixels: 448 x 448 is 1024 patches of 14, 256 tokens after the merge
+# Vision-language shapes, each with its real vision tower (frozen, as LLaMA-Factory's default) and layers set per run:
+# Qwen2.5-VL-7B (32-block windowed tower) and Qwen3-VL-30B-A3B (27-block tower with deepstack, 128 experts).
+QWEN2_5_VL_7B = dict(model_type="qwen2_5_vl",
+                     text_config=dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                                      num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
+                                      max_position_embeddings=128000, rms_norm_eps=1e-6,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                       "mrope_section": [16, 24, 24]}),
+                     vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                                        out_hidden_size=3584, patch_size=14, spatial_merge_size=2,
+                                        temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
+                                        hidden_act="silu"),
+                     tie_word_embeddings=False)
+QWEN3_VL_30B_A3B = dict(model_type="qwen3_vl_moe",
+                        text_config=dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                                         num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                                         moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                         decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
+                                         vocab_size=151936, max_position_embeddings=262144, rms_norm_eps=1e-6,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                                          "mrope_section": [24, 20, 20], "mrope_interleaved": True}),
+                        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                                           out_hidden_size=2048, patch_size=16, spatial_merge_size=2,
+                                           temporal_patch_size=2, num_position_embeddings=2304,
+                                           deepstack_visual_indexes=[8, 16, 24], hidden_act="gelu_pytorch_tanh"),
+                        tie_word_embeddings=False)
+VL = {"vl": QWEN2_5_VL_7B, "vl_moe": QWEN3_VL_30B_A3B}
+VL_TEMPLATE = {"qwen2_5_vl": "qwen2_vl", "qwen3_vl_moe": "qwen3_vl_nothink"}
+SMOKE_SHAPES |= {kind: dict(model_type=shape["model_type"]) for kind, shape in VL.items()}  # tiny.py's shapes
+SHAPES = {"dense": QWEN3_1_7B, "moe": QWEN3_30B_A3B, **VL}
+LABELS = {"dense": "Qwen3-1.7B shape", "moe": "Qwen3-30B-A3B shape", "vl": "Qwen2.5-VL-7B shape",
+          "vl_moe": "Qwen3-VL-30B-A3B shape"}
+MOE_KINDS = ("moe", "vl_moe")
+
+
+def image_side(kind: str, smoke: bool) -> int:
+    """Pixels per image side: 32 x 32 patches (256 tokens after the 2 x 2 merge); smoke: tiny.py's 32 pixels."""
+    return 32 if smoke else 32 * VL[kind]["vision_config"]["patch_size"]
 
 
 @dataclass
@@ -127,13 +151,14 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                  about=f"SFT rows log-uniform {varlen[1]}..{cut} tokens; padded: 2 rows x 4, packed: 1 pack x 8"),
         Workload("varlen_moe", "moe", cut, varlen, [Run(**vars(r)) for r in varlen_runs],
                  about=f"SFT rows log-uniform {varlen[1]}..{cut} tokens; padded: 2 rows x 4, packed: 1 pack x 8"),
-        Workload("vl", "vl", cut, ("loguniform", max(32 // k, 4), cut // 2),
+    ] + [
+        Workload(kind, kind, cut, ("loguniform", max(32 // k, 4), cut // 2),
                  _pair(1, 4, "1 GPU, padded", packing=False, micro_batch=2, suffix="_nopack")
                  + [Run("ours_pack", "ours", 1, True, 1, 8, "1 GPU, packed")],
-                 about=f"Qwen2-VL sft: one {IMAGE_SIDE['smoke' if smoke else 'real']}-pixel image per row (256 "
-                       f"tokens; the tower frozen, LLaMA-Factory's default) and log-uniform {max(32 // k, 4)}.."
-                       f"{cut // 2} text tokens; padded: 2 rows x 4, packed: 1 pack x 8. MFU: the language model "
-                       "only"),
+                 about=f"{LABELS[kind]} sft: one {image_side(kind, smoke)}-pixel image per row (256 tokens; the tower "
+                       f"frozen, LLaMA-Factory's default) and log-uniform {max(32 // k, 4)}..{cut // 2} text tokens; "
+                       "padded: 2 rows x 4, packed: 1 pack x 8. MFU: the language model only")
+        for kind in VL
     ]
     if smoke:
         for w in found:
@@ -157,7 +182,7 @@ def _key(obj: Any) -> str:
 
 def model_config(kind: str, layers: int, smoke: bool) -> dict:
     shape = (SMOKE_SHAPES if smoke else SHAPES)[kind]
-    if kind == "vl":
+    if kind in VL:
         return {**shape, "text_config": {**shape.get("text_config", {}), "num_hidden_layers": layers},
                 "num_hidden_layers": layers}
     return {**shape, "num_hidden_layers": layers}
@@ -177,7 +202,7 @@ def prepare_model(config: dict, smoke: bool, cache: str) -> str:
     print(f"[e2e] building {os.path.basename(path)} ...", flush=True)
     subprocess.run([sys.executable, os.path.abspath(__file__), "--_make-model", spec], check=True,
                    env={**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if smoke else {})})
-    if config["model_type"] != "qwen2_vl":  # a VL model is saved with its tokenizer and processor
+    if "text_config" not in config and config["model_type"] not in VL_TEMPLATE:  # VL: saved with its processor
         save_tiny_tokenizer(path, texts=[" ".join(_words(smoke))] + corpus())
     open(os.path.join(path, ".complete"), "w").close()
     return path
@@ -190,11 +215,11 @@ def _make_model(spec_path: str) -> None:
 
     with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)
-    if spec["config"]["model_type"] == "qwen2_vl":
+    if spec["config"]["model_type"] in VL_TEMPLATE:
         from llamafactory_mca.tiny import corpus, save_tiny_vl_model
 
         words = [f"w{i}" for i in range(WORDS["smoke" if spec["dtype"] == "float32" else "real"])]
-        save_tiny_vl_model("qwen2_vl", spec["dir"], texts=[" ".join(words)] + corpus(),
+        save_tiny_vl_model(spec["config"]["model_type"], spec["dir"], texts=[" ".join(words)] + corpus(),
                            dtype=getattr(torch, spec["dtype"]), text_config=spec["config"].get("text_config"),
                            vision_config=spec["config"].get("vision_config"))
         return
@@ -246,8 +271,8 @@ def prepare_dataset(w: Workload, steps: int, smoke: bool, cache: str) -> str:
         prompt = max(1, int(length) // 4)
         rows.append({"instruction": " ".join(words[ids[:prompt]]), "input": "",
                      "output": " ".join(words[ids[prompt:]])})
-    if w.model == "vl":
-        _with_images(path, rows, IMAGE_SIDE["smoke" if smoke else "real"], rng)
+    if w.model in VL:
+        _with_images(path, rows, image_side(w.model, smoke), rng)
     else:
         write_alpaca_dataset(path, 0, name="e2e", rows=rows)
     open(os.path.join(path, ".complete"), "w").close()
@@ -318,7 +343,8 @@ def peak_flops_for(name: str) -> float | None:
 # ---- one run ------------------------------------------------------------------------------------------------------
 def recipe(w: Workload, run: Run, model_dir: str, data_dir: str, out_dir: str, steps: int, args) -> dict:
     r = dict(model_name_or_path=model_dir, stage="sft", do_train=True, finetuning_type="full", dataset="e2e",
-             dataset_dir=data_dir, template="qwen2_vl" if w.model == "vl" else "qwen3_nothink", cutoff_len=w.cutoff,
+             dataset_dir=data_dir, cutoff_len=w.cutoff,
+             template=VL_TEMPLATE[VL[w.model]["model_type"]] if w.model in VL else "qwen3_nothink",
              output_dir=out_dir,
              overwrite_output_dir=True, per_device_train_batch_size=run.micro_batch,
              gradient_accumulation_steps=run.grad_accum, max_steps=steps, learning_rate=args.lr,
@@ -335,7 +361,7 @@ def recipe(w: Workload, run: Run, model_dir: str, data_dir: str, out_dir: str, s
     else:
         r.update(sequence_packing=run.packing, use_distributed_optimizer=True, overlap_grad_reduce=True,
                  overlap_param_gather=True)
-        if w.model == "moe":
+        if w.model in MOE_KINDS:
             r.update(moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall")
         r.update(run.extra)
     return r
@@ -476,7 +502,7 @@ def run_workload(w: Workload, args, info: dict, save) -> dict:
 
     steps = args.steps or w.steps
     warmup = min(args.warmup if args.warmup is not None else w.warmup, steps - 1)
-    layers = args.layers or (2 if args.smoke else 28 if w.model == "dense" else
+    layers = args.layers or (2 if args.smoke else 28 if w.model == "dense" else 8 if w.model == "vl" else
                              8 if min(info.get("memory_gib") or [0]) >= 120 else 4)
     config = model_config(w.model, layers, args.smoke)
     work = os.path.join(args.work, "smoke" if args.smoke else "gpu")

@@ -55,6 +55,10 @@ case $phase in
   pair_ours)  # two GPUs: our path's DP2, EP2 and long-context (1 GPU, CP2) runs again after a change
     bench 0,1 g2 --workloads dp2,moe_ep2 --gpus 2 --paths ours
     bench 0,1 g3 --workloads long --runs ours,ours_cp2 --gpus 2 --steps 8 ;;
+  vl)  # one GPU: Qwen2.5-VL-7B shape, LF padded vs ours padded vs ours packed
+    bench 0 g5 --workloads vl --gpus 1 --steps 8 --warmup 3 ;;
+  vl_moe)  # one GPU: Qwen3-VL-30B-A3B shape, the same three runs
+    bench 0 g5 --workloads vl_moe --gpus 1 --steps 8 --warmup 3 ;;
   single_ours)  # one GPU: our path's single-GPU runs again after a change, then the MoE run's peak-memory report
     bench 0 g0 --workloads dense,varlen,varlen_moe,moe --paths ours --gpus 1
     USE_MCA=1 LLAMAFACTORY_MCA_MEMORY_REPORT="$out/memory_moe.md" timeout 120 \

@@ -165,8 +165,10 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
     return directory
 
 
-def write_image_dataset(directory: str, n_rows: int, name: str = "tiny_images") -> str:
-    """sharegpt rows with one or two small images each (LLaMA-Factory's mllm_demo format) and dataset_info.json."""
+def write_image_dataset(directory: str, n_rows: int, name: str = "tiny_images", video_every: int = 0) -> str:
+    """sharegpt rows with one or two small images each (LLaMA-Factory's mllm_demo format) and dataset_info.json;
+    with ``video_every`` = k, every k-th row also holds a two-frame video (a list of frame files, which LLaMA-Factory
+    reads like a decoded video)."""
     import json
 
     import numpy as np
@@ -175,23 +177,25 @@ def write_image_dataset(directory: str, n_rows: int, name: str = "tiny_images") 
     path = os.path.join(directory, "data")
     os.makedirs(path, exist_ok=True)
     rng = np.random.default_rng(0)
+
+    def picture(file: str, height: int) -> str:
+        Image.fromarray(rng.integers(0, 255, (height, 32, 3), dtype=np.uint8)).save(file)
+        return file
+
     rows = []
     for i in range(n_rows):
-        images = []
-        for k in range(1 + i % 2):
-            side = (32, 48)[(i + k) % 2]
-            file = os.path.join(path, f"{name}_{i}_{k}.png")
-            Image.fromarray(rng.integers(0, 255, (side, 32, 3), dtype=np.uint8)).save(file)
-            images.append(file)
+        images = [picture(os.path.join(path, f"{name}_{i}_{k}.png"), (32, 48)[(i + k) % 2]) for k in range(1 + i % 2)]
+        videos = [[picture(os.path.join(path, f"{name}_{i}_frame{k}.png"), 32) for k in range(2)]] \
+            if video_every and i % video_every == 0 else []
         topic = TOPICS[i % len(TOPICS)]
-        question = "<image>" * len(images) + SENTENCES[2].format(topic=topic)
+        question = "<video>" * len(videos) + "<image>" * len(images) + SENTENCES[2].format(topic=topic)
         rows.append({"messages": [{"role": "user", "content": question},
                                   {"role": "assistant", "content": SENTENCES[3].format(topic=topic)}],
-                     "images": images})
+                     "images": images, "videos": videos})
     with open(os.path.join(path, f"{name}.json"), "w", encoding="utf-8") as f:
         json.dump(rows, f, indent=1)
     info = {"file_name": f"{name}.json", "formatting": "sharegpt",
-            "columns": {"messages": "messages", "images": "images"},
+            "columns": {"messages": "messages", "images": "images", "videos": "videos"},
             "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}}
     with open(os.path.join(path, "dataset_info.json"), "w", encoding="utf-8") as f:
         json.dump({name: info}, f, indent=1)

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "megatron", "*.yaml")))
 FAMILY = {"Qwen/Qwen3-1.7B": "qwen3", "Qwen/Qwen3-30B-A3B-Instruct-2507": "qwen3_moe",
-          "Qwen/Qwen2-VL-7B-Instruct": "qwen2_vl"}
+          "Qwen/Qwen2-VL-7B-Instruct": "qwen2_vl", "Qwen/Qwen3-VL-30B-A3B-Instruct": "qwen3_vl_moe"}
 # LLaMA-Factory's own dataset_info.json entries for its demo sets (data/dataset_info.json in its repository).
 LLAMAFACTORY_INFO = {
     "identity": {"file_name": "identity.json"},
@@ -93,7 +93,7 @@ def world(tmp_path_factory):
     tokenizer = save_tiny_tokenizer(str(root / "tokenizer"))
     vocab = len(AutoTokenizer.from_pretrained(tokenizer))
     for repo, family in FAMILY.items():
-        if family.endswith("_vl"):
+        if "_vl" in family:
             model = save_tiny_vl_model(family, str(root / "models" / family))
         else:
             model = save_tiny_model(family, str(root / "models" / family), vocab_size=vocab)
@@ -104,7 +104,8 @@ def world(tmp_path_factory):
 
 def test_every_example_is_covered():
     assert [os.path.basename(e) for e in EXAMPLES] == ["qwen2_vl_full.yaml", "qwen3_dense_sft.yaml", "qwen3_dpo.yaml",
-                                                       "qwen3_long_context_cp2.yaml", "qwen3_moe_full.yaml"]
+                                                       "qwen3_long_context_cp2.yaml", "qwen3_moe_full.yaml",
+                                                       "qwen3_vl_moe_full.yaml"]
     for example in EXAMPLES:
         with open(example) as f:
             assert yaml.safe_load(f)["model_name_or_path"] in FAMILY, example

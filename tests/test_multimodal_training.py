@@ -1,7 +1,8 @@
 """Vision-language sft through ``USE_MCA=1 llamafactory-cli train``, against LLaMA-Factory's default path on the same
-rows with images: the first step's loss (the global batch is the whole set, so row order cannot matter), packed at
-PP2 (the tower on the first stage), and the tower frozen as LLaMA-Factory freezes it by default. (Packed TP2 + SP:
-the guide's recipe in tests/test_examples.py.)"""
+rows with images (and, for Qwen3-VL, videos), resized by ``image_max_pixels``: the first step's loss (the global batch
+is the whole set, so row order cannot matter) at PP2 (the tower on the first stage, with Qwen3-VL's deepstack layers),
+padded for Qwen2-VL and packed for Qwen3-VL; the tower frozen as LLaMA-Factory freezes it by default; the export
+loading into ``transformers``. (Packed TP2 + SP and PP2 x EP4: the recipes in tests/test_examples.py.)"""
 
 import os
 
@@ -15,13 +16,20 @@ from tests._cli import cli_env, losses, ok, recipe, run, train
 pytestmark = pytest.mark.slow
 
 
-def test_vision_language_sft_matches_llamafactory_and_keeps_the_tower_frozen(tmp_path):
+@pytest.mark.parametrize("family,template,video_every,packing", [("qwen2_vl", "qwen2_vl", 0, False),
+                                                                  ("qwen3_vl", "qwen3_vl", 3, True)])
+def test_vision_language_sft_matches_llamafactory_and_keeps_the_tower_frozen(tmp_path, family, template, video_every,
+                                                                            packing):
     from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
 
-    model = save_tiny_vl_model("qwen2_vl", str(tmp_path / "model"))
-    data = write_image_dataset(str(tmp_path), 12)  # one or two images a row, two image sizes
+    model = save_tiny_vl_model(family, str(tmp_path / "model"))
+    # one or two images a row, two image sizes; for Qwen3-VL every third row also has a two-frame video
+    data = write_image_dataset(str(tmp_path), 12, video_every=video_every)
     assets = {"models": {"qwen3": model}, "sft": data}
-    vl = dict(dataset="tiny_images", template="qwen2_vl", cutoff_len=256, gradient_accumulation_steps=3, max_steps=1)
+    # image_max_pixels / image_min_pixels: every image (32 x 32 or 48 x 32 pixels) is scaled down, on both paths alike
+    vl = dict(dataset="tiny_images", template=template, cutoff_len=256, gradient_accumulation_steps=3, max_steps=1,
+              image_max_pixels=768, image_min_pixels=256)
     # 4 rows a micro-batch x 3: all 12 rows in the first step, on either path
     (tmp_path / "default.yaml").write_text(yaml.safe_dump(recipe(assets, tmp_path / "default", **vl,
                                                                  per_device_train_batch_size=4)))
@@ -31,8 +39,8 @@ def test_vision_language_sft_matches_llamafactory_and_keeps_the_tower_frozen(tmp
     assert result.returncode == 0, output[-4000:]
     theirs = losses(tmp_path / "default")[1]
 
-    # PP2 (dp 1) and packed: the pixels go to the first stage only, and positions restart per sequence in the pack
-    config = recipe(assets, tmp_path / "pp2", **vl, pipeline_model_parallel_size=2, sequence_packing=True,
+    # PP2 (dp 1): the pixels go to the first stage only; packed, positions restart per sequence in the pack
+    config = recipe(assets, tmp_path / "pp2", **vl, pipeline_model_parallel_size=2, sequence_packing=packing,
                     per_device_train_batch_size=4)
     result, output = train(tmp_path, config, world=2, name="pp2")
     ok(result, output)
@@ -40,6 +48,9 @@ def test_vision_language_sft_matches_llamafactory_and_keeps_the_tower_frozen(tmp
 
     before, after = (load_file(os.path.join(folder, "model.safetensors")) for folder in (model, tmp_path / "pp2"))
     assert sorted(before) == sorted(after)
-    tower = [k for k in before if k.startswith("visual.")]
+    tower = [k for k in before if "visual." in k]
     assert tower and all(torch.equal(before[k], after[k]) for k in tower)  # freeze_vision_tower (and projector)
-    assert not torch.equal(before["model.norm.weight"], after["model.norm.weight"])  # the language model trained
+    norm = next(k for k in before if k.endswith("model.norm.weight") or k.endswith("language_model.norm.weight"))
+    assert not torch.equal(before[norm], after[norm])  # the language model trained
+    _, info = AutoModelForImageTextToText.from_pretrained(tmp_path / "pp2", output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
