@@ -24,7 +24,8 @@ SINGLE_NAME = "model.safetensors"
 # Files that travel with a model besides its weights.
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
-              "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json")
+              "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json",
+              "video_preprocessor_config.json")
 
 
 class SafetensorsSource:
