@@ -55,8 +55,19 @@ class VisionInputs:
                                                self.processor)
             vision = {k: v for k, v in inputs.items() if k in ("pixel_values", "image_grid_thw",
                                                                "pixel_values_videos", "video_grid_thw")}
+        self._check_counts(batch, vision)
         positions = self._positions(batch, vision)
         return replace(batch, rope_positions=positions, vision=vision or None)
+
+    def _check_counts(self, batch: MicroBatch, vision: dict[str, torch.Tensor]) -> None:
+        """Placeholder tokens and vision features must pair one to one (the model fills the one with the other)."""
+        for key, token in (("image_grid_thw", self.image_token_id), ("video_grid_thw", self.video_token_id)):
+            grids = vision.get(key)
+            features = 0 if grids is None else int(grids.prod(-1).sum()) // self.merge ** 2
+            placeholders = 0 if token is None else int((batch.tokens == token).sum())
+            if placeholders != features:
+                raise ValueError(f"{placeholders} placeholder tokens (id {token}) but {features} vision features "
+                                 f"({key}): the rows and their images or videos do not match")
 
     def _positions(self, batch: MicroBatch, vision: dict[str, torch.Tensor]) -> torch.Tensor:
         """[b, s, 3]: each sequence's own 3-D positions (packed: restarting at every sequence)."""

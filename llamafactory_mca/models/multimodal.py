@@ -82,13 +82,13 @@ class MultimodalRope(torch.nn.Module):
         super().__init__()
         self.inv_freq = megatron_rope.inv_freq
         self.interleaved = interleaved
+        self._axes: dict[tuple, torch.Tensor] = {}  # per (sections, device): built once, not copied every step
 
     def axes(self, mrope_section: list[int]) -> torch.Tensor:
         """For each frequency, the position axis (0 T, 1 H, 2 W) it rotates by."""
-        half = sum(mrope_section)
         if not self.interleaved:
             return torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))
-        axes = torch.zeros(half, dtype=torch.long)
+        axes = torch.zeros(sum(mrope_section), dtype=torch.long)
         for axis in (1, 2):
             axes[axis: 3 * mrope_section[axis]: 3] = axis
         return axes
@@ -97,7 +97,10 @@ class MultimodalRope(torch.nn.Module):
         """``position_ids`` [3, b, s] → rotary embedding [s, b, 1, head_dim] (Megatron's layout)."""
         inv_freq = self.inv_freq.to(position_ids.device)
         freqs = position_ids.float()[..., None] * inv_freq  # [3, b, s, head_dim / 2]
-        axes = self.axes(mrope_section).to(position_ids.device)
+        key = (tuple(mrope_section), position_ids.device)
+        if key not in self._axes:
+            self._axes[key] = self.axes(mrope_section).to(position_ids.device)
+        axes = self._axes[key]
         freqs = freqs.gather(0, axes.expand_as(freqs[:1]).contiguous())[0]  # [b, s, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb[:, :, None, :].transpose(0, 1).contiguous()
@@ -151,10 +154,9 @@ class VisionLanguageModel(GPTModel):
                 continue
             output = self.vision(pixels.to(self.config.params_dtype), grid_thw=grid)
             features = getattr(output, "pooler_output", output).to(embeddings.dtype)
-            mask = input_ids == token  # [b, s]: features fill row after row, as the rows hold their images
-            if int(mask.sum()) != features.shape[0]:
-                raise ValueError(f"{int(mask.sum())} placeholder tokens (id {token}) but {features.shape[0]} vision "
-                                 "features: the rows and their images do not match")
+            # [b, s]: features fill row after row, as the rows hold their images (their counts agree: the data
+            # side checks that on the host, ``VisionInputs.attach``, so no step waits on a device-to-host copy)
+            mask = input_ids == token
             embeddings = _scatter(embeddings, mask, features)
             if self.deepstack:
                 levels = output.deepstack_features
