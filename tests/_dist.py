@@ -32,8 +32,17 @@ def run_distributed(fn, world_size: int, *args, retries: int = 3) -> list:
     for attempt in range(retries):
         with ctx.Manager() as manager:
             results = manager.dict()
-            mp.start_processes(_entry, args=(world_size, free_port(), fn, args, results), nprocs=world_size,
-                               join=True, start_method="spawn")
+            try:
+                mp.start_processes(_entry, args=(world_size, free_port(), fn, args, results), nprocs=world_size,
+                                   join=True, start_method="spawn")
+            except mp.ProcessExitedException as err:
+                # A rank that died before reporting fails the test. One that reported and then died on the way out
+                # (gloo's threads at interpreter exit: "terminate called without an active exception", seen once
+                # on a loaded 2-core CI machine) finished what the test checks, so its results stand.
+                done = dict(results)
+                if len(done) < world_size or any(status != "ok" for status, _ in done.values()):
+                    raise
+                print(f"run_distributed: every rank reported, then {err}")
             results = dict(results)
         errors = {r: v for r, (status, v) in results.items() if status == "error"}
         if errors and attempt + 1 < retries and all("EADDRINUSE" in e or "Address already in use" in e
