@@ -182,8 +182,9 @@ def preflight(argv: list[str]) -> Plan:
     layout = training_args.resolve_layout(world, seq_length=cutoff_len)
     model_path = resolve_model(model_args.model_name_or_path, model_args)
     config = AutoConfig.from_pretrained(model_path, training_args, model_args.trust_remote_code)
-    check_layout(config, layout, training_args.pipeline_model_parallel_layout is not None)
-    check_model_fits(config, cutoff_len, finetuning_args.stage, layout)
+    custom = training_args.pipeline_model_parallel_layout is not None
+    check_layout(config, layout, custom)
+    check_model_fits(config, cutoff_len, finetuning_args.stage, layout, custom)
     if getattr(finetuning_args, "ref_model", None):
         resolve_model(finetuning_args.ref_model, model_args)
     check_datasets(data_args)

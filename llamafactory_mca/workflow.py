@@ -77,8 +77,11 @@ def _check_output_dir(output_dir: str) -> None:
                          "to.") from err
 
 
-def check_model_fits(config: Any, cutoff_len: int, stage: str, layout: Any) -> None:
-    """Refuse a model this run would train wrongly (before any worker starts: the preflight calls it too)."""
+def check_model_fits(config: Any, cutoff_len: int, stage: str, layout: Any, custom_pipeline_layout: bool = False
+                     ) -> None:
+    """Refuse a model this run would train wrongly (before any worker starts: the preflight calls it too).
+    ``custom_pipeline_layout``: a pipeline_model_parallel_layout places the layers, not the even split (the model
+    build then checks where the deepstack layers went)."""
     if config.transformer.get("mrope_section"):
         if stage == "dpo":
             raise UserError(f"{config.hf_model_type}: DPO on vision-language models is not supported with USE_MCA=1 "
@@ -91,7 +94,7 @@ def check_model_fits(config: Any, cutoff_len: int, stage: str, layout: Any) -> N
 
         deepstack, stages = deepstack_layers(config.hf_config), layout.pp * (layout.vpp or 1)
         first_chunk = config.num_layers // stages
-        if deepstack > first_chunk:
+        if deepstack > first_chunk and not custom_pipeline_layout:
             raise UserError(f"{config.hf_model_type}: the first {deepstack} decoder layers take the vision tower's "
                             f"deepstack features and must share its pipeline stage, but pipeline_model_parallel_size="
                             f"{layout.pp}" + (f" x virtual_pipeline_model_parallel_size={layout.vpp}" if layout.vpp
@@ -216,8 +219,9 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
         lock = run_lock.acquire(training_args.output_dir)
     _resolve_model_once_per_node(model_args, finetuning_args)
     config = AutoConfig.from_pretrained(model_args.model_name_or_path, training_args, model_args.trust_remote_code)
-    check_layout(config, layout, training_args.pipeline_model_parallel_layout is not None)
-    check_model_fits(config, cutoff_len, stage, layout)
+    custom = training_args.pipeline_model_parallel_layout is not None
+    check_layout(config, layout, custom)
+    check_model_fits(config, cutoff_len, stage, layout, custom)
 
     watchdog.beat(phase="loading data and model")
     parallel.initialize(layout, training_args.seed)

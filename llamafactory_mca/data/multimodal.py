@@ -62,12 +62,15 @@ class VisionInputs:
     def _check_counts(self, batch: MicroBatch, vision: dict[str, torch.Tensor]) -> None:
         """Placeholder tokens and vision features must pair one to one (the model fills the one with the other)."""
         for key, token in (("image_grid_thw", self.image_token_id), ("video_grid_thw", self.video_token_id)):
-            grids = vision.get(key)
-            features = 0 if grids is None else int(grids.prod(-1).sum()) // self.merge ** 2
+            features = sum(self._tokens(grid) for grid in vision.get(key, []))
             placeholders = 0 if token is None else int((batch.tokens == token).sum())
             if placeholders != features:
                 raise ValueError(f"{placeholders} placeholder tokens (id {token}) but {features} vision features "
                                  f"({key}): the rows and their images or videos do not match")
+
+    def _tokens(self, grid: torch.Tensor) -> int:
+        """Placeholder tokens of one image or video: its patch grid (t, h, w) merged ``merge`` x ``merge``."""
+        return int(np.prod(grid.tolist())) // self.merge ** 2
 
     def _positions(self, batch: MicroBatch, vision: dict[str, torch.Tensor]) -> torch.Tensor:
         """[b, s, 3]: each sequence's own 3-D positions (packed: restarting at every sequence)."""
@@ -94,7 +97,7 @@ class VisionInputs:
             while tokens > 0:
                 grid = grids[key].pop(0)
                 taken.append(grid)
-                tokens -= int(np.prod(grid.tolist())) // self.merge ** 2
+                tokens -= self._tokens(grid)
             if taken:
                 kwargs[key] = torch.stack(taken)
         positions, _ = self.rope_index(ids.view(1, -1), mm_token_type_ids=types.view(1, -1), **kwargs)

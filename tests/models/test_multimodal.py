@@ -149,3 +149,5 @@ def test_what_vision_language_training_cannot_do_yet_is_refused(tmp_path):
     with pytest.raises(UserError, match=r"first 2 decoder layers take .* deepstack .* pipeline_model_parallel_size=2 "
                                         r"x virtual_pipeline_model_parallel_size=2 puts 1 layers there"):
         check_model_fits(config, 64, "sft", SimpleNamespace(cp=1, pp=2, vpp=2))
+    # with a pipeline_model_parallel_layout the user places the layers; the model build checks where they went
+    check_model_fits(config, 64, "sft", SimpleNamespace(cp=1, pp=2, vpp=2), custom_pipeline_layout=True)
