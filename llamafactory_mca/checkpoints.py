@@ -34,6 +34,7 @@ DIST_DIR = "dist_ckpt"  # where a checkpoint folder keeps its Megatron dist chec
 MCA_CONFIG_NAME = "mca_config.json"  # the model in Megatron terms (models.config.McaConfig)
 LAYOUT_NAME = "mca_layout.json"  # the layout it was written in
 TRAINER_STATE_NAME = "trainer_state.json"
+ADAPTER_CONFIG_NAME = "adapter_config.json"  # in a LoRA run's checkpoints: what the adapters are (peft's file)
 LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size")
 _LAYOUT_ATTRS = ("tp", "pp", "vpp", "ep", "etp", "cp")
@@ -47,6 +48,11 @@ def checkpoint_path(output_dir: str, step: int) -> str:
 def is_ours(path: str) -> bool:
     """A folder written by us (training or convert), as opposed to a Hugging Face model folder."""
     return os.path.isfile(os.path.join(path, MCA_CONFIG_NAME))
+
+
+def is_adapter_checkpoint(path: str) -> bool:
+    """A checkpoint of a LoRA run: adapters only, the base model is its adapter_config's base_model_name_or_path."""
+    return is_ours(path) and os.path.isfile(os.path.join(path, ADAPTER_CONFIG_NAME))
 
 
 def read_config(path: str) -> McaConfig:
@@ -74,6 +80,7 @@ class SideFiles:
     tokenizer: Any = None
     processor: Any = None
     hf_source: str | None = None  # a Hugging Face folder to copy config.json and tokenizer files from (convert)
+    adapter_config: dict | None = None  # a LoRA run's peft adapter_config.json (its checkpoints hold adapters only)
 
     def write(self, directory: str) -> None:
         from .models.hf_io import copy_side_files, write_hf_config
@@ -88,6 +95,8 @@ class SideFiles:
             shutil.copy(os.path.join(self.hf_source, "config.json"), os.path.join(directory, "config.json"))
         else:
             write_hf_config(self.config.hf_config, directory, None)
+        if self.adapter_config is not None:
+            _write_json(os.path.join(directory, ADAPTER_CONFIG_NAME), self.adapter_config)
         for saver in (self.tokenizer, self.processor):
             if saver is not None:
                 saver.save_pretrained(directory)

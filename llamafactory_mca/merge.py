@@ -26,11 +26,15 @@ def _check_flags_against_checkpoint(args: argparse.Namespace, checkpoint: str) -
 
 
 def merge(checkpoint: str, output: str, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 1024**3,
-          model_max_length: int | None = None) -> dict:
+          model_max_length: int | None = None, merge_lora: bool = False, base_model: str | None = None) -> dict:
     """Write ``output`` (HF safetensors, config.json, tokenizer files) from ``checkpoint``; returns bytes, seconds
-    and the side files copied. Nothing is written unless the checkpoint verifies, and ``output`` appears whole."""
+    and the side files copied. Nothing is written unless the checkpoint verifies, and ``output`` appears whole.
+    A LoRA run's checkpoint gives its peft adapter, or with ``merge_lora`` the base model with it merged in."""
+    from .checkpoints import is_adapter_checkpoint
     from .models.export import export_hf
 
+    if is_adapter_checkpoint(checkpoint):
+        return _merge_adapter_checkpoint(checkpoint, output, dtype, merge_lora, base_model)
     result = export_hf(checkpoint, output, dtype=dtype, max_shard_bytes=max_shard_bytes)
     if model_max_length:
         path = os.path.join(output, "config.json")
@@ -40,6 +44,35 @@ def merge(checkpoint: str, output: str, dtype: torch.dtype | None = None, max_sh
         with open(path, "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, sort_keys=True)
     return result
+
+
+def _merge_adapter_checkpoint(checkpoint: str, output: str, dtype: torch.dtype | None, merge_lora: bool,
+                              base_model: str | None) -> dict:
+    import tempfile
+    import time
+
+    from .models.lora_io import export_adapter, merge_adapter, read_adapter_config
+
+    start = time.perf_counter()
+    if not merge_lora:
+        export_adapter(checkpoint, output, dtype)
+        return {"bytes": _folder_bytes(output), "seconds": time.perf_counter() - start, "side_files": [],
+                "adapter": True}
+    base = base_model or read_adapter_config(checkpoint).get("base_model_name_or_path")
+    if not base or not os.path.isdir(base):
+        from .hub import resolve_model
+
+        if not base:
+            raise UserError(f"{checkpoint} is a LoRA checkpoint whose base model is not recorded; give --base_model.")
+        base = resolve_model(base, None)
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(output)) or ".") as adapter:
+        export_adapter(checkpoint, adapter)
+        merge_adapter(adapter, base, output, dtype)
+    return {"bytes": _folder_bytes(output), "seconds": time.perf_counter() - start, "side_files": []}
+
+
+def _folder_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if n.endswith(".safetensors"))
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
@@ -63,6 +96,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                         help="set max_position_embeddings in the written config.json")
     parser.add_argument("--max_shard_size_gb", type=float, default=5.0, metavar="GB",
                         help="largest safetensors file (default 5)")
+    parser.add_argument("--merge_lora", action="store_true", help="a LoRA run's checkpoint: write the base model with "
+                        "the adapter merged in (default: the peft adapter)")
+    parser.add_argument("--base_model", help="a LoRA run's base model (default: the one it trained on)")
     return parser
 
 
@@ -81,8 +117,9 @@ def main(argv: list[str] | None = None, prog: str = "llamafactory-mca merge") ->
     with user_errors():
         _check_flags_against_checkpoint(args, checkpoint)
         dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-        result = merge(checkpoint, output, dtype, int(args.max_shard_size_gb * 1024**3), args.convert_model_max_length)
+        result = merge(checkpoint, output, dtype, int(args.max_shard_size_gb * 1024**3), args.convert_model_max_length,
+                       args.merge_lora, args.base_model)
     size, seconds = result["bytes"] / 2**20, result["seconds"]
-    print(f"Hugging Face weights written to {output} ({size:,.1f} MiB in {seconds:.1f} s; "
+    print(f"{'A peft LoRA adapter' if result.get('adapter') else 'Hugging Face weights'} written to {output} ({size:,.1f} MiB in {seconds:.1f} s; "
           f"{', '.join(result['side_files']) or 'no tokenizer files'})")
     return 0

@@ -187,6 +187,11 @@ def preflight(argv: list[str]) -> Plan:
     check_model_fits(config, cutoff_len, finetuning_args.stage, layout, custom)
     if getattr(finetuning_args, "ref_model", None):
         resolve_model(finetuning_args.ref_model, model_args)
+    if finetuning_args.finetuning_type == "lora":
+        from .models.lora_io import check_lora_plan
+
+        adapters = [resolve_model(p, model_args) for p in model_args.adapter_name_or_path or []]
+        check_lora_plan(config, finetuning_args, adapters, layout.etp)
     check_datasets(data_args)
     resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
     return Plan(world_size=world, layout=layout, model_path=model_path, output_dir=training_args.output_dir)

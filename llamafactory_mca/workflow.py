@@ -20,7 +20,7 @@ from .errors import UserError
 logger = logging.getLogger("llamafactory_mca")
 
 SUPPORTED_STAGES = ("pt", "sft", "dpo")
-SUPPORTED_FINETUNING = ("full", "freeze")
+SUPPORTED_FINETUNING = ("full", "freeze", "lora")
 
 
 def run_pt(model_args, data_args, training_args, finetuning_args, callbacks=None):
@@ -42,11 +42,16 @@ def check_request(stage: str, model_args: Any, data_args: Any, training_args: An
                          "Unset USE_MCA to run it with LLaMA-Factory's default trainer.")
     if finetuning_args.finetuning_type not in SUPPORTED_FINETUNING:
         raise UserError(f"finetuning_type={finetuning_args.finetuning_type!r} is not supported with USE_MCA=1; "
-                         f"supported: {', '.join(SUPPORTED_FINETUNING)}. Use finetuning_type: full (or freeze), or "
-                         "unset USE_MCA for LoRA/OFT with LLaMA-Factory's default trainer.")
-    if getattr(model_args, "adapter_name_or_path", None):
-        raise UserError("adapter_name_or_path is not supported with USE_MCA=1: merge the adapter first "
-                         "(llamafactory-cli export) and train the merged model.")
+                         f"supported: {', '.join(SUPPORTED_FINETUNING)}. Use one of those, or unset USE_MCA for "
+                         "OFT with LLaMA-Factory's default trainer.")
+    if finetuning_args.finetuning_type == "lora":
+        from .models.lora import check_lora_request
+
+        check_lora_request(finetuning_args)
+    elif getattr(model_args, "adapter_name_or_path", None):
+        raise UserError(f"adapter_name_or_path is set but finetuning_type={finetuning_args.finetuning_type!r}: "
+                         "continue an adapter with finetuning_type: lora, or merge it first (llamafactory-cli export) "
+                         "and train the merged model.")
     if getattr(model_args, "quantization_bit", None):
         raise UserError(f"quantization_bit={model_args.quantization_bit} is not supported with USE_MCA=1.")
     if data_args.streaming:
@@ -185,6 +190,8 @@ def _resolve_model_once_per_node(model_args: Any, finetuning_args: Any) -> None:
             model_args.model_name_or_path = resolve_model(model_args.model_name_or_path, model_args)
             if getattr(finetuning_args, "ref_model", None):
                 finetuning_args.ref_model = resolve_model(finetuning_args.ref_model, model_args)
+            if getattr(model_args, "adapter_name_or_path", None):
+                model_args.adapter_name_or_path = [resolve_model(p, model_args) for p in model_args.adapter_name_or_path]
         torch.distributed.barrier()
 
 
@@ -237,9 +244,17 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
     dataset_module = _load_rows(stage, template, model_args, data_args, training_args, tokenizer_module, cutoff_len)
 
     model = AutoModel.from_pretrained(model_args.model_name_or_path, training_args, model_args.trust_remote_code)
-    if finetuning_args.finetuning_type == "freeze":
-        apply_freeze(model, finetuning_args)
-    apply_multimodal_freeze(model, finetuning_args)
+    adapter_config = None
+    if finetuning_args.finetuning_type == "lora":
+        from .models.lora_io import setup_lora
+
+        adapter_config = setup_lora(model, finetuning_args, list(model_args.adapter_name_or_path or []),
+                                    model_args.model_name_or_path, training_args.seed,
+                                    finetuning_args.freeze_vision_tower)
+    else:
+        if finetuning_args.finetuning_type == "freeze":
+            apply_freeze(model, finetuning_args)
+        apply_multimodal_freeze(model, finetuning_args)
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     batching = dict(cutoff_len=cutoff_len, packing=packing, pad_multiple=layout.pad_multiple, pad_token_id=pad_id)
@@ -268,17 +283,20 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
         model=model, args=training_args, layout=layout, train_data=train_plan, eval_data=eval_plan,
         tokenizer=tokenizer, processor=processor, callbacks=callbacks, preference=preference,
         reference_model=finetuning_args.ref_model if stage == "dpo" else None,
-        side_files=SideFiles(config, layout, grouped, tokenizer, processor),
+        side_files=SideFiles(config, layout, grouped, tokenizer, processor, adapter_config=adapter_config),
     )
 
     if torch.distributed.get_rank() == 0:
         on_rank = count_parameters(model.chunks)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         logger.info("\n" + startup_summary(
             layout=layout, args=training_args, model_type=config.hf_model_type,
             params_total=model_parameter_count(config), params_on_rank=on_rank,
             kernels=spec.describe_kernels(model.transformer_config), tokens_per_step=trainer.tokens_per_step(),
             steps=trainer.max_steps, data_stats=format_stats(train_plan.stats),
-            memory=memory_estimate_gib(on_rank, training_args, layout.dp)))
+            memory=memory_estimate_gib(on_rank, training_args, layout.dp, trainable),
+            tuning=f"{model.lora.describe()}: {trainable / 1e6:,.2f}M trainable parameters on this rank "
+                   f"({100 * trainable / max(on_rank, 1):.2f}%)" if model.lora else None))
 
     result = trainer.train(training_args.resume_from_checkpoint)
     trainer.save_model()

@@ -91,6 +91,7 @@ class McaModel:
         self.config = config
         self.transformer_config = transformer_config
         self.chunks = chunks
+        self.lora = None  # a lora.LoraRun once apply_lora put adapters on the chunks
 
     def parameters(self):
         for chunk in self.chunks:
@@ -110,10 +111,16 @@ class McaModel:
         return self.train(False)
 
     def sharded_state_dict(self) -> dict[str, Any]:
-        """Megatron's sharded state dict for dist checkpointing (keys are global: any layout reloads it)."""
-        if len(self.chunks) == 1:
-            return {"model": self.chunks[0].sharded_state_dict()}
-        return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(self.chunks)}
+        """Megatron's sharded state dict for dist checkpointing (keys are global: any layout reloads it). With LoRA
+        only the adapters (and ``additional_target`` modules): the frozen base comes from ``model_name_or_path``."""
+        states = [chunk.sharded_state_dict() for chunk in self.chunks]
+        if self.lora is not None:
+            from .lora import adapter_state
+
+            states = [adapter_state(state, self.lora.settings.additional) for state in states]
+        if len(states) == 1:
+            return {"model": states[0]}
+        return {f"model{i}": state for i, state in enumerate(states)}
 
     def load_hf_weights(self, path: str) -> SafetensorsSource:
         from megatron.core import parallel_state as ps

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..checkpoints import dist_checkpoint_dir, read_config, verify_checkpoint
+from ..checkpoints import dist_checkpoint_dir, is_adapter_checkpoint, read_config, verify_checkpoint
 from ..errors import UserError
 from .config import McaConfig
 from .dist_reader import DistCheckpointReader
@@ -123,6 +123,15 @@ def export_hf(checkpoint: str, output: str, dtype: torch.dtype | None = None,
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return {"bytes": writer.total_bytes, "seconds": time.perf_counter() - start, "side_files": copied}
+
+
+def export_checkpoint(checkpoint: str, output: str, dtype: torch.dtype | None = None) -> dict:
+    """What a checkpoint exports to: Hugging Face weights, or for a LoRA run's its peft adapter."""
+    if is_adapter_checkpoint(checkpoint):
+        from .lora_io import export_adapter
+
+        return export_adapter(checkpoint, output, dtype)
+    return export_hf(checkpoint, output, dtype)
 
 
 def _move_into(staging: str, output: str) -> None:

@@ -77,8 +77,10 @@ def count_parameters(chunks: list[torch.nn.Module]) -> int:
     return sum(p.numel() for chunk in chunks for p in chunk.parameters())
 
 
-def memory_estimate_gib(params_on_rank: int, args: Any, dp: int) -> dict[str, float]:
-    """Weights + gradients + optimizer states per GPU (activations come on top and depend on the data)."""
+def memory_estimate_gib(params_on_rank: int, args: Any, dp: int, trainable: int | None = None) -> dict[str, float]:
+    """Weights + gradients + optimizer states per GPU (activations come on top and depend on the data). Frozen
+    parameters (``trainable`` of them train) have neither gradients nor optimizer states."""
+    trainable = params_on_rank if trainable is None else trainable
     weight_bytes = 2 if (args.bf16 or args.fp16) else 4
     grad_bytes = 4 if (args.accumulate_allreduce_grads_in_fp32 or weight_bytes == 4) else weight_bytes
     states = 12 if args.optimizer == "adam" else 8  # fp32 main params + moments (sgd: + momentum)
@@ -87,8 +89,8 @@ def memory_estimate_gib(params_on_rank: int, args: Any, dp: int) -> dict[str, fl
     if args.use_distributed_optimizer:
         states /= dp
     gib = 1024**3
-    result = {"weights": params_on_rank * weight_bytes / gib, "grads": params_on_rank * grad_bytes / gib,
-              "optimizer": params_on_rank * states / gib}
+    result = {"weights": params_on_rank * weight_bytes / gib, "grads": trainable * grad_bytes / gib,
+              "optimizer": trainable * states / gib}
     if args.optimizer_cpu_offload:
         result["optimizer"] = 0.0
     result["total"] = sum(result.values())
@@ -104,7 +106,7 @@ def gpu_memory_gib() -> tuple[float, float]:
 
 def startup_summary(*, layout: Any, args: Any, model_type: str, params_total: int, params_on_rank: int,
                     kernels: str, tokens_per_step: int | None, steps: int, data_stats: str,
-                    memory: dict[str, float]) -> str:
+                    memory: dict[str, float], tuning: str | None = None) -> str:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (gloo)"
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     schedule = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
@@ -120,6 +122,7 @@ def startup_summary(*, layout: Any, args: Any, model_type: str, params_total: in
         f"  steps       {steps}; lr {args.learning_rate:g} ({schedule}), warmup "
         f"{args.get_warmup_steps(steps)}, weight decay {args.weight_decay:g}, max grad norm {args.max_grad_norm:g}",
         f"  kernels     {kernels}",
+        *([f"  tuning      {tuning}"] if tuning else []),
         f"  optimizer   {args.optimizer}{' (distributed)' if args.use_distributed_optimizer else ''}"
         f"{', overlap grad reduce' if args.overlap_grad_reduce else ''}"
         f"{', overlap param gather' if args.overlap_param_gather else ''}"

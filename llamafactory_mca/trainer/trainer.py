@@ -364,9 +364,15 @@ class McaTrainer:
             from ..models.auto import AutoModel
 
             reference = AutoModel.from_pretrained(self.reference_model, self.args)
+        elif self.model.lora is not None:  # LoRA's reference is the frozen base, as peft's disable_adapter gives it
+            from ..models.lora import set_lora_enabled
+
+            set_lora_enabled(self.model, False)
         for plan in (self.train_data, self.eval_data):
             if plan is not None:
                 plan.set_reference(*self._reference_logps(plan, reference))
+        if reference is None and self.model.lora is not None:
+            set_lora_enabled(self.model, True)
         del reference
 
     @torch.no_grad()
@@ -407,9 +413,9 @@ class McaTrainer:
     def _export(self, checkpoint: str, target: str) -> None:
         """Hugging Face weights, config, tokenizer and processor files from a folder just written (collective)."""
         if self.is_world_process_zero():
-            from ..models.export import export_hf
+            from ..models.export import export_checkpoint
 
-            export_hf(checkpoint, target)
+            export_checkpoint(checkpoint, target)
         torch.distributed.barrier()
 
     def save_model(self, output_dir: str | None = None) -> None:
@@ -426,7 +432,8 @@ class McaTrainer:
             if self.is_world_process_zero():
                 shutil.rmtree(staging, ignore_errors=True)
         if self.is_world_process_zero():
-            logger.info("Saved the trained model (Hugging Face safetensors) to %s", output_dir)
+            logger.info("Saved the trained %s to %s", "LoRA adapter (peft)" if self.model.lora else
+                        "model (Hugging Face safetensors)", output_dir)
 
 
 class _Window:

@@ -56,13 +56,20 @@ class NativeGroupedMLP(GroupedMLP):
         counts = tokens_per_expert.detach().to("cpu", torch.int64)
         if self.activation_recompute:
             self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput()
-            intermediate = self.activation_checkpoint.checkpoint(self._activate, grouped_mm(hidden, w1, counts),
+            intermediate = self.activation_checkpoint.checkpoint(self._activate, self.fc1(hidden, w1, counts),
                                                                  probs)
-            out = grouped_mm(intermediate, w2, counts)
+            out = self.fc2(intermediate, w2, counts)
             self.activation_checkpoint.discard_output_and_register_recompute(out)
         else:
-            out = grouped_mm(self._activate(grouped_mm(hidden, w1, counts), probs), w2, counts)
+            out = self.fc2(self._activate(self.fc1(hidden, w1, counts), probs), w2, counts)
         return out, None
+
+    def fc1(self, x: torch.Tensor, w1: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The first grouped GEMM (a LoRA subclass adds its adapters' here, ``models/lora.py``)."""
+        return grouped_mm(x, w1, counts)
+
+    def fc2(self, x: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return grouped_mm(x, w2, counts)
 
     def _activate(self, fc1_out: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """Activation (GLU-aware, as Megatron's MLP does it) times the routing probability of each token."""

@@ -1,0 +1,553 @@
+"""LoRA on Megatron's parallel linears: LLaMA-Factory's ``finetuning_type: lora``, adapters peft can load.
+
+One adapter per Hugging Face module, as peft has them, so trainable parameters, initialisation and the saved
+adapter are peft's: Megatron's fused ``linear_qkv`` carries separate q, k and v adapters, ``linear_fc1`` gate and up.
+Their low-rank outputs are laid out like the fused weight's rows with the weight table's own op (``FusedQKV``
+interleaves per query group), so the HF <-> Megatron layout is written once (``mapping.py``).
+
+Placement on tensor-parallel ranks (each adapter parameter holds exactly the HF tensor's rows it covers, so a dist
+checkpoint's global adapter tensor *is* peft's tensor):
+
+- column-parallel base (q/k/v, gate/up): A replicated [r, in], B split by rows like the base's output;
+- row-parallel base (o, down): A split by columns like the base's input (the rank-r product is all-reduced), B
+  replicated;
+- sequence parallelism: the rank-r activation, not the hidden state, is gathered / reduce-scattered; a replicated
+  factor then sees only its sequence shard and is marked ``sequence_parallel`` so Megatron all-reduces its gradient.
+
+MoE experts (the word ``experts`` in ``lora_target``; never part of ``all``, as in LLaMA-Factory under transformers 5)
+get one adapter per expert over the fused gate/up weight and one over down, peft's ``target_parameters`` on
+``experts.gate_up_proj`` / ``experts.down_proj``; in the grouped GEMM they run as two more grouped GEMMs each.
+
+The frozen base is frozen *before* Megatron's DDP wraps the model, so it gets no gradient buffer, no fp32 main copy
+and no optimizer state; checkpoints hold only the adapters (``adapter_state``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import UserError
+from .mapping import DictSource, Dims, Op, WeightTable
+
+EXPERTS_WORD = "experts"  # lora_target word for the routed experts (peft target_parameters)
+EXPERT_PIECES = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
+REFUSED = {  # LLaMA-Factory options this backend cannot honour, by name
+    "use_dora": "DoRA", "pissa_init": "PiSSA", "pissa_convert": "PiSSA", "loraplus_lr_ratio": "LoRA+",
+    "use_galore": "GaLore", "use_apollo": "APOLLO", "use_badam": "BAdam",
+}
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("all",)
+    additional: tuple[str, ...] = ()
+    rslora: bool = False
+    seed: int = 42
+    experts: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "experts", EXPERTS_WORD in self.targets)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    @classmethod
+    def from_args(cls, finetuning_args: Any, seed: int = 42) -> LoraSettings:
+        targets = tuple(t.strip() for t in (finetuning_args.lora_target or ["all"]) if t.strip())
+        return cls(rank=int(finetuning_args.lora_rank), alpha=float(finetuning_args.lora_alpha or
+                                                                      finetuning_args.lora_rank * 2),
+                   dropout=float(finetuning_args.lora_dropout), targets=targets,
+                   additional=tuple(finetuning_args.additional_target or ()), rslora=bool(finetuning_args.use_rslora),
+                   seed=seed)
+
+    @classmethod
+    def from_peft(cls, adapter_config: dict, seed: int = 42) -> LoraSettings:
+        """The settings of a saved peft adapter (``adapter_config.json``)."""
+        targets = list(adapter_config.get("target_modules") or [])
+        if adapter_config.get("target_parameters"):
+            targets.append(EXPERTS_WORD)
+        return cls(rank=int(adapter_config["r"]), alpha=float(adapter_config["lora_alpha"]),
+                   dropout=float(adapter_config.get("lora_dropout") or 0.0), targets=tuple(targets),
+                   additional=tuple(adapter_config.get("modules_to_save") or ()),
+                   rslora=bool(adapter_config.get("use_rslora")), seed=seed)
+
+
+def check_lora_request(finetuning_args: Any) -> None:
+    """Refuse, by name, the LoRA variants and optimizers we cannot honour (before any worker starts)."""
+    for key, name in REFUSED.items():
+        if getattr(finetuning_args, key, None):
+            raise UserError(f"{key}={getattr(finetuning_args, key)!r} ({name}) is not supported with USE_MCA=1: "
+                            f"LoRA here is plain LoRA (optionally rsLoRA). Remove {key}, or unset USE_MCA to use "
+                            "LLaMA-Factory's default trainer.")
+    if finetuning_args.lora_rank < 1:
+        raise UserError(f"lora_rank={finetuning_args.lora_rank} must be at least 1.")
+    targets = [t.strip() for t in (finetuning_args.lora_target or [])]
+    if EXPERTS_WORD in targets and finetuning_args.lora_dropout:
+        raise UserError(f"lora_dropout={finetuning_args.lora_dropout} with lora_target '{EXPERTS_WORD}': peft's "
+                        "expert adapters (target_parameters) take no dropout, so the saved adapter could not be "
+                        "loaded. Set lora_dropout: 0.")
+
+
+# ---- which Megatron linears, which pieces ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One HF module's adapter on a Megatron linear: its name in the linear (``q_proj``) and its shape."""
+
+    name: str
+    out_features: int
+    in_features: int
+    hf_module: str  # the module path in the HF model (layer index ``*``), for peft's names
+
+
+@dataclass(frozen=True)
+class TargetLinear:
+    """A Megatron linear (canonical name pattern, layer ``*``) and the adapters on it."""
+
+    mca: str  # e.g. decoder.layers.*.self_attention.linear_qkv
+    op: Op | None  # the weight op laying the pieces' rows out (None for experts)
+    pieces: tuple[Piece, ...]
+    experts: bool = False
+
+
+@functools.cache
+def _meta_hf_model(hf_config_json: str) -> torch.nn.Module:
+    """The HF model on the meta device: its module names and shapes are what peft and LLaMA-Factory see."""
+    import json
+
+    import transformers
+
+    hf_config = json.loads(hf_config_json)
+    config = transformers.AutoConfig.for_model(**hf_config)
+    auto = transformers.AutoModelForImageTextToText if "vision_config" in hf_config else \
+        transformers.AutoModelForCausalLM
+    with torch.device("meta"):
+        return auto.from_config(config)
+
+
+def meta_hf_model(hf_config: dict) -> torch.nn.Module:
+    import json
+
+    return _meta_hf_model(json.dumps(hf_config, sort_keys=True))
+
+
+def _vision_keys(model: torch.nn.Module) -> list[str]:
+    from llamafactory.model.model_utils.visual import COMPOSITE_MODELS
+
+    names = COMPOSITE_MODELS.get(getattr(model.config, "model_type", None))
+    return list(names.vision_model_keys) + list(names.projector_keys) if names else []
+
+
+def resolve_targets(hf_config: dict, settings: LoraSettings, freeze_vision_tower: bool = True) -> list[str]:
+    """The HF module names ``lora_target`` selects, ``all`` exactly as LLaMA-Factory's default path expands it."""
+    names = [t for t in settings.targets if t != EXPERTS_WORD]
+    if "all" in names:
+        from llamafactory.model.model_utils.misc import find_all_linear_modules
+
+        names = [n for n in names if n != "all"] + sorted(find_all_linear_modules(meta_hf_model(hf_config),
+                                                                                 freeze_vision_tower))
+    return list(dict.fromkeys(names))
+
+
+def _text_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The decoder layers' modules by path, the vision tower and projector left out."""
+    vision = _vision_keys(model)
+    return {name: module for name, module in model.named_modules()
+            if ".layers.0." in name and not any(key in name for key in vision)}
+
+
+def plan_targets(hf_config: dict, table: WeightTable, settings: LoraSettings,
+                 freeze_vision_tower: bool = True) -> list[TargetLinear]:
+    """Map the selected HF modules onto Megatron's linears through the weight table; refuse what has no home."""
+    wanted = resolve_targets(hf_config, settings, freeze_vision_tower)
+    modules = _text_modules(meta_hf_model(hf_config))
+    by_suffix = {name.split(".layers.0.", 1)[1]: name.replace(".layers.0.", ".layers.*.") for name in modules}
+    found: set[str] = set()
+    targets = []
+    for op in table.ops:
+        if not op.mca.endswith(".weight") or ".local_experts." in op.mca or not op.mca.startswith("decoder.layers."):
+            continue
+        linear = op.mca[: -len(".weight")]
+        if linear.rsplit(".", 1)[-1] not in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"):
+            continue
+        pieces = []
+        for hf_name in op.hf:
+            module = hf_name[: -len(".weight")]
+            short = module.rsplit(".", 1)[-1]
+            if short not in wanted:
+                continue
+            path = by_suffix.get(module.split(".layers.*.", 1)[-1])
+            if path is None:
+                continue
+            out_features, in_features = modules[path.replace(".layers.*.", ".layers.0.")].weight.shape
+            pieces.append(Piece(short, out_features, in_features, path))
+            found.add(short)
+        if pieces:
+            targets.append(TargetLinear(linear, op, tuple(pieces)))
+    if settings.experts:
+        targets += _expert_targets(hf_config, modules)
+    missing = [name for name in wanted if name not in found]
+    if missing:
+        homes = sorted({op.hf[0].rsplit(".", 2)[-2] for op in table.ops if op.mca.startswith("decoder.layers.")
+                        and op.mca.endswith(".weight") and any(f".{x}.weight" in op.mca for x in
+                                                               ("linear_qkv", "linear_proj", "linear_fc1",
+                                                                "linear_fc2")) and ".local_experts." not in op.mca})
+        raise UserError(f"lora_target {missing} names modules llamafactory_mca cannot put LoRA on for this model "
+                        f"(LoRA goes on the attention and MLP projections: {', '.join(homes)}, and on the routed "
+                        f"experts with the word '{EXPERTS_WORD}'). Set lora_target to a list of those"
+                        + (" (all selects them here too)." if "all" not in settings.targets else "."))
+    if not targets:
+        raise UserError(f"lora_target={list(settings.targets)} selects no module of this model.")
+    return targets
+
+
+def _expert_targets(hf_config: dict, modules: dict[str, torch.nn.Module]) -> list[TargetLinear]:
+    experts = [(name, m) for name, m in modules.items() if isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)
+               and getattr(m, "gate_up_proj").dim() == 3]
+    if not experts:
+        raise UserError(f"lora_target '{EXPERTS_WORD}': this model has no routed experts.")
+    name, module = experts[0]
+    path = name.replace(".layers.0.", ".layers.*.")
+    targets = []
+    for linear, piece in EXPERT_PIECES.items():
+        _, out_features, in_features = getattr(module, piece).shape  # transformers' in-memory [E, out, in]
+        targets.append(TargetLinear(f"decoder.layers.*.mlp.experts.{linear}", None,
+                                    (Piece(piece, out_features, in_features, f"{path}.{piece}"),), experts=True))
+    return targets
+
+
+# ---- the adapters --------------------------------------------------------------------------------------------
+
+
+def _init_a(shape: tuple[int, ...], name: str, seed: int) -> torch.Tensor:
+    """peft's default A init (kaiming-uniform, a=sqrt(5)) from a generator seeded by the tensor's global name, so
+    every layout starts from the same adapter."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    fan_in = shape[-1]
+    bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform_(a=sqrt(5)): gain sqrt(2 / 6), bound gain * sqrt(3 / fan_in)
+    return (torch.rand(shape, generator=g) * 2 - 1) * bound
+
+
+def _set_tp_attributes(param: torch.nn.Parameter, dim: int | None, *, expert: bool, sequence_parallel: bool) -> None:
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    if dim is not None:
+        set_tensor_model_parallel_attributes(param, True, dim, 1)
+    if expert:
+        param.allreduce = False
+    if sequence_parallel:
+        param.sequence_parallel = True
+
+
+class LoraLinearMixin:
+    """Adapters beside a ColumnParallelLinear / RowParallelLinear (the class of a targeted module is swapped for a
+    subclass with this mixin, so the base keeps its names, checkpoint keys and forward)."""
+
+    lora_pieces: tuple[Piece, ...]
+    lora_column: bool
+    lora_assemble: Any
+    lora_enabled: bool = True
+
+    def init_lora(self, target: TargetLinear, global_name: str, settings: LoraSettings, dims: Dims) -> None:
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+        self.lora_column = isinstance(self, ColumnParallelLinear)
+        self.lora_pieces, self.lora_scaling = target.pieces, settings.scaling
+        self.lora_name, self.lora_target = global_name, target
+        self.lora_dropout = torch.nn.Dropout(settings.dropout) if settings.dropout else None
+        tp, rank = self.tp_group.size(), self.tp_group.rank()
+        expert = ".experts." in global_name
+        sp = bool(getattr(self, "sequence_parallel", False))
+        weight = self.weight
+        self.lora_A, self.lora_B = torch.nn.ParameterDict(), torch.nn.ParameterDict()
+        for piece in target.pieces:
+            a_full = _init_a((settings.rank, piece.in_features), f"{global_name}.lora_A.{piece.name}", settings.seed)
+            if self.lora_column:
+                a, b = a_full, torch.zeros(piece.out_features // tp, settings.rank)
+            else:
+                step = piece.in_features // tp
+                a, b = a_full[:, rank * step:(rank + 1) * step], torch.zeros(piece.out_features, settings.rank)
+            A = torch.nn.Parameter(a.to(weight.device, weight.dtype).contiguous())
+            B = torch.nn.Parameter(b.to(weight.device, weight.dtype))
+            _set_tp_attributes(A, None if self.lora_column else 1, expert=expert,
+                               sequence_parallel=sp and self.lora_column)
+            _set_tp_attributes(B, 0 if self.lora_column else None, expert=expert,
+                               sequence_parallel=sp and not self.lora_column)
+            self.lora_A[piece.name], self.lora_B[piece.name] = A, B
+        names = [p.name for p in target.pieces]
+        local = dims._replace(num_heads=dims.num_heads // tp, num_query_groups=dims.num_query_groups // tp)
+        op = target.op
+
+        def assemble(b: dict[str, torch.Tensor]) -> torch.Tensor:
+            """The pieces' B as one [rows of the fused linear, pieces x r] matrix, block-diagonal by piece."""
+            if op is None or len(op.hf) == 1:
+                return b[names[0]]
+            r = settings.rank
+            tensors, width = {}, r * len(names)
+            rows = self.weight.shape[0] // len(op.hf) if type(op).__name__ == "GatedMLP" else None
+            for hf_name in op.hf:
+                short = hf_name[: -len(".weight")].rsplit(".", 1)[-1]
+                if short in b:
+                    k = names.index(short)
+                    tensors[hf_name] = F.pad(b[short], (k * r, width - (k + 1) * r))
+                else:
+                    tensors[hf_name] = b[names[0]].new_zeros(rows or _piece_rows(op, hf_name, local), width)
+            return op.load(DictSource(tensors), list(op.hf), None, local)
+
+        self.lora_assemble = assemble
+
+    def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import mappings
+
+        group = self.tp_group
+        if self.lora_dropout is not None:
+            x = self.lora_dropout(x)
+        a = torch.cat([self.lora_A[p.name] for p in self.lora_pieces]) if len(self.lora_pieces) > 1 else \
+            self.lora_A[self.lora_pieces[0].name]
+        h = F.linear(x, a)
+        sp = bool(getattr(self, "sequence_parallel", False))
+        if self.lora_column:
+            h = mappings.gather_from_sequence_parallel_region(h, group=group) if sp else \
+                mappings.copy_to_tensor_model_parallel_region(h, group=group)
+        elif not getattr(self, "explicit_expert_comm", False):
+            h = mappings.reduce_scatter_to_sequence_parallel_region(h, group=group) if sp else \
+                mappings.reduce_from_tensor_model_parallel_region(h, group=group)
+        return F.linear(h, self.lora_assemble(dict(self.lora_B))) * self.lora_scaling
+
+    def forward(self, input_: torch.Tensor, *args: Any, **kwargs: Any):
+        output, bias = super().forward(input_, *args, **kwargs)
+        if self.lora_enabled:
+            output = output + self.lora_delta(input_).to(output.dtype)
+        return output, bias
+
+    @torch.no_grad()
+    def merge_lora(self) -> None:
+        """Fold the adapters into the base weight (this rank's shard) and zero B."""
+        a = torch.cat([self.lora_A[p.name] for p in self.lora_pieces]).float()
+        b = self.lora_assemble({k: v.float() for k, v in self.lora_B.items()})
+        self.weight.add_((b @ a * self.lora_scaling).to(self.weight.dtype))
+        for b in self.lora_B.values():
+            b.zero_()
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        base = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        adapters = {f"lora_A.{k}": v for k, v in self.lora_A.items()} | \
+            {f"lora_B.{k}": v for k, v in self.lora_B.items()}
+        split = {k: (1 if k.startswith("lora_A") else None) if not self.lora_column else
+                 (0 if k.startswith("lora_B") else None) for k in adapters}
+        extra = make_sharded_tensors_for_checkpoint(
+            adapters, prefix, {k: v for k, v in split.items() if v is not None}, sharded_offsets,
+            tp_group=self.tp_group, dp_cp_group=(metadata or {}).get("dp_cp_group"))
+        return base | extra
+
+
+def _piece_rows(op: Op, hf_name: str, local: Dims) -> int:
+    """Rows of one HF piece of a fused linear on this rank (FusedQKV: query groups x rows per group)."""
+    q_rows, kv_rows = op._rows(local)
+    return local.num_query_groups * (q_rows if hf_name == op.hf[0] else kv_rows)
+
+
+class LoraGroupedExpertsMixin:
+    """Per-expert adapters inside NativeGroupedMLP's grouped GEMMs: fc1 (gate_up_proj) and fc2 (down_proj)."""
+
+    lora_enabled: bool = True
+
+    def init_lora(self, targets: list[TargetLinear], global_prefix: str, settings: LoraSettings,
+                  first_expert: int) -> None:
+        if self.tp_group.size() > 1:
+            raise UserError("LoRA on the experts needs expert_tensor_parallel_size: 1 (each expert whole on its rank).")
+        self.lora_scaling, self.lora_name, self.lora_first_expert = settings.scaling, global_prefix, first_expert
+        self.lora_targets = targets
+        self.lora_A, self.lora_B = torch.nn.ParameterDict(), torch.nn.ParameterDict()
+        weight = self.weight1
+        for target in targets:
+            (piece,) = target.pieces
+            linear = target.mca.rsplit(".", 1)[-1]
+            a = torch.stack([_init_a((settings.rank, piece.in_features),
+                                     f"{global_prefix}.{first_expert + e}.{linear}.lora_A.{piece.name}", settings.seed)
+                             for e in range(self.num_local_experts)])
+            b = torch.zeros(self.num_local_experts, piece.out_features, settings.rank)
+            for key, value in (("A", a), ("B", b)):
+                param = torch.nn.Parameter(value.to(weight.device, weight.dtype))
+                _set_tp_attributes(param, None, expert=True, sequence_parallel=False)
+                getattr(self, f"lora_{key}")[linear] = param
+
+    def forward(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
+        out, bias = super().forward(hidden, tokens_per_expert, probs)
+        if hidden.nelement() == 0 and self.lora_enabled:  # no token here: still give the adapters (zero) gradients
+            out = out + sum(p.sum() for p in (*self.lora_A.values(), *self.lora_B.values())) * 0
+        return out, bias
+
+    def _lora(self, linear: str, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+        from .native.experts import grouped_mm
+
+        if not self.lora_enabled or linear not in self.lora_A:
+            return None
+        h = grouped_mm(x, self.lora_A[linear].transpose(1, 2).contiguous(), counts)
+        return grouped_mm(h, self.lora_B[linear].transpose(1, 2).contiguous(), counts) * self.lora_scaling
+
+    def fc1(self, x: torch.Tensor, w1: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        out = super().fc1(x, w1, counts)
+        delta = self._lora("linear_fc1", x, counts)
+        return out if delta is None else out + delta.to(out.dtype)
+
+    def fc2(self, x: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        out = super().fc2(x, w2, counts)
+        delta = self._lora("linear_fc2", x, counts)
+        return out if delta is None else out + delta.to(out.dtype)
+
+    @torch.no_grad()
+    def merge_lora(self) -> None:
+        hidden = self.config.hidden_size
+        w1 = self.weight1.view(self.num_local_experts, hidden, -1)
+        w2 = self.weight2.view(self.num_local_experts, -1, hidden)
+        for linear, w in (("linear_fc1", w1), ("linear_fc2", w2)):
+            if linear in self.lora_A:
+                delta = torch.bmm(self.lora_B[linear].float(), self.lora_A[linear].float()) * self.lora_scaling
+                w.add_(delta.transpose(1, 2).to(w.dtype))  # grouped weights are [in, out] per expert
+                self.lora_B[linear].zero_()
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        base = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        ep_size, ep_rank = self.ep_group.size(), self.ep_group.rank()
+        axis = len(sharded_offsets)
+        for which in ("A", "B"):
+            for linear, param in getattr(self, f"lora_{which}").items():
+                key = f"{prefix}experts.{linear}.lora_{which}.{EXPERT_PIECES[linear]}"
+                base[f"{prefix}lora_{which}.{linear}"] = ShardedTensor.from_rank_offsets(
+                    key, param, *sharded_offsets, (axis, ep_rank, ep_size), replica_id=(0, 0, self.dp_group.rank()),
+                    prepend_axis_num=axis)
+        return base
+
+
+@functools.cache
+def _lora_class(base: type, mixin: type) -> type:
+    return type(f"Lora{base.__name__}", (mixin, base), {})
+
+
+def is_adapter_key(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def adapter_state(state: dict, additional: tuple[str, ...] = ()) -> dict:
+    """The adapters' (and ``additional_target`` modules') entries of a model's sharded state dict."""
+    from .freeze import EXTRA_MODULES
+
+    prefixes = tuple(EXTRA_MODULES[m] for m in additional)
+    return {k: v for k, v in state.items() if is_adapter_key(k) or (prefixes and k.startswith(prefixes))}
+
+
+def _global_module_name(name: str, layer_names: dict[str, str], first_expert: int) -> str:
+    for local, glob in layer_names.items():
+        if name.startswith(local):
+            name = glob + name[len(local):]
+            break
+    head, sep, tail = name.partition(".mlp.experts.local_experts.")
+    if sep:  # sequential experts: local index -> global
+        index, _, rest = tail.partition(".")
+        name = f"{head}.mlp.experts.{first_expert + int(index)}" + (f".{rest}" if rest else "")
+    return name
+
+
+class LoraRun:
+    """What ``apply_lora`` put on a model: the settings, the targets and the trainable-parameter count here."""
+
+    def __init__(self, settings: LoraSettings, targets: list[TargetLinear], trainable: int) -> None:
+        self.settings, self.targets, self.trainable = settings, targets, trainable
+
+    def describe(self) -> str:
+        names = sorted({p.name for t in self.targets if not t.experts for p in t.pieces})
+        if any(t.experts for t in self.targets):
+            names.append(EXPERTS_WORD)
+        s = self.settings
+        return (f"LoRA rank {s.rank}, alpha {s.alpha:g}{' (rsLoRA)' if s.rslora else ''}, dropout {s.dropout:g} on "
+                f"{', '.join(names)}" + (f"; fully trained: {', '.join(s.additional)}" if s.additional else ""))
+
+
+def apply_lora(model: Any, settings: LoraSettings, freeze_vision_tower: bool = True) -> LoraRun:
+    """Freeze the model and put adapters on the targeted linears of this rank's chunks (before DDP wraps it)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from .families import get_family
+    from .freeze import EXTRA_MODULES
+    from .loading import _global_layer_names, dims_for
+    from .native.experts import NativeGroupedMLP
+
+    config = model.config
+    table = WeightTable(get_family(config.hf_model_type).weights(config))
+    targets = plan_targets(config.hf_config, table, settings, freeze_vision_tower)
+    if settings.experts and ps.get_expert_tensor_parallel_world_size() > 1:
+        raise UserError(f"LoRA on the experts needs expert_tensor_parallel_size: 1 (it is "
+                        f"{ps.get_expert_tensor_parallel_world_size()}).")
+    unknown = [m for m in settings.additional if m not in EXTRA_MODULES]
+    if unknown:
+        raise UserError(f"additional_target {unknown} is not supported with USE_MCA=1; choose from "
+                        f"{sorted(EXTRA_MODULES)}.")
+    dims = dims_for(config, 1)
+    by_pattern = {t.mca: t for t in targets}
+    expert_targets = [t for t in targets if t.experts]
+    local_experts = (config.num_experts or 0) // ps.get_expert_model_parallel_world_size()
+    first_expert = ps.get_expert_model_parallel_rank() * local_experts
+    extra = tuple(EXTRA_MODULES[m] for m in settings.additional)
+    for param in model.parameters():
+        param.requires_grad_(False)
+    for chunk in model.chunks:
+        layer_names = _global_layer_names(chunk)
+        for name, param in chunk.named_parameters():
+            if extra and name.startswith(extra):
+                param.requires_grad_(True)
+        for name, module in list(chunk.named_modules()):
+            glob = _global_module_name(name, layer_names, first_expert)
+            pattern, _ = WeightTable.pattern_of(glob)
+            if isinstance(module, NativeGroupedMLP):
+                if expert_targets:
+                    module.__class__ = _lora_class(type(module), LoraGroupedExpertsMixin)
+                    module.init_lora(expert_targets, glob, settings, first_expert)
+                continue
+            if pattern.startswith("decoder.layers.*.mlp.experts.*."):  # a sequential expert's linear
+                pattern = pattern.replace(".mlp.experts.*.", ".mlp.experts.")
+            target = by_pattern.get(pattern)
+            if target is not None and isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.__class__ = _lora_class(type(module), LoraLinearMixin)
+                module.init_lora(target, glob, settings, dims)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    model.lora = LoraRun(settings, targets, trainable)
+    return model.lora
+
+
+def lora_modules(model: Any) -> list[torch.nn.Module]:
+    return [m for chunk in model.chunks for m in chunk.modules()
+            if isinstance(m, (LoraLinearMixin, LoraGroupedExpertsMixin))]
+
+
+def set_lora_enabled(model: Any, enabled: bool) -> None:
+    """Adapters on or off (off: the frozen base, as peft's ``disable_adapter``: DPO's reference model)."""
+    for module in lora_modules(model):
+        module.lora_enabled = enabled
+
+
+def merge_lora(model: Any) -> None:
+    """Fold every adapter into its base weight and take the adapters off (LLaMA-Factory merges earlier adapters
+    before it trains a new one)."""
+    for module in lora_modules(model):
+        module.merge_lora()
+        module.__class__ = type(module).__bases__[1]
+        del module.lora_A, module.lora_B
+    model.lora = None

@@ -1,0 +1,291 @@
+"""LoRA adapters in peft's format: written from our dist checkpoints, read into a model, merged into full weights.
+
+peft names an adapter by the HF module it sits on (``base_model.model.<module>.lora_A.weight``); our adapter tensors
+already hold exactly those tensors (``lora.py``), so dense adapters move as they are. Experts are peft's
+``target_parameters`` on transformers' fused ``experts.gate_up_proj`` [E, out, in] / ``experts.down_proj``: peft keeps
+one [r·E, out] / [in, r·E] pair per parameter, whose roles are our B and A transposed (``experts_to_peft``), and
+nests the second-wrapped parameter's pair under ``base_layer.``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+
+from ..checkpoints import ADAPTER_CONFIG_NAME as ADAPTER_CONFIG
+from ..errors import UserError
+from .lora import EXPERT_PIECES, LoraSettings, TargetLinear, apply_lora, lora_modules, merge_lora, plan_targets
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+
+def is_adapter_folder(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
+
+
+def read_adapter_config(path: str) -> dict:
+    with open(os.path.join(path, ADAPTER_CONFIG), encoding="utf-8") as f:
+        config = json.load(f)
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        raise UserError(f"{path} holds a {config.get('peft_type')} adapter; USE_MCA=1 continues LoRA adapters only.")
+    for key in ("use_dora",):
+        if config.get(key):
+            raise UserError(f"{path} is a DoRA adapter ({key}=true), which USE_MCA=1 does not train.")
+    return config
+
+
+def peft_config(settings: LoraSettings, targets: list[TargetLinear], base_model: str | None) -> dict:
+    """adapter_config.json as peft writes it for the same adapter."""
+    from peft import LoraConfig
+
+    modules = sorted({p.name for t in targets if not t.experts for p in t.pieces})
+    params = [f"experts.{t.pieces[0].name}" for t in targets if t.experts]
+    config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                        target_modules=modules or None, target_parameters=params or None,
+                        modules_to_save=list(settings.additional) or None, use_rslora=settings.rslora,
+                        task_type="CAUSAL_LM", base_model_name_or_path=base_model)
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
+
+
+def experts_to_peft(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our per-expert A [E, r, in] and B [E, out, r] as peft's lora_A [r·E, out] and lora_B [in, r·E] (its delta is
+    einsum("o r e, e r i -> e i o") over A viewed [E, r, out] and B viewed [in, r, E])."""
+    experts, rank, inputs = a.shape
+    return b.transpose(1, 2).reshape(experts * rank, -1).contiguous(), a.permute(2, 1, 0).reshape(inputs, -1)
+
+
+def experts_from_peft(lora_a: torch.Tensor, lora_b: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rank = lora_a.shape[0] // experts
+    return lora_b.view(-1, rank, experts).permute(2, 1, 0).contiguous(), \
+        lora_a.view(experts, rank, -1).transpose(1, 2).contiguous()
+
+
+def peft_key(target: TargetLinear, piece_name: str, layer: int, which: str) -> str:
+    piece = next(p for p in target.pieces if p.name == piece_name)
+    path = piece.hf_module.replace("*", str(layer))
+    if not target.experts:
+        return f"{PEFT_PREFIX}{path}.lora_{which}.weight"
+    module, param = path.rsplit(".", 1)
+    order = list(EXPERT_PIECES.values())
+    nested = "base_layer." * (len(order) - 1 - order.index(param))  # peft wraps gate_up_proj first
+    return f"{PEFT_PREFIX}{module}.{nested}lora_{which}.weight"
+
+
+def _in_memory_name(hf_name: str, names: set[str]) -> str:
+    """A checkpoint name as the HF model in memory calls it (Qwen2-VL files say ``model.x``, memory
+    ``model.language_model.x``)."""
+    if hf_name in names:
+        return hf_name
+    tail = hf_name.split(".", 1)[-1]
+    found = [n for n in names if n.endswith("." + tail) and "visual" not in n]
+    return found[0] if len(found) == 1 else hf_name
+
+
+def _additional_ops(config: Any, settings: LoraSettings) -> list:
+    from .families import get_family
+    from .freeze import EXTRA_MODULES
+    from .mapping import WeightTable
+
+    prefixes = tuple(EXTRA_MODULES[m] for m in settings.additional)
+    table = WeightTable(get_family(config.hf_model_type).weights(config))
+    return [op for op in table.ops if prefixes and op.mca.startswith(prefixes) and op.export]
+
+
+def _targets(config: Any, settings: LoraSettings, freeze_vision_tower: bool = True) -> list[TargetLinear]:
+    from .families import get_family
+    from .mapping import WeightTable
+
+    return plan_targets(config.hf_config, WeightTable(get_family(config.hf_model_type).weights(config)), settings,
+                        freeze_vision_tower)
+
+
+def check_lora_plan(config: Any, finetuning_args: Any, adapters: list[str], expert_tensor_parallel: int) -> None:
+    """The preflight's LoRA checks: the adapters to continue are peft LoRA folders, the targets exist on this model,
+    expert adapters have whole experts."""
+    for path in adapters:
+        if not is_adapter_folder(path):
+            raise UserError(f"adapter_name_or_path={path!r} is not a peft adapter folder (no {ADAPTER_CONFIG}).")
+        read_adapter_config(path)
+    resume = adapters[-1] if adapters and not finetuning_args.create_new_adapter else None
+    settings = LoraSettings.from_peft(read_adapter_config(resume)) if resume else LoraSettings.from_args(finetuning_args)
+    _targets(config, settings, finetuning_args.freeze_vision_tower)
+    if settings.experts and expert_tensor_parallel > 1:
+        raise UserError(f"LoRA on the experts needs expert_tensor_parallel_size: 1 (each expert whole on its rank); "
+                        f"it is {expert_tensor_parallel}. Set expert_tensor_parallel_size: 1.")
+
+
+def export_adapter(checkpoint: str, output: str, dtype: torch.dtype | None = None) -> dict:
+    """A checkpoint of a LoRA run → ``output``/adapter_model.safetensors + adapter_config.json (+ tokenizer)."""
+    from safetensors.torch import save_file
+
+    from ..checkpoints import dist_checkpoint_dir, read_config, verify_checkpoint
+    from .dist_reader import DistCheckpointReader
+    from .export import _move_into, _read
+    from .hf_io import copy_side_files
+    from .loading import dims_for
+    from .lora import meta_hf_model
+
+    verify_checkpoint(checkpoint)
+    config = read_config(checkpoint)
+    adapter_config = read_adapter_config(checkpoint)
+    settings = LoraSettings.from_peft(adapter_config)
+    reader = DistCheckpointReader(dist_checkpoint_dir(checkpoint))
+    tensors: dict[str, torch.Tensor] = {}
+    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
+    for target in _targets(config, settings):
+        for layer in range(config.num_layers):
+            for piece in target.pieces:
+                if target.experts:
+                    linear = target.mca.rsplit(".", 1)[-1]
+                    pattern = f"decoder.layers.*.mlp.experts.local_experts.*.{linear}.lora_%s.{piece.name}"
+                    pair = experts_to_peft(_read(reader, pattern % "A", (layer,), config),
+                                           _read(reader, pattern % "B", (layer,), config))
+                else:
+                    pair = tuple(_read(reader, f"{target.mca}.lora_{w}.{piece.name}", (layer,), config) for w in "AB")
+                for which, tensor in zip("AB", pair):
+                    tensors[peft_key(target, piece.name, layer, which)] = cast(tensor).contiguous()
+    names = {n for n, _ in meta_hf_model(config.hf_config).named_parameters()}
+    dims = dims_for(config, 1)
+    for op in _additional_ops(config, settings):
+        for hf_name, tensor in zip(op.hf, op.to_hf(_read(reader, op.mca, (), config), dims)):
+            tensors[PEFT_PREFIX + _in_memory_name(hf_name, names)] = cast(tensor).contiguous()
+    staging = f"{os.path.abspath(output)}.tmp-{os.getpid()}"
+    try:
+        os.makedirs(staging)
+        save_file(tensors, os.path.join(staging, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        with open(os.path.join(staging, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
+            json.dump(adapter_config, f, indent=2, sort_keys=True)
+        copy_side_files(checkpoint, staging)  # tokenizer files; no config.json: peft reads the base model's
+        _move_into(staging, output)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return {"tensors": len(tensors)}
+
+
+def _read_adapter_tensors(path: str) -> dict[str, torch.Tensor]:
+    file = os.path.join(path, ADAPTER_WEIGHTS)
+    if os.path.isfile(file):
+        from safetensors.torch import load_file
+
+        return load_file(file)
+    legacy = os.path.join(path, "adapter_model.bin")
+    if os.path.isfile(legacy):
+        return torch.load(legacy, map_location="cpu", weights_only=True)
+    raise UserError(f"{path} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}: the adapter is incomplete.")
+
+
+@torch.no_grad()
+def load_adapter(model: Any, path: str) -> None:
+    """A peft adapter's tensors into the adapters ``apply_lora`` put on this rank's chunks (each rank takes its
+    slices), and its ``modules_to_save`` into the base."""
+    from .lora import LoraGroupedExpertsMixin
+
+    tensors = _read_adapter_tensors(path)
+    used: set[str] = set()
+
+    def take(key: str) -> torch.Tensor:
+        if key not in tensors:
+            raise UserError(f"the adapter at {path} has no tensor {key}: it was trained for another model or with "
+                            "other lora_target modules.")
+        used.add(key)
+        return tensors[key]
+
+    for module in lora_modules(model):
+        if isinstance(module, LoraGroupedExpertsMixin):
+            layer = int(module.lora_name.split(".")[2])
+            n, first = module.num_local_experts, module.lora_first_expert
+            for target in module.lora_targets:
+                linear, piece = target.mca.rsplit(".", 1)[-1], target.pieces[0].name
+                total = take(peft_key(target, piece, layer, "A")).shape[0] // module.lora_A[linear].shape[1]
+                a, b = experts_from_peft(take(peft_key(target, piece, layer, "A")),
+                                         take(peft_key(target, piece, layer, "B")), total)
+                module.lora_A[linear].copy_(a[first:first + n])
+                module.lora_B[linear].copy_(b[first:first + n])
+            continue
+        target, parts = module.lora_target, module.lora_name.split(".")
+        layer = int(parts[2])
+        tp, rank = module.tp_group.size(), module.tp_group.rank()
+        for piece in target.pieces:
+            if target.experts:
+                expert, total = int(parts[5]), model.config.num_experts
+                a_all, b_all = experts_from_peft(take(peft_key(target, piece.name, layer, "A")),
+                                                 take(peft_key(target, piece.name, layer, "B")), total)
+                a, b = a_all[expert], b_all[expert]
+            else:
+                a, b = take(peft_key(target, piece.name, layer, "A")), take(peft_key(target, piece.name, layer, "B"))
+            if module.lora_column:
+                b = b.chunk(tp, dim=0)[rank]
+            else:
+                a = a.chunk(tp, dim=1)[rank]
+            module.lora_A[piece.name].copy_(a)
+            module.lora_B[piece.name].copy_(b)
+    _load_additional(model, tensors, used)
+
+
+def _load_additional(model: Any, tensors: dict[str, torch.Tensor], used: set[str]) -> None:
+    """``modules_to_save`` tensors (embed_tokens, lm_head, norm) into the base parameters they replace."""
+    from megatron.core import parallel_state as ps
+
+    from .families import get_family
+    from .loading import dims_for, local_targets
+    from .mapping import DictSource, WeightTable
+
+    extra = {k[len(PEFT_PREFIX):]: v for k, v in tensors.items() if k not in used and ".lora_" not in k}
+    if not extra:
+        return
+    config = model.config
+    table = WeightTable(get_family(config.hf_model_type).weights(config))
+    dims = dims_for(config, ps.get_tensor_model_parallel_world_size())
+    names = set(extra)
+    for chunk in model.chunks:
+        for target in local_targets(chunk, config.num_experts):
+            op, hf_names = table.lookup(target.canonical)
+            found = [_in_memory_name(n, names) for n in hf_names]
+            if all(n in extra for n in found):
+                src = DictSource({n: extra[m] for n, m in zip(hf_names, found)})
+                target.assign(op.load(src, hf_names, target.shard, dims))
+
+
+def setup_lora(model: Any, finetuning_args: Any, adapters: list[str], base_model: str, seed: int = 42,
+               freeze_vision_tower: bool = True) -> dict:
+    """LLaMA-Factory's LoRA setup on our model: the adapters listed in ``adapter_name_or_path`` are merged into the
+    base, all but the last, which training continues (all of them with ``create_new_adapter``: a new one starts).
+    Returns the trained adapter's adapter_config.json."""
+    resume = adapters[-1] if adapters and not finetuning_args.create_new_adapter else None
+    for path in adapters[:-1] if resume else adapters:
+        apply_lora(model, LoraSettings.from_peft(read_adapter_config(path), seed))
+        load_adapter(model, path)
+        merge_lora(model)
+    settings = LoraSettings.from_peft(read_adapter_config(resume), seed) if resume else \
+        LoraSettings.from_args(finetuning_args, seed)
+    run = apply_lora(model, settings, freeze_vision_tower)
+    if resume:
+        load_adapter(model, resume)
+    return peft_config(settings, run.targets, base_model)
+
+
+def merge_adapter(adapter: str, base_model: str, output: str, dtype: torch.dtype | None = None) -> None:
+    """Base model + peft adapter → full HF weights (peft's own merge, in fp32), written into ``output``."""
+    import transformers
+    from peft import PeftModel
+
+    from .export import _move_into
+    from .hf_io import copy_side_files
+
+    config = transformers.AutoConfig.from_pretrained(base_model)
+    auto = transformers.AutoModelForImageTextToText if hasattr(config, "vision_config") else \
+        transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(base_model, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    staging = f"{os.path.abspath(output)}.tmp-{os.getpid()}"
+    try:
+        merged.to(dtype or getattr(config, "dtype", None) or torch.float32).save_pretrained(staging)
+        copy_side_files(adapter, staging)
+        _move_into(staging, output)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

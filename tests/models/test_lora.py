@@ -1,0 +1,159 @@
+"""LoRA adapters are peft's: an adapter peft made (random, non-zero) loads into our model in every layout and gives
+peft's logits; our checkpoint of it exports back to the same tensors, which peft loads; the trainable parameters are
+peft's for the same ``lora_target`` (``all`` as LLaMA-Factory expands it, a list, and the routed experts)."""
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from llamafactory_mca.tiny import save_tiny_model
+from tests._dist import run_distributed
+from tests.models.test_bridge import INPUT, pipeline_logits
+
+EXPERT_PARAMS = ["experts.gate_up_proj", "experts.down_proj"]
+# (family, lora_target as peft sees it, experts too)
+ADAPTERS = {"qwen3": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False),
+            "qwen3_moe": (["q_proj", "v_proj", "o_proj"], True)}
+LAYOUTS = [("dp2", {}), ("tp2-sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+           ("pp2", {"pipeline_model_parallel_size": 2}), ("ep2", {"expert_model_parallel_size": 2}),
+           ("ep2-grouped", {"expert_model_parallel_size": 2, "moe_grouped_gemm": True}),
+           ("tp2-grouped", {"tensor_model_parallel_size": 2, "moe_grouped_gemm": True})]
+pytestmark = pytest.mark.filterwarnings("ignore:Unsupported layer type")
+
+
+def _hf(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def make_peft_adapter(model_dir: str, out_dir: str, targets: list[str], experts: bool, seed: int = 1) -> str:
+    """A peft LoRA adapter with random A *and* B (so it changes the logits), saved as peft saves it."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, target_parameters=EXPERT_PARAMS if experts else None,
+                        init_lora_weights=False)
+    model = get_peft_model(_hf(model_dir), config)
+    with torch.no_grad():  # peft's non-default init is large; keep the logits in a sane range
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.mul_(0.3)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def peft_logits(model_dir: str, adapter: str) -> torch.Tensor:
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(_hf(model_dir), adapter).eval()
+    with torch.no_grad():
+        return model(INPUT).logits
+
+
+def _in_layouts(models: dict, adapters: dict, layouts: list, work: str) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from llamafactory_mca import parallel
+    from llamafactory_mca.args import MegatronArguments
+    from llamafactory_mca.checkpoints import SideFiles, write_folder
+    from llamafactory_mca.models.auto import AutoModel
+    from llamafactory_mca.models.lora import LoraSettings, apply_lora
+    from llamafactory_mca.models.lora_io import export_adapter, load_adapter, peft_config, read_adapter_config
+
+    results = {}
+    for layout_name, sizes in layouts:
+        args = MegatronArguments(**sizes)
+        args.gradient_accumulation_steps = args.pipeline_model_parallel_size
+        layout = parallel.ParallelLayout.from_args(args)
+        parallel.initialize(layout)
+        for name, model_dir in models.items():
+            if (layout.ep > 1 or sizes.get("moe_grouped_gemm")) and name != "qwen3_moe":
+                continue
+            model = AutoModel.from_pretrained(model_dir, args)
+            settings = LoraSettings.from_peft(read_adapter_config(adapters[name]))
+            run = apply_lora(model, settings)
+            load_adapter(model, adapters[name])
+            logits = pipeline_logits(model.eval(), INPUT)
+            folder = os.path.join(work, layout_name, name)
+            write_folder(folder, model.sharded_state_dict(),
+                         SideFiles(model.config, layout, adapter_config=peft_config(settings, run.targets, model_dir)))
+            if torch.distributed.get_rank() == 0:
+                export_adapter(folder, os.path.join(folder, "peft"))
+            torch.distributed.barrier()
+            results[(layout_name, name)] = logits
+        ps.destroy_model_parallel()
+    return results
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    models = {name: save_tiny_model(name, str(root / name)) for name in ADAPTERS}
+    adapters = {name: make_peft_adapter(models[name], str(root / f"{name}-adapter"), *ADAPTERS[name])
+                for name in ADAPTERS}
+    ranks = run_distributed(_in_layouts, 2, models, adapters, LAYOUTS, str(root / "work"))
+    logits = {}
+    for rank in ranks:
+        logits.update({k: v for k, v in rank.items() if v is not None})
+    return models, adapters, logits, str(root / "work")
+
+
+CASES = [(layout, name) for layout, sizes in LAYOUTS for name in ADAPTERS
+         if name == "qwen3_moe" or not ("ep" in layout or "grouped" in layout)]
+
+
+@pytest.mark.parametrize("layout,name", CASES)
+def test_peft_adapter_gives_peft_logits_and_exports_back(layout, name, setup):
+    from peft import PeftModel
+
+    models, adapters, logits, work = setup
+    reference = peft_logits(models[name], adapters[name])
+    ours = logits[(layout, name)][..., : reference.shape[-1]]
+    assert (ours - reference).abs().max().item() <= 1e-4
+    exported = os.path.join(work, layout, name, "peft")
+    original, written = (load_file(os.path.join(d, "adapter_model.safetensors")) for d in (adapters[name], exported))
+    assert sorted(written) == sorted(original)
+    for key, tensor in original.items():
+        assert torch.equal(written[key], tensor), key
+    model = PeftModel.from_pretrained(_hf(models[name]), exported).eval()
+    with torch.no_grad():
+        assert (model(INPUT).logits - reference).abs().max().item() <= 1e-5
+
+
+def _count(models: dict, cases: list) -> list[int]:
+    from llamafactory_mca import parallel
+    from llamafactory_mca.args import MegatronArguments
+    from llamafactory_mca.models.auto import AutoModel
+    from llamafactory_mca.models.lora import LoraSettings, apply_lora
+
+    args = MegatronArguments()
+    parallel.initialize(parallel.ParallelLayout.from_args(args))
+    counts = []
+    for name, targets in cases:
+        model = AutoModel.from_pretrained(models[name], args)
+        counts.append(apply_lora(model, LoraSettings(rank=4, alpha=8, targets=tuple(targets))).trainable)
+    return counts
+
+
+def test_trainable_parameters_are_peft_s(tmp_path):
+    """``all`` is LLaMA-Factory's expansion (on Qwen3-MoE: attention only; experts only by the word)."""
+    from llamafactory.model.model_utils.misc import find_all_linear_modules
+    from peft import LoraConfig, get_peft_model
+
+    cases = [("qwen3", ["all"]), ("qwen3", ["q_proj", "v_proj"]), ("qwen3_moe", ["all"]),
+             ("qwen3_moe", ["all", "experts"]), ("qwen2_moe", ["q_proj", "gate_proj", "experts"])]
+    models = {name: save_tiny_model(name, str(tmp_path / name)) for name in {n for n, _ in cases}}
+    (ours,) = run_distributed(_count, 1, models, cases)
+    for (name, targets), count in zip(cases, ours):
+        hf = _hf(models[name])
+        modules = [t for t in targets if t not in ("all", "experts")]
+        if "all" in targets:
+            modules += find_all_linear_modules(hf, True)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=modules,
+                            target_parameters=EXPERT_PARAMS if "experts" in targets else None)
+        peft_model = get_peft_model(hf, config)
+        expected = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+        assert count == expected, (name, targets, count, expected)
