@@ -190,7 +190,11 @@ def preflight(argv: list[str]) -> Plan:
     if finetuning_args.finetuning_type == "lora":
         from .models.lora_io import check_lora_plan
 
-        adapters = [resolve_model(p, model_args) for p in model_args.adapter_name_or_path or []]
+        adapters = []
+        for path in model_args.adapter_name_or_path or []:
+            if os.path.isabs(os.path.expanduser(path)) and not os.path.isdir(os.path.expanduser(path)):
+                raise UserError(f"adapter_name_or_path={path!r} is not a peft adapter folder (it does not exist).")
+            adapters.append(resolve_model(path, model_args))
         check_lora_plan(config, finetuning_args, adapters, layout.etp)
     check_datasets(data_args)
     resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)

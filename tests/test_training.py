@@ -153,7 +153,7 @@ def test_crash_resume_merge(assets, tmp_path):
 
 # (an unsupported stage and a missing dataset: tests/test_first_hour.py)
 @pytest.mark.parametrize("overrides,message", [
-    ({"finetuning_type": "lora"}, "finetuning_type='lora' is not supported with USE_MCA=1"),
+    ({"finetuning_type": "oft"}, "finetuning_type='oft' is not supported with USE_MCA=1"),
     ({"output_dir": "/proc/forbidden/out"}, "is not writable"),
     ({"resume_from_checkpoint": "NOT_A_CHECKPOINT"}, "is not a llamafactory_mca checkpoint"),
 ])

@@ -1,0 +1,130 @@
+"""``finetuning_type: lora`` through the real command: sft and dpo train, checkpoints hold only adapters and resume,
+the run leaves a peft adapter, ``megatron_merge.py --merge_lora`` writes a full model transformers loads, and adapters
+move both ways between our path and LLaMA-Factory's default path with the same first-step loss. (peft parity and the
+layouts: tests/models/test_lora.py, tests/test_layouts.py.)"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from tests._cli import cli_env, losses, ok, one_error, recipe, run, train
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:Unsupported layer type")]
+LORA = dict(finetuning_type="lora", lora_rank=8, lora_alpha=16, lora_target="all", learning_rate=5e-3)
+
+
+def _default_path(tmp_path, config: dict, name: str) -> float:
+    """Step 1's loss of the same recipe through LLaMA-Factory's own trainer (no USE_MCA), on the CPU."""
+    config = {k: v for k, v in config.items() if k not in ("sequence_packing",)} | {"output_dir": str(tmp_path / name)}
+    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(config))
+    env = {k: v for k, v in cli_env(None).items() if k != "USE_MCA"}
+    result, output = run(["llamafactory-cli", "train", str(tmp_path / f"{name}.yaml")], env=env, timeout=300,
+                         cwd=tmp_path)
+    assert result.returncode == 0, output[-4000:]
+    return losses(tmp_path / name)[1]
+
+
+def _stored_keys(checkpoint) -> list[str]:
+    from llamafactory_mca.models.dist_reader import DistCheckpointReader
+
+    return [k for k in DistCheckpointReader(str(checkpoint / "dist_ckpt")).keys() if not k.startswith("optimizer.")]
+
+
+def test_lora_sft_checkpoints_resume_merge(assets, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.test_bridge import INPUT
+
+    config = recipe(assets, tmp_path / "out", max_steps=6, save_strategy="steps", save_steps=3, save_hf_model=True,
+                    sequence_packing=True, use_distributed_optimizer=True, **LORA)
+    result, output = train(tmp_path, config, world=2)
+    ok(result, output)
+    curve = losses(tmp_path / "out")
+    assert curve[6] < curve[1] - 0.05, curve
+    assert "tuning      LoRA rank 8, alpha 16, dropout 0 on down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, " \
+           "v_proj" in output, output
+    keys = _stored_keys(tmp_path / "out" / "checkpoint-3")
+    assert keys and all(".lora_A." in k or ".lora_B." in k for k in keys), keys  # the frozen base is not saved
+    out = tmp_path / "out"
+    assert (out / "adapter_model.safetensors").is_file() and (out / "adapter_config.json").is_file()
+    assert not (out / "model.safetensors").exists()
+    assert (out / "checkpoint-6" / "hf" / "adapter_model.safetensors").is_file()
+
+    # resume from checkpoint-3 (another data-parallel size): the same steps 4-6
+    resumed = {**config, "output_dir": str(tmp_path / "resumed"), "resume_from_checkpoint": str(out / "checkpoint-3"),
+               "gradient_accumulation_steps": 8}
+    result, output = train(tmp_path, resumed, world=1, name="resume")
+    ok(result, output)
+    got = losses(tmp_path / "resumed")
+    for step in (4, 5, 6):
+        assert got[step] == pytest.approx(curve[step], rel=1e-4), (step, got, curve)
+
+    # merge: the base with the adapter folded in, as peft computes it
+    merged = tmp_path / "merged"
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "megatron_merge.py"), "--checkpoint_path",
+                             str(out / "checkpoint-6"), "--output_path", str(merged), "--merge_lora"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ids = INPUT.clamp(max=assets["vocab"] - 1)
+    with torch.no_grad():
+        full = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(assets["models"]["qwen3"], dtype=torch.float32)
+        adapted = PeftModel.from_pretrained(base, str(out)).eval()(ids).logits
+    assert (full - adapted).abs().max().item() < 1e-4
+    assert (merged / "tokenizer_config.json").is_file()
+
+
+def test_adapters_move_both_ways_with_llamafactory(assets, tmp_path):
+    """Our adapter continued by LLaMA-Factory's default path, and the adapter it trained continued by ours: the same
+    first-step loss each time (8 rows, one global batch of all of them, so row order cannot matter)."""
+    first = recipe(assets, tmp_path / "ours", max_steps=3, **LORA)
+    ok(*train(tmp_path, first, name="first"))
+    ours = str(tmp_path / "ours")
+    one_step = dict(LORA, max_samples=8, per_device_train_batch_size=2, gradient_accumulation_steps=4, max_steps=1)
+
+    def ours_then_theirs(adapter: str, name: str, steps: int = 1) -> tuple[float, float]:
+        config = recipe(assets, tmp_path / f"{name}-mca", adapter_name_or_path=adapter, **one_step)
+        ok(*train(tmp_path, config, name=name))
+        theirs = _default_path(tmp_path, {**config, "max_steps": steps}, f"{name}-default")
+        return losses(tmp_path / f"{name}-mca")[1], theirs
+
+    mine, theirs = ours_then_theirs(ours, "ours", steps=2)  # LLaMA-Factory trains our adapter on: its adapter
+    assert mine == pytest.approx(theirs, rel=1e-5, abs=1e-6), (mine, theirs)
+    mine, theirs = ours_then_theirs(str(tmp_path / "ours-default"), "theirs")
+    assert mine == pytest.approx(theirs, rel=1e-5, abs=1e-6), (mine, theirs)
+
+
+def test_lora_dpo_reference_is_the_base(assets, tmp_path):
+    """DPO with LoRA: the reference is the model with its adapter off (peft's disable_adapter, as LLaMA-Factory
+    does), so continuing a trained adapter starts away from ln 2; the loss falls."""
+    first = recipe(assets, tmp_path / "sft", max_steps=3, **LORA)
+    ok(*train(tmp_path, first, name="sft"))
+    config = recipe(assets, tmp_path / "dpo", stage="dpo", dataset="tiny_alpaca", dataset_dir=assets["dpo"],
+                    pref_beta=0.1, gradient_accumulation_steps=2, max_steps=6, sequence_packing=True,
+                    adapter_name_or_path=str(tmp_path / "sft"), **dict(LORA, learning_rate=2e-3))
+    result, output = train(tmp_path, config, world=2, name="dpo")
+    ok(result, output)
+    curve = losses(tmp_path / "dpo")
+    assert abs(curve[1] - 0.6931) > 1e-3 and curve[6] < curve[1], curve
+    with open(tmp_path / "dpo" / "adapter_config.json") as f:
+        assert json.load(f)["r"] == 8
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"use_dora": True}, "use_dora=True (DoRA) is not supported with USE_MCA=1"),
+    ({"lora_target": "q_proj,qkv_proj"}, "lora_target ['qkv_proj'] names modules"),
+    ({"lora_target": "experts", "lora_dropout": 0.1}, "lora_dropout=0.1 with lora_target 'experts'"),
+    ({"adapter_name_or_path": "/no/such/adapter"}, "is not a peft adapter folder"),
+])
+def test_lora_mistakes_are_one_line(overrides, message, assets, tmp_path):
+    result, output = train(tmp_path, recipe(assets, tmp_path / "out", **{**LORA, **overrides}))
+    one_error(result, output, message)
+    assert not (tmp_path / "out").exists()
