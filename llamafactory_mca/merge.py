@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None, prog: str = "llamafactory-mca merge") ->
         result = merge(checkpoint, output, dtype, int(args.max_shard_size_gb * 1024**3), args.convert_model_max_length,
                        args.merge_lora, args.base_model)
     size, seconds = result["bytes"] / 2**20, result["seconds"]
-    print(f"{'A peft LoRA adapter' if result.get('adapter') else 'Hugging Face weights'} written to {output} ({size:,.1f} MiB in {seconds:.1f} s; "
+    what = "A peft LoRA adapter" if result.get("adapter") else "Hugging Face weights"
+    print(f"{what} written to {output} ({size:,.1f} MiB in {seconds:.1f} s; "
           f"{', '.join(result['side_files']) or 'no tokenizer files'})")
     return 0

@@ -191,7 +191,8 @@ def _resolve_model_once_per_node(model_args: Any, finetuning_args: Any) -> None:
             if getattr(finetuning_args, "ref_model", None):
                 finetuning_args.ref_model = resolve_model(finetuning_args.ref_model, model_args)
             if getattr(model_args, "adapter_name_or_path", None):
-                model_args.adapter_name_or_path = [resolve_model(p, model_args) for p in model_args.adapter_name_or_path]
+                model_args.adapter_name_or_path = [resolve_model(p, model_args)
+                                                   for p in model_args.adapter_name_or_path]
         torch.distributed.barrier()
 
 

@@ -22,6 +22,7 @@ import torch
 
 from llamafactory_mca.tiny import save_tiny_model
 from tests._dist import run_distributed
+from tests.models.test_lora import make_peft_adapter
 
 
 pytestmark = pytest.mark.slow
@@ -34,7 +35,7 @@ def _pipeline_cases() -> list[tuple[str, str, dict, int]]:
         for vpp in (None, 2, 4):
             if LAYERS % (pp * (vpp or 1)):
                 continue
-            counts = (pp, 2 * pp) if vpp else (1, 2, 3, pp + 1, 2 * pp)
+            counts = (pp, 2 * pp) if vpp else (1, 3, pp + 1, 2 * pp)
             for micro in sorted(set(counts)):
                 sizes = {"pipeline_model_parallel_size": pp, "virtual_pipeline_model_parallel_size": vpp}
                 cases.append((f"pp{pp}-vpp{vpp or 1}-m{micro}", "qwen3", sizes, micro))
@@ -75,6 +76,20 @@ EPOCH_CASES = [
 ]
 
 
+# LoRA from one adapter initialisation (a peft adapter with random A and B, loaded in every layout): the first three
+# losses equal the DP4 run's. The MoE adapter covers the experts (per-expert adapters in the grouped GEMM under EP).
+LORA_CASES = [
+    ("lora-dp4", "qwen3", {}, 2),
+    ("lora-tp2-sp", "qwen3", {"tensor_model_parallel_size": 2, "sequence_parallel": True}, 4),
+    ("lora-pp2", "qwen3", {"pipeline_model_parallel_size": 2}, 4),
+    ("lora-cp2", "qwen3", {"context_parallel_size": 2}, 4),
+    ("lora-moe-dp4", "qwen3_moe", {"moe_grouped_gemm": True}, 2),
+    ("lora-moe-ep2", "qwen3_moe", {"expert_model_parallel_size": 2, "moe_grouped_gemm": True}, 2),
+]
+LORA_ADAPTERS = {"qwen3": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False),
+                 "qwen3_moe": (["q_proj", "v_proj", "o_proj"], True)}
+
+
 def _documents() -> list[dict]:
     g = torch.Generator().manual_seed(1)
     return [{"input_ids": torch.randint(5, VOCAB, (96 + 37 * i,), generator=g).tolist()} for i in range(4)]
@@ -112,7 +127,8 @@ def _hf_loss(model_dir: str, rows: list[dict]) -> float:
     return total / count
 
 
-def _walk(models: dict, out_dir: str, cases: list, epoch_cases: list) -> tuple[list, list]:
+def _walk(models: dict, out_dir: str, cases: list, epoch_cases: list, lora_cases: list = (),
+          adapters: dict | None = None) -> tuple[list, list, list]:
     from datasets import Dataset
     from megatron.core import parallel_state as ps
 
@@ -128,13 +144,19 @@ def _walk(models: dict, out_dir: str, cases: list, epoch_cases: list) -> tuple[l
     parallel.init_distributed(60)
     watchdog.start(60, torch.distributed.get_rank())  # a hang ends this rank (and the test) after a minute
 
-    def train(model_name, sizes, micro, dataset, **steps):
+    def train(model_name, sizes, micro, dataset, adapter=None, **steps):
         args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=1, gradient_accumulation_steps=micro,
                                  learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none",
                                  disable_tqdm=True, seed=0, **steps, **sizes)
         layout = args.resolve_layout(WORLD, seq_length=32)
         parallel.initialize(layout, seed=0)
         model = AutoModel.from_pretrained(models[model_name], args)
+        if adapter is not None:
+            from llamafactory_mca.models.lora import LoraSettings, apply_lora
+            from llamafactory_mca.models.lora_io import load_adapter, read_adapter_config
+
+            apply_lora(model, LoraSettings.from_peft(read_adapter_config(adapter)))
+            load_adapter(model, adapter)
         plan = DataPlan(dataset, BatchingConfig.from_args(args, cutoff_len=32, packing=args.sequence_packing,
                                                           pad_multiple=layout.pad_multiple, pad_token_id=0), log=False)
         trainer = McaTrainer(model=model, args=args, layout=layout, train_data=plan)
@@ -157,7 +179,9 @@ def _walk(models: dict, out_dir: str, cases: list, epoch_cases: list) -> tuple[l
         losses, _, state, steps = train(model_name, sizes, micro, data[which], num_train_epochs=1)
         source = _documents() if which == "documents" else _rows(21)  # the dataset's tokens, before any split
         epochs.append((name, losses, state, steps, sum(len(row["input_ids"]) for row in source)))
-    return results, epochs
+    lora = [(name, train(model_name, sizes, micro, data["steps"], adapters[model_name], max_steps=3)[0])
+            for name, model_name, sizes, micro in lora_cases]
+    return results, epochs, lora
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +189,9 @@ def walked(tmp_path_factory):
     root = tmp_path_factory.mktemp("layouts")
     models = {name: save_tiny_model(name, str(root / name), num_hidden_layers=LAYERS if name == "qwen3" else 4)
               for name in REFERENCE}
-    return run_distributed(_walk, WORLD, models, str(root / "out"), CASES, EPOCH_CASES)[0]
+    adapters = {name: make_peft_adapter(models[name], str(root / f"{name}-lora"), *LORA_ADAPTERS[name])
+                for name in LORA_ADAPTERS}
+    return run_distributed(_walk, WORLD, models, str(root / "out"), CASES, EPOCH_CASES, LORA_CASES, adapters)[0]
 
 
 @pytest.fixture(scope="module")
@@ -204,3 +230,13 @@ def test_one_epoch_trains_every_token_once(case, walked):
     assert steps == steps_per_epoch and epoch == pytest.approx(1.0), (name, steps, steps_per_epoch, epoch)
     assert tokens_seen == tokens, (name, tokens_seen, tokens)
     assert len(losses) == steps and all(math.isfinite(v) for v in losses), (name, losses)
+
+
+@pytest.mark.filterwarnings("ignore:Unsupported layer type")
+@pytest.mark.parametrize("name", [c[0] for c in LORA_CASES[1:]])
+def test_lora_layouts_train_as_dp(name, walked):
+    """From the same adapter, the first three LoRA losses at TP2 + SP, PP2, CP2 and EP2 are DP4's."""
+    found = dict(walked[2])
+    reference = found["lora-moe-dp4" if "moe" in name else "lora-dp4"]
+    assert len(found[name]) == 3 and found[name] == pytest.approx(reference, rel=1e-4), (name, found[name], reference)
+    assert reference[2] < reference[0], reference  # and they train

@@ -20,15 +20,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:Unsupported l
 LORA = dict(finetuning_type="lora", lora_rank=8, lora_alpha=16, lora_target="all", learning_rate=5e-3)
 
 
-def _default_path(tmp_path, config: dict, name: str) -> float:
-    """Step 1's loss of the same recipe through LLaMA-Factory's own trainer (no USE_MCA), on the CPU."""
+def _default_path(tmp_path, config: dict, name: str) -> None:
+    """The same recipe through LLaMA-Factory's own trainer (no USE_MCA), on the CPU."""
     config = {k: v for k, v in config.items() if k not in ("sequence_packing",)} | {"output_dir": str(tmp_path / name)}
     (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(config))
     env = {k: v for k, v in cli_env(None).items() if k != "USE_MCA"}
     result, output = run(["llamafactory-cli", "train", str(tmp_path / f"{name}.yaml")], env=env, timeout=300,
                          cwd=tmp_path)
     assert result.returncode == 0, output[-4000:]
-    return losses(tmp_path / name)[1]
 
 
 def _stored_keys(checkpoint) -> list[str]:
@@ -37,23 +36,31 @@ def _stored_keys(checkpoint) -> list[str]:
     return [k for k in DistCheckpointReader(str(checkpoint / "dist_ckpt")).keys() if not k.startswith("optimizer.")]
 
 
-def test_lora_sft_checkpoints_resume_merge(assets, tmp_path):
+@pytest.fixture(scope="module")
+def lora_run(assets, tmp_path_factory):
+    """One LoRA sft run (DP2, distributed optimizer, packed), saving at steps 3 and 6 with save_hf_model."""
+    tmp_path = tmp_path_factory.mktemp("lora_run")
+    config = recipe(assets, tmp_path / "out", max_steps=6, save_strategy="steps", save_steps=3, save_hf_model=True,
+                    sequence_packing=True, use_distributed_optimizer=True, **LORA)
+    result, output = train(tmp_path, config, world=2)
+    ok(result, output)
+    return tmp_path, config, output
+
+
+def test_lora_sft_checkpoints_resume_merge(assets, lora_run):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from tests.models.test_bridge import INPUT
 
-    config = recipe(assets, tmp_path / "out", max_steps=6, save_strategy="steps", save_steps=3, save_hf_model=True,
-                    sequence_packing=True, use_distributed_optimizer=True, **LORA)
-    result, output = train(tmp_path, config, world=2)
-    ok(result, output)
-    curve = losses(tmp_path / "out")
+    tmp_path, config, output = lora_run
+    out = tmp_path / "out"
+    curve = losses(out)
     assert curve[6] < curve[1] - 0.05, curve
     assert "tuning      LoRA rank 8, alpha 16, dropout 0 on down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, " \
            "v_proj" in output, output
-    keys = _stored_keys(tmp_path / "out" / "checkpoint-3")
+    keys = _stored_keys(out / "checkpoint-3")
     assert keys and all(".lora_A." in k or ".lora_B." in k for k in keys), keys  # the frozen base is not saved
-    out = tmp_path / "out"
     assert (out / "adapter_model.safetensors").is_file() and (out / "adapter_config.json").is_file()
     assert not (out / "model.safetensors").exists()
     assert (out / "checkpoint-6" / "hf" / "adapter_model.safetensors").is_file()
@@ -82,34 +89,27 @@ def test_lora_sft_checkpoints_resume_merge(assets, tmp_path):
     assert (merged / "tokenizer_config.json").is_file()
 
 
-def test_adapters_move_both_ways_with_llamafactory(assets, tmp_path):
-    """Our adapter continued by LLaMA-Factory's default path, and the adapter it trained continued by ours: the same
-    first-step loss each time (8 rows, one global batch of all of them, so row order cannot matter)."""
-    first = recipe(assets, tmp_path / "ours", max_steps=3, **LORA)
-    ok(*train(tmp_path, first, name="first"))
-    ours = str(tmp_path / "ours")
+def test_adapters_move_both_ways_with_llamafactory(assets, lora_run, tmp_path):
+    """LLaMA-Factory's default path continues our adapter for two steps, saving after the first: its step-1 loss is
+    ours on our adapter, and its step-2 loss (on the adapter it saved at step 1) is ours on that adapter. 8 rows, one
+    global batch of all of them: both steps see the same rows, and row order cannot matter."""
+    ours = str(lora_run[0] / "out")
     one_step = dict(LORA, max_samples=8, per_device_train_batch_size=2, gradient_accumulation_steps=4, max_steps=1)
-
-    def ours_then_theirs(adapter: str, name: str, steps: int = 1) -> tuple[float, float]:
-        config = recipe(assets, tmp_path / f"{name}-mca", adapter_name_or_path=adapter, **one_step)
-        ok(*train(tmp_path, config, name=name))
-        theirs = _default_path(tmp_path, {**config, "max_steps": steps}, f"{name}-default")
-        return losses(tmp_path / f"{name}-mca")[1], theirs
-
-    mine, theirs = ours_then_theirs(ours, "ours", steps=2)  # LLaMA-Factory trains our adapter on: its adapter
-    assert mine == pytest.approx(theirs, rel=1e-5, abs=1e-6), (mine, theirs)
-    mine, theirs = ours_then_theirs(str(tmp_path / "ours-default"), "theirs")
-    assert mine == pytest.approx(theirs, rel=1e-5, abs=1e-6), (mine, theirs)
+    config = recipe(assets, tmp_path / "default", adapter_name_or_path=ours, **one_step)
+    _default_path(tmp_path, {**config, "max_steps": 2, "save_strategy": "steps", "save_steps": 1}, "default")
+    theirs = losses(tmp_path / "default")
+    for step, adapter in ((1, ours), (2, str(tmp_path / "default" / "checkpoint-1"))):
+        run_dir = tmp_path / f"mca-{step}"
+        ok(*train(tmp_path, {**config, "adapter_name_or_path": adapter, "output_dir": str(run_dir)}, name=f"m{step}"))
+        assert losses(run_dir)[1] == pytest.approx(theirs[step], rel=1e-5, abs=1e-6), (step, losses(run_dir), theirs)
 
 
-def test_lora_dpo_reference_is_the_base(assets, tmp_path):
+def test_lora_dpo_reference_is_the_base(assets, lora_run, tmp_path):
     """DPO with LoRA: the reference is the model with its adapter off (peft's disable_adapter, as LLaMA-Factory
     does), so continuing a trained adapter starts away from ln 2; the loss falls."""
-    first = recipe(assets, tmp_path / "sft", max_steps=3, **LORA)
-    ok(*train(tmp_path, first, name="sft"))
     config = recipe(assets, tmp_path / "dpo", stage="dpo", dataset="tiny_alpaca", dataset_dir=assets["dpo"],
                     pref_beta=0.1, gradient_accumulation_steps=2, max_steps=6, sequence_packing=True,
-                    adapter_name_or_path=str(tmp_path / "sft"), **dict(LORA, learning_rate=2e-3))
+                    adapter_name_or_path=str(lora_run[0] / "out"), **dict(LORA, learning_rate=2e-3))
     result, output = train(tmp_path, config, world=2, name="dpo")
     ok(result, output)
     curve = losses(tmp_path / "dpo")

@@ -28,6 +28,13 @@ class AutoConfig:
     @staticmethod
     def from_pretrained(path: str, args: Any = None, trust_remote_code: bool = False) -> McaConfig:
         """McaConfig of one of our folders, or from a HF ``config.json``."""
+        if checkpoints.is_adapter_checkpoint(path):
+            from ..errors import UserError
+
+            raise UserError(f"{path} is a checkpoint of a LoRA run: it holds the adapter, not the model. Keep "
+                            "model_name_or_path on the base model and set adapter_name_or_path to its exported adapter "
+                            f"({os.path.join(path, 'hf')} with save_hf_model, or llamafactory-mca merge "
+                            f"--checkpoint_path {path} --output_path ADAPTER_DIR).")
         if checkpoints.is_ours(path):
             config = checkpoints.read_config(path)
             get_family(config.hf_model_type)  # fails clearly for an unknown type

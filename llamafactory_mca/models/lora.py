@@ -369,7 +369,7 @@ class LoraGroupedExpertsMixin:
     def init_lora(self, targets: list[TargetLinear], global_prefix: str, settings: LoraSettings,
                   first_expert: int) -> None:
         if self.tp_group.size() > 1:
-            raise UserError("LoRA on the experts needs expert_tensor_parallel_size: 1 (each expert whole on its rank).")
+            raise UserError("LoRA on the experts needs expert_tensor_parallel_size: 1 (whole experts on a rank).")
         self.lora_scaling, self.lora_name, self.lora_first_expert = settings.scaling, global_prefix, first_expert
         self.lora_targets = targets
         self.lora_A, self.lora_B = torch.nn.ParameterDict(), torch.nn.ParameterDict()
@@ -508,7 +508,9 @@ def apply_lora(model: Any, settings: LoraSettings, freeze_vision_tower: bool = T
     extra = tuple(EXTRA_MODULES[m] for m in settings.additional)
     for param in model.parameters():
         param.requires_grad_(False)
+    placed = layers = 0
     for chunk in model.chunks:
+        layers += len(getattr(getattr(chunk, "decoder", None), "layers", []))
         layer_names = _global_layer_names(chunk)
         for name, param in chunk.named_parameters():
             if extra and name.startswith(extra):
@@ -520,6 +522,7 @@ def apply_lora(model: Any, settings: LoraSettings, freeze_vision_tower: bool = T
                 if expert_targets:
                     module.__class__ = _lora_class(type(module), LoraGroupedExpertsMixin)
                     module.init_lora(expert_targets, glob, settings, first_expert)
+                    placed += 1
                 continue
             if pattern.startswith("decoder.layers.*.mlp.experts.*."):  # a sequential expert's linear
                 pattern = pattern.replace(".mlp.experts.*.", ".mlp.experts.")
@@ -527,6 +530,13 @@ def apply_lora(model: Any, settings: LoraSettings, freeze_vision_tower: bool = T
             if target is not None and isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.__class__ = _lora_class(type(module), LoraLinearMixin)
                 module.init_lora(target, glob, settings, dims)
+                placed += 1
+    if layers and not placed:
+        from ..compat import has_transformer_engine
+
+        raise UserError("LoRA found none of its target linears in this model's layers"
+                        + (": Transformer Engine's fused linears do not take adapters yet; run LoRA in an environment "
+                           "without transformer_engine (the native layer spec)." if has_transformer_engine() else "."))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     model.lora = LoraRun(settings, targets, trainable)
     return model.lora

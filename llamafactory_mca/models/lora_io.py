@@ -112,7 +112,8 @@ def check_lora_plan(config: Any, finetuning_args: Any, adapters: list[str], expe
             raise UserError(f"adapter_name_or_path={path!r} is not a peft adapter folder (no {ADAPTER_CONFIG}).")
         read_adapter_config(path)
     resume = adapters[-1] if adapters and not finetuning_args.create_new_adapter else None
-    settings = LoraSettings.from_peft(read_adapter_config(resume)) if resume else LoraSettings.from_args(finetuning_args)
+    settings = LoraSettings.from_peft(read_adapter_config(resume)) if resume else \
+        LoraSettings.from_args(finetuning_args)
     _targets(config, settings, finetuning_args.freeze_vision_tower)
     if settings.experts and expert_tensor_parallel > 1:
         raise UserError(f"LoRA on the experts needs expert_tensor_parallel_size: 1 (each expert whole on its rank); "

@@ -34,8 +34,8 @@ def make_peft_adapter(model_dir: str, out_dir: str, targets: list[str], experts:
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, target_parameters=EXPERT_PARAMS if experts else None,
-                        init_lora_weights=False)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False,
+                        target_parameters=EXPERT_PARAMS if experts else None)
     model = get_peft_model(_hf(model_dir), config)
     with torch.no_grad():  # peft's non-default init is large; keep the logits in a sane range
         for name, param in model.named_parameters():
