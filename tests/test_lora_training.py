@@ -121,10 +121,21 @@ def test_lora_dpo_reference_is_the_base(assets, lora_run, tmp_path):
 @pytest.mark.parametrize("overrides,message", [
     ({"use_dora": True}, "use_dora=True (DoRA) is not supported with USE_MCA=1"),
     ({"lora_target": "q_proj,qkv_proj"}, "lora_target ['qkv_proj'] names modules"),
-    ({"lora_target": "experts", "lora_dropout": 0.1}, "lora_dropout=0.1 with lora_target 'experts'"),
     ({"adapter_name_or_path": "/no/such/adapter"}, "is not a peft adapter folder"),
 ])
 def test_lora_mistakes_are_one_line(overrides, message, assets, tmp_path):
     result, output = train(tmp_path, recipe(assets, tmp_path / "out", **{**LORA, **overrides}))
     one_error(result, output, message)
     assert not (tmp_path / "out").exists()
+
+
+def test_expert_adapters_refuse_dropout():
+    """peft's expert adapters (target_parameters) take no dropout: refused, or the saved adapter would not load."""
+    from types import SimpleNamespace
+
+    from llamafactory_mca.errors import UserError
+    from llamafactory_mca.models.lora import check_lora_request
+
+    args = SimpleNamespace(lora_rank=8, lora_target=["all", "experts"], lora_dropout=0.1)
+    with pytest.raises(UserError, match="lora_dropout=0.1 with lora_target 'experts'"):
+        check_lora_request(args)
