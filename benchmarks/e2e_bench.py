@@ -40,9 +40,12 @@ QWEN3_30B_A3B = dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers
                      num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
                      mlp_only_layers=[], router_aux_loss_coef=0.001, vocab_size=151936, max_position_embeddings=40960,
                      rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+QWEN3_8B = dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                head_dim=128, intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6,
+                rms_norm_eps=1e-6, tie_word_embeddings=False)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, vocab_size=512, max_position_embeddings=2048)
-SMOKE_SHAPES = {"dense": {**QWEN3_1_7B, **TINY}, "moe": {**QWEN3_30B_A3B, **TINY, "num_experts": 8,
+SMOKE_SHAPES = {"dense": {**QWEN3_1_7B, **TINY}, "dense8b": {**QWEN3_8B, **TINY}, "moe": {**QWEN3_30B_A3B, **TINY, "num_experts": 8,
                                                           "num_experts_per_tok": 2, "moe_intermediate_size": 32}}
 # Vision-language shapes, each with its real vision tower (frozen, as LLaMA-Factory's default) and layers set per run:
 # Qwen2.5-VL-7B (32-block windowed tower) and Qwen3-VL-30B-A3B (27-block tower with deepstack, 128 experts).
@@ -73,8 +76,9 @@ QWEN3_VL_30B_A3B = dict(model_type="qwen3_vl_moe",
 VL = {"vl": QWEN2_5_VL_7B, "vl_moe": QWEN3_VL_30B_A3B}
 VL_TEMPLATE = {"qwen2_5_vl": "qwen2_vl", "qwen3_vl_moe": "qwen3_vl_nothink"}
 SMOKE_SHAPES |= {kind: dict(model_type=shape["model_type"]) for kind, shape in VL.items()}  # tiny.py's shapes
-SHAPES = {"dense": QWEN3_1_7B, "moe": QWEN3_30B_A3B, **VL}
-LABELS = {"dense": "Qwen3-1.7B shape", "moe": "Qwen3-30B-A3B shape", "vl": "Qwen2.5-VL-7B shape",
+SHAPES = {"dense": QWEN3_1_7B, "dense8b": QWEN3_8B, "moe": QWEN3_30B_A3B, **VL}
+LABELS = {"dense": "Qwen3-1.7B shape", "dense8b": "Qwen3-8B shape", "moe": "Qwen3-30B-A3B shape",
+          "vl": "Qwen2.5-VL-7B shape",
           "vl_moe": "Qwen3-VL-30B-A3B shape"}
 MOE_KINDS = ("moe", "vl_moe")
 
@@ -106,6 +110,8 @@ class Workload:
     steps: int = 12
     warmup: int = 4
     about: str = ""
+    layers: int | None = None  # all of the shape's layers (default: as many as --layers / the GPU allow)
+    tuning: dict = field(default_factory=dict)  # recipe keys for both paths (LoRA)
 
 
 def _pair(gpus: int, grad_accum: int, layout: str, ours_extra: dict | None = None, lf_layout: str = "",
@@ -159,6 +165,23 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                        f"frozen, LLaMA-Factory's default) and log-uniform {max(32 // k, 4)}..{cut // 2} text tokens; "
                        "padded: 2 rows x 4, packed: 1 pack x 8. MFU: the language model only")
         for kind in VL
+    ]
+    lora = dict(finetuning_type="lora", lora_rank=16, lora_alpha=32, lora_target="all")
+    lora_about = ("LoRA rank 16 on `lora_target: all` (LLaMA-Factory's expansion: every attention and MLP projection of "
+                  "the dense model; on Qwen3-MoE the attention projections, experts never), {cut}-token packed "
+                  "micro-batches, global batch 8. MFU counts full fine-tuning's 6N FLOPs; LoRA skips the frozen base's "
+                  "weight gradients (about a third of that work), so it overstates the work done by up to 1.5x")
+    found += [
+        Workload("lora_moe", "moe", cut, packed,
+                 [Run("lf", "lf", 1, True, 1, 8, "1 GPU, gradient checkpointing (LF default)"),
+                  Run("ours", "ours", 1, True, 1, 8, "1 GPU, recompute full", recompute),
+                  Run("ours_experts", "ours", 1, True, 1, 8, "1 GPU, recompute full, + experts",
+                      dict(recompute, lora_target="all,experts"))],
+                 steps=6, warmup=2, layers=None if smoke else 48, tuning=lora,
+                 about=lora_about.format(cut=cut) + "; `ours_experts` also adapts every expert (not possible in "
+                       "LLaMA-Factory's default path)"),
+        Workload("lora_dense", "dense8b", cut, packed, _pair(1, 8, "1 GPU"), steps=8, warmup=2,
+                 layers=None if smoke else 36, tuning=lora, about=lora_about.format(cut=cut)),
     ]
     if smoke:
         for w in found:
@@ -352,6 +375,7 @@ def recipe(w: Workload, run: Run, model_dir: str, data_dir: str, out_dir: str, s
              save_strategy="no", report_to="none", seed=42, disable_tqdm=True, plot_loss=False,
              preprocessing_num_workers=1 if args.smoke else 4)
     r.update({"use_cpu": True} if args.smoke else {"bf16": True})
+    r.update(w.tuning)
     if run.path == "lf":
         r["flash_attn"] = "sdpa"
         if run.packing:
@@ -502,8 +526,8 @@ def run_workload(w: Workload, args, info: dict, save) -> dict:
 
     steps = args.steps or w.steps
     warmup = min(args.warmup if args.warmup is not None else w.warmup, steps - 1)
-    layers = args.layers or (2 if args.smoke else 28 if w.model == "dense" else 8 if w.model == "vl" else
-                             8 if min(info.get("memory_gib") or [0]) >= 120 else 4)
+    layers = args.layers or w.layers or (2 if args.smoke else 28 if w.model == "dense" else 8 if w.model == "vl" else
+                                         8 if min(info.get("memory_gib") or [0]) >= 120 else 4)
     config = model_config(w.model, layers, args.smoke)
     work = os.path.join(args.work, "smoke" if args.smoke else "gpu")
     cache = os.path.join(work, "cache")
@@ -642,11 +666,13 @@ def targets(name: str, data: dict, everything: dict, tol: float) -> list[dict]:
             return None, f"`{workload}` was run with other shapes/steps; rerun it with the same flags"
         return ref["runs"].get(run), f"`{workload}/{run}` has no throughput"
 
-    if name in ("dense", "moe"):
-        goal = 1.5 if name == "dense" else 3.0
+    if name in ("dense", "moe", "lora_dense", "lora_moe"):
+        goal = 1.5 if "dense" in name else 3.0
         found.append(_ratio_target(f"tokens/s: ours >= {goal:g}x LLaMA-Factory", runs.get("ours"), runs.get("lf"),
                                    goal, "needs both runs"))
-        if name == "dense":
+        if name.startswith("lora"):
+            found.append(_memory_target("ours", runs.get("ours"), runs.get("lf") or {}))
+        elif name == "dense":
             mfu = (runs.get("ours") or {}).get("mfu")
             found.append({"target": "MFU (ours) >= 45%", "measured": f"{mfu:.1%}" if mfu is not None else "n/a",
                           "met": (mfu >= 0.45) if mfu is not None else None})
