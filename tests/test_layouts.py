@@ -83,6 +83,8 @@ LORA_CASES = [
     ("lora-tp2-sp", "qwen3", {"tensor_model_parallel_size": 2, "sequence_parallel": True}, 4),
     ("lora-pp2", "qwen3", {"pipeline_model_parallel_size": 2}, 4),
     ("lora-cp2", "qwen3", {"context_parallel_size": 2}, 4),
+    ("lora-dp4-recompute", "qwen3", {"recompute_granularity": "full", "recompute_method": "uniform",
+                                     "recompute_num_layers": 1}, 2),
     ("lora-moe-dp4", "qwen3_moe", {"moe_grouped_gemm": True}, 2),
     ("lora-moe-ep2", "qwen3_moe", {"expert_model_parallel_size": 2, "moe_grouped_gemm": True}, 2),
 ]
@@ -233,10 +235,11 @@ def test_one_epoch_trains_every_token_once(case, walked):
 
 
 @pytest.mark.filterwarnings("ignore:Unsupported layer type")
-@pytest.mark.parametrize("name", [c[0] for c in LORA_CASES if "dp4" not in c[0]])
+@pytest.mark.parametrize("name", [c[0] for c in LORA_CASES if c[0] not in ("lora-dp4", "lora-moe-dp4")])
 def test_lora_layouts_train_as_dp(name, walked):
-    """From the same adapter, the first three LoRA losses at TP2 + SP, PP2, CP2 and EP2 are DP4's (steps 2 and 3
-    after the adapters' updates: their gradients, reductions and optimizer agree across layouts)."""
+    """From the same adapter, the first three LoRA losses at TP2 + SP, PP2, CP2, EP2 and with full activation
+    recomputation are DP4's (steps 2 and 3 after the adapters' updates: their gradients, reductions and optimizer
+    agree across layouts; recomputed blocks pass gradients to their adapters)."""
     found = dict(walked[2])
     reference = found["lora-moe-dp4" if "moe" in name else "lora-dp4"]
     assert len(found[name]) == 3 and found[name] == pytest.approx(reference, rel=1e-4), (name, found[name], reference)

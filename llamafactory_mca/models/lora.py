@@ -511,6 +511,8 @@ def apply_lora(model: Any, settings: LoraSettings, freeze_vision_tower: bool = T
     placed = layers = 0
     for chunk in model.chunks:
         layers += len(getattr(getattr(chunk, "decoder", None), "layers", []))
+        if getattr(chunk, "embedding", None) is not None:
+            chunk.embedding.register_forward_hook(_activations_need_grad)
         layer_names = _global_layer_names(chunk)
         for name, param in chunk.named_parameters():
             if extra and name.startswith(extra):
@@ -540,6 +542,13 @@ def apply_lora(model: Any, settings: LoraSettings, freeze_vision_tower: bool = T
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     model.lora = LoraRun(settings, targets, trainable)
     return model.lora
+
+
+def _activations_need_grad(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+    """The frozen embedding's output made to require grad (transformers' ``enable_input_require_grads``): activation
+    recomputation (Megatron's checkpoint, an autograd Function) passes gradients to the adapters inside a block only
+    when the block's input requires grad."""
+    return output.requires_grad_(True) if not output.requires_grad else output
 
 
 def lora_modules(model: Any) -> list[torch.nn.Module]:
