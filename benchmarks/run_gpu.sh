@@ -61,8 +61,8 @@ case $phase in
     bench 0 g5 --workloads vl_moe --gpus 1 --steps 8 --warmup 3 ;;
   lora_moe_lf)  # one H200: Qwen3-30B-A3B (all 48 layers) LoRA, LLaMA-Factory's default path (builds the 61 GB model)
     bench 0 g6 --workloads lora_moe --gpus 1 --steps 6 --warmup 2 --timeout 480 --runs lf ;;
-  lora_moe_ours)  # right after lora_moe_lf on the same machine (model cached): our path, then with expert adapters
-    bench 0 g6 --workloads lora_moe --gpus 1 --steps 6 --warmup 2 --timeout 240 --runs ours,ours_experts ;;
+  lora_moe_ours)  # our path: as is, with recompute (LLaMA-Factory's like for like), with expert adapters
+    bench 0 g6 --workloads lora_moe --gpus 1 --steps 6 --warmup 2 --timeout 200 --runs ours,ours_recompute,ours_experts ;;
   lora_dense)  # one GPU: Qwen3-8B shape (36 layers) LoRA, both paths
     bench 0 g7 --workloads lora_dense --gpus 1 --steps 8 --warmup 2 ;;
   single_ours)  # one GPU: our path's single-GPU runs again after a change, then the MoE run's peak-memory report
