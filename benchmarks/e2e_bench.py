@@ -40,13 +40,14 @@ QWEN3_30B_A3B = dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers
                      num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
                      mlp_only_layers=[], router_aux_loss_coef=0.001, vocab_size=151936, max_position_embeddings=40960,
                      rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
-QWEN3_8B = dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                head_dim=128, intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6,
-                rms_norm_eps=1e-6, tie_word_embeddings=False)
+QWEN3_8B = dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936,
+                max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, vocab_size=512, max_position_embeddings=2048)
-SMOKE_SHAPES = {"dense": {**QWEN3_1_7B, **TINY}, "dense8b": {**QWEN3_8B, **TINY}, "moe": {**QWEN3_30B_A3B, **TINY, "num_experts": 8,
-                                                          "num_experts_per_tok": 2, "moe_intermediate_size": 32}}
+SMOKE_SHAPES = {"dense": {**QWEN3_1_7B, **TINY}, "dense8b": {**QWEN3_8B, **TINY},
+                "moe": {**QWEN3_30B_A3B, **TINY, "num_experts": 8, "num_experts_per_tok": 2,
+                        "moe_intermediate_size": 32}}
 # Vision-language shapes, each with its real vision tower (frozen, as LLaMA-Factory's default) and layers set per run:
 # Qwen2.5-VL-7B (32-block windowed tower) and Qwen3-VL-30B-A3B (27-block tower with deepstack, 128 experts).
 QWEN2_5_VL_7B = dict(model_type="qwen2_5_vl",
@@ -167,10 +168,10 @@ def workloads(smoke: bool) -> dict[str, Workload]:
         for kind in VL
     ]
     lora = dict(finetuning_type="lora", lora_rank=16, lora_alpha=32, lora_target="all")
-    lora_about = ("LoRA rank 16 on `lora_target: all` (LLaMA-Factory's expansion: every attention and MLP projection of "
-                  "the dense model; on Qwen3-MoE the attention projections, experts never), {cut}-token packed "
-                  "micro-batches, global batch 8. MFU counts full fine-tuning's 6N FLOPs; LoRA skips the frozen base's "
-                  "weight gradients (about a third of that work), so it overstates the work done by up to 1.5x")
+    lora_about = ("LoRA rank 16 on `lora_target: all` (LLaMA-Factory's expansion: every attention and MLP projection "
+                  "of the dense model; on Qwen3-MoE the attention projections, experts never), {cut}-token packed "
+                  "micro-batches, global batch 8. MFU counts full fine-tuning's 6N FLOPs; LoRA skips the frozen "
+                  "base's weight gradients (about a third of that work), so it overstates the work done by up to 1.5x")
     found += [
         Workload("lora_moe", "moe", cut, packed,
                  [Run("lf", "lf", 1, True, 1, 8, "1 GPU, gradient checkpointing (LF default)"),

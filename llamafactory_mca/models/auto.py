@@ -32,7 +32,8 @@ class AutoConfig:
             from ..errors import UserError
 
             raise UserError(f"{path} is a checkpoint of a LoRA run: it holds the adapter, not the model. Keep "
-                            "model_name_or_path on the base model and set adapter_name_or_path to its exported adapter "
+                            "model_name_or_path on the base model and set adapter_name_or_path to its exported "
+                            "adapter "
                             f"({os.path.join(path, 'hf')} with save_hf_model, or llamafactory-mca merge "
                             f"--checkpoint_path {path} --output_path ADAPTER_DIR).")
         if checkpoints.is_ours(path):
