@@ -182,9 +182,9 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                  about=lora_about.format(cut=cut) + "; `ours_experts` also adapts every expert (not possible in "
                        "LLaMA-Factory's default path)"),
         Workload("lora_dense", "dense8b", cut, packed,
-                 _pair(1, 8, "1 GPU") + [Run("ours_recompute", "ours", 1, True, 1, 8, "1 GPU, recompute full",
-                                             recompute)], steps=8, warmup=2,
-                 layers=None if smoke else 36, tuning=lora, about=lora_about.format(cut=cut)),
+                 _pair(1, 8, "1 GPU", lf_layout="1 GPU, gradient checkpointing (LF default)")
+                 + [Run("ours_recompute", "ours", 1, True, 1, 8, "1 GPU, recompute full", recompute)],
+                 steps=8, warmup=2, layers=None if smoke else 36, tuning=lora, about=lora_about.format(cut=cut)),
     ]
     if smoke:
         for w in found:
@@ -798,10 +798,13 @@ def main(argv: list | None = None) -> None:
     names = list(workloads(False))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workloads", default="dense", help=f"comma-separated: {','.join(names)} or all")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 12; long 8)")
-    parser.add_argument("--warmup", type=int, default=None, help="steps left out of the rates (default 4; long 3)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="optimizer steps per run (default 12; long, lora_dense 8; lora_moe 6)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="steps left out of the rates (default 4; long 3; lora_* 2)")
     parser.add_argument("--layers", type=int, default=None,
-                        help="decoder layers (default 28 for the dense model; MoE: 8 on >=120 GiB GPUs, else 4)")
+                        help="decoder layers (default 28 for the dense model; MoE: 8 on >=120 GiB GPUs, else 4; "
+                             "lora_moe 48, lora_dense 36: all)")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--paths", default="lf,ours", help="which paths to run: lf,ours")
     parser.add_argument("--runs", default="", help="only these runs of the workloads, by name (default: all)")

@@ -59,6 +59,11 @@ case $phase in
     bench 0 g5 --workloads vl --gpus 1 --steps 8 --warmup 3 ;;
   vl_moe)  # one GPU: Qwen3-VL-30B-A3B shape, the same three runs
     bench 0 g5 --workloads vl_moe --gpus 1 --steps 8 --warmup 3 ;;
+  lora)  # one H200 (ours peaks at 83 GiB on the MoE): both LoRA workloads' headline pair (lf, ours), MoE then dense;
+    # each run took 60-80 s on an H200 (results/h200_lora): ~5 min plus building the 61 and 16 GB models on a fresh
+    # machine. The other runs (ours_recompute, ours_experts): phases lora_moe_ours, lora_dense
+    bench 0 g6 --workloads lora_moe --gpus 1 --steps 6 --warmup 2 --timeout 240 --runs lf,ours
+    bench 0 g7 --workloads lora_dense --gpus 1 --steps 8 --warmup 2 --timeout 240 --runs lf,ours ;;
   lora_moe_lf)  # one H200: Qwen3-30B-A3B (all 48 layers) LoRA, LLaMA-Factory's default path (builds the 61 GB model)
     bench 0 g6 --workloads lora_moe --gpus 1 --steps 6 --warmup 2 --timeout 480 --runs lf ;;
   lora_moe_ours)  # our path: as is, with recompute (LLaMA-Factory's like for like), with expert adapters

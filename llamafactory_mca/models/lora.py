@@ -175,6 +175,7 @@ def plan_targets(hf_config: dict, table: WeightTable, settings: LoraSettings,
     modules = _text_modules(meta_hf_model(hf_config))
     by_suffix = {name.split(".layers.0.", 1)[1]: name.replace(".layers.0.", ".layers.*.") for name in modules}
     found: set[str] = set()
+    homes: set[str] = set()  # every HF module an adapter could go on
     targets = []
     for op in table.ops:
         if not op.mca.endswith(".weight") or ".local_experts." in op.mca or not op.mca.startswith("decoder.layers."):
@@ -186,6 +187,7 @@ def plan_targets(hf_config: dict, table: WeightTable, settings: LoraSettings,
         for hf_name in op.hf:
             module = hf_name[: -len(".weight")]
             short = module.rsplit(".", 1)[-1]
+            homes.add(short)
             if short not in wanted:
                 continue
             path = by_suffix.get(module.split(".layers.*.", 1)[-1])
@@ -200,14 +202,11 @@ def plan_targets(hf_config: dict, table: WeightTable, settings: LoraSettings,
         targets += _expert_targets(hf_config, modules)
     missing = [name for name in wanted if name not in found]
     if missing:
-        homes = sorted({op.hf[0].rsplit(".", 2)[-2] for op in table.ops if op.mca.startswith("decoder.layers.")
-                        and op.mca.endswith(".weight") and any(f".{x}.weight" in op.mca for x in
-                                                               ("linear_qkv", "linear_proj", "linear_fc1",
-                                                                "linear_fc2")) and ".local_experts." not in op.mca})
-        raise UserError(f"lora_target {missing} names modules llamafactory_mca cannot put LoRA on for this model "
-                        f"(LoRA goes on the attention and MLP projections: {', '.join(homes)}, and on the routed "
-                        f"experts with the word '{EXPERTS_WORD}'). Set lora_target to a list of those"
-                        + (" (all selects them here too)." if "all" not in settings.targets else "."))
+        what = (f"lora_target: all selects, as LLaMA-Factory expands it for this model, {missing}, which "
+                "llamafactory_mca cannot put LoRA on" if "all" in settings.targets else
+                f"lora_target {missing} names modules llamafactory_mca cannot put LoRA on for this model")
+        raise UserError(f"{what} (LoRA goes on the attention and MLP projections: {', '.join(sorted(homes))}, and on "
+                        f"the routed experts with the word '{EXPERTS_WORD}'). Set lora_target to a list of those.")
     if not targets:
         raise UserError(f"lora_target={list(settings.targets)} selects no module of this model.")
     return targets

@@ -245,6 +245,8 @@ def _load_additional(model: Any, tensors: dict[str, torch.Tensor], used: set[str
     names = set(extra)
     for chunk in model.chunks:
         for target in local_targets(chunk, config.num_experts):
+            if ".lora_A." in target.canonical or ".lora_B." in target.canonical:
+                continue
             op, hf_names = table.lookup(target.canonical)
             found = [_in_memory_name(n, names) for n in hf_names]
             if all(n in extra for n in found):

@@ -13,9 +13,10 @@ from tests._dist import run_distributed
 from tests.models.test_bridge import INPUT, pipeline_logits
 
 EXPERT_PARAMS = ["experts.gate_up_proj", "experts.down_proj"]
-# (family, lora_target as peft sees it, experts too)
-ADAPTERS = {"qwen3": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False),
-            "qwen3_moe": (["q_proj", "v_proj", "o_proj"], True)}
+# family: (lora_target as peft sees it, experts too, modules_to_save = LLaMA-Factory's additional_target)
+ADAPTERS = {"qwen3": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False,
+                      ["lm_head"]),
+            "qwen3_moe": (["q_proj", "v_proj", "o_proj"], True, None)}
 LAYOUTS = [("dp2", {}), ("tp2-sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
            ("pp2", {"pipeline_model_parallel_size": 2}), ("ep2", {"expert_model_parallel_size": 2}),
            ("ep2-grouped", {"expert_model_parallel_size": 2, "moe_grouped_gemm": True}),
@@ -29,18 +30,22 @@ def _hf(model_dir: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def make_peft_adapter(model_dir: str, out_dir: str, targets: list[str], experts: bool, seed: int = 1) -> str:
-    """A peft LoRA adapter with random A *and* B (so it changes the logits), saved as peft saves it."""
+def make_peft_adapter(model_dir: str, out_dir: str, targets: list[str], experts: bool,
+                      modules_to_save: list[str] | None = None, seed: int = 1) -> str:
+    """A peft LoRA adapter with random A *and* B (so it changes the logits), saved as peft saves it; modules to save
+    are changed too."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
     config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False,
-                        target_parameters=EXPERT_PARAMS if experts else None)
+                        target_parameters=EXPERT_PARAMS if experts else None, modules_to_save=modules_to_save)
     model = get_peft_model(_hf(model_dir), config)
     with torch.no_grad():  # peft's non-default init is large; keep the logits in a sane range
         for name, param in model.named_parameters():
             if "lora_" in name:
                 param.mul_(0.3)
+            elif "modules_to_save" in name:
+                param.mul_(1.5)
     model.save_pretrained(out_dir)
     return out_dir
 
