@@ -227,3 +227,27 @@ def destroy() -> None:
         parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def end_worker() -> None:
+    """End a torchrun worker whose work is done, before the interpreter tears itself down.
+
+    Objects that outlive training in reference cycles (modules with hooks, communication handles, their tensors)
+    would otherwise be freed during interpreter finalization, where a gloo/NCCL thread that still touches one takes
+    the GIL of a dying interpreter and the process aborts ("terminate called without an active exception", SIGABRT):
+    a finished run then reports a failure (seen on a loaded CI machine, one rank in eight; pytorch PR 179291
+    describes the mechanism). So: free what is left while everything is alive, run the exit handlers (logging,
+    experiment trackers), flush, and leave with exit code 0. For worker processes only: it does not return."""
+    import atexit
+    import gc
+    import sys
+
+    destroy()
+    gc.collect()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(0)

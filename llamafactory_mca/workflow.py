@@ -171,12 +171,15 @@ def _load_rows(stage: str, template: Any, model_args: Any, data_args: Any, train
 def _run(stage: str, model_args, data_args, training_args, finetuning_args, callbacks=None) -> None:
     """A worker's run: a user error is one message (see errors.py), Ctrl-C a quiet exit."""
     from .errors import user_errors
+    from .parallel import end_worker
 
     try:
         with user_errors():
             _train(stage, model_args, data_args, training_args, finetuning_args, callbacks)
     except KeyboardInterrupt:
         raise SystemExit(130) from None
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker; an in-process caller keeps its interpreter
+        end_worker()
 
 
 def _resolve_model_once_per_node(model_args: Any, finetuning_args: Any) -> None:
