@@ -49,3 +49,35 @@ def apply_megatron_fixes() -> None:
     # `te_general_gemm` that was never defined (NameError on GPU as well as CPU).
     if not has_transformer_engine() and not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+    # megatron-core 0.16.x without apex or TE: clip_grads falls back to `local_multi_tensor_l2_norm`, which turns
+    # every gradient's norm into a Python float (one device-to-host sync per parameter tensor, ~230 per step on a
+    # 28-layer model) and `local_multi_tensor_scale`, one kernel pair per tensor. torch's foreach kernels give the
+    # same values with no sync.
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = foreach_l2_norm
+    if clip_grads.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
+        clip_grads.multi_tensor_scale_impl = foreach_scale
+
+
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """Drop-in for apex's ``multi_tensor_l2norm`` (as Megatron calls it): the l2 norm of all tensors, fp32, [1]."""
+    import torch
+
+    norms = torch._foreach_norm(tensor_lists[0], 2, dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+
+
+def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """Drop-in for apex's ``multi_tensor_scale``: dst = src * scale."""
+    import torch
+
+    sources, targets = tensor_lists
+    if all(a is b for a, b in zip(sources, targets)):
+        torch._foreach_mul_(targets, scale)
+    else:
+        torch._foreach_copy_(targets, torch._foreach_mul(sources, scale))
+

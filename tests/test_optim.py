@@ -90,3 +90,27 @@ def test_non_finite_gradients_are_found_without_buffer_sized_temporaries(tmp_pat
     finally:
         if created:
             dist.destroy_process_group()
+
+
+def test_grad_norm_and_clip_are_megatrons_without_per_tensor_syncs():
+    """The foreach replacements for Megatron's apex-less fallbacks give its values (compat.apply_megatron_fixes)."""
+    from megatron.core.utils import local_multi_tensor_scale
+
+    from llamafactory_mca.compat import foreach_l2_norm, foreach_scale
+
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(s, generator=gen) for s in ((64, 32), (32,), (7, 5))] + [torch.randn(9).bfloat16()]
+    ours, _ = foreach_l2_norm(0, None, [grads], False)
+    theirs = torch.norm(torch.tensor([float(torch.norm(g)) for g in grads]))  # local_multi_tensor_l2_norm's sum
+    assert ours.shape == (1,) and ours.dtype == torch.float32
+    torch.testing.assert_close(ours[0], theirs, rtol=1e-6, atol=0)
+    expected = [g * 0.25 for g in grads]
+    copies = [torch.empty_like(g) for g in grads]
+    foreach_scale(0, None, [grads, copies], 0.25)
+    foreach_scale(0, None, [grads, grads], 0.25)  # in place, as clip_grad_by_total_norm_fp32 calls it
+    for a, b, c in zip(grads, copies, expected):
+        assert torch.equal(a, c) and torch.equal(b, c)
+    reference = [g.clone() for g in grads]
+    local_multi_tensor_scale(0, None, [reference, reference], 2.0)
+    foreach_scale(0, None, [grads, grads], 2.0)
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference))

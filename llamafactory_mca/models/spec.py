@@ -20,6 +20,7 @@ Three choices, made once from the config:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -41,6 +42,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from ..compat import has_transformer_engine
 from ..errors import UserError
 from .native.attention import NativeDotProductAttention, check_supported
+from .native.dispatch import LocalMoELayer
 from .native.experts import NativeGroupedMLP, describe_experts
 from .native.kernels import varlen_attn_available
 from .mapping import NORM_ALIASES
@@ -138,6 +140,7 @@ def native_layer_spec(config: TransformerConfig) -> ModuleSpec:
     if config.num_moe_experts:
         mlp = get_moe_module_spec_for_backend(_NativeBackend(), num_experts=config.num_moe_experts,
                                               moe_grouped_gemm=config.moe_grouped_gemm)
+        mlp = dataclasses.replace(mlp, module=LocalMoELayer)  # sync-free routing where it applies
     else:
         mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                               linear_fc2=RowParallelLinear))

@@ -171,6 +171,9 @@ def _single_process_suite(ckpt_dir: str) -> dict:
         res[f"parity_{name}_logits"] = _max_diff(a, b)
         ga, gb = _grads(local), _grads(native)
         res[f"parity_{name}_grads"] = max(_rel_diff(ga[k], gb[k]) for k in ga if k in gb)
+        if moe:  # Megatron's alltoall dispatcher against ours (sync-free, all experts local)
+            res[f"parity_{name}_dispatchers"] = tuple(type(m.decoder.layers[0].mlp.token_dispatcher).__name__
+                                                      for m in (local, native))
 
     # Packed THD == per-sequence forwards (dense and MoE), gradients too.
     for name, moe in (("dense", False), ("moe", True)):
@@ -284,6 +287,7 @@ def _ep2_run(ckpt_dir: str) -> dict:
     tokens, _, weights, _ = _inputs()  # the same batch on both ranks: each must reproduce the reference
     logits = _forward(model, tokens)
     (logits * weights).sum().backward()
+    assert type(model.decoder.layers[0].mlp.token_dispatcher).__name__ == "MoEAlltoAllTokenDispatcher"
     return {"logits": logits.detach(), "ep_rank": ps.get_expert_model_parallel_rank(),
             "weight1_grad": experts.weight1.grad.detach().clone(), "weight2_grad": experts.weight2.grad.clone()}
 
@@ -347,6 +351,8 @@ def test_native_equals_local_spec_on_padded_batches(reference):
     for name in ("dense", "moe_sequential", "moe_grouped"):
         assert res[f"parity_{name}_logits"] <= 1e-5, (name, res[f"parity_{name}_logits"])
         assert res[f"parity_{name}_grads"] <= 1e-5, (name, res[f"parity_{name}_grads"])
+    for name in ("moe_sequential", "moe_grouped"):  # router gradients included: the probabilities' gather
+        assert res[f"parity_{name}_dispatchers"] == ("MoEAlltoAllTokenDispatcher", "LocalTokenDispatcher")
 
 
 def test_packed_thd_equals_per_sequence_forwards(reference):

@@ -8,7 +8,7 @@ initialisation, and ``sharded_state_dict``, which writes per-expert ``linear_fc1
 - no ``grouped_gemm`` package: its availability assert is skipped while the parent builds;
 - any dtype: the parent's forward asserts bf16; ours runs bf16 on GPU and fp32 on CPU (tests);
 - the GEMMs are ``torch._grouped_mm(x [tokens, k], w [experts, k, n], offs=cumsum(tokens_per_expert))``,
-  with autograd. bf16 groups need no padding of their token counts (only 16-byte aligned strides, i.e.
+  with autograd; the counts may stay on the device (``dispatch.py``), so no host sync is needed. bf16 groups need no padding of their token counts (only 16-byte aligned strides, i.e.
   ``hidden`` and ``ffn/etp`` multiples of 8); where that or the kernel is missing, a per-expert matmul loop
   computes the same thing.
 """
@@ -53,7 +53,9 @@ class NativeGroupedMLP(GroupedMLP):
             return torch.matmul(self._activate(torch.matmul(hidden, w1), probs), w2), None
         w1 = self.weight1.view(self.num_local_experts, hidden_size, -1)
         w2 = self.weight2.view(self.num_local_experts, -1, hidden_size)
-        counts = tokens_per_expert.detach().to("cpu", torch.int64)
+        counts = tokens_per_expert.detach()
+        if counts.device.type != "cpu" and not grouped_mm_usable(hidden, w1):
+            counts = counts.to("cpu", torch.int64)  # the per-expert loop splits on the host
         if self.activation_recompute:
             self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput()
             intermediate = self.activation_checkpoint.checkpoint(self._activate, self.fc1(hidden, w1, counts),
@@ -88,8 +90,10 @@ class NativeGroupedMLP(GroupedMLP):
 
 
 def grouped_mm(x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """``x`` rows grouped by expert (``tokens_per_expert`` on the host) times ``weights[e]`` ``[k, n]``."""
-    if x.size(0) != int(tokens_per_expert.sum()):
+    """``x`` rows grouped by expert times ``weights[e]`` ``[k, n]``. ``tokens_per_expert`` on the host (Megatron's
+    dispatchers) or on the device (``dispatch.py``: never copied to the host, they become the GEMM's offsets)."""
+    on_host = tokens_per_expert.device.type == "cpu"
+    if on_host and x.size(0) != int(tokens_per_expert.sum()):
         raise ValueError(f"{x.size(0)} permuted tokens but tokens_per_expert sums to {int(tokens_per_expert.sum())}")
     if grouped_mm_usable(x, weights):
         offs = torch.cumsum(tokens_per_expert, 0).to(torch.int32).to(x.device, non_blocking=True)

@@ -1,0 +1,87 @@
+"""MoE token routing without a host synchronisation, where every expert is on this rank.
+
+With expert parallelism and expert tensor parallelism both 1, Megatron's dispatchers still move data-dependent
+sizes to the host: the unfused ``permute`` selects tokens with ``masked_select`` (its output size is only known
+on the host), and the token counts per expert are copied to the host for the expert GEMMs. Each copy waits for
+the GPU to drain, once or more per MoE layer and micro-batch, which leaves the GPU idle while Python runs ahead
+(perf-notes: three syncs per MoE layer per micro-batch).
+
+Without token dropping, a token goes to exactly ``topk`` experts, so the permuted size is static
+(tokens x topk) and the order can be computed on the device: sort the (expert, token) pairs by expert, tokens
+ascending inside each expert — exactly the order of Megatron's ``permute``, so the numbers are the same. The
+counts per expert stay on the device and reach ``torch._grouped_mm`` as its offsets (``experts.py``).
+
+``LocalMoELayer`` installs the dispatcher where it applies and keeps Megatron's otherwise (expert parallelism,
+capacity factors, padding for quantisation, shared-expert overlap, latent projections).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+
+class LocalTokenDispatcher(MoETokenDispatcher):
+    """All experts local, no token dropped: permute and unpermute by a device-side sort, no host sync."""
+
+    def __init__(self, replaced: MoETokenDispatcher) -> None:
+        # the replaced dispatcher's config and process groups (MoETokenDispatcher.__init__'s fields)
+        self.__dict__.update({k: getattr(replaced, k) for k in (
+            "config", "shared_experts", "ep_group", "tp_group", "tp_ep_group", "tp_size", "tp_rank", "ep_size",
+            "cudagraph_attrs", "valid_cudagraph_attrs")})
+        self.num_experts, self.topk = self.config.num_moe_experts, self.config.moe_router_topk
+
+    @staticmethod
+    def applies(layer: MoELayer) -> bool:
+        c = layer.config
+        d = layer.token_dispatcher
+        return (d is not None and d.ep_size == 1 and d.tp_size == 1 and c.moe_expert_capacity_factor is None
+                and not c.moe_pad_expert_input_to_capacity and not getattr(c, "moe_router_padding_for_quantization",
+                                                                           False)
+                and not c.moe_shared_expert_overlap and not getattr(c, "moe_latent_size", None)
+                and layer.num_local_experts == c.num_moe_experts)
+
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        self.hidden_shape = hidden_states.shape
+        hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
+        tokens = routing_map.size(0)
+        with torch.no_grad():
+            # The topk experts of each token (a routing map row has exactly topk entries without dropping), as
+            # (expert, token) keys sorted by expert, tokens ascending within an expert: Megatron's permute order.
+            experts = routing_map.to(torch.int8).topk(self.topk, dim=1, sorted=False).indices
+            keys = experts * tokens + torch.arange(tokens, device=experts.device).unsqueeze(1)
+            keys = keys.reshape(-1).sort().values
+            self.token_index = keys % tokens
+            expert_index = keys // tokens
+            self.prob_index = self.token_index * self.num_experts + expert_index
+            self.tokens_per_expert = routing_map.sum(dim=0, dtype=torch.int64)
+        return hidden_states, probs
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        return hidden_states, probs
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        self.tokens = hidden_states.size(0)
+        permuted = hidden_states.index_select(0, self.token_index)
+        permuted_probs = probs.reshape(-1).index_select(0, self.prob_index)
+        return permuted, self.tokens_per_expert, permuted_probs
+
+    def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        out = hidden_states.new_zeros(self.tokens, hidden_states.size(-1))
+        return out.index_add(0, self.token_index, hidden_states)
+
+    def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states
+
+    def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states.view(self.hidden_shape)
+
+
+class LocalMoELayer(MoELayer):
+    """Megatron's MoELayer with ``LocalTokenDispatcher`` where it applies."""
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None) -> None:
+        super().__init__(config, submodules, layer_number=layer_number, pg_collection=pg_collection)
+        if LocalTokenDispatcher.applies(self):
+            self.token_dispatcher = LocalTokenDispatcher(self.token_dispatcher)
