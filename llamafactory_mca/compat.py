@@ -62,6 +62,15 @@ def apply_megatron_fixes() -> None:
     if clip_grads.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
         clip_grads.multi_tensor_scale_impl = foreach_scale
 
+    # megatron-core 0.16.x: the unfused RoPE for packed (THD) batches reads cu_seqlens on the host, four syncs per
+    # layer and micro-batch; `models/native/rope.py` computes the same on the device.
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from .models.native.rope import MEGATRON_THD_ROPE, apply_rotary_pos_emb_thd
+
+    if rope_utils._apply_rotary_pos_emb_thd is MEGATRON_THD_ROPE:
+        rope_utils._apply_rotary_pos_emb_thd = apply_rotary_pos_emb_thd
+
 
 def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     """Drop-in for apex's ``multi_tensor_l2norm`` (as Megatron calls it): the l2 norm of all tensors, fp32, [1]."""

@@ -509,3 +509,25 @@ def test_spec_choice_and_checkpoint_keys():
     assert "CP2 K/V all-gather" in spec.describe_kernels(Cfg) and "torch._grouped_mm" in spec.describe_kernels(Cfg)
     Cfg.attention_backend = AttnBackend.local
     assert spec.get_layer_spec(Cfg).submodules.self_attention.submodules.core_attention is DotProductAttention
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("per_position", [False, True])
+def test_thd_rope_without_host_sync_equals_megatrons(cp, per_position):
+    """Our device-side THD RoPE gives megatron-core's per-sequence result on every context-parallel rank, for
+    frequencies per offset (max_seqlen rows) and per packed position (multimodal RoPE: one row per token)."""
+    from types import SimpleNamespace
+
+    from llamafactory_mca.models.native.rope import MEGATRON_THD_ROPE as original
+    from llamafactory_mca.models.native.rope import apply_rotary_pos_emb_thd
+
+    lengths = [8 * cp, 16 * cp, 4 * cp, 0, 12 * cp]  # multiples of 2·cp, one empty sequence
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    rows = int(cu[-1]) if per_position else max(lengths) + 3
+    freqs = torch.randn(rows, 1, 1, 16, generator=g)
+    for rank in range(cp):
+        group = SimpleNamespace(size=lambda: cp, rank=lambda r=rank: r)
+        t = torch.randn(int(cu[-1]) // cp, 4, 16, generator=g)
+        expected = original(t, cu, freqs, cp_group=group)
+        torch.testing.assert_close(apply_rotary_pos_emb_thd(t, cu, freqs, cp_group=group), expected, rtol=0, atol=0)
