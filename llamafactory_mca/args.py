@@ -94,6 +94,11 @@ class DistributingParallelArguments:
     moe_pad_expert_input_to_capacity: bool | None = field(default=None, metadata={"help": "Pad to capacity."})
     moe_shared_expert_overlap: bool | None = field(default=None, metadata={"help": "Overlap shared experts."})
     moe_router_dtype: str | None = field(default=None, metadata={"help": "fp32 or fp64 router math."})
+    moe_local_dispatch: bool | None = field(
+        default=None, metadata={"help": "Route MoE tokens on the device, without host syncs, where every expert is on "
+                                        "the rank (ep = etp = 1, no token dropping); default on. false: Megatron's "
+                                        "dispatcher."}
+    )
     mtp_num_layers: int | None = field(default=None, metadata={"help": "Multi-token-prediction layers."})
     calculate_per_token_loss: bool | None = field(default=None, metadata={"help": "Per-token loss scaling."})
     variable_seq_lengths: bool | None = field(

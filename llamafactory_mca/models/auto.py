@@ -63,6 +63,9 @@ def _engine_fields(config: McaConfig, args: Any) -> dict[str, Any]:
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         bias_dropout_fusion=has_transformer_engine(),
+        # Megatron's own SwiGLU fusion (torch.compile, no TE): half the activation's GPU time (perf-notes); on CPU
+        # spec.prepare_config turns a recipe's request off.
+        bias_activation_fusion=not cpu_mode_needed(),
         deallocate_pipeline_outputs=True,
         # Our losses return (sum, count): the step's loss is a per-token mean over the whole global batch.
         calculate_per_token_loss=True,

@@ -83,15 +83,19 @@ class McaConfig:
         kwargs["activation_func"] = _ACTIVATIONS[activation]
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
         kwargs.update(engine)
-        from .spec import prepare_config
+        from .spec import NATIVE_OPTIONS, prepare_config
 
         prepare_config(kwargs)  # before construction: some requests (fused RoPE without TE) fail inside it
+        native = {k: kwargs.pop(k) for k in NATIVE_OPTIONS if k in kwargs}
         known = {f.name for f in dataclasses.fields(TransformerConfig)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise UserError(f"Unknown TransformerConfig fields {unknown} (from additional_configs or the model "
                              f"config); megatron-core's TransformerConfig has no such fields.")
-        return TransformerConfig(**kwargs)
+        config = TransformerConfig(**kwargs)
+        for name, value in native.items():  # our layer spec's options ride on the config it is built from
+            setattr(config, name, value)
+        return config
 
 
 def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any] | None]:

@@ -51,6 +51,7 @@ from .native.norm import NativeNorm
 logger = logging.getLogger(__name__)
 
 _QK_NORM = ModuleSpec(module=NativeNorm, params={"mark_sequence_parallel": False})
+NATIVE_OPTIONS = ("moe_local_dispatch",)  # recipe keys of the native spec, set on the TransformerConfig it reads
 _TE_ONLY_BACKENDS = ("flash", "fused", "unfused")
 
 

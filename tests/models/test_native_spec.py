@@ -148,6 +148,7 @@ def _grouped_state(sequential_state: dict) -> dict:
 
 def _single_process_suite(ckpt_dir: str) -> dict:
     from llamafactory_mca import parallel
+    from llamafactory_mca.models.auto import AutoModel
 
     parallel.initialize(_layout(), seed=11)
     tokens, packed, weights, packed_weights = _inputs()
@@ -174,6 +175,21 @@ def _single_process_suite(ckpt_dir: str) -> dict:
         if moe:  # Megatron's alltoall dispatcher against ours (sync-free, all experts local)
             res[f"parity_{name}_dispatchers"] = tuple(type(m.decoder.layers[0].mlp.token_dispatcher).__name__
                                                       for m in (local, native))
+
+    # The recipe key `moe_local_dispatch: false` keeps Megatron's dispatcher (through the real config build).
+    from transformers import Qwen3MoeConfig
+
+    from llamafactory_mca.models.families import get_family
+    from llamafactory_mca.training_args import TrainingArguments
+
+    family = get_family("qwen3_moe")
+    hf = Qwen3MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                        num_experts_per_tok=2, vocab_size=VOCAB)
+    for value in (None, False):
+        args = TrainingArguments(output_dir=ckpt_dir, moe_local_dispatch=value, moe_grouped_gemm=True)
+        model = AutoModel.from_config(family.config_from_hf(hf), args)
+        res[f"dispatch_key_{value}"] = type(model.chunks[0].decoder.layers[0].mlp.token_dispatcher).__name__
 
     # Packed THD == per-sequence forwards (dense and MoE), gradients too.
     for name, moe in (("dense", False), ("moe", True)):
@@ -353,6 +369,8 @@ def test_native_equals_local_spec_on_padded_batches(reference):
         assert res[f"parity_{name}_grads"] <= 1e-5, (name, res[f"parity_{name}_grads"])
     for name in ("moe_sequential", "moe_grouped"):  # router gradients included: the probabilities' gather
         assert res[f"parity_{name}_dispatchers"] == ("MoEAlltoAllTokenDispatcher", "LocalTokenDispatcher")
+    assert (res["dispatch_key_None"], res["dispatch_key_False"]) == ("LocalTokenDispatcher",
+                                                                     "MoEAlltoAllTokenDispatcher")
 
 
 def test_packed_thd_equals_per_sequence_forwards(reference):

@@ -12,7 +12,8 @@ ascending inside each expert — exactly the order of Megatron's ``permute``, so
 counts per expert stay on the device and reach ``torch._grouped_mm`` as its offsets (``experts.py``).
 
 ``LocalMoELayer`` installs the dispatcher where it applies and keeps Megatron's otherwise (expert parallelism,
-capacity factors, padding for quantisation, shared-expert overlap, latent projections).
+capacity factors, padding for quantisation, shared-expert overlap, latent projections, or the recipe's
+``moe_local_dispatch: false``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class LocalTokenDispatcher(MoETokenDispatcher):
     def applies(layer: MoELayer) -> bool:
         c = layer.config
         d = layer.token_dispatcher
-        return (d is not None and d.ep_size == 1 and d.tp_size == 1 and c.moe_expert_capacity_factor is None
+        return (getattr(c, "moe_local_dispatch", None) is not False and d is not None and d.ep_size == 1 and d.tp_size == 1 and c.moe_expert_capacity_factor is None
                 and not c.moe_pad_expert_input_to_capacity and not getattr(c, "moe_router_padding_for_quantization",
                                                                            False)
                 and not c.moe_shared_expert_overlap and not getattr(c, "moe_latent_size", None)
