@@ -35,13 +35,12 @@ class LocalTokenDispatcher(MoETokenDispatcher):
 
     @staticmethod
     def applies(layer: MoELayer) -> bool:
-        c = layer.config
-        d = layer.token_dispatcher
-        return (getattr(c, "moe_local_dispatch", None) is not False and d is not None and d.ep_size == 1 and d.tp_size == 1 and c.moe_expert_capacity_factor is None
-                and not c.moe_pad_expert_input_to_capacity and not getattr(c, "moe_router_padding_for_quantization",
-                                                                           False)
-                and not c.moe_shared_expert_overlap and not getattr(c, "moe_latent_size", None)
-                and layer.num_local_experts == c.num_moe_experts)
+        c, d = layer.config, layer.token_dispatcher
+        return (getattr(c, "moe_local_dispatch", None) is not False and d is not None
+                and d.ep_size == 1 and d.tp_size == 1 and layer.num_local_experts == c.num_moe_experts
+                and c.moe_expert_capacity_factor is None and not c.moe_pad_expert_input_to_capacity
+                and not getattr(c, "moe_router_padding_for_quantization", False)
+                and not c.moe_shared_expert_overlap and not getattr(c, "moe_latent_size", None))
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         self.hidden_shape = hidden_states.shape

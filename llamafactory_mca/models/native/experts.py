@@ -8,9 +8,9 @@ initialisation, and ``sharded_state_dict``, which writes per-expert ``linear_fc1
 - no ``grouped_gemm`` package: its availability assert is skipped while the parent builds;
 - any dtype: the parent's forward asserts bf16; ours runs bf16 on GPU and fp32 on CPU (tests);
 - the GEMMs are ``torch._grouped_mm(x [tokens, k], w [experts, k, n], offs=cumsum(tokens_per_expert))``,
-  with autograd; the counts may stay on the device (``dispatch.py``), so no host sync is needed. bf16 groups need no padding of their token counts (only 16-byte aligned strides, i.e.
-  ``hidden`` and ``ffn/etp`` multiples of 8); where that or the kernel is missing, a per-expert matmul loop
-  computes the same thing.
+  with autograd; the counts may stay on the device (``dispatch.py``), so no host sync is needed. bf16 groups
+  need no padding of their token counts (only 16-byte aligned strides, i.e. ``hidden`` and ``ffn/etp``
+  multiples of 8); where that or the kernel is missing, a per-expert matmul loop computes the same thing.
 """
 
 from __future__ import annotations
