@@ -1,10 +1,15 @@
 """Where a training step of our path spends its time: torch profiler over full optimizer steps.
 
     python benchmarks/profile_step.py --out DIR            # Qwen3-1.7B shape, 8 packed 4096-token micro-batches
+    python benchmarks/profile_step.py --moe --layers 8 --out DIR   # Qwen3-30B-A3B shape
+    python benchmarks/profile_step.py --baseline --out DIR # megatron-core's own fallbacks instead of ours (below)
     python benchmarks/profile_step.py --smoke --out DIR    # tiny shape, CPU
 
 Random weights, one GPU, bf16, the native layer spec, Megatron DDP + distributed optimizer, the same forward
-step and loss as McaTrainer. Writes ``profile.md`` (step time, GPU busy share, top kernels and top CPU ops).
+step and loss as McaTrainer. Writes ``profile_<shape>_<variant>.md``: step time, GPU busy share, MFU, kernel
+launches and host synchronisations per step, top kernels and top CPU ops. ``--baseline`` runs the step as before
+issue 17's changes: megatron-core's THD RoPE and apex-less grad norm, its MoE dispatcher (moe_local_dispatch:
+false), SwiGLU unfused (bias_activation_fusion: false).
 """
 
 from __future__ import annotations
@@ -29,13 +34,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per packed micro-batch")
     parser.add_argument("--micro", type=int, default=8, help="micro-batches per step")
+    parser.add_argument("--moe", action="store_true", help="Qwen3-30B-A3B shape (128 experts, top 8)")
+    parser.add_argument("--baseline", action="store_true", help="megatron-core's fallbacks instead of ours")
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29671")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    from transformers import Qwen3Config
+    from transformers import Qwen3Config, Qwen3MoeConfig
 
     from llamafactory_mca import parallel
     from llamafactory_mca.training_args import TrainingArguments
@@ -47,16 +54,24 @@ def main() -> None:
 
     shape = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=args.layers, num_attention_heads=16,
                  num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)
+    if args.moe:
+        shape.update(intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32, num_key_value_heads=4,
+                     num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False)
     tokens, seqs, micro = args.tokens, 4, args.micro
     if args.smoke:
         shape.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=16, vocab_size=512)
+                     num_key_value_heads=2, head_dim=16, vocab_size=512,
+                     **(dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2) if args.moe else {}))
         tokens, micro = 256, 2
     gpu = torch.cuda.is_available()
+    variant = dict(moe_local_dispatch=False, bias_activation_fusion=False) if args.baseline else {}
     targs = TrainingArguments(output_dir=args.out, bf16=gpu, use_distributed_optimizer=True, overlap_grad_reduce=True,
-                              learning_rate=1e-5, report_to="none")
+                              learning_rate=1e-5, report_to="none", moe_grouped_gemm=args.moe or None, **variant)
     parallel.initialize(targs.resolve_layout(world_size=1))
-    config = get_family("qwen3").config_from_hf(Qwen3Config(**shape))
+    if args.baseline:
+        _megatron_fallbacks()
+    family, hf = ("qwen3_moe", Qwen3MoeConfig(**shape)) if args.moe else ("qwen3", Qwen3Config(**shape))
+    config = get_family(family).config_from_hf(hf)
     model = AutoModel.from_config(config, targs)
     wrapped = wrap_ddp(model.chunks, model.transformer_config, targs)
     optimizer = build_optimizer(wrapped, model.transformer_config, targs)
@@ -101,26 +116,49 @@ def main() -> None:
             torch.cuda.synchronize()
         seconds = (time.perf_counter() - start) / args.steps
     events = prof.key_averages()
+    calls = {e.key: e.count for e in events}
+    launches = sum(n for k, n in calls.items() if k in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
+                                                        "cuLaunchKernelEx")) / args.steps
+    syncs = sum(n for k, n in calls.items() if k in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                     "cudaEventSynchronize")) / args.steps
     sort = "self_cuda_time_total" if gpu else "self_cpu_time_total"
     kernel_us = sum(e.self_device_time_total for e in events) / args.steps if gpu else 0.0
     from llamafactory_mca.trainer.metrics import flops_per_sequence_set, peak_flops
 
     flops = flops_per_sequence_set(config.transformer, config.vocab_size, [length] * seqs * micro)
     peak = peak_flops()
-    lines = [f"# One optimizer step of our path ({'GPU ' + torch.cuda.get_device_name() if gpu else 'CPU'})", "",
-             f"Qwen3 shape {shape}, {micro} packed micro-batches of {tokens} tokens ({seqs} sequences each), bf16",
+    name = f"{'moe' if args.moe else 'dense'}_{'baseline' if args.baseline else 'ours'}"
+    lines = [f"# One optimizer step of our path, {name} ({'GPU ' + torch.cuda.get_device_name() if gpu else 'CPU'})",
+             "", f"{type(hf).__name__} {shape}, {micro} packed micro-batches of {tokens} tokens ({seqs} sequences "
+             f"each), bf16; torch {torch.__version__}"
+             + ("; megatron-core's fallbacks (--baseline)" if args.baseline else ""),
              "", f"- step time {seconds * 1e3:.1f} ms; {micro * tokens / seconds:,.0f} tokens/s",
              f"- GPU kernel time {kernel_us / 1e3:.1f} ms per step = {kernel_us / 1e6 / seconds:.0%} of the step"
              if gpu else "- (CPU run)",
-             f"- MFU {flops / seconds / peak:.1%}" if peak else "", "", "## Top operations by self device time", "",
+             f"- MFU {flops / seconds / peak:.1%}" if peak else "",
+             f"- per step: {launches:,.0f} kernel launches, {syncs:,.0f} host synchronisations (stream/device/event)",
+             "", "## Top operations by self device time", "",
              "```", events.table(sort_by=sort, row_limit=25, max_name_column_width=70), "```", "",
              "## Top operations by self CPU time", "", "```",
              events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70), "```"]
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"profile_{tokens}x{micro}.md"), "w", encoding="utf-8") as f:
+    with open(os.path.join(args.out, f"profile_{name}_{tokens}x{micro}.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
-    print("\n".join(lines[:8]))
+    print("\n".join(lines[:9]))
     parallel.destroy()
+
+
+def _megatron_fallbacks() -> None:
+    """Undo compat.apply_megatron_fixes' speed replacements (its correctness fixes stay)."""
+    from megatron.core import utils
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.optimizer import clip_grads
+
+    from llamafactory_mca.models.native.rope import MEGATRON_THD_ROPE
+
+    rope_utils._apply_rotary_pos_emb_thd = MEGATRON_THD_ROPE
+    clip_grads.l2_norm_impl = utils.local_multi_tensor_l2_norm
+    clip_grads.multi_tensor_scale_impl = utils.local_multi_tensor_scale
 
 
 if __name__ == "__main__":
