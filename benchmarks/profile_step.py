@@ -121,8 +121,11 @@ def main() -> None:
                                                         "cuLaunchKernelEx")) / args.steps
     syncs = sum(n for k, n in calls.items() if k in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
                                                      "cudaEventSynchronize")) / args.steps
+    copies = calls.get("cudaMemcpyAsync", 0) / args.steps  # device-to-host ones wait for the GPU too
     sort = "self_cuda_time_total" if gpu else "self_cpu_time_total"
-    kernel_us = sum(e.self_device_time_total for e in events) / args.steps if gpu else 0.0
+    # device time of the kernels themselves (an aten op's self device time repeats its kernels')
+    kernel_us = sum(e.self_device_time_total for e in events
+                    if e.device_type == torch.autograd.DeviceType.CUDA) / args.steps if gpu else 0.0
     from llamafactory_mca.trainer.metrics import flops_per_sequence_set, peak_flops
 
     flops = flops_per_sequence_set(config.transformer, config.vocab_size, [length] * seqs * micro)
@@ -136,7 +139,8 @@ def main() -> None:
              f"- GPU kernel time {kernel_us / 1e3:.1f} ms per step = {kernel_us / 1e6 / seconds:.0%} of the step"
              if gpu else "- (CPU run)",
              f"- MFU {flops / seconds / peak:.1%}" if peak else "",
-             f"- per step: {launches:,.0f} kernel launches, {syncs:,.0f} host synchronisations (stream/device/event)",
+             f"- per step: {launches:,.0f} kernel launches, {syncs:,.0f} host synchronisations (stream/device/event), "
+             f"{copies:,.0f} cudaMemcpyAsync (each from or to pageable host memory waits for the stream)",
              "", "## Top operations by self device time", "",
              "```", events.table(sort_by=sort, row_limit=25, max_name_column_width=70), "```", "",
              "## Top operations by self CPU time", "", "```",
