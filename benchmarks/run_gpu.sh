@@ -65,13 +65,13 @@ case $phase in
     bench 0 g6 --workloads lora_moe --gpus 1 --steps 6 --warmup 2 --timeout 240 --runs lf,ours
     bench 0 g7 --workloads lora_dense --gpus 1 --steps 8 --warmup 2 --timeout 240 --runs lf,ours ;;
   profile)  # one GPU: a step under the profiler, ours and megatron-core's fallbacks (--baseline), dense and MoE
-    for shape in "" "--moe --layers 8"; do for variant in "" "--baseline"; do
+    for shape in ${SHAPES:-"" "--moe --layers 8"}; do for variant in "" "--baseline"; do
       python3 benchmarks/profile_step.py $shape $variant --out "$out/profile" >> "$out/profile.log" 2>&1
       echo "== profile $shape $variant: exit $?"; grep -E "^- (step|GPU|MFU|per step)" "$out/profile.log" | tail -n 4
     done; done ;;
-  lora_moe_again)  # one H200: our LoRA MoE run again after a change, merged beside the LF row of results/h200_lora
+  lora_moe_again)  # one H200: LoRA MoE runs (RUNS, default ours) again, merged beside the others of results/h200_lora
     mkdir -p "$out/g6"; cp benchmarks/results/h200_lora/e2e.json "$out/g6/e2e.json"
-    bench 0 g6 --workloads lora_moe --gpus 1 --steps 6 --warmup 2 --timeout 300 --runs ours ;;
+    bench 0 g6 --workloads lora_moe --gpus 1 --steps 6 --warmup 2 --timeout 300 --runs "${RUNS:-ours}" ;;
   lora_moe_lf)  # one H200: Qwen3-30B-A3B (all 48 layers) LoRA, LLaMA-Factory's default path (builds the 61 GB model)
     bench 0 g6 --workloads lora_moe --gpus 1 --steps 6 --warmup 2 --timeout 480 --runs lf ;;
   lora_moe_ours)  # our path: as is, with recompute (LLaMA-Factory's like for like), with expert adapters
