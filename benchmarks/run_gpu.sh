@@ -65,7 +65,8 @@ case $phase in
     bench 0 g6 --workloads lora_moe --gpus 1 --steps 6 --warmup 2 --timeout 240 --runs lf,ours
     bench 0 g7 --workloads lora_dense --gpus 1 --steps 8 --warmup 2 --timeout 240 --runs lf,ours ;;
   profile)  # one GPU: a step under the profiler, ours and megatron-core's fallbacks (--baseline), dense and MoE
-    for shape in ${SHAPES:-"" "--moe --layers 8"}; do for variant in "" "--baseline"; do
+    shapes=("" "--moe --layers 8"); [ -n "${SHAPE:-}" ] && shapes=("$SHAPE")  # SHAPE: one of them only
+    for shape in "${shapes[@]}"; do for variant in "" "--baseline"; do
       python3 benchmarks/profile_step.py $shape $variant --out "$out/profile" >> "$out/profile.log" 2>&1
       echo "== profile $shape $variant: exit $?"; grep -E "^- (step|GPU|MFU|per step)" "$out/profile.log" | tail -n 4
     done; done ;;
