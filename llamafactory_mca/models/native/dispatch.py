@@ -9,9 +9,7 @@ the GPU to drain, once or more per MoE layer and micro-batch, which leaves the G
 Without token dropping, a token goes to exactly ``topk`` experts, so the permuted size is static
 (tokens x topk) and the order can be computed on the device: sort the (expert, token) pairs by expert, tokens
 ascending inside each expert — exactly the order of Megatron's ``permute``, so the numbers are the same. The
-counts per expert stay on the device and reach ``torch._grouped_mm`` as its offsets (``experts.py``). Rows move
-by gathers in both directions (the inverse permutation is known), where Megatron's unpermute and the backward of
-its permute scatter-add with atomics.
+counts per expert stay on the device and reach ``torch._grouped_mm`` as its offsets (``experts.py``).
 
 ``LocalMoELayer`` installs the dispatcher where it applies and keeps Megatron's otherwise (expert parallelism,
 capacity factors, padding for quantisation, shared-expert overlap, latent projections, or the recipe's
@@ -53,11 +51,10 @@ class LocalTokenDispatcher(MoETokenDispatcher):
             # (expert, token) keys sorted by expert, tokens ascending within an expert: Megatron's permute order.
             experts = routing_map.to(torch.int8).topk(self.topk, dim=1, sorted=False).indices
             keys = experts * tokens + torch.arange(tokens, device=experts.device).unsqueeze(1)
-            keys, slots = keys.reshape(-1).sort()  # slots: each permuted row's (token, k) position
+            keys = keys.reshape(-1).sort().values
             self.token_index = keys % tokens
-            self.slot_index = torch.empty_like(slots).index_copy_(0, slots, torch.arange(slots.numel(),
-                                                                                         device=slots.device))
-            self.prob_index = self.token_index * self.num_experts + keys // tokens
+            expert_index = keys // tokens
+            self.prob_index = self.token_index * self.num_experts + expert_index
             self.tokens_per_expert = routing_map.sum(dim=0, dtype=torch.int64)
         return hidden_states, probs
 
@@ -65,40 +62,20 @@ class LocalTokenDispatcher(MoETokenDispatcher):
         return hidden_states, probs
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        permuted = _Gather.apply(hidden_states, self.token_index, self.slot_index, self.topk, True)
+        self.tokens = hidden_states.size(0)
+        permuted = hidden_states.index_select(0, self.token_index)
         permuted_probs = probs.reshape(-1).index_select(0, self.prob_index)
         return permuted, self.tokens_per_expert, permuted_probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return _Gather.apply(hidden_states, self.slot_index, self.token_index, self.topk, False)
+        out = hidden_states.new_zeros(self.tokens, hidden_states.size(-1))
+        return out.index_add(0, self.token_index, hidden_states)
 
     def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states
 
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states.view(self.hidden_shape)
-
-
-class _Gather(torch.autograd.Function):
-    """Rows moved by gathers both ways, never a scatter-add (atomics; in bf16 one rounding per added row).
-
-    Dispatch: row p of the result is ``x[index[p]]``, each token ``k`` times; the gradient is gathered back per token
-    by ``inverse`` (its k rows) and summed. Combine: the result is ``x[index]`` viewed ``[tokens, k, hidden]`` and
-    summed over k; the gradient of row p is its token's, gathered by ``inverse``."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, k: int,
-                dispatch: bool) -> torch.Tensor:
-        ctx.save_for_backward(inverse)
-        ctx.k, ctx.dispatch = k, dispatch
-        rows = x.index_select(0, index)
-        return rows if dispatch else rows.view(-1, k, x.size(-1)).sum(1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (inverse,) = ctx.saved_tensors
-        rows = grad.index_select(0, inverse)
-        return (rows.view(-1, ctx.k, grad.size(-1)).sum(1) if ctx.dispatch else rows), None, None, None, None
 
 
 class LocalMoELayer(MoELayer):
