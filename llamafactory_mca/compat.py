@@ -89,4 +89,3 @@ def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
         torch._foreach_mul_(targets, scale)
     else:
         torch._foreach_copy_(targets, torch._foreach_mul(sources, scale))
-

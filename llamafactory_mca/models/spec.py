@@ -42,7 +42,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from ..compat import has_transformer_engine
 from ..errors import UserError
 from .native.attention import NativeDotProductAttention, check_supported
-from .native.dispatch import LocalMoELayer
+from .native.dispatch import LocalMoELayer, local_dispatch_applies
 from .native.experts import NativeGroupedMLP, describe_experts
 from .native.kernels import varlen_attn_available
 from .mapping import NORM_ALIASES
@@ -179,6 +179,9 @@ def describe_kernels(config: TransformerConfig) -> str:
         attention = f"native (SDPA padded, {packed} packed"
         attention += f", CP{config.context_parallel_size} K/V all-gather)" if config.context_parallel_size > 1 else ")"
         experts = describe_experts() if config.moe_grouped_gemm else "sequential loop"
+        local = local_dispatch_applies(config, config.expert_model_parallel_size,
+                                       config.expert_tensor_parallel_size or 1)
+        experts += ", routing on the device (no host sync)" if local else ", Megatron's alltoall routing"
     absent = "" if choice == "te" else " (Transformer Engine and apex absent: PyTorch kernels)"
     line = f"layer spec: {choice}{absent}; attention: {attention}"
     return line + (f"; MoE experts: {experts}" if config.num_moe_experts else "")

@@ -515,11 +515,15 @@ def test_spec_choice_and_checkpoint_keys():
         attention_backend, num_moe_experts, moe_grouped_gemm, qk_layernorm = AttnBackend.auto, 8, True, True
         normalization, multi_latent_attention, context_parallel_size = "RMSNorm", False, 2
         softmax_type, window_size = "vanilla", None
+        expert_model_parallel_size, expert_tensor_parallel_size, moe_expert_capacity_factor = 1, None, None
+        moe_pad_expert_input_to_capacity = moe_shared_expert_overlap = False
 
     layer = spec.get_layer_spec(Cfg)
     attention = layer.submodules.self_attention
     assert attention.module is SelfAttention and attention.submodules.core_attention is NativeDotProductAttention
     assert layer.submodules.mlp.submodules.experts.module is NativeGroupedMLP
+    assert layer.submodules.mlp.module.__name__ == "LocalMoELayer"
+    assert "MoE experts: torch._grouped_mm, routing on the device" in spec.describe_kernels(Cfg)
     assert layer.submodules.sharded_state_dict_keys_map == NORM_ALIASES == {
         "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
         "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",

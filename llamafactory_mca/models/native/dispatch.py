@@ -23,6 +23,14 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 
+def local_dispatch_applies(c, ep_size: int, expert_tp_size: int) -> bool:
+    """Whether ``LocalMoELayer`` routes on the device for this config and these expert parallel sizes."""
+    return (getattr(c, "moe_local_dispatch", None) is not False and ep_size == 1 and expert_tp_size == 1
+            and c.moe_expert_capacity_factor is None and not c.moe_pad_expert_input_to_capacity
+            and not getattr(c, "moe_router_padding_for_quantization", False)
+            and not c.moe_shared_expert_overlap and not getattr(c, "moe_latent_size", None))
+
+
 class LocalTokenDispatcher(MoETokenDispatcher):
     """All experts local, no token dropped: permute and unpermute by a device-side sort, no host sync."""
 
@@ -35,12 +43,8 @@ class LocalTokenDispatcher(MoETokenDispatcher):
 
     @staticmethod
     def applies(layer: MoELayer) -> bool:
-        c, d = layer.config, layer.token_dispatcher
-        return (getattr(c, "moe_local_dispatch", None) is not False and d is not None
-                and d.ep_size == 1 and d.tp_size == 1 and layer.num_local_experts == c.num_moe_experts
-                and c.moe_expert_capacity_factor is None and not c.moe_pad_expert_input_to_capacity
-                and not getattr(c, "moe_router_padding_for_quantization", False)
-                and not c.moe_shared_expert_overlap and not getattr(c, "moe_latent_size", None))
+        d = layer.token_dispatcher
+        return d is not None and local_dispatch_applies(layer.config, d.ep_size, d.tp_size)
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         self.hidden_shape = hidden_states.shape
