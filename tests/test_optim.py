@@ -101,9 +101,10 @@ def test_grad_norm_and_clip_are_megatrons_without_per_tensor_syncs():
     gen = torch.Generator().manual_seed(3)
     grads = [torch.randn(s, generator=gen) for s in ((64, 32), (32,), (7, 5))] + [torch.randn(9).bfloat16()]
     ours, _ = foreach_l2_norm(0, None, [grads], False)
-    theirs = torch.norm(torch.tensor([float(torch.norm(g)) for g in grads]))  # local_multi_tensor_l2_norm's sum
+    # local_multi_tensor_l2_norm's sum of per-tensor norms, here in float64 (it takes each norm in the tensor's dtype)
+    theirs = torch.norm(torch.tensor([float(torch.norm(g.double())) for g in grads], dtype=torch.float64))
     assert ours.shape == (1,) and ours.dtype == torch.float32
-    torch.testing.assert_close(ours[0], theirs, rtol=1e-6, atol=0)
+    torch.testing.assert_close(ours[0].double(), theirs, rtol=1e-6, atol=0)
     expected = [g * 0.25 for g in grads]
     copies = [torch.empty_like(g) for g in grads]
     foreach_scale(0, None, [grads, copies], 0.25)
