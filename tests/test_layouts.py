@@ -132,7 +132,6 @@ def _hf_loss(model_dir: str, rows: list[dict]) -> float:
 def _walk(models: dict, out_dir: str, cases: list, epoch_cases: list, lora_cases: list = (),
           adapters: dict | None = None) -> tuple[list, list, list]:
     from datasets import Dataset
-    from megatron.core import parallel_state as ps
 
     from llamafactory_mca import parallel, watchdog
     from llamafactory_mca.data import BatchingConfig, DataPlan
@@ -167,7 +166,7 @@ def _walk(models: dict, out_dir: str, cases: list, epoch_cases: list, lora_cases
         state = (trainer.state.global_step, trainer.state.epoch, trainer.state.num_input_tokens_seen)
         groups = plan.epoch_groups(0)[: layout.dp * micro]
         del trainer, model
-        ps.destroy_model_parallel()
+        parallel.destroy_layout()
         return losses, groups, state, plan.steps_per_epoch(layout.dp, micro)
 
     results = []

@@ -85,7 +85,7 @@ def _run_layouts(plan: list[tuple[str, dict, list[tuple[str, str, str]]]]) -> di
             write_folder(os.path.join(work_dir, "ckpt"), model.sharded_state_dict(), SideFiles(model.config, layout))
             results[(layout_name, name)] = {"logits": logits, "bytes_read": source.bytes_read,
                                             "files": source.files_opened, "dp_rank": ps.get_data_parallel_rank()}
-        ps.destroy_model_parallel()
+        parallel.destroy_layout()
     return results
 
 

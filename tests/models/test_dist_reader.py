@@ -49,7 +49,7 @@ def _save_layouts(root: str) -> dict:
 
     out = {}
     for name, (tp, pp, ep, etp, experts, freq, fully_parallel) in LAYOUTS.items():
-        parallel_state.destroy_model_parallel()
+        parallel.destroy_layout()
         parallel.initialize(parallel.ParallelLayout(world_size=2, tp=tp, pp=pp, vpp=None, cp=1, ep=ep, etp=etp,
                                                     dp=2 // (tp * pp), expert_dp=2 // (ep * etp * pp),
                                                     micro_batch_size=1, grad_accum=1), seed=11)

@@ -59,7 +59,6 @@ def peft_logits(model_dir: str, adapter: str) -> torch.Tensor:
 
 
 def _in_layouts(models: dict, adapters: dict, layouts: list, work: str) -> dict:
-    from megatron.core import parallel_state as ps
 
     from llamafactory_mca import parallel
     from llamafactory_mca.args import MegatronArguments
@@ -89,7 +88,7 @@ def _in_layouts(models: dict, adapters: dict, layouts: list, work: str) -> dict:
                 export_adapter(folder, os.path.join(folder, "peft"))
             torch.distributed.barrier()
             results[(layout_name, name)] = logits
-        ps.destroy_model_parallel()
+        parallel.destroy_layout()
     return results
 
 

@@ -79,7 +79,6 @@ def _logits(model, inputs: dict, positions: torch.Tensor) -> torch.Tensor | None
 
 def _ours(jobs: dict, layouts: list) -> dict:
     """{(family, layout): logits} on the ranks that have them; in the first layout each model is saved back to HF."""
-    from megatron.core import parallel_state as ps
 
     from llamafactory_mca import parallel
     from llamafactory_mca.args import MegatronArguments
@@ -98,7 +97,7 @@ def _ours(jobs: dict, layouts: list) -> dict:
                 found[(name, layout)] = logits
             if layout == layouts[0][0]:
                 model.save_pretrained(back_dir)
-        ps.destroy_model_parallel()
+        parallel.destroy_layout()
     return found
 
 
