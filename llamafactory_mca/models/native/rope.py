@@ -36,6 +36,19 @@ def thd_positions(cu_seqlens: torch.Tensor, local_tokens: int, cp_size: int, cp_
     return offset + cu[seq] if absolute else offset
 
 
+_LAST: list = [None, None]  # [(cu_seqlens, sizes), positions] of the last call
+
+
+def _positions_of(cu_seqlens: torch.Tensor, local_tokens: int, cp_size: int, cp_rank: int,
+                  absolute: bool) -> torch.Tensor:
+    """``thd_positions``, computed once per micro-batch: q and k of every layer pass the same ``cu_seqlens`` object
+    (held here, so its identity cannot be reused), and each computation is ~10 small kernel launches."""
+    key = (local_tokens, cp_size, cp_rank, absolute)
+    if _LAST[0] is None or _LAST[0][0] is not cu_seqlens or _LAST[0][1] != key:
+        _LAST[:] = [(cu_seqlens, key), thd_positions(cu_seqlens, local_tokens, cp_size, cp_rank, absolute)]
+    return _LAST[1]
+
+
 def apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor,
                              rotary_interleaved: bool = False, multi_latent_attention: bool = False,
                              mscale: float = 1.0, cp_group: torch.distributed.ProcessGroup = None) -> torch.Tensor:
@@ -46,7 +59,7 @@ def apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: t
     # Megatron's test `freqs.size(0) == cu_seqlens[-1]`, answered from shapes: the packed tensor holds
     # cu_seqlens[-1] / cp tokens on this rank.
     absolute = freqs.size(0) == t.size(0) * cp_size
-    positions = thd_positions(cu_seqlens, t.size(0), cp_size, cp_rank, absolute)
+    positions = _positions_of(cu_seqlens, t.size(0), cp_size, cp_rank, absolute)
     return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[positions],
                                                  rotary_interleaved=rotary_interleaved,
                                                  multi_latent_attention=multi_latent_attention,
