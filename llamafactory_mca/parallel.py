@@ -221,10 +221,7 @@ def initialize(layout: ParallelLayout, seed: int = 42) -> None:
 
 
 def destroy() -> None:
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    destroy_layout()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
