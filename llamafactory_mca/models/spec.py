@@ -179,8 +179,7 @@ def describe_kernels(config: TransformerConfig) -> str:
         attention = f"native (SDPA padded, {packed} packed"
         attention += f", CP{config.context_parallel_size} K/V all-gather)" if config.context_parallel_size > 1 else ")"
         experts = describe_experts() if config.moe_grouped_gemm else "sequential loop"
-        local = local_dispatch_applies(config, config.expert_model_parallel_size,
-                                       config.expert_tensor_parallel_size or 1)
+        local = local_dispatch_applies(config, *_expert_parallel_sizes(config))
         experts += ", routing on the device (no host sync)" if local else ", Megatron's alltoall routing"
     absent = "" if choice == "te" else " (Transformer Engine and apex absent: PyTorch kernels)"
     line = f"layer spec: {choice}{absent}; attention: {attention}"
@@ -200,6 +199,16 @@ class _NativeBackend(LocalSpecProvider):
         if moe_use_grouped_gemm:
             return NativeGroupedMLP, None
         return SequentialMLP, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+
+
+def _expert_parallel_sizes(config: TransformerConfig) -> tuple[int, int]:
+    """(ep, etp) the experts run with: the process groups' sizes once built (TransformerConfig fills an unset
+    expert_tensor_parallel_size with the tensor-parallel size, but the layout's default is 1), else the config's."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        return ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+    return config.expert_model_parallel_size, config.expert_tensor_parallel_size or 1
 
 
 def _choice(config: TransformerConfig) -> str:
