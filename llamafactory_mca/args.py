@@ -83,6 +83,10 @@ class DistributingParallelArguments:
     )
     moe_layer_recompute: bool | None = field(default=None, metadata={"help": "Recompute whole MoE layers."})
     bias_activation_fusion: bool | None = field(default=None, metadata={"help": "Fuse bias + activation."})
+    gradient_accumulation_fusion: bool | None = field(
+        default=None, metadata={"help": "GEMM each weight gradient straight into the fp32 main_grad (default on on "
+                                        "GPUs: apex, TE or torch's addmm with out_dtype)."}
+    )
     apply_rope_fusion: bool | None = field(default=None, metadata={"help": "Fused RoPE (needs TE)."})
     moe_token_dispatcher_type: str | None = field(default=None, metadata={"help": "allgather or alltoall."})
     moe_router_load_balancing_type: str | None = field(default=None, metadata={"help": f"{LOAD_BALANCING}."})
@@ -98,6 +102,10 @@ class DistributingParallelArguments:
         default=None, metadata={"help": "Route MoE tokens on the device, without host syncs, where every expert is on "
                                         "the rank (ep = etp = 1, no token dropping); default on. false: Megatron's "
                                         "dispatcher."}
+    )
+    native_cross_entropy: bool | None = field(
+        default=None, metadata={"help": "The language-model loss from the bf16 logits without Megatron's fp32 copy of "
+                                        "them (models/native/cross_entropy.py); default on. false: Megatron's."}
     )
     mtp_num_layers: int | None = field(default=None, metadata={"help": "Multi-token-prediction layers."})
     calculate_per_token_loss: bool | None = field(default=None, metadata={"help": "Per-token loss scaling."})

@@ -71,6 +71,16 @@ def apply_megatron_fixes() -> None:
     if rope_utils._apply_rotary_pos_emb_thd is MEGATRON_THD_ROPE:
         rope_utils._apply_rotary_pos_emb_thd = apply_rotary_pos_emb_thd
 
+    # megatron-core 0.16.x without apex: `gradient_accumulation_fusion` needs apex's fused_weight_gradient_mlp_cuda;
+    # torch's addmm with out_dtype is the same GEMM (`models/native/wgrad.py`).
+    from megatron.core.tensor_parallel import layers
+
+    from .models.native import wgrad
+
+    if not layers._grad_accum_fusion_available and wgrad.available():
+        layers.fused_weight_gradient_mlp_cuda = wgrad
+        layers._grad_accum_fusion_available = True
+
 
 def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     """Drop-in for apex's ``multi_tensor_l2norm`` (as Megatron calls it): the l2 norm of all tensors, fp32, [1]."""

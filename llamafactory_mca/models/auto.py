@@ -59,7 +59,9 @@ def _engine_fields(config: McaConfig, args: Any) -> dict[str, Any]:
     fields: dict[str, Any] = dict(
         bf16=bf16, fp16=fp16, params_dtype=dtype, pipeline_dtype=dtype,
         use_cpu_initialization=cpu_mode_needed(),
-        gradient_accumulation_fusion=False,  # needs apex/TE's fused wgrad kernel
+        # each micro-batch's weight gradient GEMM'd straight into fp32 main_grad (apex, TE, or on GPUs torch's addmm
+        # with out_dtype: models/native/wgrad.py); on CPU Megatron's linear cannot run it.
+        gradient_accumulation_fusion=not cpu_mode_needed(),
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         bias_dropout_fusion=has_transformer_engine(),

@@ -25,11 +25,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from megatron.core.models.gpt import GPTModel
 
 from ..errors import UserError
 from .config import hf_config_object
 from .mapping import Op, Rename, WeightTable
+from .native.cross_entropy import LanguageModel
 
 VISION_PREFIX = "vision."  # our name of the tower inside a model chunk
 
@@ -106,7 +106,7 @@ class MultimodalRope(torch.nn.Module):
         return emb[:, :, None, :].transpose(0, 1).contiguous()
 
 
-class VisionLanguageModel(GPTModel):
+class VisionLanguageModel(LanguageModel):
     """GPTModel whose first stage embeds images and videos into the token embeddings before the decoder.
 
     ``forward`` takes GPTModel's arguments plus ``pixel_values`` / ``image_grid_thw`` and ``pixel_values_videos`` /

@@ -46,12 +46,13 @@ from .native.dispatch import LocalMoELayer, local_dispatch_applies
 from .native.experts import NativeGroupedMLP, describe_experts
 from .native.kernels import varlen_attn_available
 from .mapping import NORM_ALIASES
+from .native import wgrad
 from .native.norm import NativeNorm
 
 logger = logging.getLogger(__name__)
 
-_QK_NORM = ModuleSpec(module=NativeNorm, params={"mark_sequence_parallel": False})
-NATIVE_OPTIONS = ("moe_local_dispatch",)  # recipe keys of the native spec, set on the TransformerConfig it reads
+_QK_NORM = ModuleSpec(module=NativeNorm, params={"mark_sequence_parallel": False, "per_head": True})
+NATIVE_OPTIONS = ("moe_local_dispatch", "native_cross_entropy")  # recipe keys of the native spec, set on the TransformerConfig it reads
 _TE_ONLY_BACKENDS = ("flash", "fused", "unfused")
 
 
@@ -72,8 +73,9 @@ def prepare_config(config: TransformerConfig | dict[str, Any]) -> TransformerCon
         if get("apply_rope_fusion"):
             _turn_off(put, "apply_rope_fusion", "fused RoPE needs Transformer Engine; RoPE runs in PyTorch "
                       "(per packed sequence for THD batches)")
-        if get("gradient_accumulation_fusion") and not _has_apex_wgrad():
-            _turn_off(put, "gradient_accumulation_fusion", "it needs Transformer Engine or apex's fused wgrad kernel")
+        if get("gradient_accumulation_fusion") and not (_has_apex_wgrad() or wgrad.available()):
+            _turn_off(put, "gradient_accumulation_fusion", "it needs a GPU (torch's addmm with out_dtype), apex or "
+                      "Transformer Engine")
         if get("fp8") or get("fp4"):
             raise UserError(f"fp8={get('fp8')!r} / fp4={get('fp4')!r} need Transformer Engine, which is not "
                              "installed. Drop the fp8 keys or install Transformer Engine.")

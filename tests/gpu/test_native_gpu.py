@@ -126,6 +126,36 @@ def _packed_suite() -> dict:
             "qkv_grad": _rel(packed_grad, model.decoder.layers[0].self_attention.linear_qkv.weight.grad)}
 
 
+def _wgrad_suite() -> dict:
+    """Megatron's ColumnParallelLinear with gradient_accumulation_fusion through models/native/wgrad.py (installed by
+    compat in apex's place): main_grad gets dy^T x in fp32, no bf16 .grad is made, twice in a row accumulates."""
+    from megatron.core.tensor_parallel import layers
+
+    from llamafactory_mca import parallel
+
+    parallel.initialize(_layout(), seed=3)
+    config = _config(gradient_accumulation_fusion=True)
+    assert config.gradient_accumulation_fusion and layers._grad_accum_fusion_available
+    linear = layers.ColumnParallelLinear(256, 512, config=config, init_method=config.init_method, bias=False,
+                                         gather_output=False).cuda()
+    weight = linear.weight
+    weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32, device="cuda")
+    weight.grad_added_to_main_grad = False
+    x = torch.randn(64, 2, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    expected = torch.zeros_like(weight.main_grad)
+    for _ in range(2):
+        out, _ = linear(x)
+        dy = torch.randn_like(out)
+        out.backward(dy)
+        expected += dy.reshape(-1, 512).float().t() @ x.detach().reshape(-1, 256).float()
+    return {"err": _rel(weight.main_grad, expected), "added": weight.grad_added_to_main_grad}
+
+
+def test_wgrad_accumulation_fusion_without_apex():
+    res = run_distributed(_wgrad_suite, 1)[0]
+    assert res["added"] and res["err"] < 1e-2, res
+
+
 def test_bf16_parity_native_vs_local():
     res = run_distributed(_parity_suite, 1)[0]
     for name in ("dense", "moe"):

@@ -488,11 +488,12 @@ def test_prepare_config_turns_off_or_refuses(caplog):
 
     from llamafactory_mca.models import spec
 
-    kwargs = {"apply_rope_fusion": True, "attention_backend": "fused", "bias_activation_fusion": True}
+    kwargs = {"apply_rope_fusion": True, "attention_backend": "fused", "bias_activation_fusion": True,
+              "gradient_accumulation_fusion": True}
     with caplog.at_level(logging.INFO, logger="llamafactory_mca.models.spec"):
         spec.prepare_config(kwargs)
     assert kwargs["apply_rope_fusion"] is False and kwargs["attention_backend"] is AttnBackend.auto
-    assert kwargs["bias_activation_fusion"] is False  # CPU run
+    assert kwargs["bias_activation_fusion"] is False and kwargs["gradient_accumulation_fusion"] is False  # CPU run
     assert "apply_rope_fusion=True turned off" in caplog.text
     assert spec.prepare_config({"attention_backend": "local"})["attention_backend"] is AttnBackend.local
     with pytest.raises(ValueError, match="fp8"):
@@ -553,3 +554,58 @@ def test_thd_rope_without_host_sync_equals_megatrons(cp, per_position):
         t = torch.randn(int(cu[-1]) // cp, 4, 16, generator=g)
         expected = original(t, cu, freqs, cp_group=group)
         torch.testing.assert_close(apply_rotary_pos_emb_thd(t, cu, freqs, cp_group=group), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wgrad_accumulation_adds_the_weight_gradient(dtype):
+    """apex's wgrad_gemm_accum_fp32 contract (main_grad += dy^T x, in fp32), which Megatron's linears call under
+    gradient_accumulation_fusion; on CPU the fallback path (tests/gpu runs the CUDA addmm one)."""
+    from llamafactory_mca.models.native import wgrad
+
+    gen = torch.Generator().manual_seed(0)
+    x, dy = torch.randn(64, 24, generator=gen).to(dtype), torch.randn(64, 40, generator=gen).to(dtype)
+    main_grad = torch.randn(40, 24, generator=gen)
+    expected = main_grad.double() + dy.double().t() @ x.double()
+    wgrad.wgrad_gemm_accum_fp32(x, dy, main_grad)
+    assert main_grad.dtype is torch.float32
+    torch.testing.assert_close(main_grad.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def _cross_entropy_run(tp: int) -> dict:
+    """Ours against Megatron's vocab_parallel_cross_entropy on this rank's vocabulary slice: losses and the logits'
+    gradients, fp32 and bf16, with -100 labels and more rows than one eager chunk."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy as megatrons
+
+    from llamafactory_mca import parallel
+    from llamafactory_mca.models.native import cross_entropy
+
+    parallel.initialize(_layout(world=tp, tp=tp), seed=3)
+    cross_entropy._EAGER_ROWS = 7  # several chunks, the last one short
+    rank, group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
+    g = torch.Generator().manual_seed(5)
+    full = torch.randn(9, 2, VOCAB, generator=g) * 4
+    labels = torch.randint(0, VOCAB, (9, 2), generator=g)
+    labels[0, 0] = labels[3, 1] = -100
+    grad = torch.randn(9, 2, generator=g)
+    res = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        part = full.chunk(tp, dim=-1)[rank].to(dtype)
+        mine, ref = part.clone().requires_grad_(), part.clone().requires_grad_()
+        loss = cross_entropy.vocab_parallel_cross_entropy(mine, labels, group)
+        expected = megatrons(ref, labels)
+        (loss * grad).sum().backward()
+        (expected * grad).sum().backward()
+        res[str(dtype)] = (_rel_diff(loss, expected), _rel_diff(mine.grad.float(), ref.grad.float()), loss.dtype,
+                           mine.grad.dtype)
+    return res
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_native_cross_entropy_equals_megatrons(tp):
+    for rank_res in run_distributed(_cross_entropy_run, tp, tp):
+        loss_err, grad_err, loss_dtype, grad_dtype = rank_res["torch.float32"]
+        assert loss_err < 1e-6 and grad_err < 1e-6 and loss_dtype is torch.float32, rank_res
+        loss_err, grad_err, loss_dtype, grad_dtype = rank_res["torch.bfloat16"]
+        # the loss in fp32 from bf16 logits (as Megatron's); gradients rounded once, to bf16
+        assert loss_err < 1e-6 and grad_err < 1e-2 and grad_dtype is torch.bfloat16, rank_res

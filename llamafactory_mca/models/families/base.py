@@ -44,9 +44,9 @@ class Family:
 
     def build_chunk(self, mca: McaConfig, **gpt_kwargs: Any) -> Any:
         """One model chunk (a pipeline stage's part of the model) from GPTModel's arguments."""
-        from megatron.core.models.gpt import GPTModel
+        from ..native.cross_entropy import LanguageModel
 
-        return GPTModel(**gpt_kwargs)
+        return LanguageModel(**gpt_kwargs)
 
 
 class Part:
