@@ -9,8 +9,8 @@ Random weights, one GPU, bf16, the native layer spec, Megatron DDP + distributed
 step and loss as McaTrainer. Writes ``profile_<shape>_<variant>.md``: step time, GPU busy share, MFU, kernel
 launches and host synchronisations per step, top kernels and top CPU ops. ``--baseline`` runs the step as before
 issue 17's changes: megatron-core's THD RoPE and apex-less grad norm, its MoE dispatcher (moe_local_dispatch:
-false), SwiGLU unfused (bias_activation_fusion: false), weight gradients added to main_grad by DDP's hook
-(gradient_accumulation_fusion: false), Megatron's fp32 cross-entropy (native_cross_entropy: false).
+false), SwiGLU unfused (bias_activation_fusion: false),
+Megatron's fp32 cross-entropy (native_cross_entropy: false).
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ def main() -> None:
     parser.add_argument("--baseline", action="store_true", help="megatron-core's fallbacks instead of ours")
     parser.add_argument("--off", default="", help="comma-separated recipe keys of ours set to false (one change "
                                                   "left out at a time: native_cross_entropy, ...)")
+    parser.add_argument("--on", default="", help="comma-separated recipe keys set to true (gradient_accumulation_"
+                                                 "fusion, which is off by default)")
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29671")
@@ -67,10 +69,10 @@ def main() -> None:
                      **(dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2) if args.moe else {}))
         tokens, micro = 256, 2
     gpu = torch.cuda.is_available()
-    variant = dict(moe_local_dispatch=False, bias_activation_fusion=False, gradient_accumulation_fusion=False,
-                   native_cross_entropy=False) if args.baseline else {}
-    off = [k for k in args.off.split(",") if k]
-    variant.update({k: False for k in off})
+    variant = dict(moe_local_dispatch=False, bias_activation_fusion=False, native_cross_entropy=False
+                   ) if args.baseline else {}
+    off, on = [k for k in args.off.split(",") if k], [k for k in args.on.split(",") if k]
+    variant.update({k: False for k in off} | {k: True for k in on})
     targs = TrainingArguments(output_dir=args.out, bf16=gpu, use_distributed_optimizer=True, overlap_grad_reduce=True,
                               learning_rate=1e-5, report_to="none", moe_grouped_gemm=args.moe or None, **variant)
     parallel.initialize(targs.resolve_layout(world_size=1))
@@ -137,12 +139,12 @@ def main() -> None:
     flops = flops_per_sequence_set(config.transformer, config.vocab_size, [length] * seqs * micro)
     peak = peak_flops()
     name = f"{'moe' if args.moe else 'dense'}_{'baseline' if args.baseline else 'ours'}"
-    name += "".join(f"_no_{k}" for k in off)
+    name += "".join(f"_no_{k}" for k in off) + "".join(f"_with_{k}" for k in on)
     lines = [f"# One optimizer step of our path, {name} ({'GPU ' + torch.cuda.get_device_name() if gpu else 'CPU'})",
              "", f"{type(hf).__name__} {shape}, {micro} packed micro-batches of {tokens} tokens ({seqs} sequences "
              f"each), bf16; torch {torch.__version__}"
              + ("; megatron-core's fallbacks (--baseline)" if args.baseline else "")
-             + "".join(f"; {k}: false" for k in off),
+             + "".join(f"; {k}: false" for k in off) + "".join(f"; {k}: true" for k in on),
              "", f"- step time {seconds * 1e3:.1f} ms; {micro * tokens / seconds:,.0f} tokens/s",
              f"- GPU kernel time {kernel_us / 1e3:.1f} ms per step = {kernel_us / 1e6 / seconds:.0%} of the step"
              if gpu else "- (CPU run)",

@@ -71,17 +71,22 @@ case $phase in
       echo "== profile $shape $variant: exit $?"; grep -E "^- (step|GPU|MFU|per step)" "$out/profile.log" | tail -n 4
     done; done ;;
   speed_profile)  # one GPU: the GPU tests, then a dense step under the profiler: ours, megatron-core's fallbacks, and
-    # ours with each of this stop's defaults left out (their share of the step)
+    # ours with one change left out or (gradient_accumulation_fusion, off by default) put in
     check_tests 0
-    for variant in "" "--baseline" "--off native_cross_entropy" "--off gradient_accumulation_fusion"; do
+    for variant in "" "--baseline" "--off native_cross_entropy" "--on gradient_accumulation_fusion"; do
       python3 benchmarks/profile_step.py $variant --out "$out/profile" >> "$out/profile.log" 2>&1
       echo "== profile $variant: exit $?"; grep -E "^- (step|GPU|MFU|per step)" "$out/profile.log" | tail -n 4
     done ;;
-  speed_dense)  # one GPU: dense and 32k long context, LLaMA-Factory's default and Liger rows beside ours
+  speed_dense)  # one GPU: dense with LLaMA-Factory's default and Liger rows beside ours; our dense and MoE profiles
     bench 0 g8 --workloads dense --gpus 1 --runs lf,lf_liger,ours --timeout 200
-    bench 0 g8 --workloads long --gpus 1 --runs lf,lf_liger,ours --steps 6 --warmup 2 --timeout 200 ;;
+    for shape in "" "--moe --layers 8"; do
+      python3 benchmarks/profile_step.py $shape --out "$out/profile" >> "$out/profile.log" 2>&1
+      echo "== profile $shape: exit $?"; grep -E "^- (step|GPU|MFU|per step)" "$out/profile.log" | tail -n 4
+    done ;;
   speed_moe)  # one GPU: MoE, LLaMA-Factory's default and Liger rows beside ours
     bench 0 g9 --workloads moe --gpus 1 --runs lf,lf_liger,ours --timeout 240 ;;
+  speed_long)  # one GPU: 32k context, LLaMA-Factory's default and Liger rows beside ours
+    bench 0 g10 --workloads long --gpus 1 --runs lf,lf_liger,ours --steps 6 --warmup 2 --timeout 200 ;;
   lora_moe_again)  # one H200: LoRA MoE runs (RUNS, default ours) again, merged beside the others of results/h200_lora
     mkdir -p "$out/g6"; cp benchmarks/results/h200_lora/e2e.json "$out/g6/e2e.json"
     bench 0 g6 --workloads lora_moe --gpus 1 --steps 6 --warmup 2 --timeout 300 --runs "${RUNS:-ours}" ;;

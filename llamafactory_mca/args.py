@@ -84,8 +84,8 @@ class DistributingParallelArguments:
     moe_layer_recompute: bool | None = field(default=None, metadata={"help": "Recompute whole MoE layers."})
     bias_activation_fusion: bool | None = field(default=None, metadata={"help": "Fuse bias + activation."})
     gradient_accumulation_fusion: bool | None = field(
-        default=None, metadata={"help": "GEMM each weight gradient straight into the fp32 main_grad (default on on "
-                                        "GPUs: apex, TE or torch's addmm with out_dtype)."}
+        default=None, metadata={"help": "GEMM each weight gradient straight into the fp32 main_grad (apex, TE, or on "
+                                        "GPUs torch's addmm with out_dtype); default off."}
     )
     apply_rope_fusion: bool | None = field(default=None, metadata={"help": "Fused RoPE (needs TE)."})
     moe_token_dispatcher_type: str | None = field(default=None, metadata={"help": "allgather or alltoall."})

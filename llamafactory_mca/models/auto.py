@@ -59,9 +59,9 @@ def _engine_fields(config: McaConfig, args: Any) -> dict[str, Any]:
     fields: dict[str, Any] = dict(
         bf16=bf16, fp16=fp16, params_dtype=dtype, pipeline_dtype=dtype,
         use_cpu_initialization=cpu_mode_needed(),
-        # each micro-batch's weight gradient GEMM'd straight into fp32 main_grad (apex, TE, or on GPUs torch's addmm
-        # with out_dtype: models/native/wgrad.py); on CPU Megatron's linear cannot run it.
-        gradient_accumulation_fusion=not cpu_mode_needed(),
+        # Off unless asked for: without apex/TE it runs on torch's addmm with out_dtype (models/native/wgrad.py), which
+        # cut GPU time but made the host-bound dense step 18% slower on an H200 (benchmarks/results/h200_speed).
+        gradient_accumulation_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         bias_dropout_fusion=has_transformer_engine(),
