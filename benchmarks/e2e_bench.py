@@ -128,12 +128,14 @@ def workloads(smoke: bool) -> dict[str, Workload]:
     varlen = ("loguniform", max(32 // k, 4), cut)
     recompute = {"recompute_granularity": "full"}
     # LLaMA-Factory's fastest option a user can pick here: Liger kernels, gradient checkpointing off where it fits
-    liger, liger_gc = dict(enable_liger_kernel=True, disable_gradient_checkpointing=True), dict(enable_liger_kernel=True)
+    liger_gc = dict(enable_liger_kernel=True)
+    liger = dict(liger_gc, disable_gradient_checkpointing=True)
     varlen_runs = (_pair(1, 4, "1 GPU, padded", packing=False, micro_batch=2, suffix="_nopack")
                    + _pair(1, 8, "1 GPU, packed", suffix="_pack"))
     found = [
         Workload("dense", "dense", cut, packed,
-                 _pair(1, 8, "1 GPU") + [Run("lf_liger", "lf", 1, True, 1, 8, "1 GPU, Liger, no checkpointing", liger)],
+                 _pair(1, 8, "1 GPU")
+                 + [Run("lf_liger", "lf", 1, True, 1, 8, "1 GPU, Liger, no checkpointing", liger)],
                  about=f"{cut}-token packed micro-batches, global batch 8; `lf_liger`: LLaMA-Factory with "
                        "`enable_liger_kernel` and gradient checkpointing off"),
         Workload("dp2", "dense", cut, packed, _pair(2, 4, "DP2", lf_layout="DDP, 2 GPUs"),
@@ -141,7 +143,8 @@ def workloads(smoke: bool) -> dict[str, Workload]:
         Workload("moe", "moe", cut, packed,
                  _pair(1, 8, "1 GPU") + [Run("ours_recompute", "ours", 1, True, 1, 8, "1 GPU, recompute full",
                                              recompute),
-                                         Run("lf_liger", "lf", 1, True, 1, 8, "1 GPU, Liger, checkpointing", liger_gc)],
+                                         Run("lf_liger", "lf", 1, True, 1, 8, "1 GPU, Liger, checkpointing",
+                                             liger_gc)],
                  about=f"{cut}-token packed micro-batches, global batch 8; LLaMA-Factory recomputes by default "
                        "(gradient checkpointing), so `ours_recompute` is the like-for-like memory comparison; "
                        "`lf_liger`: LLaMA-Factory with `enable_liger_kernel`"),

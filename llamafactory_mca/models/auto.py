@@ -60,7 +60,7 @@ def _engine_fields(config: McaConfig, args: Any) -> dict[str, Any]:
         bf16=bf16, fp16=fp16, params_dtype=dtype, pipeline_dtype=dtype,
         use_cpu_initialization=cpu_mode_needed(),
         # Off unless asked for: without apex/TE it runs on torch's addmm with out_dtype (models/native/wgrad.py), which
-        # cut GPU time but made the host-bound dense step 18% slower on an H200 (benchmarks/results/h200_speed).
+        # cut GPU time, but the host-bound step's time moved within the hosts' noise (benchmarks/results/h200_speed).
         gradient_accumulation_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,

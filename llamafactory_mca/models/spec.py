@@ -52,7 +52,8 @@ from .native.norm import NativeNorm
 logger = logging.getLogger(__name__)
 
 _QK_NORM = ModuleSpec(module=NativeNorm, params={"mark_sequence_parallel": False, "per_head": True})
-NATIVE_OPTIONS = ("moe_local_dispatch", "native_cross_entropy")  # recipe keys of the native spec, set on the TransformerConfig it reads
+# recipe keys of the native spec and model, set on the TransformerConfig they read
+NATIVE_OPTIONS = ("moe_local_dispatch", "native_cross_entropy")
 _TE_ONLY_BACKENDS = ("flash", "fused", "unfused")
 
 
