@@ -30,6 +30,11 @@ TINY: dict[str, dict[str, Any]] = {
                       decoder_sparse_step=1, mlp_only_layers=[]),
     "qwen3_moe": dict(BASE, **MOE, num_experts=4, head_dim=16, norm_topk_prob=True, decoder_sparse_step=1,
                       mlp_only_layers=[]),
+    # GLM-4.5's layout: layer 0 dense, then 4 routed experts in 2 groups (top-2 of them, from the best group),
+    # one shared expert, q/k/v biases, qk-norm, RoPE on half of each head
+    "glm4_moe": dict(BASE, **MOE, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
+                     topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
+                     use_qk_norm=True, head_dim=16, partial_rotary_factor=0.5),
     "mixtral": dict(BASE, intermediate_size=32, num_local_experts=3, num_experts_per_tok=2, router_aux_loss_coef=0.0,
                     sliding_window=None),
 }
@@ -81,6 +86,9 @@ def save_tiny_model(name: str, directory: str, seed: int = 0, dtype: torch.dtype
     config = tiny_hf_config(name, **overrides)
     auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     model = auto.from_config(config, dtype=dtype)
+    for name_, buffer in model.named_buffers():
+        if name_.endswith("e_score_correction_bias"):  # zeros as initialised: a mapping slip would go unseen
+            buffer.copy_(torch.randn(buffer.shape) * 0.2)
     model.save_pretrained(directory)
     return directory
 

@@ -12,6 +12,9 @@ The interleaved micro-batch counts Megatron refuses are refused by our layout ch
 The same run then trains one whole epoch per case over data that does not divide into steps (sft rows, and pt
 documents split into pieces), at DP4, DP2 x PP2 (with and without VPP), PP4 and EP2, packed and padded: the steps,
 the epoch counter and the tokens trained must come out exact.
+
+GLM-4.5's layout (``glm4_moe``: dense first layer, sigmoid routing with a correction bias) runs DP4, EP2 and
+TP2 x PP2 with SP.
 """
 
 import functools
@@ -57,9 +60,16 @@ CASES = [
     ("moe-ep4", "qwen3_moe", {"expert_model_parallel_size": 4}, 2),
     ("moe-ep2-tp2", "qwen3_moe", {"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2,
                                   "sequence_parallel": True}, 4),
+    # GLM-4.5's layout (layer 0 dense, sigmoid routing with a correction bias, shared expert, partial RoPE, q/k/v
+    # biases): PP2 puts the dense layer on stage 0 only, EP2 routes across ranks
+    ("glm-dp4", "glm4_moe", {}, 2),
+    ("glm-ep2", "glm4_moe", {"expert_model_parallel_size": 2}, 2),
+    ("glm-tp2-pp2-sp", "glm4_moe", {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                                    "sequence_parallel": True}, 8),
     *_pipeline_cases(),
 ]
-REFERENCE = {"qwen3": "dp4", "qwen3_moe": "moe-dp4"}  # step 2 of every same-batch case must match these
+# step 2 of every same-batch case must match these
+REFERENCE = {"qwen3": "dp4", "qwen3_moe": "moe-dp4", "glm4_moe": "glm-dp4"}
 
 # One whole epoch over data that does not divide into steps: 21 sft rows, or 4 pt documents of 3-5 x cutoff_len
 # split into pieces. (name, model, arguments, gradient accumulation, data)

@@ -253,7 +253,7 @@ class AutoModel:
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
                 share_embeddings_and_output_weights=config.tie_word_embeddings,
                 position_embedding_type="mrope" if config.transformer.get("mrope_section") else "rope",
-                rotary_base=config.rotary_base, vp_stage=vp_stage,
+                rotary_base=config.rotary_base, rotary_percent=config.rotary_percent, vp_stage=vp_stage,
             )
             if inv_freq is not None:
                 chunk.rotary_pos_emb.inv_freq = inv_freq.to(chunk.rotary_pos_emb.inv_freq.device)

@@ -36,6 +36,14 @@ def attention_shape(transformer: dict[str, Any]) -> AttentionShape:
                           transformer.get("kv_channels") or transformer["hidden_size"] // heads)
 
 
+def is_moe_layer(num_experts: int | None, moe_layer_freq: int | list[int], layer: int) -> bool:
+    """Whether global decoder layer ``layer`` (from 0) is an MoE layer, by Megatron's ``moe_layer_freq``: an int N
+    makes every N-th layer from layer 0 sparse, a list marks each layer 1 (MoE) or 0 (dense)."""
+    if not num_experts:
+        return False
+    return bool(moe_layer_freq[layer]) if isinstance(moe_layer_freq, list) else layer % moe_layer_freq == 0
+
+
 @dataclass
 class McaConfig:
     hf_model_type: str
@@ -44,6 +52,7 @@ class McaConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     rotary_base: float = 10000.0
+    rotary_percent: float = 1.0  # the share of each head's dims that RoPE rotates (GLM-4.5: 0.5)
     rope_parameters: dict[str, Any] | None = None  # HF rope dict, replayed for inv_freq (llama3, linear)
     sliding_window: int | None = None  # only valid when every training sequence fits inside it
     hf_config: dict[str, Any] = field(default_factory=dict)  # the source config.json, for the way back
@@ -64,6 +73,9 @@ class McaConfig:
     @property
     def num_experts(self) -> int | None:
         return self.transformer.get("num_moe_experts")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return is_moe_layer(self.num_experts, self.transformer.get("moe_layer_freq", 1), layer)
 
     @property
     def attention(self) -> AttentionShape:

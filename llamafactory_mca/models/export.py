@@ -23,7 +23,7 @@ from .dist_reader import DistCheckpointReader
 from .families import get_family
 from .hf_io import INDEX_NAME, ShardedWriter, copy_side_files, write_hf_config
 from .loading import dims_for
-from .mapping import WeightTable, fill, split_expert, te_norm_name
+from .mapping import WeightTable, fill, in_moe_layers, split_expert, te_norm_name
 
 
 def stored_keys(pattern: str) -> list[str]:
@@ -48,7 +48,8 @@ def _index_ranges(pattern: str, config: McaConfig, reader: DistCheckpointReader 
     if not pattern.startswith(_LAYERS):
         regex = re.compile("^" + re.escape(pattern).replace(r"\*", r"(\d+)") + "$")
         return sorted(tuple(map(int, m.groups())) for key in reader.keys() if (m := regex.match(key)))
-    layers = range(config.num_layers)
+    kind = in_moe_layers(pattern)
+    layers = [i for i in range(config.num_layers) if kind is None or config.is_moe_layer(i) == kind]
     if stars == 1:
         return [(i,) for i in layers]
     return [(i, e) for i in layers for e in range(config.num_experts or 0)]

@@ -71,7 +71,9 @@ def local_targets(chunk: torch.nn.Module, num_experts: int | None = None) -> Ite
     ep_size = ps.get_expert_model_parallel_world_size()
     local_experts = (num_experts or 0) // max(ep_size, 1)
     first_expert = ep_rank * local_experts
-    for name, param in chunk.named_parameters():
+    # the router's expert_bias (aux-loss-free balancing) is a buffer: it comes from the checkpoint too
+    buffers = [(n, b) for n, b in chunk.named_buffers() if n.endswith(".router.expert_bias")]
+    for name, param in [*chunk.named_parameters(), *buffers]:
         for local, glob in layer_names.items():
             if name.startswith(local):
                 name = glob + name[len(local):]

@@ -220,6 +220,16 @@ def gated_mlp(mca: str, hf: str, gate: str = "gate_proj", up: str = "up_proj", d
 
 # Every layer's tensors start so, ``*`` the layer index: Megatron side, HF side.
 LAYER, HF_LAYER = "decoder.layers.*.", "model.layers.*."
+_MOE_TENSORS = (".mlp.router.", ".mlp.experts.", ".mlp.shared_experts.")
+
+
+def in_moe_layers(mca: str) -> bool | None:
+    """Which layers hold a layer tensor in models mixing dense and MoE layers (DeepSeek's, GLM's first layers are
+    dense): True only the MoE layers (router, experts, shared experts), False only the dense ones (their MLP), None
+    every layer (attention, norms)."""
+    if any(part in mca for part in _MOE_TENSORS):
+        return True
+    return False if ".mlp.linear_fc" in mca else None
 
 
 def dense_layer(attn: str = "self_attn", mlp: str = "mlp", qkv_bias: bool = False) -> list[Op]:

@@ -20,7 +20,6 @@ Three choices, made once from the config:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
@@ -36,13 +35,15 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import L2Norm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 from ..compat import has_transformer_engine
+from .config import is_moe_layer
 from ..errors import UserError
 from .native.attention import NativeDotProductAttention, check_supported
-from .native.dispatch import LocalMoELayer, local_dispatch_applies
+from .native.dispatch import LocalDispatchLayer, local_dispatch_applies
 from .native.experts import NativeGroupedMLP, describe_experts
 from .native.kernels import varlen_attn_available
 from .mapping import NORM_ALIASES
@@ -92,19 +93,21 @@ def prepare_config(config: TransformerConfig | dict[str, Any]) -> TransformerCon
     return config
 
 
-def get_layer_spec(config: TransformerConfig) -> ModuleSpec:
-    """The transformer-layer spec for ``config`` (dense or MoE, qk-norm and RMSNorm read from it).
+def get_layer_spec(config: TransformerConfig, moe: bool | None = None) -> ModuleSpec:
+    """The transformer-layer spec for ``config`` (qk-norm and RMSNorm read from it). ``moe``: an MoE layer or a
+    dense one (None: MoE whenever the config has experts; models mixing both take ``get_block_spec``).
 
     With GPTModel, Megatron builds the decoder's *final* norm itself, from apex/TE or else its
     ``WrappedTorchNorm``, which refuses sequence parallelism; use ``get_block_spec`` when SP is on.
     """
     choice = _choice(config)
     _log_once(config, choice)
+    experts = config.num_moe_experts if moe is not False else None
     if choice == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
+            num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm,
             qk_layernorm=config.qk_layernorm, multi_latent_attention=config.multi_latent_attention,
             qk_l2_norm=getattr(config, "qk_l2_norm", False),
         )
@@ -112,11 +115,11 @@ def get_layer_spec(config: TransformerConfig) -> ModuleSpec:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         return get_gpt_layer_local_spec(
-            num_experts=config.num_moe_experts, moe_grouped_gemm=_local_grouped_gemm(config),
+            num_experts=experts, moe_grouped_gemm=_local_grouped_gemm(config),
             qk_layernorm=config.qk_layernorm, multi_latent_attention=config.multi_latent_attention,
             normalization=config.normalization, qk_l2_norm=getattr(config, "qk_l2_norm", False),
         )
-    return native_layer_spec(config)
+    return native_layer_spec(config, experts is not None)
 
 
 def get_block_spec(config: TransformerConfig, vp_stage: int | None = None,
@@ -124,8 +127,9 @@ def get_block_spec(config: TransformerConfig, vp_stage: int | None = None,
     """The decoder-block spec of one model chunk: ``get_layer_spec`` for each of its layers plus a final norm
     matching the choice (for the native spec a sequence-parallel-aware torch norm). Pass it to GPTModel as
     ``transformer_layer_spec``; it is per chunk because the layer count depends on ``vp_stage``."""
-    layer = get_layer_spec(config)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    specs = {kind: get_layer_spec(config, kind) for kind in {_is_moe_layer(config, offset + i) for i in range(count)}}
     if _choice(config) == "te":
         from megatron.core.extensions.transformer_engine import TENorm
 
@@ -134,22 +138,27 @@ def get_block_spec(config: TransformerConfig, vp_stage: int | None = None,
         final_norm = NativeNorm
     else:
         from megatron.core.transformer.transformer_block import LayerNormImpl as final_norm
-    return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=final_norm)
+    return TransformerBlockSubmodules(layer_specs=[specs[_is_moe_layer(config, offset + i)] for i in range(count)],
+                                      layer_norm=final_norm)
 
 
-def native_layer_spec(config: TransformerConfig) -> ModuleSpec:
-    """Megatron's local layer layout with the native core attention, norms and grouped experts."""
+def _is_moe_layer(config: TransformerConfig, layer: int) -> bool:
+    return is_moe_layer(config.num_moe_experts, config.moe_layer_freq, layer)
+
+
+def native_layer_spec(config: TransformerConfig, moe: bool = True) -> ModuleSpec:
+    """Megatron's local layer layout with the native core attention, norms and grouped experts (``moe``: the MLP is
+    the experts, where the config has them)."""
     check_supported(config)
     qk_norm = L2Norm if getattr(config, "qk_l2_norm", False) else _QK_NORM if config.qk_layernorm else IdentityOp
-    if config.num_moe_experts:
+    if config.num_moe_experts and moe:
         mlp = get_moe_module_spec_for_backend(_NativeBackend(), num_experts=config.num_moe_experts,
                                               moe_grouped_gemm=config.moe_grouped_gemm)
-        mlp = dataclasses.replace(mlp, module=LocalMoELayer)  # sync-free routing where it applies
     else:
         mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                               linear_fc2=RowParallelLinear))
     return ModuleSpec(
-        module=TransformerLayer,
+        module=LocalDispatchLayer,  # TransformerLayer; its MoE routes without host syncs where it can
         submodules=TransformerLayerSubmodules(
             input_layernorm=NativeNorm,
             self_attention=ModuleSpec(

@@ -118,10 +118,11 @@ def test_parity_with_transformers(name, tiny_models, single_rank):
 
 
 LAYOUTS = {  # all run in one 4-process world (dp = 4 / model-parallel size)
-    "tp2": ({"tensor_model_parallel_size": 2}, ["qwen3", "qwen2_moe", "mixtral", "llama3_tied"]),
-    "pp2": ({"pipeline_model_parallel_size": 2}, ["llama3_tied", "qwen3_moe"]),
+    "tp2": ({"tensor_model_parallel_size": 2}, ["qwen3", "qwen2_moe", "mixtral", "llama3_tied", "glm4_moe"]),
+    # glm4_moe first: its round trip runs here (layer 0 dense, on stage 0 only)
+    "pp2": ({"pipeline_model_parallel_size": 2}, ["glm4_moe", "llama3_tied", "qwen3_moe"]),
     "pp2_vpp2": ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}, ["qwen2"]),
-    "ep2": ({"expert_model_parallel_size": 2}, ["qwen3_moe", "qwen2_moe"]),
+    "ep2": ({"expert_model_parallel_size": 2}, ["qwen3_moe", "qwen2_moe", "glm4_moe"]),
     "ep2_grouped": ({"expert_model_parallel_size": 2, "moe_grouped_gemm": True}, ["qwen2_moe"]),
     "ep2_etp2": ({"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2}, ["qwen3_moe"]),
     "tp2_pp2": ({"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, ["llama", "qwen3_moe"]),
@@ -233,7 +234,7 @@ def test_unsupported_models_fail_with_the_supported_list(tmp_path):
     from llamafactory_mca.models.auto import AutoConfig
 
     GPT2Config(n_layer=1).save_pretrained(tmp_path / "gpt2")
-    with pytest.raises(ValueError, match="not supported by llamafactory_mca; supported: llama, mistral, mixtral"):
+    with pytest.raises(ValueError, match="not supported by llamafactory_mca; supported: glm4_moe, llama, mistral"):
         AutoConfig.from_pretrained(str(tmp_path / "gpt2"))
     LlamaConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
                 max_position_embeddings=256).save_pretrained(tmp_path / "yarn")
@@ -242,6 +243,14 @@ def test_unsupported_models_fail_with_the_supported_list(tmp_path):
     LlamaConfig(attention_bias=True).save_pretrained(tmp_path / "bias")
     with pytest.raises(ValueError, match="attention_bias=True"):
         AutoConfig.from_pretrained(str(tmp_path / "bias"))
+    # sigmoid routing Megatron cannot reproduce
+    from llamafactory_mca.tiny import tiny_hf_config
+
+    for overrides, message in (({"norm_topk_prob": False}, "norm_topk_prob=False with sigmoid routing"),
+                               ({"n_group": 2, "topk_group": 2}, "num_experts_per_tok = 2 x topk_group")):
+        tiny_hf_config("glm4_moe", **overrides).save_pretrained(tmp_path / "glm")
+        with pytest.raises(ValueError, match=message):
+            AutoConfig.from_pretrained(str(tmp_path / "glm"))
 
 
 def test_missing_and_truncated_safetensors_are_named(tiny_models, tmp_path):

@@ -523,7 +523,8 @@ def test_spec_choice_and_checkpoint_keys():
     attention = layer.submodules.self_attention
     assert attention.module is SelfAttention and attention.submodules.core_attention is NativeDotProductAttention
     assert layer.submodules.mlp.submodules.experts.module is NativeGroupedMLP
-    assert layer.submodules.mlp.module.__name__ == "LocalMoELayer"
+    # Megatron's MoELayer (TransformerLayer passes it its process groups); the layer installs the local routing
+    assert layer.module.__name__ == "LocalDispatchLayer" and layer.submodules.mlp.module.__name__ == "MoELayer"
     assert "MoE experts: torch._grouped_mm, routing on the device" in spec.describe_kernels(Cfg)
     assert layer.submodules.sharded_state_dict_keys_map == NORM_ALIASES == {
         "input_layernorm.": "self_attention.linear_qkv.layer_norm_",

@@ -63,13 +63,19 @@ class Part:
         return []
 
 
+@dataclass(frozen=True)
 class QKNorm(Part):
-    """RMSNorm on each head's queries and keys before RoPE (Qwen3)."""
+    """RMSNorm on each head's queries and keys before RoPE (Qwen3). ``switch``: the HF flag that turns it on
+    (GLM-4.5's ``use_qk_norm``); None: always on."""
+
+    switch: str | None = None
 
     def transformer(self, hf: Any) -> dict[str, Any]:
-        return {"qk_layernorm": True}
+        return {"qk_layernorm": True if self.switch is None else bool(getattr(hf, self.switch, False))}
 
     def weights(self, config: McaConfig) -> list[Op]:
+        if not config.transformer.get("qk_layernorm"):
+            return []
         return [Rename(f"{LAYER}self_attention.{x}_layernorm.weight", (f"{HF_LAYER}self_attn.{x}_norm.weight",))
                 for x in "qk"]
 
@@ -77,16 +83,18 @@ class QKNorm(Part):
 @dataclass(frozen=True)
 class SharedExpert:
     """An expert every token goes through beside the routed ones. ``gate``: its output is scaled by a sigmoid
-    of a learned projection of the token (Qwen2-MoE's ``shared_expert_gate``)."""
+    of a learned projection of the token (Qwen2-MoE's ``shared_expert_gate``). ``hf_name``: its HF module beside
+    the router (Qwen2-MoE ``shared_expert``, DeepSeek/GLM ``shared_experts``: n_shared_experts experts as one MLP)."""
 
     gate: bool
+    hf_name: str = "shared_expert"
 
     def transformer(self, hf: Any) -> dict[str, Any]:
-        return {"moe_shared_expert_intermediate_size": hf.shared_expert_intermediate_size,
-                "moe_shared_expert_gate": self.gate}
+        size = getattr(hf, "shared_expert_intermediate_size", None) or hf.moe_intermediate_size * hf.n_shared_experts
+        return {"moe_shared_expert_intermediate_size": size, "moe_shared_expert_gate": self.gate}
 
     def weights(self) -> list[Op]:
-        ops = gated_mlp(f"{LAYER}mlp.shared_experts", f"{HF_LAYER}mlp.shared_expert")
+        ops = gated_mlp(f"{LAYER}mlp.shared_experts", f"{HF_LAYER}mlp.{self.hf_name}")
         if self.gate:
             ops.append(Rename(f"{LAYER}mlp.shared_experts.gate_weight", (f"{HF_LAYER}mlp.shared_expert_gate.weight",)))
         return ops
@@ -97,6 +105,11 @@ class MoE(Part):
     """Routed experts replace the MLP of every layer.
 
     ``norm_topk``: renormalise the top-k routing weights (None: HF's ``norm_topk_prob`` decides).
+    ``sigmoid``: DeepSeek-V3's routing (GLM-4.5's too): sigmoid scores, experts chosen by score + a per-expert
+    correction bias (HF's ``e_score_correction_bias``, Megatron's ``expert_bias``, updated during training towards
+    balanced loads: aux-loss-free balancing), optionally within the best ``topk_group`` of ``n_group`` groups, the
+    chosen unbiased scores renormalised and scaled by ``routed_scaling_factor``; the first
+    ``first_k_dense_replace`` layers are dense.
     ``hf_module``: the HF module holding the router (``gate``) and ``experts``; ``projections``: each expert's
     gate, up and down projection names. ``stacked``: the checkpoint stacks each layer's experts into one
     ``gate_up_proj`` and one ``down_proj`` tensor (Qwen3-VL-MoE) instead of a module per expert.
@@ -107,17 +120,29 @@ class MoE(Part):
     hf_module: str = "mlp"
     projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     stacked: bool = False
+    sigmoid: bool = False
 
     def check(self, model_type: str, hf: Any) -> None:
         step, dense = getattr(hf, "decoder_sparse_step", 1), getattr(hf, "mlp_only_layers", None)
         if step != 1 or dense:
             refuse(model_type, f"dense layers between MoE layers (decoder_sparse_step={step}, mlp_only_layers="
-                   f"{dense})", "Supported: every layer an MoE layer.")
+                   f"{dense})", "Supported: every layer an MoE layer, or the first few dense.")
+        if not self.sigmoid:
+            return
+        if not hf.norm_topk_prob:
+            refuse(model_type, "norm_topk_prob=False with sigmoid routing", "Megatron always renormalises the "
+                   "chosen experts' sigmoid scores; supported: norm_topk_prob=True.")
+        groups, topk = hf.n_group or 1, hf.num_experts_per_tok
+        if groups > 1 and topk // hf.topk_group != 2:
+            refuse(model_type, f"grouped routing with num_experts_per_tok={topk}, topk_group={hf.topk_group}",
+                   "HF scores a group by its top-2 experts, Megatron by its top num_experts_per_tok // topk_group; "
+                   "supported: num_experts_per_tok = 2 x topk_group (DeepSeek-V3: 8 and 4).")
 
     def transformer(self, hf: Any) -> dict[str, Any]:
         norm_topk = hf.norm_topk_prob if self.norm_topk is None else self.norm_topk
         fields = dict(
-            num_moe_experts=getattr(hf, "num_experts", None) or hf.num_local_experts,
+            num_moe_experts=(getattr(hf, "num_experts", None) or getattr(hf, "n_routed_experts", None)
+                             or hf.num_local_experts),
             moe_ffn_hidden_size=getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size,
             moe_router_topk=hf.num_experts_per_tok,
             # HF: softmax over all experts, top-k, renormalise if norm_topk_prob = Megatron's softmax over the top-k.
@@ -125,11 +150,27 @@ class MoE(Part):
             moe_aux_loss_coeff=float(getattr(hf, "router_aux_loss_coef", 0.0) or 0.0),
             moe_router_load_balancing_type="aux_loss",
         )
+        if self.sigmoid:
+            groups = hf.n_group or 1
+            fields.update(
+                moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_pre_softmax=False,
+                moe_router_topk_scaling_factor=float(hf.routed_scaling_factor),
+                moe_router_num_groups=groups if groups > 1 else None,
+                moe_router_group_topk=hf.topk_group if groups > 1 else None,
+                # HF's modeling (and so LLaMA-Factory's default path) trains these with no auxiliary loss; a recipe
+                # may set moe_router_load_balancing_type: seq_aux_loss and moe_aux_loss_coeff
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+            )
+            dense = getattr(hf, "first_k_dense_replace", 0) or 0
+            if dense:
+                fields["moe_layer_freq"] = [0] * dense + [1] * (hf.num_hidden_layers - dense)
         return fields | (self.shared_expert.transformer(hf) if self.shared_expert else {})
 
     def weights(self, config: McaConfig) -> list[Op]:
         hf = f"{HF_LAYER}{self.hf_module}"
         ops = [Rename(f"{LAYER}mlp.router.weight", (f"{hf}.gate.weight",))]
+        if self.sigmoid:
+            ops.append(Rename(f"{LAYER}mlp.router.expert_bias", (f"{hf}.gate.e_score_correction_bias",)))
         if self.stacked:
             ops += stacked_experts(f"{LAYER}mlp.experts.local_experts.*", f"{hf}.experts")
         else:
@@ -193,7 +234,7 @@ class SlidingWindow:
 class DecoderFamily(Family):
     """Llama's decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, no biases. A family sets what it adds."""
 
-    qkv_bias: bool = False  # biases on q, k and v (not o)
+    qkv_bias: bool | None = False  # biases on q, k and v (not o); None: HF's attention_bias says
     qk_norm: QKNorm | None = None
     moe: MoE | None = None
     sliding_window: SlidingWindow | None = None
@@ -206,7 +247,7 @@ class DecoderFamily(Family):
     def check(self, hf: Any) -> None:
         if getattr(hf, "hidden_act", "silu") != "silu":
             refuse(self.model_type, f"hidden_act={hf.hidden_act!r}", "Supported: silu (SwiGLU).")
-        if getattr(hf, "attention_bias", False) and not self.qkv_bias:
+        if getattr(hf, "attention_bias", False) and self.qkv_bias is False:
             refuse(self.model_type, "attention_bias=True (biases on q, k, v and o)", "Supported: no attention bias.")
         if getattr(hf, "mlp_bias", False):
             refuse(self.model_type, "mlp_bias=True", "Supported: no MLP bias.")
@@ -229,7 +270,7 @@ class DecoderFamily(Family):
             gated_linear_unit=True,
             activation="silu",
             add_bias_linear=False,
-            add_qkv_bias=self.qkv_bias,
+            add_qkv_bias=bool(getattr(hf, "attention_bias", False)) if self.qkv_bias is None else self.qkv_bias,
             hidden_dropout=0.0,
             attention_dropout=float(getattr(hf, "attention_dropout", 0.0) or 0.0),
             init_method_std=getattr(hf, "initializer_range", 0.02),
@@ -250,14 +291,16 @@ class DecoderFamily(Family):
             max_position_embeddings=text.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             rotary_base=theta,
+            rotary_percent=float(getattr(text, "partial_rotary_factor", None) or 1.0),
             rope_parameters=scaling,
             sliding_window=self.sliding_window.of(text) if self.sliding_window else None,
             hf_config=hf.to_dict(),
         )
 
     def weights(self, config: McaConfig) -> list[Op]:
-        ops = embeddings(config.tie_word_embeddings) + dense_layer(mlp="" if self.moe else "mlp",
-                                                                   qkv_bias=self.qkv_bias)
+        dense_mlp = not all(config.is_moe_layer(i) for i in range(config.num_layers))
+        ops = embeddings(config.tie_word_embeddings) + dense_layer(mlp="mlp" if dense_mlp else "",
+                                                                   qkv_bias=config.transformer["add_qkv_bias"])
         for part in self.parts():
             if part is not self.vision:
                 ops += part.weights(config)

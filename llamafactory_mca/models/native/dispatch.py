@@ -11,7 +11,8 @@ Without token dropping, a token goes to exactly ``topk`` experts, so the permute
 ascending inside each expert — exactly the order of Megatron's ``permute``, so the numbers are the same. The
 counts per expert stay on the device and reach ``torch._grouped_mm`` as its offsets (``experts.py``).
 
-``LocalMoELayer`` installs the dispatcher where it applies and keeps Megatron's otherwise (expert parallelism,
+``LocalDispatchLayer`` (a TransformerLayer: its MoE layer stays Megatron's own class, which TransformerLayer passes
+its process groups to) installs the dispatcher where it applies and keeps Megatron's otherwise (expert parallelism,
 capacity factors, padding for quantisation, shared-expert overlap, latent projections, or the recipe's
 ``moe_local_dispatch: false``).
 """
@@ -21,10 +22,11 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 
 def local_dispatch_applies(c, ep_size: int, expert_tp_size: int) -> bool:
-    """Whether ``LocalMoELayer`` routes on the device for this config and these expert parallel sizes."""
+    """Whether ``LocalDispatchLayer`` routes MoE tokens on the device for this config and these expert parallel sizes."""
     return (getattr(c, "moe_local_dispatch", None) is not False and ep_size == 1 and expert_tp_size == 1
             and c.moe_expert_capacity_factor is None and not c.moe_pad_expert_input_to_capacity
             and not getattr(c, "moe_router_padding_for_quantization", False)
@@ -82,10 +84,10 @@ class LocalTokenDispatcher(MoETokenDispatcher):
         return hidden_states.view(self.hidden_shape)
 
 
-class LocalMoELayer(MoELayer):
-    """Megatron's MoELayer with ``LocalTokenDispatcher`` where it applies."""
+class LocalDispatchLayer(TransformerLayer):
+    """Megatron's TransformerLayer whose MoE layer (if any) routes with ``LocalTokenDispatcher`` where it applies."""
 
-    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None) -> None:
-        super().__init__(config, submodules, layer_number=layer_number, pg_collection=pg_collection)
-        if LocalTokenDispatcher.applies(self):
-            self.token_dispatcher = LocalTokenDispatcher(self.token_dispatcher)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if isinstance(self.mlp, MoELayer) and LocalTokenDispatcher.applies(self.mlp):
+            self.mlp.token_dispatcher = LocalTokenDispatcher(self.mlp.token_dispatcher)

@@ -1,0 +1,30 @@
+"""GLM-4.5 / GLM-4.6 / GLM-4.5-Air (``glm4_moe``): grouped-query attention with q/k/v biases (``attention_bias``),
+optional qk-norm (``use_qk_norm``), RoPE on the first half of each head (``partial_rotary_factor``), the first
+``first_k_dense_replace`` layers dense, then DeepSeek-V3-style MoE: sigmoid routing with a correction bias and
+``n_shared_experts`` shared experts.
+
+Multi-token-prediction layers (``num_nextn_predict_layers``, stored as ``model.layers.<num_hidden_layers>.*``) are
+not built: ``transformers`` drops them on load, so LLaMA-Factory's default path trains without them too. The family
+says so once per run (``check``)."""
+
+import logging
+from typing import Any
+
+from ..registry import register
+from .base import DecoderFamily, MoE, QKNorm, SharedExpert
+
+logger = logging.getLogger(__name__)
+
+
+@register("glm4_moe")
+class Glm4MoeFamily(DecoderFamily):
+    qkv_bias = None  # HF's attention_bias: q, k and v (o_proj never has one)
+    qk_norm = QKNorm(switch="use_qk_norm")
+    moe = MoE(shared_expert=SharedExpert(gate=False, hf_name="shared_experts"), sigmoid=True)
+
+    def check(self, hf: Any) -> None:
+        super().check(hf)
+        if getattr(hf, "num_nextn_predict_layers", 0):
+            logger.warning("%s: the checkpoint's %d multi-token-prediction layer(s) are not trained and not exported "
+                           "(transformers and LLaMA-Factory's default path drop them too).", self.model_type,
+                           hf.num_nextn_predict_layers)
