@@ -94,6 +94,7 @@ def save_tiny_model(name: str, directory: str, seed: int = 0, dtype: torch.dtype
 
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+GLM_TOKENS = ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")  # glm4_moe template
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -112,11 +113,12 @@ def corpus() -> list[str]:
     return [s.format(topic=t) for t in TOPICS for s in SENTENCES]
 
 
-def save_tiny_tokenizer(directory: str, texts: list[str] | None = None) -> str:
+def save_tiny_tokenizer(directory: str, texts: list[str] | None = None, extra_special: tuple[str, ...] = ()) -> str:
     """A word-level tokenizer trained here on ``texts`` (no download) with Qwen-style ChatML tokens.
 
     Every word of ``texts`` is in the vocabulary, so a model with ``vocab_size >= len(tokenizer)`` sees no
-    out-of-range ids. Works with LLaMA-Factory's qwen/qwen3_nothink/default templates.
+    out-of-range ids. Works with LLaMA-Factory's qwen/qwen3_nothink/default templates; ``extra_special``: another
+    template's special tokens (``GLM_TOKENS`` for glm4_moe).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -125,9 +127,9 @@ def save_tiny_tokenizer(directory: str, texts: list[str] | None = None) -> str:
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     tokenizer.train_from_iterator(texts or corpus(),
-                                  trainers.WordLevelTrainer(special_tokens=["<unk>", *SPECIAL_TOKENS]))
+                                  trainers.WordLevelTrainer(special_tokens=["<unk>", *SPECIAL_TOKENS, *extra_special]))
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"],
+                                   pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>", *extra_special],
                                    chat_template=CHAT_TEMPLATE)
     os.makedirs(directory, exist_ok=True)
     fast.save_pretrained(directory)

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from llamafactory_mca.tiny import (
+    GLM_TOKENS,
     SENTENCES,
     TOPICS,
     save_tiny_model,
@@ -30,7 +31,8 @@ pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "megatron", "*.yaml")))
 FAMILY = {"Qwen/Qwen3-1.7B": "qwen3", "Qwen/Qwen3-30B-A3B-Instruct-2507": "qwen3_moe",
-          "Qwen/Qwen2-VL-7B-Instruct": "qwen2_vl", "Qwen/Qwen3-VL-30B-A3B-Instruct": "qwen3_vl_moe"}
+          "Qwen/Qwen2-VL-7B-Instruct": "qwen2_vl", "Qwen/Qwen3-VL-30B-A3B-Instruct": "qwen3_vl_moe",
+          "zai-org/GLM-4.5-Air": "glm4_moe"}
 # LLaMA-Factory's own dataset_info.json entries for its demo sets (data/dataset_info.json in its repository).
 LLAMAFACTORY_INFO = {
     "identity": {"file_name": "identity.json"},
@@ -96,14 +98,18 @@ def world(tmp_path_factory):
         if "_vl" in family:
             model = save_tiny_vl_model(family, str(root / "models" / family))
         else:
-            model = save_tiny_model(family, str(root / "models" / family), vocab_size=vocab)
-            save_tiny_tokenizer(model)
+            # GLM: as many experts as the recipe's expert parallel size (8), its template's special tokens
+            glm = family == "glm4_moe"
+            extra = GLM_TOKENS if glm else ()
+            model = save_tiny_model(family, str(root / "models" / family), vocab_size=vocab + len(extra),
+                                    **({"n_routed_experts": 8} if glm else {}))
+            save_tiny_tokenizer(model, extra_special=extra)
         fake_hub_cache(str(root / "hub"), repo, model)
     return root
 
 
 def test_every_example_is_covered():
-    assert [os.path.basename(e) for e in EXAMPLES] == ["qwen2_vl_full.yaml", "qwen3_dense_sft.yaml", "qwen3_dpo.yaml",
+    assert [os.path.basename(e) for e in EXAMPLES] == ["glm4_5_air_lora.yaml", "qwen2_vl_full.yaml", "qwen3_dense_sft.yaml", "qwen3_dpo.yaml",
                                                        "qwen3_long_context_cp2.yaml", "qwen3_moe_full.yaml",
                                                        "qwen3_moe_lora.yaml", "qwen3_vl_moe_full.yaml"]
     for example in EXAMPLES:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -162,10 +163,15 @@ def resolve_targets(hf_config: dict, settings: LoraSettings, freeze_vision_tower
 
 
 def _text_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The decoder layers' modules by path, the vision tower and projector left out."""
+    """The decoder layers' modules by path with ``*`` for the layer, each from the first layer that has it (models
+    mixing dense and MoE layers have some modules only in later layers), the vision tower and projector left out."""
     vision = _vision_keys(model)
-    return {name: module for name, module in model.named_modules()
-            if ".layers.0." in name and not any(key in name for key in vision)}
+    found: dict[str, torch.nn.Module] = {}
+    for name, module in model.named_modules():
+        match = re.search(r"\.layers\.\d+\.", name)
+        if match and not any(key in name for key in vision):
+            found.setdefault(f"{name[:match.start()]}.layers.*.{name[match.end():]}", module)
+    return found
 
 
 def plan_targets(hf_config: dict, table: WeightTable, settings: LoraSettings,
@@ -173,7 +179,7 @@ def plan_targets(hf_config: dict, table: WeightTable, settings: LoraSettings,
     """Map the selected HF modules onto Megatron's linears through the weight table; refuse what has no home."""
     wanted = resolve_targets(hf_config, settings, freeze_vision_tower)
     modules = _text_modules(meta_hf_model(hf_config))
-    by_suffix = {name.split(".layers.0.", 1)[1]: name.replace(".layers.0.", ".layers.*.") for name in modules}
+    by_suffix = {name.split(".layers.*.", 1)[1]: name for name in modules}
     found: set[str] = set()
     homes: set[str] = set()  # every HF module an adapter could go on
     targets = []
@@ -193,7 +199,7 @@ def plan_targets(hf_config: dict, table: WeightTable, settings: LoraSettings,
             path = by_suffix.get(module.split(".layers.*.", 1)[-1])
             if path is None:
                 continue
-            out_features, in_features = modules[path.replace(".layers.*.", ".layers.0.")].weight.shape
+            out_features, in_features = modules[path].weight.shape
             pieces.append(Piece(short, out_features, in_features, path))
             found.add(short)
         if pieces:
@@ -217,8 +223,7 @@ def _expert_targets(hf_config: dict, modules: dict[str, torch.nn.Module]) -> lis
                and getattr(m, "gate_up_proj").dim() == 3]
     if not experts:
         raise UserError(f"lora_target '{EXPERTS_WORD}': this model has no routed experts.")
-    name, module = experts[0]
-    path = name.replace(".layers.0.", ".layers.*.")
+    path, module = experts[0]
     targets = []
     for linear, piece in EXPERT_PIECES.items():
         _, out_features, in_features = getattr(module, piece).shape  # transformers' in-memory [E, out, in]
