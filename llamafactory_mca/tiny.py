@@ -129,7 +129,8 @@ def save_tiny_tokenizer(directory: str, texts: list[str] | None = None, extra_sp
     tokenizer.train_from_iterator(texts or corpus(),
                                   trainers.WordLevelTrainer(special_tokens=["<unk>", *SPECIAL_TOKENS, *extra_special]))
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>", *extra_special],
+                                   pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>", *extra_special],
                                    chat_template=CHAT_TEMPLATE)
     os.makedirs(directory, exist_ok=True)
     fast.save_pretrained(directory)

@@ -109,7 +109,8 @@ def world(tmp_path_factory):
 
 
 def test_every_example_is_covered():
-    assert [os.path.basename(e) for e in EXAMPLES] == ["glm4_5_air_lora.yaml", "qwen2_vl_full.yaml", "qwen3_dense_sft.yaml", "qwen3_dpo.yaml",
+    assert [os.path.basename(e) for e in EXAMPLES] == ["glm4_5_air_lora.yaml",
+                                                       "qwen2_vl_full.yaml", "qwen3_dense_sft.yaml", "qwen3_dpo.yaml",
                                                        "qwen3_long_context_cp2.yaml", "qwen3_moe_full.yaml",
                                                        "qwen3_moe_lora.yaml", "qwen3_vl_moe_full.yaml"]
     for example in EXAMPLES:

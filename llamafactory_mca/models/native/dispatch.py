@@ -26,7 +26,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 
 def local_dispatch_applies(c, ep_size: int, expert_tp_size: int) -> bool:
-    """Whether ``LocalDispatchLayer`` routes MoE tokens on the device for this config and these expert parallel sizes."""
+    """Whether ``LocalDispatchLayer`` routes MoE tokens on the device for this config and expert parallel sizes."""
     return (getattr(c, "moe_local_dispatch", None) is not False and ep_size == 1 and expert_tp_size == 1
             and c.moe_expert_capacity_factor is None and not c.moe_pad_expert_input_to_capacity
             and not getattr(c, "moe_router_padding_for_quantization", False)
