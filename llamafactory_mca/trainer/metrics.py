@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..models.config import attention_shape
+from ..models.config import attention_shape, is_moe_layer
 
 
 # Dense bf16 peak (no sparsity) by device name; MFU is reported only where the peak is known.
@@ -41,14 +41,21 @@ def flops_per_sequence_set(t: dict[str, Any], vocab_size: int, seqlens: Sequence
     per_layer += 2 * tokens * q_width * h  # output projection
     per_layer += 2 * 2 * squares * q_width * 0.5  # QK^T and AV, causal
     glu = 3 if t.get("gated_linear_unit", True) else 2
+    moe = dense = 0.0
     if t.get("num_moe_experts"):
-        per_layer += 2 * tokens * h * t["moe_ffn_hidden_size"] * glu * t["moe_router_topk"]
-        per_layer += 2 * tokens * h * (t.get("moe_shared_expert_intermediate_size") or 0) * glu
-        per_layer += 2 * tokens * h * t["num_moe_experts"]
-    else:
-        per_layer += 2 * tokens * h * t["ffn_hidden_size"] * glu
-    forward = per_layer * t["num_layers"] + 2 * tokens * h * vocab_size
+        moe += 2 * tokens * h * t["moe_ffn_hidden_size"] * glu * t["moe_router_topk"]
+        moe += 2 * tokens * h * (t.get("moe_shared_expert_intermediate_size") or 0) * glu
+        moe += 2 * tokens * h * t["num_moe_experts"]
+    dense = 2 * tokens * h * t["ffn_hidden_size"] * glu
+    moe_layers = _moe_layer_count(t)
+    forward = (per_layer * t["num_layers"] + moe * moe_layers + dense * (t["num_layers"] - moe_layers)
+               + 2 * tokens * h * vocab_size)
     return 3 * forward
+
+
+def _moe_layer_count(t: dict[str, Any]) -> int:
+    """How many decoder layers are MoE layers (models like GLM-4.5 start with dense ones)."""
+    return sum(is_moe_layer(t.get("num_moe_experts"), t.get("moe_layer_freq", 1), i) for i in range(t["num_layers"]))
 
 
 def model_parameter_count(config: Any) -> int:
@@ -63,14 +70,15 @@ def model_parameter_count(config: Any) -> int:
         layer += q + 2 * kv
     if t.get("qk_layernorm"):
         layer += 2 * head_dim
+    moe = 0
     if t.get("num_moe_experts"):
-        layer += t["num_moe_experts"] * glu * h * t["moe_ffn_hidden_size"] + t["num_moe_experts"] * h
+        moe = t["num_moe_experts"] * glu * h * t["moe_ffn_hidden_size"] + t["num_moe_experts"] * h
         shared = t.get("moe_shared_expert_intermediate_size") or 0
-        layer += glu * h * shared + (h if t.get("moe_shared_expert_gate") else 0)
-    else:
-        layer += glu * h * t["ffn_hidden_size"]
+        moe += glu * h * shared + (h if t.get("moe_shared_expert_gate") else 0)
+    dense = glu * h * t["ffn_hidden_size"]
+    moe_layers = _moe_layer_count(t)
     embeddings = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
-    return t["num_layers"] * layer + embeddings + h
+    return t["num_layers"] * layer + moe_layers * moe + (t["num_layers"] - moe_layers) * dense + embeddings + h
 
 
 def count_parameters(chunks: list[torch.nn.Module]) -> int:

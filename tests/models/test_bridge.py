@@ -321,3 +321,16 @@ def test_every_hf_key_maps_exactly_once(tiny_models):
                 covered += [fill(p, index[: p.count("*")]) for p in op.hf if op.export]
         assert len(covered) == len(set(covered)), name
         assert set(covered) == set(_hf_tensors(path)), (name, set(covered) ^ set(_hf_tensors(path)))
+
+
+def test_parameter_count_is_the_hf_models(tiny_models):
+    """The startup summary's parameter count (and so its memory estimate) is the HF model's, per family: dense and MoE
+    layers mixed (glm4_moe's first layer is dense), shared experts, biases, qk-norms, tied embeddings."""
+    from transformers import AutoModelForCausalLM
+
+    from llamafactory_mca.models.auto import AutoConfig
+    from llamafactory_mca.trainer.metrics import model_parameter_count
+
+    for name, path in tiny_models.items():
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        assert model_parameter_count(AutoConfig.from_pretrained(path)) == hf.num_parameters(), name
