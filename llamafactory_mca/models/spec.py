@@ -35,13 +35,12 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import L2Norm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules, get_transformer_layer_offset
 
 from ..compat import has_transformer_engine
-from .config import is_moe_layer
 from ..errors import UserError
+from .config import is_moe_layer
 from .native.attention import NativeDotProductAttention, check_supported
 from .native.dispatch import LocalDispatchLayer, local_dispatch_applies
 from .native.experts import NativeGroupedMLP, describe_experts

@@ -334,3 +334,17 @@ def test_parameter_count_is_the_hf_models(tiny_models):
     for name, path in tiny_models.items():
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         assert model_parameter_count(AutoConfig.from_pretrained(path)) == hf.num_parameters(), name
+
+
+def test_glm_multi_token_prediction_layers_are_named_as_not_trained(tmp_path, caplog):
+    """A GLM-4.5 config with an MTP layer loads (transformers and LLaMA-Factory's default path drop the layer too),
+    and the run says, once, that it is neither trained nor exported."""
+    import logging
+
+    from llamafactory_mca.models.auto import AutoConfig
+    from llamafactory_mca.tiny import tiny_hf_config
+
+    tiny_hf_config("glm4_moe", num_nextn_predict_layers=1).save_pretrained(tmp_path / "glm")
+    with caplog.at_level(logging.WARNING, logger="llamafactory_mca.models.families.glm4_moe"):
+        config = AutoConfig.from_pretrained(str(tmp_path / "glm"))
+    assert config.num_layers == 4 and "1 multi-token-prediction layer(s) are not trained" in caplog.text

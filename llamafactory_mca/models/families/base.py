@@ -102,7 +102,7 @@ class SharedExpert:
 
 @dataclass(frozen=True)
 class MoE(Part):
-    """Routed experts replace the MLP of every layer.
+    """Routed experts replace the MLP of every layer (with ``sigmoid``: of every layer after the first dense ones).
 
     ``norm_topk``: renormalise the top-k routing weights (None: HF's ``norm_topk_prob`` decides).
     ``sigmoid``: DeepSeek-V3's routing (GLM-4.5's too): sigmoid scores, experts chosen by score + a per-expert
@@ -126,7 +126,7 @@ class MoE(Part):
         step, dense = getattr(hf, "decoder_sparse_step", 1), getattr(hf, "mlp_only_layers", None)
         if step != 1 or dense:
             refuse(model_type, f"dense layers between MoE layers (decoder_sparse_step={step}, mlp_only_layers="
-                   f"{dense})", "Supported: every layer an MoE layer, or the first few dense.")
+                   f"{dense})", "Supported: every layer an MoE layer.")
         if not self.sigmoid:
             return
         if not hf.norm_topk_prob:
