@@ -71,6 +71,14 @@ def apply_megatron_fixes() -> None:
     if rope_utils._apply_rotary_pos_emb_thd is MEGATRON_THD_ROPE:
         rope_utils._apply_rotary_pos_emb_thd = apply_rotary_pos_emb_thd
 
+    # megatron-core 0.16.x without TE: multi_latent_attention.py imports TE's wrappers from a module that stubs them
+    # with MagicMocks when TE is missing, so its HAVE_TE is True and `isinstance(x, TELinear)` raises a TypeError.
+    from megatron.core.transformer import multi_latent_attention
+
+    if not has_transformer_engine() and multi_latent_attention.HAVE_TE:
+        multi_latent_attention.HAVE_TE = False
+        multi_latent_attention.TELinear = multi_latent_attention.TEColumnParallelLinear = None
+
     # megatron-core 0.16.x without apex: `gradient_accumulation_fusion` needs apex's fused_weight_gradient_mlp_cuda;
     # torch's addmm with out_dtype is the same GEMM (`models/native/wgrad.py`).
     from megatron.core.tensor_parallel import layers

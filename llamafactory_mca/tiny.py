@@ -35,6 +35,14 @@ TINY: dict[str, dict[str, Any]] = {
     "glm4_moe": dict(BASE, **MOE, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
                      topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
                      use_qk_norm=True, head_dim=16, partial_rotary_factor=0.5),
+    # DeepSeek-V3's layout on the same routing: multi-latent attention (q and kv low rank, RoPE on 4 of each head's
+    # 12 q/k dims, value heads of 6), YaRN x4
+    "deepseek_v3": dict(BASE, **MOE, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+                        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                        norm_topk_prob=True, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                        v_head_dim=6, rope_scaling={"type": "yarn", "factor": 4.0, "mscale": 1.0,
+                                                    "mscale_all_dim": 1.0, "original_max_position_embeddings": 128,
+                                                    "beta_fast": 32, "beta_slow": 1}),
     "mixtral": dict(BASE, intermediate_size=32, num_local_experts=3, num_experts_per_tok=2, router_aux_loss_coef=0.0,
                     sliding_window=None),
 }

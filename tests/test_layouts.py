@@ -14,7 +14,7 @@ documents split into pieces), at DP4, DP2 x PP2 (with and without VPP), PP4 and 
 the epoch counter and the tokens trained must come out exact.
 
 GLM-4.5's layout (``glm4_moe``: dense first layer, sigmoid routing with a correction bias) runs DP4, EP2 and
-TP2 x PP2 with SP.
+TP2 x PP2 with SP; DeepSeek-V3's (multi-latent attention) DP4, EP2 packed and TP2 + SP.
 """
 
 import functools
@@ -66,10 +66,14 @@ CASES = [
     ("glm-ep2", "glm4_moe", {"expert_model_parallel_size": 2}, 2),
     ("glm-tp2-pp2-sp", "glm4_moe", {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
                                     "sequence_parallel": True}, 8),
+    # DeepSeek-V3's multi-latent attention: padded, and packed (value heads narrower than query/key heads) with EP2
+    ("ds-dp4", "deepseek_v3", {}, 2),
+    ("ds-ep2-packed", "deepseek_v3", {"expert_model_parallel_size": 2, "sequence_packing": True}, 2),
+    ("ds-tp2-sp", "deepseek_v3", {"tensor_model_parallel_size": 2, "sequence_parallel": True}, 4),
     *_pipeline_cases(),
 ]
 # step 2 of every same-batch case must match these
-REFERENCE = {"qwen3": "dp4", "qwen3_moe": "moe-dp4", "glm4_moe": "glm-dp4"}
+REFERENCE = {"qwen3": "dp4", "qwen3_moe": "moe-dp4", "glm4_moe": "glm-dp4", "deepseek_v3": "ds-dp4"}
 
 # One whole epoch over data that does not divide into steps: 21 sft rows, or 4 pt documents of 3-5 x cutoff_len
 # split into pieces. (name, model, arguments, gradient accumulation, data)

@@ -167,9 +167,12 @@ def test_bad_input_fails_clearly_and_writes_nothing(overrides, message, assets, 
     assert not out.exists() or not any(n.startswith("checkpoint") for n in os.listdir(out))
 
 
-def test_glm4_moe_sft_matches_llamafactory_and_merges(assets, tmp_path):
-    """GLM-4.5's layout (dense first layer, sigmoid routing with a correction bias, shared expert, partial RoPE,
-    q/k/v biases, qk-norm) through the real command: step 1's loss is LLaMA-Factory's default path's on the same
+@pytest.mark.parametrize("family,hf_class", [("glm4_moe", "Glm4MoeForCausalLM"),
+                                             ("deepseek_v3", "DeepseekV3ForCausalLM")])
+def test_deepseek_style_moe_sft_matches_llamafactory_and_merges(family, hf_class, assets, tmp_path):
+    """GLM-4.5's and DeepSeek-V3's layouts (dense first layer, sigmoid routing with a correction bias, shared expert;
+    GLM: partial RoPE, q/k/v biases, qk-norm; DeepSeek: multi-latent attention with YaRN) through the real command:
+    step 1's loss is LLaMA-Factory's default path's on the same
     rows (8 rows, one global batch of all of them: row order cannot matter), the loss falls, and the merged checkpoint
     is a Hugging Face model transformers loads."""
     import yaml
@@ -178,14 +181,14 @@ def test_glm4_moe_sft_matches_llamafactory_and_merges(assets, tmp_path):
     from llamafactory_mca.tiny import save_tiny_model, save_tiny_tokenizer
     from tests._cli import cli_env, run
 
-    model = save_tiny_model("glm4_moe", str(tmp_path / "glm"), vocab_size=assets["vocab"])
+    model = save_tiny_model(family, str(tmp_path / family), vocab_size=assets["vocab"])
     save_tiny_tokenizer(model)
     config = recipe(assets, tmp_path / "out", model_name_or_path=model, max_samples=8, max_steps=4,
                     save_strategy="steps", save_steps=4)
     result, output = train(tmp_path, config)
     ok(result, output)
     ours = losses(tmp_path / "out")
-    assert "llamafactory_mca: training glm4_moe" in output and ours[4] < ours[1], ours
+    assert f"llamafactory_mca: training {family}" in output and ours[4] < ours[1], ours
 
     default = {k: v for k, v in config.items() if k not in ("save_strategy", "save_steps")}
     default.update(output_dir=str(tmp_path / "default"), max_steps=1)
@@ -204,7 +207,7 @@ def test_glm4_moe_sft_matches_llamafactory_and_merges(assets, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     hf = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
     trained = dict(hf.named_buffers())["model.layers.1.mlp.gate.e_score_correction_bias"]
-    assert type(hf).__name__ == "Glm4MoeForCausalLM" and torch.isfinite(trained).all()
+    assert type(hf).__name__ == hf_class and torch.isfinite(trained).all()
 
 
 def test_glm4_moe_dpo_trains(assets, tmp_path):

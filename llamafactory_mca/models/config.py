@@ -88,7 +88,7 @@ class McaConfig:
 
     def to_transformer_config(self, overrides: dict[str, Any], **engine: Any):
         """TransformerConfig = architecture + the run's overrides (``args.get_config_dict()``) + engine fields."""
-        from megatron.core.transformer import TransformerConfig
+        from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
         kwargs = dict(self.transformer)
         activation = kwargs.pop("activation", "silu")
@@ -99,12 +99,14 @@ class McaConfig:
 
         prepare_config(kwargs)  # before construction: some requests (fused RoPE without TE) fail inside it
         native = {k: kwargs.pop(k) for k in NATIVE_OPTIONS if k in kwargs}
-        known = {f.name for f in dataclasses.fields(TransformerConfig)}
+        # multi-latent attention (DeepSeek-V3) has its own config class, with the latent ranks and YaRN fields
+        cls = MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig
+        known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise UserError(f"Unknown TransformerConfig fields {unknown} (from additional_configs or the model "
-                             f"config); megatron-core's TransformerConfig has no such fields.")
-        config = TransformerConfig(**kwargs)
+                             f"config); megatron-core's {cls.__name__} has no such fields.")
+        config = cls(**kwargs)
         for name, value in native.items():  # our layer spec's options ride on the config it is built from
             setattr(config, name, value)
         return config

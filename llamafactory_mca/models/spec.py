@@ -160,7 +160,7 @@ def native_layer_spec(config: TransformerConfig, moe: bool = True) -> ModuleSpec
         module=LocalDispatchLayer,  # TransformerLayer; its MoE routes without host syncs where it can
         submodules=TransformerLayerSubmodules(
             input_layernorm=NativeNorm,
-            self_attention=ModuleSpec(
+            self_attention=_mla_spec() if config.multi_latent_attention else ModuleSpec(
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
@@ -173,6 +173,27 @@ def native_layer_spec(config: TransformerConfig, moe: bool = True) -> ModuleSpec
             mlp=mlp,
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map=dict(NORM_ALIASES),  # dist-checkpoint keys as the TE spec's
+        ),
+    )
+
+
+def _mla_spec() -> ModuleSpec:
+    """Multi-latent attention (DeepSeek-V3) as Megatron's local spec lays it out, with the native core attention.
+
+    The latent q/kv norms are always built here rather than through ``qk_layernorm``: with that flag Megatron's
+    finalize_model_grads sums every ``q_layernorm`` gradient over tensor-parallel ranks by name, but MLA normalises the
+    gathered latent, so that gradient is already whole on each rank (it would come out tp times too large). Under
+    sequence parallelism the latent is scattered again and the norms are marked for the sum like any SP norm."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+
+    return ModuleSpec(
+        module=MLASelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=MLASelfAttentionSubmodules(
+            linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
+            linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear,
+            linear_kv_up_proj=ColumnParallelLinear, core_attention=NativeDotProductAttention,
+            linear_proj=RowParallelLinear, q_layernorm=NativeNorm, kv_layernorm=NativeNorm,
         ),
     )
 

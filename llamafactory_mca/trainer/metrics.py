@@ -35,11 +35,9 @@ def flops_per_sequence_set(t: dict[str, Any], vocab_size: int, seqlens: Sequence
     tokens = float(sum(seqlens))
     squares = float(sum(s * s for s in seqlens))
     h = t["hidden_size"]
-    heads, groups, head_dim = attention_shape(t)
-    q_width, kv_width = heads * head_dim, groups * head_dim
-    per_layer = 2 * tokens * h * (q_width + 2 * kv_width)  # qkv projection
-    per_layer += 2 * tokens * q_width * h  # output projection
-    per_layer += 2 * 2 * squares * q_width * 0.5  # QK^T and AV, causal
+    weights, qk_width, v_width = _attention_sizes(t)
+    per_layer = 2 * tokens * weights  # the projections
+    per_layer += 2 * squares * (qk_width + v_width) * 0.5  # QK^T and AV, causal
     glu = 3 if t.get("gated_linear_unit", True) else 2
     moe = dense = 0.0
     if t.get("num_moe_experts"):
@@ -51,6 +49,22 @@ def flops_per_sequence_set(t: dict[str, Any], vocab_size: int, seqlens: Sequence
     forward = (per_layer * t["num_layers"] + moe * moe_layers + dense * (t["num_layers"] - moe_layers)
                + 2 * tokens * h * vocab_size)
     return 3 * forward
+
+
+def _attention_sizes(t: dict[str, Any]) -> tuple[int, int, int]:
+    """One layer's attention: (projection weights, query/key width, value width) over all heads; grouped-query or
+    multi-latent (DeepSeek-V3: low-rank q and kv projections, a RoPE part shared by the keys, narrower values)."""
+    h = t["hidden_size"]
+    if t.get("multi_latent_attention"):
+        n, rope, v = t["num_attention_heads"], t["qk_pos_emb_head_dim"], t["v_head_dim"]
+        qk = t["qk_head_dim"] + rope
+        q_rank, kv_rank = t.get("q_lora_rank"), t["kv_lora_rank"]
+        q = h * n * qk if q_rank is None else h * q_rank + q_rank * n * qk
+        kv = h * (kv_rank + rope) + kv_rank * n * (t["qk_head_dim"] + v)
+        return q + kv + n * v * h, n * qk, n * v
+    heads, groups, head_dim = attention_shape(t)
+    q, kv = heads * head_dim, groups * head_dim
+    return h * (q + 2 * kv) + q * h, q, q
 
 
 def _moe_layer_count(t: dict[str, Any]) -> int:
@@ -65,11 +79,13 @@ def model_parameter_count(config: Any) -> int:
     heads, groups, head_dim = config.attention
     q, kv = heads * head_dim, groups * head_dim
     glu = 3 if t.get("gated_linear_unit", True) else 2
-    layer = h * (q + 2 * kv) + q * h + 2 * h
+    layer = _attention_sizes(t)[0] + 2 * h
     if t.get("add_qkv_bias"):
         layer += q + 2 * kv
     if t.get("qk_layernorm"):
         layer += 2 * head_dim
+    if t.get("multi_latent_attention"):  # the latent norms
+        layer += t["kv_lora_rank"] + (t.get("q_lora_rank") or 0)
     moe = 0
     if t.get("num_moe_experts"):
         moe = t["num_moe_experts"] * glu * h * t["moe_ffn_hidden_size"] + t["num_moe_experts"] * h

@@ -118,14 +118,17 @@ def test_parity_with_transformers(name, tiny_models, single_rank):
 
 
 LAYOUTS = {  # all run in one 4-process world (dp = 4 / model-parallel size)
-    "tp2": ({"tensor_model_parallel_size": 2}, ["qwen3", "qwen2_moe", "mixtral", "llama3_tied", "glm4_moe"]),
+    "tp2": ({"tensor_model_parallel_size": 2}, ["qwen3", "qwen2_moe", "mixtral", "llama3_tied", "glm4_moe",
+                                                 "deepseek_v3"]),
     # glm4_moe first: its round trip runs here (layer 0 dense, on stage 0 only)
     "pp2": ({"pipeline_model_parallel_size": 2}, ["glm4_moe", "llama3_tied", "qwen3_moe"]),
     "pp2_vpp2": ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}, ["qwen2"]),
-    "ep2": ({"expert_model_parallel_size": 2}, ["qwen3_moe", "qwen2_moe", "glm4_moe"]),
+    "ep2": ({"expert_model_parallel_size": 2}, ["qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3"]),
     "ep2_grouped": ({"expert_model_parallel_size": 2, "moe_grouped_gemm": True}, ["qwen2_moe"]),
     "ep2_etp2": ({"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2}, ["qwen3_moe"]),
-    "tp2_pp2": ({"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, ["llama", "qwen3_moe"]),
+    # deepseek_v3 first: its round trip runs here (multi-latent attention split over TP, the dense layer on stage 0)
+    "tp2_pp2": ({"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, ["deepseek_v3", "llama",
+                                                                                      "qwen3_moe"]),
 }
 WORLD = 4
 
@@ -234,7 +237,7 @@ def test_unsupported_models_fail_with_the_supported_list(tmp_path):
     from llamafactory_mca.models.auto import AutoConfig
 
     GPT2Config(n_layer=1).save_pretrained(tmp_path / "gpt2")
-    with pytest.raises(ValueError, match="not supported by llamafactory_mca; supported: glm4_moe, llama, mistral"):
+    with pytest.raises(ValueError, match="not supported by llamafactory_mca; supported: deepseek_v3, glm4_moe, llama"):
         AutoConfig.from_pretrained(str(tmp_path / "gpt2"))
     LlamaConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
                 max_position_embeddings=256).save_pretrained(tmp_path / "yarn")
@@ -345,6 +348,6 @@ def test_glm_multi_token_prediction_layers_are_named_as_not_trained(tmp_path, ca
     from llamafactory_mca.tiny import tiny_hf_config
 
     tiny_hf_config("glm4_moe", num_nextn_predict_layers=1).save_pretrained(tmp_path / "glm")
-    with caplog.at_level(logging.WARNING, logger="llamafactory_mca.models.families.glm4_moe"):
+    with caplog.at_level(logging.WARNING, logger="llamafactory_mca.models.families.base"):
         config = AutoConfig.from_pretrained(str(tmp_path / "glm"))
     assert config.num_layers == 4 and "1 multi-token-prediction layer(s) are not trained" in caplog.text

@@ -2,7 +2,7 @@
 
 from ...errors import UserError
 from ..registry import FAMILIES
-from . import glm4_moe, llama, mistral, mixtral, qwen2, qwen2_moe, qwen2_vl, qwen3, qwen3_moe, qwen3_vl  # noqa: F401
+from . import deepseek_v3, glm4_moe, llama, mistral, mixtral, qwen2, qwen2_moe, qwen2_vl, qwen3, qwen3_moe, qwen3_vl  # noqa: F401
 from .base import Family
 
 

@@ -9,6 +9,7 @@ own config fields, refusals and weight ops: a family file only declares which pa
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
@@ -18,6 +19,16 @@ from ..mapping import HF_LAYER, LAYER, Op, Rename, dense_layer, embeddings, gate
 
 def refuse(model_type: str, what: str, fix: str) -> NoReturn:
     raise ValueError(f"{model_type}: {what} is not supported by llamafactory_mca. {fix}")
+
+
+def warn_untrained_mtp(model_type: str, hf: Any) -> None:
+    """DeepSeek-V3 and GLM-4.5 checkpoints carry multi-token-prediction layers (``model.layers.<num_hidden_layers>.*``)
+    that we do not build yet; transformers drops them on load, so LLaMA-Factory's default path trains without them
+    too. Said once per run."""
+    if getattr(hf, "num_nextn_predict_layers", 0):
+        logging.getLogger(__name__).warning(
+            "%s: the checkpoint's %d multi-token-prediction layer(s) are not trained and not exported (transformers "
+            "and LLaMA-Factory's default path drop them too).", model_type, hf.num_nextn_predict_layers)
 
 
 def hf_attention_shape(hf: Any) -> AttentionShape:

@@ -7,13 +7,10 @@ Multi-token-prediction layers (``num_nextn_predict_layers``, stored as ``model.l
 not built: ``transformers`` drops them on load, so LLaMA-Factory's default path trains without them too. The family
 says so once per run (``check``)."""
 
-import logging
 from typing import Any
 
 from ..registry import register
-from .base import DecoderFamily, MoE, QKNorm, SharedExpert
-
-logger = logging.getLogger(__name__)
+from .base import DecoderFamily, MoE, QKNorm, SharedExpert, warn_untrained_mtp
 
 
 @register("glm4_moe")
@@ -24,7 +21,4 @@ class Glm4MoeFamily(DecoderFamily):
 
     def check(self, hf: Any) -> None:
         super().check(hf)
-        if getattr(hf, "num_nextn_predict_layers", 0):
-            logger.warning("%s: the checkpoint's %d multi-token-prediction layer(s) are not trained and not exported "
-                           "(transformers and LLaMA-Factory's default path drop them too).", self.model_type,
-                           hf.num_nextn_predict_layers)
+        warn_untrained_mtp(self.model_type, hf)

@@ -52,6 +52,8 @@ class NativeDotProductAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection=None,
+        k_channels: int | None = None,  # multi-latent attention passes its q/k and v head dims: read off the tensors
+        v_channels: int | None = None,
     ) -> None:
         super().__init__(config=config)
         check_supported(config)
@@ -112,11 +114,11 @@ class NativeDotProductAttention(MegatronModule):
 
     def _padded_context_parallel(self, query, key, value) -> torch.Tensor:
         """A padded CP batch is ``b`` packed sequences of the global length: reuse the THD path."""
-        s, b, hq, d = query.shape
+        s, b = query.shape[:2]
         plan = _padded_plan(b, s, self.cp_size, self.cp_rank, query.device)
         k, v = self._gathered(sbhd_to_thd(key), sbhd_to_thd(value), plan)
         out = segment_attention(sbhd_to_thd(query), k, v, plan, self.softmax_scale)
-        return out.view(b, s, hq * d).transpose(0, 1).contiguous()
+        return out.reshape(b, s, -1).transpose(0, 1).contiguous()
 
     def _gathered(self, key, value, plan: SegmentPlan):
         key = cp_utils.gather_kv(key, self.cp_group).index_select(0, plan.kv_index)
@@ -152,10 +154,12 @@ def check_supported(config: TransformerConfig) -> None:
         problems.append(f"softmax_type={config.softmax_type!r} (only 'vanilla')")
     if getattr(config, "window_size", None) is not None:
         problems.append(f"window_size={config.window_size} (sliding-window attention)")
-    if getattr(config, "multi_latent_attention", False):
-        problems.append("multi_latent_attention")
     if getattr(config, "qk_clip", False):
         problems.append("qk_clip")
+    if getattr(config, "multi_latent_attention", False) and config.context_parallel_size > 1:
+        raise UserError(f"context_parallel_size={config.context_parallel_size} with multi-latent attention (DeepSeek-"
+                         "V3): not supported by the native attention yet. Use tensor or expert parallelism and "
+                         "context_parallel_size: 1.")
     if problems:
         raise ValueError("the native attention (no Transformer Engine) does not support " + ", ".join(problems)
                          + ". Install Transformer Engine or set attention_backend: local.")

@@ -63,7 +63,8 @@ def make_plan(q_lens: list[int], k_lens: list[int], device: torch.device,
 
 def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, causal: bool,
                      mask: torch.Tensor | None = None, dropout_p: float = 0.0) -> torch.Tensor:
-    """``[s, b, h, d]`` in, ``[s, b, h*d]`` out.
+    """``[s, b, h, d]`` in, ``[s, b, h*dv]`` out (``dv``: the values' head dim; multi-latent attention's differs
+    from the queries' and keys').
 
     ``mask`` follows Megatron: boolean, True where attention is *forbidden*, broadcastable to
     ``[b, 1, sq, sk]``. It is combined with causality (so a padding-only mask stays causal), and every query
@@ -85,7 +86,7 @@ def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         causal = False
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=causal,
                                          scale=scale, enable_gqa=gqa)
-    return out.permute(2, 0, 1, 3).reshape(sq, b, hq * d)
+    return out.permute(2, 0, 1, 3).reshape(sq, b, hq * value.size(-1))
 
 
 def _sdpa_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> bool:
@@ -107,7 +108,7 @@ def _padded_as_segments(query, key, value, scale: float) -> torch.Tensor:
         _warn_once("no fused attention kernel for this padded batch: SDPA's math fallback materialises the scores.")
     plan = make_plan([sq] * b, [sq] * b, query.device)
     out = segment_attention(sbhd_to_thd(query), sbhd_to_thd(key), sbhd_to_thd(value), plan, scale)
-    return out.view(b, sq, hq * d).transpose(0, 1).contiguous()
+    return out.reshape(b, sq, -1).transpose(0, 1).contiguous()
 
 
 def sbhd_to_thd(t: torch.Tensor) -> torch.Tensor:
@@ -117,9 +118,13 @@ def sbhd_to_thd(t: torch.Tensor) -> torch.Tensor:
 
 def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: SegmentPlan,
                       scale: float) -> torch.Tensor:
-    """``[t_q, hq, d]`` queries against ``[t_k, hk, d]`` keys/values laid out as ``plan`` says; returns
-    ``[t_q, hq, d]``."""
+    """``[t_q, hq, d]`` queries against ``[t_k, hk, d]`` keys and ``[t_k, hk, dv]`` values laid out as ``plan``
+    says; returns ``[t_q, hq, dv]``."""
     if query.is_cuda and _varlen_usable(query):
+        dv = value.size(-1)
+        if dv != query.size(-1):  # flash kernels want one head dim: pad the values, drop the padding after
+            value = F.pad(value, (0, query.size(-1) - dv))
+            return _varlen(query, key, value, plan, scale)[..., :dv]
         return _varlen(query, key, value, plan, scale)
     return _sdpa_per_segment(query, key, value, plan, scale)
 
@@ -184,7 +189,7 @@ def _sdpa_per_segment(query, key, value, plan: SegmentPlan, scale: float) -> tor
         q0, k0 = q0 + lq, k0 + lk
     if q0 != query.size(0):
         raise ValueError(f"the packed batch holds {query.size(0)} query tokens but its segments cover {q0}")
-    return torch.cat(outs) if outs else query.new_zeros(query.shape)
+    return torch.cat(outs) if outs else query.new_zeros(*query.shape[:-1], value.size(-1))
 
 
 _WARNED: set[str] = set()
