@@ -51,13 +51,26 @@ GLM_4_5_AIR = dict(model_type="glm4_moe", hidden_size=4096, num_hidden_layers=46
                    n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True, attention_bias=True,
                    use_qk_norm=False, partial_rotary_factor=0.5, vocab_size=151552, max_position_embeddings=131072,
                    rope_theta=1e6, rms_norm_eps=1e-5, tie_word_embeddings=False)
+# Moonlight-16B-A3B (moonshotai/Moonlight-16B-A3B config.json), DeepSeek-V3's architecture: multi-latent attention
+# (no q low rank, kv rank 512, q/k heads 128 + 64 RoPE, values 128), layer 0 dense, 64 routed experts (top 6, one
+# group) + 2 shared; layers set per run.
+MOONLIGHT = dict(model_type="deepseek_v3", hidden_size=2048, num_hidden_layers=27, num_attention_heads=16,
+                 num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                 v_head_dim=128, intermediate_size=11264, moe_intermediate_size=1408, n_routed_experts=64,
+                 n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, n_group=1, topk_group=1,
+                 routed_scaling_factor=2.446, norm_topk_prob=True, vocab_size=163840, max_position_embeddings=8192,
+                 rope_theta=50000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, vocab_size=512, max_position_embeddings=2048)
 SMOKE_SHAPES = {"dense": {**QWEN3_1_7B, **TINY}, "dense8b": {**QWEN3_8B, **TINY},
                 "moe": {**QWEN3_30B_A3B, **TINY, "num_experts": 8, "num_experts_per_tok": 2,
                         "moe_intermediate_size": 32},
                 "glm": {**GLM_4_5_AIR, **TINY, "n_routed_experts": 8, "num_experts_per_tok": 2,
-                        "moe_intermediate_size": 32}}
+                        "moe_intermediate_size": 32},
+                "moonlight": {**MOONLIGHT, **TINY, "num_key_value_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+                              "qk_rope_head_dim": 8, "head_dim": 8, "v_head_dim": 8, "n_routed_experts": 8,
+                              "num_experts_per_tok": 2,
+                              "moe_intermediate_size": 32}}
 # Vision-language shapes, each with its real vision tower (frozen, as LLaMA-Factory's default) and layers set per run:
 # Qwen2.5-VL-7B (32-block windowed tower) and Qwen3-VL-30B-A3B (27-block tower with deepstack, 128 experts).
 QWEN2_5_VL_7B = dict(model_type="qwen2_5_vl",
@@ -87,12 +100,13 @@ QWEN3_VL_30B_A3B = dict(model_type="qwen3_vl_moe",
 VL = {"vl": QWEN2_5_VL_7B, "vl_moe": QWEN3_VL_30B_A3B}
 VL_TEMPLATE = {"qwen2_5_vl": "qwen2_vl", "qwen3_vl_moe": "qwen3_vl_nothink"}
 SMOKE_SHAPES |= {kind: dict(model_type=shape["model_type"]) for kind, shape in VL.items()}  # tiny.py's shapes
-SHAPES = {"dense": QWEN3_1_7B, "dense8b": QWEN3_8B, "moe": QWEN3_30B_A3B, "glm": GLM_4_5_AIR, **VL}
+SHAPES = {"dense": QWEN3_1_7B, "dense8b": QWEN3_8B, "moe": QWEN3_30B_A3B, "glm": GLM_4_5_AIR, "moonlight": MOONLIGHT,
+          **VL}
 LABELS = {"dense": "Qwen3-1.7B shape", "dense8b": "Qwen3-8B shape", "moe": "Qwen3-30B-A3B shape",
-          "glm": "GLM-4.5-Air shape",
+          "glm": "GLM-4.5-Air shape", "moonlight": "Moonlight-16B-A3B shape (DeepSeek-V3 architecture)",
           "vl": "Qwen2.5-VL-7B shape",
           "vl_moe": "Qwen3-VL-30B-A3B shape"}
-MOE_KINDS = ("moe", "vl_moe", "glm")
+MOE_KINDS = ("moe", "vl_moe", "glm", "moonlight")
 
 
 def image_side(kind: str, smoke: bool) -> int:
@@ -207,6 +221,10 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                        "global batch)"),
         Workload("glm_moe", "glm", cut, packed, _pair(1, 8, "1 GPU"), steps=10, warmup=3, layers=2 if smoke else 3,
                  about=f"full fine-tuning of the first 3 layers (1 dense, 2 MoE: as many as fit one H200 with Adam "
+                       f"states), {cut}-token packed micro-batches, global batch 8"),
+        Workload("moonlight", "moonlight", cut, packed, _pair(1, 8, "1 GPU"), steps=10, warmup=3,
+                 layers=2 if smoke else 8,
+                 about=f"full fine-tuning of the first 8 layers (1 dense, 7 MoE: about what fits one H200 with Adam "
                        f"states), {cut}-token packed micro-batches, global batch 8"),
         Workload("lora_dense", "dense8b", cut, packed,
                  _pair(1, 8, "1 GPU", lf_layout="1 GPU, gradient checkpointing (LF default)")
@@ -703,8 +721,8 @@ def _curve_target(name_a: str, a: dict | None, name_b: str, b: dict | None, tol:
 
 
 # tokens/s against LLaMA-Factory (issue 17: dense and MoE; issue 16: LoRA) and MFU of our plain run
-GOALS = {"dense": 3.0, "moe": 5.0, "lora_dense": 1.5, "lora_moe": 3.0, "glm_moe": 3.0}
-MFU_GOALS = {"dense": 0.40, "moe": 0.25, "glm_moe": None}
+GOALS = {"dense": 3.0, "moe": 5.0, "lora_dense": 1.5, "lora_moe": 3.0, "glm_moe": 3.0, "moonlight": 3.0}
+MFU_GOALS = {"dense": 0.40, "moe": 0.25, "glm_moe": None, "moonlight": None}
 
 
 def targets(name: str, data: dict, everything: dict, tol: float) -> list[dict]:
