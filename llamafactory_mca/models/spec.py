@@ -128,7 +128,8 @@ def get_block_spec(config: TransformerConfig, vp_stage: int | None = None,
     ``transformer_layer_spec``; it is per chunk because the layer count depends on ``vp_stage``."""
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    specs = {kind: get_layer_spec(config, kind) for kind in {_is_moe_layer(config, offset + i) for i in range(count)}}
+    moe = [_is_moe_layer(config, offset + i) for i in range(count)]
+    specs = {kind: get_layer_spec(config, kind) for kind in set(moe)}
     if _choice(config) == "te":
         from megatron.core.extensions.transformer_engine import TENorm
 
@@ -137,8 +138,7 @@ def get_block_spec(config: TransformerConfig, vp_stage: int | None = None,
         final_norm = NativeNorm
     else:
         from megatron.core.transformer.transformer_block import LayerNormImpl as final_norm
-    return TransformerBlockSubmodules(layer_specs=[specs[_is_moe_layer(config, offset + i)] for i in range(count)],
-                                      layer_norm=final_norm)
+    return TransformerBlockSubmodules(layer_specs=[specs[kind] for kind in moe], layer_norm=final_norm)
 
 
 def _is_moe_layer(config: TransformerConfig, layer: int) -> bool:

@@ -262,9 +262,13 @@ class DecoderFamily(Family):
             refuse(self.model_type, "attention_bias=True (biases on q, k, v and o)", "Supported: no attention bias.")
         if getattr(hf, "mlp_bias", False):
             refuse(self.model_type, "mlp_bias=True", "Supported: no MLP bias.")
-        check_rope(self.model_type, rope_settings(hf)[1])
+        self.check_rope(hf)
         for part in self.parts():
             part.check(self.model_type, hf)
+
+    def check_rope(self, hf: Any) -> None:
+        """Refuse RoPE scalings we cannot replay from HF (families with their own RoPE override it)."""
+        check_rope(self.model_type, rope_settings(hf)[1])
 
     def transformer(self, hf: Any) -> dict[str, Any]:
         """TransformerConfig fields describing the architecture (never the run's layout)."""
@@ -308,10 +312,14 @@ class DecoderFamily(Family):
             hf_config=hf.to_dict(),
         )
 
+    def layer_ops(self, config: McaConfig, dense_mlp: bool) -> list[Op]:
+        """A decoder layer's norms and attention, and its dense MLP where some layer has one (a family with another
+        attention overrides this)."""
+        return dense_layer(mlp="mlp" if dense_mlp else "", qkv_bias=config.transformer["add_qkv_bias"])
+
     def weights(self, config: McaConfig) -> list[Op]:
         dense_mlp = not all(config.is_moe_layer(i) for i in range(config.num_layers))
-        ops = embeddings(config.tie_word_embeddings) + dense_layer(mlp="mlp" if dense_mlp else "",
-                                                                   qkv_bias=config.transformer["add_qkv_bias"])
+        ops = embeddings(config.tie_word_embeddings) + self.layer_ops(config, dense_mlp)
         for part in self.parts():
             if part is not self.vision:
                 ops += part.weights(config)

@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..config import McaConfig, rope_settings
-from ..mapping import HF_LAYER, LAYER, Op, Rename, embeddings, gated_mlp
+from ..mapping import HF_LAYER, LAYER, Op, Rename, gated_mlp
 from ..registry import register
 from .base import DecoderFamily, MoE, SharedExpert, refuse, warn_untrained_mtp
 
@@ -23,21 +23,20 @@ class DeepseekV3Family(DecoderFamily):
     moe = MoE(shared_expert=SharedExpert(gate=False, hf_name="shared_experts"), sigmoid=True)
 
     def check(self, hf: Any) -> None:
-        if getattr(hf, "hidden_act", "silu") != "silu":
-            refuse(self.model_type, f"hidden_act={hf.hidden_act!r}", "Supported: silu (SwiGLU).")
-        if getattr(hf, "attention_bias", False):
-            refuse(self.model_type, "attention_bias=True", "Megatron's multi-latent attention has no biases.")
+        super().check(hf)  # hidden_act, attention_bias (MLA has no biases), RoPE below, the routing
         if not getattr(hf, "rope_interleave", True):
             refuse(self.model_type, "rope_interleave=False", "Supported: the released checkpoints' interleaved RoPE.")
         if getattr(hf, "quantization_config", None):
             refuse(self.model_type, f"a quantized checkpoint ({hf.quantization_config.get('quant_method', '?')})",
                    "Convert it to bf16 first (DeepSeek's fp8_cast_bf16.py), then point model_name_or_path there.")
+        warn_untrained_mtp(self.model_type, hf)
+
+    def check_rope(self, hf: Any) -> None:
+        """YaRN is Megatron's MLA's own (not replayed from HF's inverse frequencies), so it is allowed here."""
         rope = rope_settings(hf)[1] or {}
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind not in ("default", "yarn") or rope.get("attention_factor") or rope.get("truncate") is False:
             refuse(self.model_type, f"rope scaling {rope}", "Supported: none, or YaRN with mscale / mscale_all_dim.")
-        self.moe.check(self.model_type, hf)
-        warn_untrained_mtp(self.model_type, hf)
 
     def transformer(self, hf: Any) -> dict[str, Any]:
         fields = super().transformer(hf)
@@ -61,12 +60,9 @@ class DeepseekV3Family(DecoderFamily):
     def config_from_hf(self, hf: Any) -> McaConfig:
         return replace(super().config_from_hf(hf), rope_parameters=None)  # YaRN lives in the MLA fields above
 
-    def weights(self, config: McaConfig) -> list[Op]:
-        t = config.transformer
-        ops = embeddings(config.tie_word_embeddings) + _mla_layer(t["q_lora_rank"] is not None)
-        if not all(config.is_moe_layer(i) for i in range(config.num_layers)):
-            ops += gated_mlp(f"{LAYER}mlp", f"{HF_LAYER}mlp")
-        return ops + self.moe.weights(config)
+    def layer_ops(self, config: McaConfig, dense_mlp: bool) -> list[Op]:
+        ops = _mla_layer(config.transformer["q_lora_rank"] is not None)
+        return ops + (gated_mlp(f"{LAYER}mlp", f"{HF_LAYER}mlp") if dense_mlp else [])
 
 
 def _mla_layer(q_lora: bool) -> list[Op]:
