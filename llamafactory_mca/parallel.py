@@ -122,7 +122,9 @@ def check_layout(config: Any, layout: ParallelLayout, custom_pipeline_layout: bo
     t = config.transformer
     tp, pp, vpp, ep, etp = layout.tp, layout.pp, layout.vpp or 1, layout.ep, layout.etp
     heads, groups, _ = config.attention
-    dense_ffn = None if config.num_experts else t["ffn_hidden_size"]
+    # the dense MLP's width, where some layer has one (DeepSeek-V3 and GLM-4.5 start with dense layers)
+    has_dense = not all(config.is_moe_layer(i) for i in range(t["num_layers"]))
+    dense_ffn = t["ffn_hidden_size"] if has_dense else None
 
     def tp_fits(d: int) -> bool:
         return heads % d == 0 and groups % d == 0 and (dense_ffn is None or dense_ffn % d == 0)
@@ -144,6 +146,9 @@ def check_layout(config: Any, layout: ParallelLayout, custom_pipeline_layout: bo
         if moe_ffn % etp:
             problems.append(f"expert_tensor_parallel_size={etp} does not divide moe_ffn_hidden_size={moe_ffn} "
                             f"(sizes that fit: {_listing(d for d in _divisors(moe_ffn) if d <= 64)})")
+    if t.get("multi_latent_attention") and layout.cp > 1:
+        problems.append(f"context_parallel_size={layout.cp} with multi-latent attention is not supported by the "
+                        "native attention yet (use context_parallel_size: 1)")
     layers, stages = t["num_layers"], pp * vpp
     if not custom_pipeline_layout and (stages > layers or layers % stages):
         pp_fits = _listing(d // vpp for d in _divisors(layers) if d % vpp == 0)

@@ -217,6 +217,8 @@ def _layout(**sizes):
     ("qwen3", {"tp": 8}, "does not divide num_attention_heads=4"),
     ("qwen3", {"tp": 4}, "does not divide the key/value heads"),
     ("llama_odd_ffn", {"tp": 2}, "does not divide ffn_hidden_size=93"),
+    ("glm4_moe_odd_ffn", {"tp": 2}, "does not divide ffn_hidden_size=93"),  # its dense first layer's MLP
+    ("deepseek_v3", {"cp": 2}, "context_parallel_size=2 with multi-latent attention is not supported"),
     ("mixtral", {"ep": 2}, "expert_model_parallel_size=2 does not divide num_experts=3"),
     ("qwen3_moe", {"etp": 3}, "expert_tensor_parallel_size=3 does not divide moe_ffn_hidden_size=32"),
     ("llama", {"pp": 8}, "8 stages is more than num_layers=4"),
@@ -226,7 +228,8 @@ def test_layout_errors_name_the_sizes(name, sizes, message, tiny_models, tmp_pat
     from llamafactory_mca.models.auto import AutoConfig
     from llamafactory_mca.parallel import check_layout
 
-    path = tiny_models.get(name) or save_tiny_model("llama", str(tmp_path / name), intermediate_size=93)
+    path = tiny_models.get(name) or save_tiny_model(name.removesuffix("_odd_ffn"), str(tmp_path / name),
+                                                    intermediate_size=93)
     with pytest.raises(ValueError, match=message):
         check_layout(AutoConfig.from_pretrained(path), _layout(**sizes))
 
