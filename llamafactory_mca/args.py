@@ -107,7 +107,14 @@ class DistributingParallelArguments:
         default=None, metadata={"help": "The language-model loss from the bf16 logits without Megatron's fp32 copy of "
                                         "them (models/native/cross_entropy.py); default on. false: Megatron's."}
     )
-    mtp_num_layers: int | None = field(default=None, metadata={"help": "Multi-token-prediction layers."})
+    mtp_num_layers: int | None = field(
+        default=None, metadata={"help": "Multi-token-prediction layers (DeepSeek-V3, GLM-4.5): unset trains the "
+                                        "checkpoint's (pt, sft); 0 leaves them out (LoRA and dpo runs do)."}
+    )
+    mtp_loss_scaling_factor: float | None = field(
+        default=None, metadata={"help": "Weight of the multi-token-prediction loss in the gradient (Megatron's "
+                                        "default 0.1)."}
+    )
     calculate_per_token_loss: bool | None = field(default=None, metadata={"help": "Per-token loss scaling."})
     variable_seq_lengths: bool | None = field(
         default=None, metadata={"help": "Micro-batches of different lengths (set automatically when needed)."}
@@ -237,6 +244,9 @@ class DistributingParallelArguments:
             )
         if self.mtp_num_layers is not None:
             _require(self.mtp_num_layers >= 0, f"mtp_num_layers={self.mtp_num_layers} must be >= 0.")
+        if self.mtp_loss_scaling_factor is not None:
+            _require(self.mtp_loss_scaling_factor >= 0,
+                     f"mtp_loss_scaling_factor={self.mtp_loss_scaling_factor} must be >= 0.")
 
     def _check_fp8(self) -> None:
         if self.fp8 is None:

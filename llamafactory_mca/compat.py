@@ -7,7 +7,7 @@ dropped when that version is no longer supported.
 from __future__ import annotations
 
 import importlib.util
-from functools import cache
+from functools import cache, partial
 
 from packaging.version import Version
 
@@ -79,6 +79,14 @@ def apply_megatron_fixes() -> None:
         multi_latent_attention.HAVE_TE = False
         multi_latent_attention.TELinear = multi_latent_attention.TEColumnParallelLinear = None
 
+    # megatron-core 0.16.x: multi-token prediction shifts packed (THD) tokens, labels and masks one sequence at a
+    # time, slicing by cu_seqlens values on the host (a sync per sequence, four tensors per micro-batch). Without
+    # context parallelism one roll and one scatter on the device give the same.
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    if getattr(mtp._roll_tensor_packed_seq, "__module__", "") == mtp.__name__:
+        mtp._roll_tensor_packed_seq = partial(roll_packed_left, mtp._roll_tensor_packed_seq)
+
     # megatron-core 0.16.x without apex: `gradient_accumulation_fusion` needs apex's fused_weight_gradient_mlp_cuda;
     # torch's addmm with out_dtype is the same GEMM (`models/native/wgrad.py`).
     from megatron.core.tensor_parallel import layers
@@ -88,6 +96,18 @@ def apply_megatron_fixes() -> None:
     if not layers._grad_accum_fusion_available and wgrad.available():
         layers.fused_weight_gradient_mlp_cuda = wgrad
         layers._grad_accum_fusion_available = True
+
+
+def roll_packed_left(megatron_roll, tensor, shifts, dims, packed_seq_params, cp_group=None):
+    """Each packed sequence of ``tensor`` ([.., tokens]) moved one position left, its last position zeroed; (the
+    result, its sum) as Megatron's ``_roll_tensor_packed_seq`` returns. Under context parallelism: Megatron's."""
+    import torch
+
+    if (cp_group is not None and cp_group.size() > 1) or shifts != -1 or dims not in (-1, tensor.dim() - 1):
+        return megatron_roll(tensor, shifts, dims, packed_seq_params, cp_group)
+    rolled = torch.roll(tensor, shifts=-1, dims=-1)
+    rolled[..., packed_seq_params.cu_seqlens_q[1:].long() - 1] = 0
+    return rolled, rolled.sum()
 
 
 def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):

@@ -169,7 +169,7 @@ def preflight(argv: list[str]) -> Plan:
     from .hub import resolve_model
     from .models.auto import AutoConfig
     from .parallel import check_layout, min_world_size
-    from .workflow import check_model_fits, packing_request
+    from .workflow import check_model_fits, packing_request, plan_mtp
 
     recipe = read_recipe(argv)
     check_keys(recipe, _recipe_name(argv))
@@ -181,7 +181,8 @@ def preflight(argv: list[str]) -> Plan:
     _, cutoff_len = packing_request(data_args, training_args, recipe)
     layout = training_args.resolve_layout(world, seq_length=cutoff_len)
     model_path = resolve_model(model_args.model_name_or_path, model_args)
-    config = AutoConfig.from_pretrained(model_path, training_args, model_args.trust_remote_code)
+    config = plan_mtp(AutoConfig.from_pretrained(model_path, training_args, model_args.trust_remote_code),
+                      finetuning_args.stage, finetuning_args, training_args)
     custom = training_args.pipeline_model_parallel_layout is not None
     check_layout(config, layout, custom)
     check_model_fits(config, cutoff_len, finetuning_args.stage, layout, custom)

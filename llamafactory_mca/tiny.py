@@ -31,18 +31,18 @@ TINY: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(BASE, **MOE, num_experts=4, head_dim=16, norm_topk_prob=True, decoder_sparse_step=1,
                       mlp_only_layers=[]),
     # GLM-4.5's layout: layer 0 dense, then 4 routed experts in 2 groups (top-2 of them, from the best group),
-    # one shared expert, q/k/v biases, qk-norm, RoPE on half of each head
+    # one shared expert, q/k/v biases, qk-norm, RoPE on half of each head, a multi-token-prediction layer
     "glm4_moe": dict(BASE, **MOE, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
                      topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
-                     use_qk_norm=True, head_dim=16, partial_rotary_factor=0.5),
+                     use_qk_norm=True, head_dim=16, partial_rotary_factor=0.5, num_nextn_predict_layers=1),
     # DeepSeek-V3's layout on the same routing: multi-latent attention (q and kv low rank, RoPE on 4 of each head's
-    # 12 q/k dims, value heads of 6), YaRN x4
+    # 12 q/k dims, value heads of 6), YaRN x4, a multi-token-prediction layer
     "deepseek_v3": dict(BASE, **MOE, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
                         first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
                         norm_topk_prob=True, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
                         v_head_dim=6, rope_scaling={"type": "yarn", "factor": 4.0, "mscale": 1.0,
                                                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 128,
-                                                    "beta_fast": 32, "beta_slow": 1}),
+                                                    "beta_fast": 32, "beta_slow": 1}, num_nextn_predict_layers=1),
     "mixtral": dict(BASE, intermediate_size=32, num_local_experts=3, num_experts_per_tok=2, router_aux_loss_coef=0.0,
                     sliding_window=None),
 }
@@ -94,11 +94,48 @@ def save_tiny_model(name: str, directory: str, seed: int = 0, dtype: torch.dtype
     config = tiny_hf_config(name, **overrides)
     auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     model = auto.from_config(config, dtype=dtype)
-    for name_, buffer in model.named_buffers():
-        if name_.endswith("e_score_correction_bias"):  # zeros as initialised: a mapping slip would go unseen
-            buffer.copy_(torch.randn(buffer.shape) * 0.2)
+    _randomize_correction_bias(model)
     model.save_pretrained(directory)
+    if getattr(config, "num_nextn_predict_layers", 0):
+        _add_mtp_layers(config, directory, dtype)
     return directory
+
+
+def _randomize_correction_bias(model: Any) -> None:
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # zeros as initialised: a mapping slip would go unseen
+            buffer.copy_(torch.randn(buffer.shape) * 0.2)
+
+
+@torch.no_grad()
+def _add_mtp_layers(config: Any, directory: str, dtype: torch.dtype) -> None:
+    """Multi-token-prediction layers as DeepSeek-V3's and GLM-4.5's checkpoints store them: decoder layer
+    ``num_hidden_layers + k`` (saved by transformers itself, from a model one layer deeper) plus ``enorm``,
+    ``hnorm``, ``eh_proj``, ``shared_head.norm`` and copies of the embedding and output layer. transformers'
+    save_pretrained drops them from the model proper."""
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    path, layers = os.path.join(directory, "model.safetensors"), config.num_hidden_layers
+    tensors, hidden = load_file(path), config.hidden_size
+    deeper = type(config)(**{**config.to_dict(), "num_hidden_layers": layers + config.num_nextn_predict_layers,
+                             "num_nextn_predict_layers": 0})
+    model = AutoModelForCausalLM.from_config(deeper, dtype=dtype)
+    _randomize_correction_bias(model)
+    with tempfile.TemporaryDirectory() as scratch:
+        model.save_pretrained(scratch)
+        saved = load_file(os.path.join(scratch, "model.safetensors"))
+    for k in range(config.num_nextn_predict_layers):
+        prefix = f"model.layers.{layers + k}."
+        tensors.update({name: t for name, t in saved.items() if name.startswith(prefix)})
+        for norm in ("enorm", "hnorm", "shared_head.norm"):  # not ones: a swapped norm would go unseen
+            tensors[f"{prefix}{norm}.weight"] = (1 + 0.1 * torch.randn(hidden)).to(dtype)
+        tensors[f"{prefix}eh_proj.weight"] = (torch.randn(hidden, 2 * hidden) * config.initializer_range).to(dtype)
+        tensors[f"{prefix}embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[f"{prefix}shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -65,6 +65,24 @@ def check_request(stage: str, model_args: Any, data_args: Any, training_args: An
     _check_output_dir(training_args.output_dir)
 
 
+def plan_mtp(config: Any, stage: str, finetuning_args: Any, training_args: Any, say: bool = False) -> Any:
+    """The model's multi-token-prediction layers for this run: trained in pt and sft; left out in LoRA runs (a peft
+    adapter has no place for them, and the base model keeps its own) and dpo runs (their loss is next-token
+    prediction of the chosen answer, not a preference), unless the recipe sets ``mtp_num_layers``."""
+    from .models.auto import resolve_mtp
+
+    if config.mtp_num_layers and training_args.mtp_num_layers is None and (
+            stage == "dpo" or finetuning_args.finetuning_type == "lora"):
+        training_args.mtp_num_layers = 0
+        if say:
+            why = "LoRA" if finetuning_args.finetuning_type == "lora" else "dpo"
+            exported = ("the base model keeps them" if why == "LoRA" else
+                        "the exported model has none, like LLaMA-Factory's default path's")
+            logger.warning("%s: the checkpoint's %d multi-token-prediction layer(s) are not trained in a %s run "
+                           "(%s).", config.hf_model_type, config.mtp_num_layers, why, exported)
+    return resolve_mtp(config, training_args)
+
+
 def _check_output_dir(output_dir: str) -> None:
     """Try a write where the folder will be created (permission bits alone say nothing for root)."""
     import tempfile
@@ -230,6 +248,7 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
         lock = run_lock.acquire(training_args.output_dir)
     _resolve_model_once_per_node(model_args, finetuning_args)
     config = AutoConfig.from_pretrained(model_args.model_name_or_path, training_args, model_args.trust_remote_code)
+    config = plan_mtp(config, stage, finetuning_args, training_args, say=torch.distributed.get_rank() == 0)
     custom = training_args.pipeline_model_parallel_layout is not None
     check_layout(config, layout, custom)
     check_model_fits(config, cutoff_len, stage, layout, custom)

@@ -174,7 +174,9 @@ def test_deepseek_style_moe_sft_matches_llamafactory_and_merges(family, hf_class
     GLM: partial RoPE, q/k/v biases, qk-norm; DeepSeek: multi-latent attention with YaRN) through the real command:
     step 1's loss is LLaMA-Factory's default path's on the same
     rows (8 rows, one global batch of all of them: row order cannot matter), the loss falls, and the merged checkpoint
-    is a Hugging Face model transformers loads."""
+    is a Hugging Face model transformers loads. Both tiny models carry a multi-token-prediction layer: it trains (its
+    loss is logged beside the next-token loss, which stays the one compared) and is merged back with its copies of the
+    embedding and output layer."""
     import yaml
     from transformers import AutoModelForCausalLM
 
@@ -189,6 +191,7 @@ def test_deepseek_style_moe_sft_matches_llamafactory_and_merges(family, hf_class
     ok(result, output)
     ours = losses(tmp_path / "out")
     assert f"llamafactory_mca: training {family}" in output and ours[4] < ours[1], ours
+    assert "| mtp loss " in output, output[-3000:]
 
     default = {k: v for k, v in config.items() if k not in ("save_strategy", "save_steps")}
     default.update(output_dir=str(tmp_path / "default"), max_steps=1)
@@ -208,14 +211,28 @@ def test_deepseek_style_moe_sft_matches_llamafactory_and_merges(family, hf_class
     hf = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
     trained = dict(hf.named_buffers())["model.layers.1.mlp.gate.e_score_correction_bias"]
     assert type(hf).__name__ == hf_class and torch.isfinite(trained).all()
+    start, end = _weights(model), _weights(merged)
+    mtp = "model.layers.4."
+    assert {k for k in start if k.startswith(mtp)} == {k for k in end if k.startswith(mtp)}
+    assert not torch.equal(start[mtp + "eh_proj.weight"], end[mtp + "eh_proj.weight"])  # trained
+    assert torch.equal(end[mtp + "embed_tokens.weight"], end["model.embed_tokens.weight"])
+    assert torch.equal(end[mtp + "shared_head.head.weight"], end["lm_head.weight"])
 
 
-def test_glm4_moe_dpo_trains(assets, tmp_path):
-    """DPO on GLM-4.5's layout through the real command: the reference is the starting model (ln 2 at step 1), the
-    loss falls."""
+def _weights(directory) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for f in os.listdir(directory) if f.endswith(".safetensors")
+            for k, v in load_file(os.path.join(directory, f)).items()}
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+def test_deepseek_style_moe_dpo_trains(family, assets, tmp_path):
+    """DPO on GLM-4.5's and DeepSeek-V3's layouts through the real command: the reference is the starting model
+    (ln 2 at step 1), the loss falls, and the run says its multi-token-prediction layer is not trained."""
     from llamafactory_mca.tiny import save_tiny_model, save_tiny_tokenizer
 
-    model = save_tiny_model("glm4_moe", str(tmp_path / "glm"), vocab_size=assets["vocab"])
+    model = save_tiny_model(family, str(tmp_path / "glm"), vocab_size=assets["vocab"])
     save_tiny_tokenizer(model)
     config = recipe(assets, tmp_path / "dpo", model_name_or_path=model, stage="dpo", dataset="tiny_alpaca",
                     dataset_dir=assets["dpo"], pref_beta=0.1, learning_rate=3e-4, gradient_accumulation_steps=2,
@@ -224,3 +241,4 @@ def test_glm4_moe_dpo_trains(assets, tmp_path):
     ok(result, output)
     curve = losses(tmp_path / "dpo")
     assert abs(curve[1] - 0.6931) < 1e-3 and curve[4] < curve[1], curve
+    assert "1 multi-token-prediction layer(s) are not trained in a dpo run" in output

@@ -46,7 +46,40 @@ class AutoConfig:
         from transformers import AutoConfig as HfAutoConfig
 
         hf = HfAutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        return get_family(hf.model_type).config_from_hf(hf)
+        return _drop_missing_mtp(get_family(hf.model_type).config_from_hf(hf), path)
+
+
+def _drop_missing_mtp(config: McaConfig, path: str) -> McaConfig:
+    """A config declaring multi-token-prediction layers whose safetensors files hold none (transformers'
+    save_pretrained drops them, so a model fine-tuned by LLaMA-Factory's default path has none) trains without them,
+    as that path does; said once."""
+    if not config.mtp_num_layers:
+        return config
+    try:
+        names = SafetensorsSource(path).keys()
+    except Exception:  # no weights here (a config-only folder): loading says what is missing
+        return config
+    if f"model.layers.{config.num_layers}.eh_proj.weight" in names:
+        return config
+    logger.warning("%s: config.json declares %d multi-token-prediction layer(s) (num_nextn_predict_layers), but %s "
+                   "holds no weights for them (transformers' save_pretrained drops them): training without them.",
+                   config.hf_model_type, config.mtp_num_layers, path)
+    return config.without_mtp()
+
+
+def resolve_mtp(config: McaConfig, args: Any) -> McaConfig:
+    """The model's multi-token-prediction layers as the run wants them: the recipe's ``mtp_num_layers`` (unset: the
+    model's; 0: leave them out, as LoRA and DPO runs do)."""
+    asked = getattr(args, "mtp_num_layers", None)
+    if asked is None or asked == config.mtp_num_layers:
+        return config
+    if asked == 0:
+        return config.without_mtp()
+    from ..errors import UserError
+
+    raise UserError(f"mtp_num_layers={asked}: {config.hf_model_type} has {config.mtp_num_layers} multi-token-"
+                     "prediction layer(s) in its checkpoint. Leave mtp_num_layers unset to train them, or set 0 to "
+                     "leave them out.")
 
 
 def _engine_fields(config: McaConfig, args: Any) -> dict[str, Any]:
@@ -91,6 +124,7 @@ def _engine_fields(config: McaConfig, args: Any) -> dict[str, Any]:
 def build_transformer_config(config: McaConfig, args: Any = None):
     """Architecture (config) + engine defaults + the run's explicit overrides (args), in that order."""
     overrides = args.get_config_dict() if args is not None else {}
+    overrides.pop("mtp_num_layers", None)  # the config's, after resolve_mtp
     engine = {k: v for k, v in _engine_fields(config, args).items() if k not in overrides}
     if not config.num_experts:  # MoE knobs in a recipe shared between dense and MoE models
         overrides = {k: v for k, v in overrides.items() if not k.startswith("moe_")}
@@ -126,7 +160,11 @@ class McaModel:
     def sharded_state_dict(self) -> dict[str, Any]:
         """Megatron's sharded state dict for dist checkpointing (keys are global: any layout reloads it). With LoRA
         only the adapters (and ``additional_target`` modules): the frozen base comes from ``model_name_or_path``."""
-        states = [chunk.sharded_state_dict() for chunk in self.chunks]
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+        # GPTModel needs the data-parallel group where a later stage holds a copy of the embedding (multi-token
+        # prediction's); megatron-core's other modules fill it in themselves
+        states = [chunk.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None)) for chunk in self.chunks]
         if self.lora is not None:
             from .lora import adapter_state
 
@@ -236,6 +274,7 @@ class AutoModel:
         from ..parallel import check_layout
         from . import spec
 
+        config = resolve_mtp(config, args)
         check_layout(config, _current_layout(), getattr(args, "pipeline_model_parallel_layout", None) is not None)
         tc = build_transformer_config(config, args)
         tp = ps.get_tensor_model_parallel_world_size()
@@ -254,6 +293,7 @@ class AutoModel:
                 share_embeddings_and_output_weights=config.tie_word_embeddings,
                 position_embedding_type="mrope" if config.transformer.get("mrope_section") else "rope",
                 rotary_base=config.rotary_base, rotary_percent=config.rotary_percent, vp_stage=vp_stage,
+                mtp_block_spec=spec.get_mtp_block_spec(tc, vp_stage),
             )
             if inv_freq is not None:
                 chunk.rotary_pos_emb.inv_freq = inv_freq.to(chunk.rotary_pos_emb.inv_freq.device)

@@ -38,10 +38,14 @@ def attention_shape(transformer: dict[str, Any]) -> AttentionShape:
 
 def is_moe_layer(num_experts: int | None, moe_layer_freq: int | list[int], layer: int) -> bool:
     """Whether global decoder layer ``layer`` (from 0) is an MoE layer, by Megatron's ``moe_layer_freq``: an int N
-    makes every N-th layer from layer 0 sparse, a list marks each layer 1 (MoE) or 0 (dense)."""
+    makes every N-th layer from layer 0 sparse, a list marks each layer 1 (MoE) or 0 (dense). A multi-token-
+    prediction layer (``layer`` past the list) is of the last decoder layer's kind, as its spec is
+    (``spec.get_mtp_block_spec``)."""
     if not num_experts:
         return False
-    return bool(moe_layer_freq[layer]) if isinstance(moe_layer_freq, list) else layer % moe_layer_freq == 0
+    if isinstance(moe_layer_freq, list):
+        return bool(moe_layer_freq[min(layer, len(moe_layer_freq) - 1)])
+    return layer % moe_layer_freq == 0
 
 
 @dataclass
@@ -69,6 +73,20 @@ class McaConfig:
     @property
     def num_layers(self) -> int:
         return self.transformer["num_layers"]
+
+    @property
+    def mtp_num_layers(self) -> int:
+        """Multi-token-prediction layers (DeepSeek-V3, GLM-4.5): canonically decoder layers ``num_layers`` on."""
+        return self.transformer.get("mtp_num_layers") or 0
+
+    @property
+    def num_layers_with_mtp(self) -> int:
+        return self.num_layers + self.mtp_num_layers
+
+    def without_mtp(self) -> McaConfig:
+        """This config with its multi-token-prediction layers left out (not built, trained or exported)."""
+        transformer = {k: v for k, v in self.transformer.items() if k != "mtp_num_layers"}
+        return dataclasses.replace(self, transformer=transformer)
 
     @property
     def num_experts(self) -> int | None:

@@ -23,7 +23,7 @@ from .dist_reader import DistCheckpointReader
 from .families import get_family
 from .hf_io import INDEX_NAME, ShardedWriter, copy_side_files, write_hf_config
 from .loading import dims_for
-from .mapping import WeightTable, fill, in_moe_layers, split_expert, te_norm_name
+from .mapping import WeightTable, fill, in_moe_layers, is_mtp_only, split_expert, stored_mtp_name, te_norm_name
 
 
 def stored_keys(pattern: str) -> list[str]:
@@ -31,6 +31,10 @@ def stored_keys(pattern: str) -> list[str]:
     spec keeps layer norms under its fused linears' names)."""
     key = pattern.replace("decoder.layers.*.", "decoder.layers.").replace(
         ".mlp.experts.local_experts.*.", ".mlp.experts.experts.")
+    return _with_te_norm(key)
+
+
+def _with_te_norm(key: str) -> list[str]:
     stored = te_norm_name(key)
     return [key] if stored == key else [key, stored]
 
@@ -49,7 +53,8 @@ def _index_ranges(pattern: str, config: McaConfig, reader: DistCheckpointReader 
         regex = re.compile("^" + re.escape(pattern).replace(r"\*", r"(\d+)") + "$")
         return sorted(tuple(map(int, m.groups())) for key in reader.keys() if (m := regex.match(key)))
     kind = in_moe_layers(pattern)
-    layers = [i for i in range(config.num_layers) if kind is None or config.is_moe_layer(i) == kind]
+    first = config.num_layers if is_mtp_only(pattern) else 0  # multi-token prediction's parts: its layers only
+    layers = [i for i in range(first, config.num_layers_with_mtp) if kind is None or config.is_moe_layer(i) == kind]
     if stars == 1:
         return [(i,) for i in layers]
     return [(i, e) for i in layers for e in range(config.num_experts or 0)]
@@ -64,7 +69,7 @@ def iter_hf_tensors(reader: DistCheckpointReader, config: McaConfig, dtype: torc
     # Tensors outside the decoder layers first, then each layer's together (one layer's group in memory at a time).
     order = [(op, idx) for op in ops if not op.mca.startswith(_LAYERS)
              for idx in _index_ranges(op.mca, config, reader)]
-    for layer in range(config.num_layers):
+    for layer in range(config.num_layers_with_mtp):
         for op in ops:
             if op.mca.startswith(_LAYERS):
                 order += [(op, idx) for idx in _index_ranges(op.mca, config, reader) if idx[0] == layer]
@@ -85,6 +90,11 @@ def iter_hf_tensors(reader: DistCheckpointReader, config: McaConfig, dtype: torc
 
 def _read(reader: DistCheckpointReader, pattern: str, index: tuple[int, ...], config: McaConfig) -> torch.Tensor:
     """One canonical tensor (a layer's, an expert's) from wherever the checkpoint stored it."""
+    if index and pattern.startswith(_LAYERS) and index[0] >= config.num_layers:  # a multi-token-prediction layer
+        layer = stored_mtp_name(pattern.replace("*", str(index[0]), 1), config.num_layers)
+        for key in _with_te_norm(layer.replace(".mlp.experts.local_experts.*.", ".mlp.experts.experts.")):
+            if key in reader:
+                return reader.read(key, index[1:])
     for key in stored_keys(pattern):
         if not index or not pattern.startswith(_LAYERS):
             if fill(key, index) in reader:

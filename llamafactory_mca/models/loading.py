@@ -18,7 +18,7 @@ from megatron.core import parallel_state as ps
 
 from ..errors import UserError
 from .config import McaConfig
-from .mapping import Dims, Shard, Source, WeightTable, canonical_norm_name
+from .mapping import Dims, Shard, Source, WeightTable, canonical_mtp_name, canonical_norm_name
 
 
 _TE_GROUPED = re.compile(r"^(.*\.mlp\.experts)\.linear_fc([12])\.weight(\d+)$")
@@ -67,6 +67,7 @@ def _global_layer_names(chunk: torch.nn.Module) -> dict[str, str]:
 
 def local_targets(chunk: torch.nn.Module, num_experts: int | None = None) -> Iterator[Target]:
     layer_names = _global_layer_names(chunk)
+    num_layers = chunk.config.num_layers
     ep_rank = ps.get_expert_model_parallel_rank()
     ep_size = ps.get_expert_model_parallel_world_size()
     local_experts = (num_experts or 0) // max(ep_size, 1)
@@ -78,7 +79,7 @@ def local_targets(chunk: torch.nn.Module, num_experts: int | None = None) -> Ite
             if name.startswith(local):
                 name = glob + name[len(local):]
                 break
-        name = canonical_norm_name(name)
+        name = canonical_norm_name(canonical_mtp_name(name, num_layers))
         data = param.data
         if match := _LEGACY_GROUPED.match(name):
             prefix, which = match.group(1), match.group(2)

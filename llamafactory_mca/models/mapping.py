@@ -14,6 +14,7 @@ slice, and the exporter stacks the experts back into one tensor (``split_expert`
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -110,12 +111,13 @@ def _part(src: Source, name: str, shard: Shard | None) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Rename(Op):
-    """One HF tensor is the Megatron tensor. ``vocab``: rows padded up to the padded vocabulary."""
+    """One HF tensor is the Megatron tensor (further HF names: copies of it, written on export and never read).
+    ``vocab``: rows padded up to the padded vocabulary."""
 
     vocab: bool = False
 
     def load(self, src, names, shard, dims):
-        (name,) = names
+        name = names[0]  # the others are copies of it (``embeddings``: multi-token prediction's)
         if not self.vocab:
             return _part(src, name, shard)
         lo, hi = (0, dims.padded_vocab_size) if shard is None else shard.bounds(dims.padded_vocab_size)
@@ -130,7 +132,8 @@ class Rename(Op):
         return pad if real is None else torch.cat([real, pad])
 
     def to_hf(self, tensor, dims):
-        return [tensor[: dims.vocab_size] if self.vocab else tensor]
+        tensor = tensor[: dims.vocab_size] if self.vocab else tensor
+        return [tensor] + [tensor.clone() for _ in self.hf[1:]]  # safetensors refuses tensors sharing memory
 
 
 @dataclass(frozen=True)
@@ -275,13 +278,54 @@ def canonical_norm_name(name: str) -> str:
     return _rename_norm(name, [(te, ours) for ours, te in NORM_ALIASES.items()])
 
 
-def embeddings(tied: bool) -> list[Op]:
+def embeddings(tied: bool, mtp_layers: range = range(0)) -> list[Op]:
+    """The embedding, final norm and output layer. ``mtp_layers``: the HF layer indices of multi-token-prediction
+    layers, whose checkpoint entries repeat the embedding and the output layer (``embed_tokens``,
+    ``shared_head.head``); Megatron's MTP shares the model's, so those copies are written back and never read."""
+    embed = ["model.embed_tokens.weight"] + [f"model.layers.{i}.embed_tokens.weight" for i in mtp_layers]
+    heads = [f"model.layers.{i}.shared_head.head.weight" for i in mtp_layers]
     return [
-        Rename("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), vocab=True),
+        Rename("embedding.word_embeddings.weight", tuple(embed + (heads if tied else [])), vocab=True),
         Rename("decoder.final_layernorm.weight", ("model.norm.weight",)),
-        Rename("output_layer.weight", ("model.embed_tokens.weight",) if tied else ("lm_head.weight",),
+        Rename("output_layer.weight", ("model.embed_tokens.weight",) if tied else ("lm_head.weight", *heads),
                vocab=True, export=not tied),
     ]
+
+
+# Multi-token prediction (DeepSeek-V3, GLM-4.5). Megatron builds MTP layer k as ``mtp.layers.<k>.`` around a
+# ``transformer_layer``; HF checkpoints store it as decoder layer ``num_layers + k``. Canonically it is that decoder
+# layer: its transformer layer's tensors take the decoder-layer names (and ops), the MTP parts sit under ``mtp.``.
+MTP_PARTS = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "final_layernorm": "shared_head.norm"}
+_MTP_LOCAL = re.compile(r"^mtp\.layers\.(\d+)\.(transformer_layer\.)?(.*)$")
+_MTP_CANONICAL = re.compile(r"^decoder\.layers\.(\d+)\.(mtp\.)?(.*)$")
+
+
+def mtp_ops() -> list[Op]:
+    """The MTP layers' own tensors (their transformer layers map as decoder layers)."""
+    return [Rename(f"{LAYER}mtp.{ours}.weight", (f"{HF_LAYER}{theirs}.weight",)) for ours, theirs in MTP_PARTS.items()]
+
+
+def is_mtp_only(pattern: str) -> bool:
+    return pattern.startswith(f"{LAYER}mtp.")
+
+
+def canonical_mtp_name(name: str, num_layers: int) -> str:
+    """``mtp.layers.k.transformer_layer.X`` → ``decoder.layers.<num_layers + k>.X``; ``mtp.layers.k.enorm.weight`` →
+    ``decoder.layers.<num_layers + k>.mtp.enorm.weight``; other names unchanged."""
+    match = _MTP_LOCAL.match(name)
+    if match is None:
+        return name
+    layer, inner, rest = int(match.group(1)) + num_layers, match.group(2), match.group(3)
+    return f"decoder.layers.{layer}.{rest}" if inner else f"decoder.layers.{layer}.mtp.{rest}"
+
+
+def stored_mtp_name(name: str, num_layers: int) -> str:
+    """The inverse of ``canonical_mtp_name`` for layers past ``num_layers``: the name Megatron's MTP block uses."""
+    match = _MTP_CANONICAL.match(name)
+    if match is None or int(match.group(1)) < num_layers:
+        return name
+    k, mtp_part, rest = int(match.group(1)) - num_layers, match.group(2), match.group(3)
+    return f"mtp.layers.{k}.{rest}" if mtp_part else f"mtp.layers.{k}.transformer_layer.{rest}"
 
 
 class WeightTable:

@@ -141,6 +141,28 @@ def get_block_spec(config: TransformerConfig, vp_stage: int | None = None,
     return TransformerBlockSubmodules(layer_specs=[specs[kind] for kind in moe], layer_norm=final_norm)
 
 
+def get_mtp_block_spec(config: TransformerConfig, vp_stage: int | None = None) -> Any:
+    """The multi-token-prediction block of the chunk that holds it (the last pipeline stage), else None. Each MTP
+    layer's transformer layer is of the last decoder layer's kind (``config.is_moe_layer``); its norms and
+    projection come from the same choice as the decoder's."""
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlockSubmodules,
+        get_mtp_layer_spec_for_backend,
+        mtp_on_this_rank,
+    )
+
+    if not config.mtp_num_layers or not mtp_on_this_rank(config, ignore_virtual=False, vp_stage=vp_stage):
+        return None
+    choice = _choice(config)
+    if choice == "te":
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider as backend
+    else:
+        backend = LocalSpecProvider if choice == "local" else _NativeBackend
+    layer = get_layer_spec(config, _is_moe_layer(config, config.num_layers))
+    return MultiTokenPredictionBlockSubmodules(
+        layer_specs=[get_mtp_layer_spec_for_backend(layer, backend())] * config.mtp_num_layers)
+
+
 def _is_moe_layer(config: TransformerConfig, layer: int) -> bool:
     return is_moe_layer(config.num_moe_experts, config.moe_layer_freq, layer)
 

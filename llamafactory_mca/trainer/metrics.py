@@ -45,9 +45,9 @@ def flops_per_sequence_set(t: dict[str, Any], vocab_size: int, seqlens: Sequence
         moe += 2 * tokens * h * (t.get("moe_shared_expert_intermediate_size") or 0) * glu
         moe += 2 * tokens * h * t["num_moe_experts"]
     dense = 2 * tokens * h * t["ffn_hidden_size"] * glu
-    moe_layers = _moe_layer_count(t)
-    forward = (per_layer * t["num_layers"] + moe * moe_layers + dense * (t["num_layers"] - moe_layers)
-               + 2 * tokens * h * vocab_size)
+    moe_layers, layers, mtp = _moe_layer_count(t), _layer_count(t), t.get("mtp_num_layers") or 0
+    forward = (per_layer * layers + moe * moe_layers + dense * (layers - moe_layers)
+               + 2 * tokens * h * vocab_size * (1 + mtp) + mtp * 2 * tokens * 2 * h * h)  # MTP: logits and eh_proj
     return 3 * forward
 
 
@@ -67,9 +67,14 @@ def _attention_sizes(t: dict[str, Any]) -> tuple[int, int, int]:
     return h * (q + 2 * kv) + q * h, q, q
 
 
+def _layer_count(t: dict[str, Any]) -> int:
+    """Decoder layers, and the transformer layers of multi-token prediction."""
+    return t["num_layers"] + (t.get("mtp_num_layers") or 0)
+
+
 def _moe_layer_count(t: dict[str, Any]) -> int:
-    """How many decoder layers are MoE layers (models like GLM-4.5 start with dense ones)."""
-    return sum(is_moe_layer(t.get("num_moe_experts"), t.get("moe_layer_freq", 1), i) for i in range(t["num_layers"]))
+    """How many of those are MoE layers (models like GLM-4.5 start with dense ones)."""
+    return sum(is_moe_layer(t.get("num_moe_experts"), t.get("moe_layer_freq", 1), i) for i in range(_layer_count(t)))
 
 
 def model_parameter_count(config: Any) -> int:
@@ -92,9 +97,10 @@ def model_parameter_count(config: Any) -> int:
         shared = t.get("moe_shared_expert_intermediate_size") or 0
         moe += glu * h * shared + (h if t.get("moe_shared_expert_gate") else 0)
     dense = glu * h * t["ffn_hidden_size"]
-    moe_layers = _moe_layer_count(t)
+    moe_layers, layers = _moe_layer_count(t), _layer_count(t)
     embeddings = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
-    return t["num_layers"] * layer + moe_layers * moe + (t["num_layers"] - moe_layers) * dense + embeddings + h
+    mtp = (t.get("mtp_num_layers") or 0) * (3 * h + 2 * h * h)  # enorm, hnorm, final norm, eh_proj
+    return layers * layer + moe_layers * moe + (layers - moe_layers) * dense + embeddings + h + mtp
 
 
 def count_parameters(chunks: list[torch.nn.Module]) -> int:

@@ -17,6 +17,8 @@ def format_logs(step: int, max_steps: int, logs: dict) -> str:
     for key, value in logs.items():
         if key.startswith("moe/"):
             parts.append(f"{key[4:]} {value:.4f}")
+        elif key.startswith("mtp_loss"):
+            parts.append(f"{key.replace('_', ' ')} {value:.4f}")
     if logs.get("skipped_steps"):
         parts.append(f"skipped {int(logs['skipped_steps'])} step(s) with inf/nan")
     return " | ".join(parts)

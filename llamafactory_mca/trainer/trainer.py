@@ -121,6 +121,8 @@ class McaTrainer:
         batch = next(data_iterator)
         has_tower = getattr(getattr(model_chunk, "module", model_chunk), "vision", None) is not None
         positions, vision = batch.model_inputs(first_stage=has_tower)
+        if self.model.transformer_config.mtp_num_layers:  # multi-token prediction's loss counts these targets
+            vision = {**vision, "loss_mask": batch.loss_mask}
         output = model_chunk(batch.tokens, positions, None, labels=batch.model_labels,
                              packed_seq_params=batch.packed_seq_params(), **vision)
         if self._inject_nan:
@@ -187,6 +189,7 @@ class McaTrainer:
             logged["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         logged["skipped"] = float(skipped)
         logged.update(self._moe_metrics(len(micro_batches)))
+        logged.update(self._mtp_metrics(len(micro_batches)))
         return logged
 
     def _note_nonfinite(self, nonfinite: bool) -> None:
@@ -228,6 +231,25 @@ class McaTrainer:
                    for name in names}
         clear_aux_losses_tracker()
         return metrics
+
+    def _mtp_metrics(self, num_micro_batches: int) -> dict[str, float]:
+        """``mtp_loss``: each multi-token-prediction layer's loss (Megatron's per-token mean of each micro-batch,
+        averaged over micro-batches and data-parallel replicas), added to the step's gradient with weight
+        ``mtp_loss_scaling_factor``; the logged ``loss`` stays the next-token loss alone."""
+        layers = self.model.transformer_config.mtp_num_layers
+        if not layers:
+            return {}
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+        tracker = MTPLossLoggingHelper.tracker
+        values = torch.zeros(layers + 1, device=self.device)
+        if "values" in tracker and ps.get_tensor_model_parallel_rank() == 0:  # the last stage's replicas
+            values[:layers] = tracker["values"].to(values.device) / num_micro_batches
+            values[layers] = 1
+            tracker["values"].zero_()
+        torch.distributed.all_reduce(values)
+        losses = (values[:layers] / values[layers].clamp(min=1)).tolist()
+        return {"mtp_loss" if layers == 1 else f"mtp_loss_{k + 1}": loss for k, loss in enumerate(losses)}
 
     # ---- the loop -------------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: Any = None) -> TrainOutput:

@@ -9,26 +9,15 @@ own config fields, refusals and weight ops: a family file only declares which pa
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
 from ..config import AttentionShape, McaConfig, attention_shape, check_rope, rope_settings
-from ..mapping import HF_LAYER, LAYER, Op, Rename, dense_layer, embeddings, gated_mlp, stacked_experts
+from ..mapping import HF_LAYER, LAYER, Op, Rename, dense_layer, embeddings, gated_mlp, mtp_ops, stacked_experts
 
 
 def refuse(model_type: str, what: str, fix: str) -> NoReturn:
     raise ValueError(f"{model_type}: {what} is not supported by llamafactory_mca. {fix}")
-
-
-def warn_untrained_mtp(model_type: str, hf: Any) -> None:
-    """DeepSeek-V3 and GLM-4.5 checkpoints carry multi-token-prediction layers (``model.layers.<num_hidden_layers>.*``)
-    that we do not build yet; transformers drops them on load, so LLaMA-Factory's default path trains without them
-    too. Said once per run."""
-    if getattr(hf, "num_nextn_predict_layers", 0):
-        logging.getLogger(__name__).warning(
-            "%s: the checkpoint's %d multi-token-prediction layer(s) are not trained and not exported (transformers "
-            "and LLaMA-Factory's default path drop them too).", model_type, hf.num_nextn_predict_layers)
 
 
 def hf_attention_shape(hf: Any) -> AttentionShape:
@@ -190,6 +179,23 @@ class MoE(Part):
 
 
 @dataclass(frozen=True)
+class MultiTokenPrediction(Part):
+    """DeepSeek-V3's multi-token-prediction layers (GLM-4.5 has them too; HF: ``num_nextn_predict_layers``). Layer k
+    combines the model's last hidden state at position i (``hnorm``) with the embedding of token i + k + 1
+    (``enorm``) through ``eh_proj``, runs one more decoder layer of the last layer's kind, and predicts token
+    i + k + 2 through ``shared_head.norm`` and the shared output layer. Megatron's MTP block trains it, its loss
+    weighted by ``mtp_loss_scaling_factor``. transformers does not implement it (it drops the layers on load), so a
+    checkpoint saved by transformers has none; ``models/auto.py`` then builds the model without them."""
+
+    def transformer(self, hf: Any) -> dict[str, Any]:
+        layers = getattr(hf, "num_nextn_predict_layers", 0) or 0
+        return {"mtp_num_layers": layers} if layers else {}
+
+    def weights(self, config: McaConfig) -> list[Op]:
+        return mtp_ops() if config.mtp_num_layers else []
+
+
+@dataclass(frozen=True)
 class Vision(Part):
     """A vision tower (the HF module, on the first pipeline stage: ``models/multimodal.py``) whose image and video
     features replace the placeholder tokens' embeddings; the text half rotates by 3-D positions (mrope).
@@ -250,10 +256,11 @@ class DecoderFamily(Family):
     moe: MoE | None = None
     sliding_window: SlidingWindow | None = None
     vision: Vision | None = None
+    mtp: MultiTokenPrediction | None = None
 
     def parts(self) -> list[Part]:
         """The declared parts, in the order their weight ops follow the layer's."""
-        return [part for part in (self.qk_norm, self.moe, self.vision) if part is not None]
+        return [part for part in (self.qk_norm, self.moe, self.mtp, self.vision) if part is not None]
 
     def check(self, hf: Any) -> None:
         if getattr(hf, "hidden_act", "silu") != "silu":
@@ -319,7 +326,8 @@ class DecoderFamily(Family):
 
     def weights(self, config: McaConfig) -> list[Op]:
         dense_mlp = not all(config.is_moe_layer(i) for i in range(config.num_layers))
-        ops = embeddings(config.tie_word_embeddings) + self.layer_ops(config, dense_mlp)
+        mtp_layers = range(config.num_layers, config.num_layers_with_mtp)
+        ops = embeddings(config.tie_word_embeddings, mtp_layers) + self.layer_ops(config, dense_mlp)
         for part in self.parts():
             if part is not self.vision:
                 ops += part.weights(config)

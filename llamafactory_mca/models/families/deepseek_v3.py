@@ -1,7 +1,7 @@
 """DeepSeek-V3 / R1 and models of its architecture (Moonlight, Kimi-K2): multi-latent attention (low-rank q and kv
 projections with their norms, a RoPE part of each head shared by all heads for the keys, value heads narrower than
 query/key heads, YaRN), the first ``first_k_dense_replace`` layers dense, then sigmoid-routed MoE with a correction
-bias, grouped routing and shared experts.
+bias, grouped routing and shared experts; multi-token-prediction layers (``num_nextn_predict_layers``).
 
 Megatron's MLA de-interleaves the RoPE dims itself, exactly as transformers does for ``rope_interleave=True`` (every
 released checkpoint), so the weights map one to one (docs/deepseek-glm-notes.md). YaRN runs in Megatron's MLA (its
@@ -13,7 +13,7 @@ from typing import Any
 from ..config import McaConfig, rope_settings
 from ..mapping import HF_LAYER, LAYER, Op, Rename, gated_mlp
 from ..registry import register
-from .base import DecoderFamily, MoE, SharedExpert, refuse, warn_untrained_mtp
+from .base import DecoderFamily, MoE, MultiTokenPrediction, SharedExpert, refuse
 
 _ATTENTION = "self_attn."
 
@@ -21,6 +21,7 @@ _ATTENTION = "self_attn."
 @register("deepseek_v3")
 class DeepseekV3Family(DecoderFamily):
     moe = MoE(shared_expert=SharedExpert(gate=False, hf_name="shared_experts"), sigmoid=True)
+    mtp = MultiTokenPrediction()
 
     def check(self, hf: Any) -> None:
         super().check(hf)  # hidden_act, attention_bias (MLA has no biases), RoPE below, the routing
@@ -29,7 +30,6 @@ class DeepseekV3Family(DecoderFamily):
         if getattr(hf, "quantization_config", None):
             refuse(self.model_type, f"a quantized checkpoint ({hf.quantization_config.get('quant_method', '?')})",
                    "Convert it to bf16 first (DeepSeek's fp8_cast_bf16.py), then point model_name_or_path there.")
-        warn_untrained_mtp(self.model_type, hf)
 
     def check_rope(self, hf: Any) -> None:
         """YaRN is Megatron's MLA's own (not replayed from HF's inverse frequencies), so it is allowed here."""

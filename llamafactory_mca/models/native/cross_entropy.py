@@ -118,4 +118,17 @@ class NativeCrossEntropy:
 
 
 class LanguageModel(NativeCrossEntropy, GPTModel):
-    """Megatron's GPTModel with the loss above (parameters and checkpoint keys are GPTModel's)."""
+    """Megatron's GPTModel with the loss above (parameters and checkpoint keys are GPTModel's).
+
+    Asked for logits (no labels), a model with multi-token-prediction layers skips them: megatron-core 0.16.1 runs
+    them regardless and then fails cloning the missing labels for their loss."""
+
+    def _postprocess(self, *args, **kwargs):
+        layers = self.config.mtp_num_layers
+        if not layers or kwargs.get("labels") is not None:
+            return super()._postprocess(*args, **kwargs)
+        self.config.mtp_num_layers = None  # the flag _postprocess reads; restored at once
+        try:
+            return super()._postprocess(*args, **{**kwargs, "mtp_in_postprocess": False})
+        finally:
+            self.config.mtp_num_layers = layers

@@ -1,0 +1,155 @@
+"""Multi-token prediction (DeepSeek-V3, GLM-4.5): the MTP loss of our model against one computed from the
+transformers classes themselves, on one rank and in TP2 + SP, EP2 and PP2 (the MTP layer on the last stage, beside
+a copy of the embedding). The round trip of the MTP weights runs in test_bridge (the tiny models of both families
+carry an MTP layer); training with it, the recipe's switch and the merge in test_training."""
+
+import pytest
+import torch
+
+from llamafactory_mca.tiny import TINY, save_tiny_model
+from tests._dist import run_distributed
+
+FAMILIES = ["deepseek_v3", "glm4_moe"]
+INPUT = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(1))
+LAYOUTS = [("single", {}), ("tp2-sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+           ("ep2", {"expert_model_parallel_size": 2}), ("pp2", {"pipeline_model_parallel_size": 2})]
+
+
+def _batch():
+    labels = INPUT.roll(-1, 1)
+    mask = torch.ones_like(INPUT, dtype=torch.float32)
+    mask[:, -1] = 0  # the last position has no next token
+    return labels, mask
+
+
+def _losses(plan: list) -> dict:
+    """Per layout and family: (Σ next-token loss, the MTP layer's mean loss) from a training-mode forward through
+    Megatron's schedule; None on ranks without the last stage."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from llamafactory_mca import parallel
+    from llamafactory_mca.args import MegatronArguments
+    from llamafactory_mca.models.auto import AutoConfig, AutoModel
+    from llamafactory_mca.trainer.loss import lm_loss
+
+    labels, mask = _batch()
+    positions = torch.arange(INPUT.shape[1]).expand_as(INPUT)
+    out = {}
+    for layout_name, sizes, jobs in plan:
+        args = MegatronArguments(**sizes)
+        parallel.initialize(parallel.ParallelLayout.from_args(args))
+        for name, model_dir in jobs:
+            model = AutoModel.from_config(AutoConfig.from_pretrained(model_dir), args)
+            model.load_hf_weights(model_dir)
+            model.train()  # the MTP loss is tracked in training mode only; nothing here is random
+            (chunk,) = model.chunks
+
+            def step(iterator, chunk):
+                next(iterator)
+                return chunk(INPUT, positions, None, labels=labels, loss_mask=mask), partial_loss
+
+            partial_loss = lambda output: lm_loss(mask, output)  # noqa: E731
+            MTPLossLoggingHelper.tracker.clear()
+            with torch.no_grad():
+                logged = get_forward_backward_func()(
+                    forward_step_func=step, data_iterator=iter([0]), model=chunk, num_microbatches=1,
+                    seq_length=INPUT.shape[1], micro_batch_size=INPUT.shape[0], forward_only=True)
+            last = ps.is_pipeline_last_stage()
+            out[(layout_name, name)] = ((logged[0]["loss"][0].item(), MTPLossLoggingHelper.tracker["values"][0].item())
+                                        if last else None)
+        parallel.destroy_layout()
+    return out
+
+
+def _reference(model_dir: str) -> tuple[float, float]:
+    """The next-token loss sum and the MTP loss from transformers' classes: the model proper, and its decoder layer
+    class one layer deeper (so transformers itself loads the MTP layer's weights) with enorm, hnorm, eh_proj and
+    shared_head.norm as DeepSeek-V3 defines them (vLLM's MTP modules compute the same)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    layers = model.config.num_hidden_layers
+    deeper = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa",
+                                                  num_hidden_layers=layers + 1).eval()
+    weights = {k: v.float() for k, v in load_file(f"{model_dir}/model.safetensors").items()}
+    prefix = f"model.layers.{layers}."
+    norm = type(model.model.norm)
+
+    def rms(name: str) -> torch.nn.Module:
+        module = norm(model.config.hidden_size, eps=model.config.rms_norm_eps)
+        module.weight.data.copy_(weights[prefix + name + ".weight"])
+        return module
+
+    labels, mask = _batch()
+    with torch.no_grad():
+        hidden = model.model(INPUT).last_hidden_state  # after the final norm, as Megatron hands it to MTP
+        logits = model.lm_head(hidden)
+        main = (torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+                * mask.flatten()).sum().item()
+        embedded = model.model.embed_tokens(INPUT[:, 1:])  # token i + 1 beside the hidden state of token i
+        x = torch.cat([rms("enorm")(embedded), rms("hnorm")(hidden[:, :-1])], dim=-1)
+        x = x @ weights[prefix + "eh_proj.weight"].T
+        positions = torch.arange(x.shape[1]).unsqueeze(0)
+        x = deeper.model.layers[layers](x, position_embeddings=model.model.rotary_emb(x, positions),
+                                        position_ids=positions)
+        x = x[0] if isinstance(x, tuple) else x
+        mtp_logits = model.lm_head(rms("shared_head.norm")(x))[:, :-1]  # position i predicts token i + 2
+        mtp = torch.nn.functional.cross_entropy(mtp_logits.flatten(0, 1), INPUT[:, 2:].flatten()).item()
+    return main, mtp
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mtp")
+    return {name: save_tiny_model(name, str(root / name)) for name in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def losses(tiny):
+    single = run_distributed(_losses, 1, [("single", {}, [(n, tiny[n]) for n in FAMILIES])])[0]
+    plan = [(layout, sizes, [(n, tiny[n]) for n in FAMILIES]) for layout, sizes in LAYOUTS[1:]]
+    found = {}
+    for rank in run_distributed(_losses, 4, plan):
+        found.update({key: value for key, value in rank.items() if value is not None})
+    return {**single, **found}
+
+
+def test_packed_roll_is_megatrons():
+    """Our sync-free shift of packed sequences (compat.py) against megatron-core's sequence-by-sequence one."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    from llamafactory_mca.compat import apply_megatron_fixes, roll_packed_left
+
+    apply_megatron_fixes()
+    megatron = mtp._roll_tensor_packed_seq.args[0]
+    cu = torch.tensor([0, 5, 6, 13, 20], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    for tensor in (torch.arange(1, 21).view(1, 20), torch.rand(1, 20)):
+        ours, theirs = roll_packed_left(megatron, tensor, -1, -1, params), megatron(tensor, -1, -1, params)
+        assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+
+
+def test_tiny_models_carry_an_mtp_layer():
+    assert all(TINY[name]["num_nextn_predict_layers"] == 1 for name in FAMILIES)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_mtp_loss_is_the_transformers_layers(name, tiny, losses):
+    main, mtp = _reference(tiny[name])
+    ours_main, ours_mtp = losses[("single", name)]
+    assert abs(ours_main - main) <= 1e-4 * main, (ours_main, main)
+    assert abs(ours_mtp - mtp) <= 1e-5 * mtp, (ours_mtp, mtp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [layout for layout, _ in LAYOUTS[1:]])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_mtp_loss_equal_in_every_layout(name, layout, losses):
+    ours_main, ours_mtp = losses[(layout, name)]
+    want_main, want_mtp = losses[("single", name)]
+    assert abs(ours_main - want_main) <= 1e-5 * want_main and abs(ours_mtp - want_mtp) <= 1e-5 * want_mtp, (
+        layout, ours_main, want_main, ours_mtp, want_mtp)
