@@ -87,6 +87,13 @@ def apply_megatron_fixes() -> None:
     if getattr(mtp._roll_tensor_packed_seq, "__module__", "") == mtp.__name__:
         mtp._roll_tensor_packed_seq = partial(roll_packed_left, mtp._roll_tensor_packed_seq)
 
+    # megatron-core 0.16.x: under full recompute an MTP layer hands all its keyword arguments to
+    # tensor_parallel.checkpoint, which saves them for the backward; PackedSeqParams is no tensor, so packed runs fail
+    # ("save_for_backward can only save variables"). Non-tensors are bound to the function instead.
+    layer = mtp.MultiTokenPredictionLayer
+    if not getattr(layer._checkpointed_forward, "binds_non_tensors", False):
+        layer._checkpointed_forward = _bind_non_tensors(layer._checkpointed_forward)
+
     # megatron-core 0.16.x without apex: `gradient_accumulation_fusion` needs apex's fused_weight_gradient_mlp_cuda;
     # torch's addmm with out_dtype is the same GEMM (`models/native/wgrad.py`).
     from megatron.core.tensor_parallel import layers
@@ -96,6 +103,22 @@ def apply_megatron_fixes() -> None:
     if not layers._grad_accum_fusion_available and wgrad.available():
         layers.fused_weight_gradient_mlp_cuda = wgrad
         layers._grad_accum_fusion_available = True
+
+
+def _bind_non_tensors(checkpointed_forward):
+    import torch
+
+    def wrapper(self, forward_func, **kwargs):
+        fixed = {k: v for k, v in kwargs.items() if v is not None and not isinstance(v, torch.Tensor)}
+        passed = [k for k in kwargs if k not in fixed]
+
+        def bound(*values):
+            return forward_func(**dict(zip(passed, values)), **fixed)
+
+        return checkpointed_forward(self, bound, **{k: kwargs[k] for k in passed})
+
+    wrapper.binds_non_tensors = True
+    return wrapper
 
 
 def roll_packed_left(megatron_roll, tensor, shifts, dims, packed_seq_params, cp_group=None):

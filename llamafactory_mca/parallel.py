@@ -146,12 +146,6 @@ def check_layout(config: Any, layout: ParallelLayout, custom_pipeline_layout: bo
         if moe_ffn % etp:
             problems.append(f"expert_tensor_parallel_size={etp} does not divide moe_ffn_hidden_size={moe_ffn} "
                             f"(sizes that fit: {_listing(d for d in _divisors(moe_ffn) if d <= 64)})")
-    if config.mtp_num_layers and layout.cp > 1:
-        problems.append(f"context_parallel_size={layout.cp} with multi-token-prediction layers is not supported yet "
-                        "(set mtp_num_layers: 0 to train without them, or context_parallel_size: 1)")
-    if t.get("multi_latent_attention") and layout.cp > 1:
-        problems.append(f"context_parallel_size={layout.cp} with multi-latent attention is not supported by the "
-                        "native attention yet (use context_parallel_size: 1)")
     layers, stages = t["num_layers"], pp * vpp
     if not custom_pipeline_layout and (stages > layers or layers % stages):
         pp_fits = _listing(d // vpp for d in _divisors(layers) if d % vpp == 0)

@@ -13,8 +13,9 @@ The same run then trains one whole epoch per case over data that does not divide
 documents split into pieces), at DP4, DP2 x PP2 (with and without VPP), PP4 and EP2, packed and padded: the steps,
 the epoch counter and the tokens trained must come out exact.
 
-GLM-4.5's layout (``glm4_moe``: dense first layer, sigmoid routing with a correction bias) runs DP4, EP2 and
-TP2 x PP2 with SP; DeepSeek-V3's (multi-latent attention) DP4, EP2 packed and TP2 + SP.
+GLM-4.5's layout (``glm4_moe``: dense first layer, sigmoid routing with a correction bias) runs DP4, EP2,
+TP2 x PP2 with SP and CP2 packed; DeepSeek-V3's (multi-latent attention) DP4, EP2 packed, TP2 + SP and CP2 padded and
+packed. Both train their multi-token-prediction layer.
 """
 
 import functools
@@ -70,6 +71,11 @@ CASES = [
     ("ds-dp4", "deepseek_v3", {}, 2),
     ("ds-ep2-packed", "deepseek_v3", {"expert_model_parallel_size": 2, "sequence_packing": True}, 2),
     ("ds-tp2-sp", "deepseek_v3", {"tensor_model_parallel_size": 2, "sequence_parallel": True}, 4),
+    # context parallelism with multi-latent attention and the multi-token-prediction layer (its shift crosses the CP
+    # ranks' halves): padded, step 2 against DP4's; packed, step 1 against the HF loss
+    ("ds-cp2", "deepseek_v3", {"context_parallel_size": 2}, 4),
+    ("ds-cp2-packed", "deepseek_v3", {"context_parallel_size": 2, "sequence_packing": True}, 4),
+    ("glm-cp2-packed", "glm4_moe", {"context_parallel_size": 2, "sequence_packing": True}, 4),
     *_pipeline_cases(),
 ]
 # step 2 of every same-batch case must match these

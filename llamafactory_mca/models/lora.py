@@ -174,6 +174,12 @@ def _text_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return found
 
 
+# Megatron's linears an adapter can sit on: attention (multi-latent attention's five projections among them, each one
+# HF module) and the dense or shared-expert MLP
+_ADAPTABLE = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj", "linear_q_down_proj",
+              "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
+
+
 def plan_targets(hf_config: dict, table: WeightTable, settings: LoraSettings,
                  freeze_vision_tower: bool = True) -> list[TargetLinear]:
     """Map the selected HF modules onto Megatron's linears through the weight table; refuse what has no home."""
@@ -187,7 +193,7 @@ def plan_targets(hf_config: dict, table: WeightTable, settings: LoraSettings,
         if not op.mca.endswith(".weight") or ".local_experts." in op.mca or not op.mca.startswith("decoder.layers."):
             continue
         linear = op.mca[: -len(".weight")]
-        if linear.rsplit(".", 1)[-1] not in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"):
+        if linear.rsplit(".", 1)[-1] not in _ADAPTABLE:
             continue
         pieces = []
         for hf_name in op.hf:

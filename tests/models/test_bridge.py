@@ -221,7 +221,6 @@ def _layout(**sizes):
     ("qwen3", {"tp": 4}, "does not divide the key/value heads"),
     ("llama_odd_ffn", {"tp": 2}, "does not divide ffn_hidden_size=93"),
     ("glm4_moe_odd_ffn", {"tp": 2}, "does not divide ffn_hidden_size=93"),  # its dense first layer's MLP
-    ("deepseek_v3", {"cp": 2}, "context_parallel_size=2 with multi-latent attention is not supported"),
     ("mixtral", {"ep": 2}, "expert_model_parallel_size=2 does not divide num_experts=3"),
     ("qwen3_moe", {"etp": 3}, "expert_tensor_parallel_size=3 does not divide moe_ffn_hidden_size=32"),
     ("llama", {"pp": 8}, "8 stages is more than num_layers=4"),

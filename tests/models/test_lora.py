@@ -18,7 +18,10 @@ ADAPTERS = {"qwen3": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
                       ["lm_head"]),
             "qwen3_moe": (["q_proj", "v_proj", "o_proj"], True, None),
             # layer 0 dense, later layers' MLP projections are the shared experts'; q/k/v carry biases
-            "glm4_moe": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], True, None)}
+            "glm4_moe": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], True, None),
+            # multi-latent attention's low-rank projections (TP splits their outputs; MLA gathers the latents)
+            "deepseek_v3": (["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj"], False,
+                            None)}
 LAYOUTS = [("dp2", {}), ("tp2-sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
            ("pp2", {"pipeline_model_parallel_size": 2}), ("ep2", {"expert_model_parallel_size": 2}),
            ("ep2-grouped", {"expert_model_parallel_size": 2, "moe_grouped_gemm": True}),
@@ -151,7 +154,7 @@ def test_trainable_parameters_are_peft_s(tmp_path):
 
     cases = [("qwen3", ["all"]), ("qwen3", ["q_proj", "v_proj"]), ("qwen3_moe", ["all"]),
              ("qwen3_moe", ["all", "experts"]), ("qwen2_moe", ["q_proj", "gate_proj", "experts"]),
-             ("glm4_moe", ["all"])]
+             ("glm4_moe", ["all"]), ("deepseek_v3", ["all", "experts"])]
     models = {name: save_tiny_model(name, str(tmp_path / name)) for name in {n for n, _ in cases}}
     (ours,) = run_distributed(_count, 1, models, cases)
     for (name, targets), count in zip(cases, ours):

@@ -156,10 +156,6 @@ def check_supported(config: TransformerConfig) -> None:
         problems.append(f"window_size={config.window_size} (sliding-window attention)")
     if getattr(config, "qk_clip", False):
         problems.append("qk_clip")
-    if getattr(config, "multi_latent_attention", False) and config.context_parallel_size > 1:
-        raise UserError(f"context_parallel_size={config.context_parallel_size} with multi-latent attention (DeepSeek-"
-                         "V3): not supported by the native attention yet. Use tensor or expert parallelism and "
-                         "context_parallel_size: 1.")
     if problems:
         raise ValueError("the native attention (no Transformer Engine) does not support " + ", ".join(problems)
                          + ". Install Transformer Engine or set attention_backend: local.")
