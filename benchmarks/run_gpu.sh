@@ -89,6 +89,8 @@ case $phase in
     bench 0 g10 --workloads long --gpus 1 --runs lf,lf_liger,ours --steps 6 --warmup 2 --timeout 200 ;;
   glm)  # one H200: GLM-4.5-Air shape (3 layers: 1 dense, 2 MoE), full fine-tuning, LLaMA-Factory's default vs ours
     bench 0 g11 --workloads glm_moe --gpus 1 --timeout 300 ;;
+  glm_mtp)  # one H200: GLM-4.5-Air shape, 2 layers + its MTP layer (ours trains it; LLaMA-Factory's default drops it)
+    bench 0 g13 --workloads glm_mtp --gpus 1 --timeout 300 --runs "${RUNS:-lf,ours,ours_no_mtp}" ;;
   moonlight)  # one H200: Moonlight-16B-A3B shape (DeepSeek-V3 architecture, 8 layers), LLaMA-Factory's default vs ours
     bench 0 g12 --workloads moonlight --gpus 1 --timeout 300 ;;
   lora_moe_again)  # one H200: LoRA MoE runs (RUNS, default ours) again, merged beside the others of results/h200_lora

@@ -109,7 +109,8 @@ class DistributingParallelArguments:
     )
     mtp_num_layers: int | None = field(
         default=None, metadata={"help": "Multi-token-prediction layers (DeepSeek-V3, GLM-4.5): unset trains the "
-                                        "checkpoint's (pt, sft); 0 leaves them out (LoRA and dpo runs do)."}
+                                        "checkpoint's (full pt, sft); 0 leaves them out (LoRA, freeze and dpo runs "
+                                        "do)."}
     )
     mtp_loss_scaling_factor: float | None = field(
         default=None, metadata={"help": "Weight of the multi-token-prediction loss in the gradient (Megatron's "

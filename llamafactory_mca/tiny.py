@@ -97,7 +97,7 @@ def save_tiny_model(name: str, directory: str, seed: int = 0, dtype: torch.dtype
     _randomize_correction_bias(model)
     model.save_pretrained(directory)
     if getattr(config, "num_nextn_predict_layers", 0):
-        _add_mtp_layers(config, directory, dtype)
+        add_mtp_layers(config, directory, dtype)
     return directory
 
 
@@ -108,34 +108,57 @@ def _randomize_correction_bias(model: Any) -> None:
 
 
 @torch.no_grad()
-def _add_mtp_layers(config: Any, directory: str, dtype: torch.dtype) -> None:
+def add_mtp_layers(config: Any, directory: str, dtype: torch.dtype, device: str = "cpu") -> None:
     """Multi-token-prediction layers as DeepSeek-V3's and GLM-4.5's checkpoints store them: decoder layer
     ``num_hidden_layers + k`` (saved by transformers itself, from a model one layer deeper) plus ``enorm``,
-    ``hnorm``, ``eh_proj``, ``shared_head.norm`` and copies of the embedding and output layer. transformers'
-    save_pretrained drops them from the model proper."""
+    ``hnorm``, ``eh_proj``, ``shared_head.norm`` and copies of the embedding and output layer, in a file of their own
+    beside the model's (``model.safetensors.index.json`` lists both). transformers' save_pretrained drops them."""
+    import json
     import tempfile
 
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    path, layers = os.path.join(directory, "model.safetensors"), config.num_hidden_layers
-    tensors, hidden = load_file(path), config.hidden_size
+    index_path, single = os.path.join(directory, "model.safetensors.index.json"), "model.safetensors"
+    if os.path.isfile(index_path):
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f)
+    else:  # one file: it becomes a shard, so transformers and we both read through the index
+        os.replace(os.path.join(directory, single), os.path.join(directory, "model-main.safetensors"))
+        with safe_open(os.path.join(directory, "model-main.safetensors"), "pt") as f:
+            index = {"metadata": {}, "weight_map": {name: "model-main.safetensors" for name in f.keys()}}
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(os.path.join(directory, index["weight_map"][name]), "pt") as f:
+            return f.get_tensor(name)
+
+    layers, hidden = config.num_hidden_layers, config.hidden_size
     deeper = type(config)(**{**config.to_dict(), "num_hidden_layers": layers + config.num_nextn_predict_layers,
                              "num_nextn_predict_layers": 0})
-    model = AutoModelForCausalLM.from_config(deeper, dtype=dtype)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(deeper, dtype=dtype)
     _randomize_correction_bias(model)
+    tensors: dict[str, torch.Tensor] = {}
     with tempfile.TemporaryDirectory() as scratch:
         model.save_pretrained(scratch)
-        saved = load_file(os.path.join(scratch, "model.safetensors"))
+        del model
+        for file in os.listdir(scratch):
+            if file.endswith(".safetensors"):
+                saved = load_file(os.path.join(scratch, file))
+                tensors.update({n: t for n, t in saved.items() if int(n.split(".")[2] if n.startswith(
+                    "model.layers.") else -1) >= layers})
     for k in range(config.num_nextn_predict_layers):
         prefix = f"model.layers.{layers + k}."
-        tensors.update({name: t for name, t in saved.items() if name.startswith(prefix)})
         for norm in ("enorm", "hnorm", "shared_head.norm"):  # not ones: a swapped norm would go unseen
             tensors[f"{prefix}{norm}.weight"] = (1 + 0.1 * torch.randn(hidden)).to(dtype)
         tensors[f"{prefix}eh_proj.weight"] = (torch.randn(hidden, 2 * hidden) * config.initializer_range).to(dtype)
-        tensors[f"{prefix}embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-        tensors[f"{prefix}shared_head.head.weight"] = tensors["lm_head.weight"].clone()
-    save_file(tensors, path, metadata={"format": "pt"})
+        tensors[f"{prefix}embed_tokens.weight"] = read("model.embed_tokens.weight")
+        tensors[f"{prefix}shared_head.head.weight"] = read("lm_head.weight")
+    save_file(tensors, os.path.join(directory, "model-mtp.safetensors"), metadata={"format": "pt"})
+    index["weight_map"].update({name: "model-mtp.safetensors" for name in tensors})
+    with open(index_path, "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2)
 
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -66,16 +66,17 @@ def check_request(stage: str, model_args: Any, data_args: Any, training_args: An
 
 
 def plan_mtp(config: Any, stage: str, finetuning_args: Any, training_args: Any, say: bool = False) -> Any:
-    """The model's multi-token-prediction layers for this run: trained in pt and sft; left out in LoRA runs (a peft
-    adapter has no place for them, and the base model keeps its own) and dpo runs (their loss is next-token
-    prediction of the chosen answer, not a preference), unless the recipe sets ``mtp_num_layers``."""
+    """The model's multi-token-prediction layers for this run: trained in full pt and sft; left out in LoRA runs (a
+    peft adapter has no place for them, and the base model keeps its own), freeze runs (they train chosen decoder
+    layers only) and dpo runs (their loss is next-token prediction, not a preference), unless the recipe sets
+    ``mtp_num_layers``."""
     from .models.auto import resolve_mtp
 
-    if config.mtp_num_layers and training_args.mtp_num_layers is None and (
-            stage == "dpo" or finetuning_args.finetuning_type == "lora"):
+    tuning = finetuning_args.finetuning_type
+    if config.mtp_num_layers and training_args.mtp_num_layers is None and (stage == "dpo" or tuning != "full"):
         training_args.mtp_num_layers = 0
         if say:
-            why = "LoRA" if finetuning_args.finetuning_type == "lora" else "dpo"
+            why = "dpo" if stage == "dpo" and tuning == "full" else "LoRA" if tuning == "lora" else tuning
             exported = ("the base model keeps them" if why == "LoRA" else
                         "the exported model has none, like LLaMA-Factory's default path's")
             logger.warning("%s: the checkpoint's %d multi-token-prediction layer(s) are not trained in a %s run "

@@ -61,10 +61,16 @@ def _drop_missing_mtp(config: McaConfig, path: str) -> McaConfig:
         return config
     if f"model.layers.{config.num_layers}.eh_proj.weight" in names:
         return config
-    logger.warning("%s: config.json declares %d multi-token-prediction layer(s) (num_nextn_predict_layers), but %s "
-                   "holds no weights for them (transformers' save_pretrained drops them): training without them.",
-                   config.hf_model_type, config.mtp_num_layers, path)
+    said = torch.distributed.is_initialized() and torch.distributed.get_rank() == 0 and path not in _SAID_NO_MTP
+    if said:  # the launcher's preflight stays quiet; rank 0 says it once
+        _SAID_NO_MTP.add(path)
+        logger.warning("%s: config.json declares %d multi-token-prediction layer(s) (num_nextn_predict_layers), "
+                       "but %s holds no weights for them (transformers' save_pretrained drops them): training "
+                       "without them.", config.hf_model_type, config.mtp_num_layers, path)
     return config.without_mtp()
+
+
+_SAID_NO_MTP: set[str] = set()
 
 
 def resolve_mtp(config: McaConfig, args: Any) -> McaConfig:

@@ -120,11 +120,11 @@ class McaTrainer:
         watchdog.beat()
         batch = next(data_iterator)
         has_tower = getattr(getattr(model_chunk, "module", model_chunk), "vision", None) is not None
-        positions, vision = batch.model_inputs(first_stage=has_tower)
+        positions, extra = batch.model_inputs(first_stage=has_tower)
         if self.model.transformer_config.mtp_num_layers:  # multi-token prediction's loss counts these targets
-            vision = {**vision, "loss_mask": batch.loss_mask}
+            extra = {**extra, "loss_mask": batch.loss_mask}
         output = model_chunk(batch.tokens, positions, None, labels=batch.model_labels,
-                             packed_seq_params=batch.packed_seq_params(), **vision)
+                             packed_seq_params=batch.packed_seq_params(), **extra)
         if self._inject_nan:
             output = output * float("nan")
         if collect_reference:

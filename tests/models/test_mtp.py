@@ -67,14 +67,15 @@ def _reference(model_dir: str) -> tuple[float, float]:
     """The next-token loss sum and the MTP loss from transformers' classes: the model proper, and its decoder layer
     class one layer deeper (so transformers itself loads the MTP layer's weights) with enorm, hnorm, eh_proj and
     shared_head.norm as DeepSeek-V3 defines them (vLLM's MTP modules compute the same)."""
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
+
+    from tests.models.test_bridge import _hf_tensors
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     layers = model.config.num_hidden_layers
     deeper = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa",
                                                   num_hidden_layers=layers + 1).eval()
-    weights = {k: v.float() for k, v in load_file(f"{model_dir}/model.safetensors").items()}
+    weights = {k: v.float() for k, v in _hf_tensors(model_dir).items()}
     prefix = f"model.layers.{layers}."
     norm = type(model.model.norm)
 
