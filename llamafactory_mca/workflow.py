@@ -84,6 +84,12 @@ def plan_mtp(config: Any, stage: str, finetuning_args: Any, training_args: Any, 
     return resolve_mtp(config, training_args)
 
 
+def _describe_mtp(tc: Any) -> str:
+    layers = tc.mtp_num_layers or 0
+    return f" with {layers} multi-token-prediction layer(s), loss weight {tc.mtp_loss_scaling_factor:g}" if layers \
+        else ""
+
+
 def _check_output_dir(output_dir: str) -> None:
     """Try a write where the folder will be created (permission bits alone say nothing for root)."""
     import tempfile
@@ -314,7 +320,8 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
         on_rank = count_parameters(model.chunks)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         logger.info("\n" + startup_summary(
-            layout=layout, args=training_args, model_type=config.hf_model_type,
+            layout=layout, args=training_args,
+            model_type=config.hf_model_type + _describe_mtp(model.transformer_config),
             params_total=model_parameter_count(config), params_on_rank=on_rank,
             kernels=spec.describe_kernels(model.transformer_config), tokens_per_step=trainer.tokens_per_step(),
             steps=trainer.max_steps, data_stats=format_stats(train_plan.stats),

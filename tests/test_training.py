@@ -192,6 +192,7 @@ def test_deepseek_style_moe_sft_matches_llamafactory_and_merges(family, hf_class
     ours = losses(tmp_path / "out")
     assert f"llamafactory_mca: training {family}" in output and ours[4] < ours[1], ours
     assert "| mtp loss " in output, output[-3000:]
+    assert f"training {family} with 1 multi-token-prediction layer(s), loss weight 0.1" in output
 
     default = {k: v for k, v in config.items() if k not in ("save_strategy", "save_steps")}
     default.update(output_dir=str(tmp_path / "default"), max_steps=1)
