@@ -610,3 +610,27 @@ def test_native_cross_entropy_equals_megatrons(tp):
         loss_err, grad_err, loss_dtype, grad_dtype = rank_res["torch.bfloat16"]
         # the loss in fp32 from bf16 logits (as Megatron's); gradients rounded once, to bf16
         assert loss_err < 1e-6 and grad_err < 1e-2 and grad_dtype is torch.bfloat16, rank_res
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_centred_rmsnorm_is_qwen3_nexts(dtype):
+    """``layernorm_zero_centered_gamma``: scale 1 + weight, as transformers' Qwen3-Next / Qwen3.5 norms (issue 19's
+    first piece): equal outputs and weight gradients from the same stored weight, the weight starting at zero."""
+    from megatron.core.transformer import TransformerConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
+
+    from llamafactory_mca.models.native.norm import NativeNorm
+
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, normalization="RMSNorm",
+                               layernorm_zero_centered_gamma=True, use_cpu_initialization=True, params_dtype=dtype)
+    ours, theirs = NativeNorm(config, 64, eps=1e-6), Qwen3NextRMSNorm(64, eps=1e-6).to(dtype)
+    assert torch.equal(ours.weight, torch.zeros(64, dtype=dtype)) and list(ours.state_dict()) == ["weight"]
+    weight = torch.randn(64, generator=torch.Generator().manual_seed(0)).to(dtype) * 0.1
+    for norm in (ours, theirs):
+        norm.weight.data.copy_(weight)
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    outs = [norm(x) for norm in (ours, theirs)]
+    assert outs[0].dtype == dtype and torch.equal(outs[0], outs[1])
+    for out in outs:
+        out.float().square().sum().backward()
+    assert torch.allclose(ours.weight.grad.float(), theirs.weight.grad.float(), rtol=1e-5, atol=1e-5)

@@ -7,7 +7,7 @@ marked ``sequence_parallel`` (TE's norms mark theirs the same way), so marking i
 qk-norms are not marked: they see the whole sequence but a slice of the heads, and Megatron already
 all-reduces ``q_layernorm``/``k_layernorm`` grads by name. State-dict keys (``weight``, ``bias``) equal the
 local spec's, so weights move between the two unchanged. ``F.rms_norm`` / ``F.layer_norm`` dispatch to
-PyTorch's fused kernels on GPU.
+PyTorch's fused kernels on GPU. ``layernorm_zero_centered_gamma`` (scale 1 + weight) is an RMSNorm of ours.
 """
 
 from __future__ import annotations
@@ -35,18 +35,36 @@ class HeadRMSNorm(torch.nn.Module):
         return torch.nn.functional.rms_norm(x, (x.size(-1),), None, self.eps) * self.weight
 
 
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """RMSNorm whose scale is ``1 + weight`` (weight starting at zero): Megatron's ``layernorm_zero_centered_gamma``,
+    and the decoder and q/k norms of Qwen3-Next and Qwen3.5 (transformers' ``Qwen3NextRMSNorm``, whose checkpoints
+    store the zero-centred weight). Computed in fp32 and cast back, as transformers does; adding 1 to a bf16 weight
+    at load time instead would round it away."""
+
+    def __init__(self, hidden_size: int, eps: float, device, dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = torch.nn.functional.rms_norm(x.float(), (x.size(-1),), None, self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
 class NativeNorm:
     """Builds ``torch.nn.RMSNorm`` or ``torch.nn.LayerNorm`` after ``config.normalization`` (a factory, like
     Megatron's ``WrappedTorchNorm``, so the module and its state dict are PyTorch's own)."""
 
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5,
                 mark_sequence_parallel: bool = True, per_head: bool = False, **_unused) -> torch.nn.Module:
-        if config.layernorm_zero_centered_gamma:
-            raise UserError("layernorm_zero_centered_gamma is not supported by the native norm (torch RMSNorm/"
-                             "LayerNorm); install Transformer Engine for it.")
+        if config.layernorm_zero_centered_gamma and config.normalization != "RMSNorm":
+            raise UserError("layernorm_zero_centered_gamma with LayerNorm is not supported by the native norm (it "
+                             "does zero-centred RMSNorm); install Transformer Engine for it.")
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         kwargs = dict(eps=eps, device=device, dtype=config.params_dtype)
-        if config.normalization == "RMSNorm":
+        if config.layernorm_zero_centered_gamma:
+            norm = ZeroCenteredRMSNorm(hidden_size, **kwargs)
+        elif config.normalization == "RMSNorm":
             norm = HeadRMSNorm(hidden_size, **kwargs) if per_head else torch.nn.RMSNorm(hidden_size, **kwargs)
         elif config.normalization == "LayerNorm":
             norm = torch.nn.LayerNorm(hidden_size, **kwargs)
