@@ -61,7 +61,7 @@ def _llamafactory_data(folder: str) -> None:
     _write(os.path.join(folder, "identity.json"),
            [{"instruction": _sentence(i), "input": "", "output": _sentence(i + 1)} for i in range(100)])
     _write(os.path.join(folder, "alpaca_en_demo.json"),
-           [{"instruction": _sentence(i), "input": "", "output": _sentence(i + 2, 1 + i % 3)} for i in range(4000)])
+           [{"instruction": _sentence(i), "input": "", "output": _sentence(i + 2, 1 + i % 3)} for i in range(1000)])
     _write(os.path.join(folder, "dpo_en_demo.json"),
            [{"conversations": [{"from": "human", "value": _sentence(i)}],
              "chosen": {"from": "gpt", "value": _sentence(i + 1, 2)},
