@@ -138,6 +138,15 @@ def check_layout(config: Any, layout: ParallelLayout, custom_pipeline_layout: bo
                         f"(num_key_value_heads={groups})" + tp_hint)
     elif dense_ffn is not None and dense_ffn % tp:
         problems.append(f"tensor_model_parallel_size={tp} does not divide ffn_hidden_size={dense_ffn}" + tp_hint)
+    if config.is_hybrid:  # gated delta-rule layers: TP splits their key and value heads; no CP for them yet
+        for field in ("linear_num_key_heads", "linear_num_value_heads"):
+            if t[field] % tp:
+                problems.append(f"tensor_model_parallel_size={tp} does not divide {field}={t[field]} (the gated "
+                                f"delta-rule layers' heads; sizes that fit: {_listing(_divisors(t[field]))})")
+        if layout.cp > 1:
+            problems.append(f"context_parallel_size={layout.cp}: the gated delta-rule layers cannot split a sequence "
+                            "(their recurrent state runs through it; context_parallel_size must be 1 — for long "
+                            "sequences use tensor parallelism and recompute)")
     if config.num_experts:
         experts, moe_ffn = config.num_experts, t["moe_ffn_hidden_size"]
         if experts % ep:

@@ -43,6 +43,13 @@ TINY: dict[str, dict[str, Any]] = {
                         v_head_dim=6, rope_scaling={"type": "yarn", "factor": 4.0, "mscale": 1.0,
                                                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 128,
                                                     "beta_fast": 32, "beta_slow": 1}, num_nextn_predict_layers=1),
+    # Qwen3-Next's layout: gated delta-rule and gated full-attention layers in turn (each pipeline stage gets both),
+    # value heads twice the key heads and wider (12 vs 8), RoPE on 4 of 16 dims, MoE with a gated shared expert
+    "qwen3_next": dict(BASE, **dict(MOE, moe_intermediate_size=24), num_experts=4, shared_expert_intermediate_size=48,
+                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], head_dim=16,
+                       partial_rotary_factor=0.25, layer_types=["linear_attention", "full_attention"] * 2,
+                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                       linear_value_head_dim=12, linear_conv_kernel_dim=4),
     "mixtral": dict(BASE, intermediate_size=32, num_local_experts=3, num_experts_per_tok=2, router_aux_loss_coef=0.0,
                     sliding_window=None),
 }
@@ -95,10 +102,22 @@ def save_tiny_model(name: str, directory: str, seed: int = 0, dtype: torch.dtype
     auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     model = auto.from_config(config, dtype=dtype)
     _randomize_correction_bias(model)
+    _randomize_zero_init(model)
     model.save_pretrained(directory)
     if getattr(config, "num_nextn_predict_layers", 0):
         add_mtp_layers(config, directory, dtype)
     return directory
+
+
+def _randomize_zero_init(model: Any) -> None:
+    """Hybrid models start their zero-centred norms at 0 and the delta rule's decay at fixed values: perturb them, so
+    a test cannot pass by mistaking a norm's weight for its scale."""
+    if "linear_attention" not in (getattr(model.config.get_text_config(), "layer_types", None) or []):
+        return
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("norm.weight", "dt_bias", "A_log")):
+                param.add_(0.2 * torch.randn_like(param))
 
 
 def _randomize_correction_bias(model: Any) -> None:

@@ -48,6 +48,12 @@ def is_moe_layer(num_experts: int | None, moe_layer_freq: int | list[int], layer
     return layer % moe_layer_freq == 0
 
 
+def is_linear_attention_layer(linear_attention_freq: list[int] | None, layer: int) -> bool:
+    """Whether global decoder layer ``layer`` is a gated delta-rule layer (hybrid models mark each layer 1 / 0 in
+    ``linear_attention_freq``); any other model's layers, and a multi-token-prediction layer, are full attention."""
+    return bool(linear_attention_freq) and layer < len(linear_attention_freq) and bool(linear_attention_freq[layer])
+
+
 @dataclass
 class McaConfig:
     hf_model_type: str
@@ -94,6 +100,23 @@ class McaConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return is_moe_layer(self.num_experts, self.transformer.get("moe_layer_freq", 1), layer)
+
+    def is_linear_attention_layer(self, layer: int) -> bool:
+        return is_linear_attention_layer(self.transformer.get("linear_attention_freq"), layer)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Gated delta-rule layers among the full-attention ones (Qwen3-Next, Qwen3.5)."""
+        return bool(self.transformer.get("linear_attention_freq"))
+
+    def holds(self, pattern: str, layer: int) -> bool:
+        """Whether decoder layer ``layer`` has the canonical tensor ``pattern`` (models mixing dense and MoE layers,
+        or linear- and full-attention layers, have some tensors in some layers only)."""
+        from .mapping import in_linear_attention_layers, in_moe_layers
+
+        moe, linear = in_moe_layers(pattern), in_linear_attention_layers(pattern)
+        return ((moe is None or self.is_moe_layer(layer) == moe)
+                and (linear is None or self.is_linear_attention_layer(layer) == linear))
 
     @property
     def attention(self) -> AttentionShape:

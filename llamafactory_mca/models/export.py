@@ -23,7 +23,7 @@ from .dist_reader import DistCheckpointReader
 from .families import get_family
 from .hf_io import INDEX_NAME, ShardedWriter, copy_side_files, write_hf_config
 from .loading import dims_for
-from .mapping import WeightTable, fill, in_moe_layers, is_mtp_only, split_expert, stored_mtp_name, te_norm_name
+from .mapping import WeightTable, fill, is_mtp_only, split_expert, stored_mtp_name, te_norm_name
 
 
 def stored_keys(pattern: str) -> list[str]:
@@ -52,9 +52,8 @@ def _index_ranges(pattern: str, config: McaConfig, reader: DistCheckpointReader 
     if not pattern.startswith(_LAYERS):
         regex = re.compile("^" + re.escape(pattern).replace(r"\*", r"(\d+)") + "$")
         return sorted(tuple(map(int, m.groups())) for key in reader.keys() if (m := regex.match(key)))
-    kind = in_moe_layers(pattern)
     first = config.num_layers if is_mtp_only(pattern) else 0  # multi-token prediction's parts: its layers only
-    layers = [i for i in range(first, config.num_layers_with_mtp) if kind is None or config.is_moe_layer(i) == kind]
+    layers = [i for i in range(first, config.num_layers_with_mtp) if config.holds(pattern, i)]
     if stars == 1:
         return [(i,) for i in layers]
     return [(i, e) for i in layers for e in range(config.num_experts or 0)]

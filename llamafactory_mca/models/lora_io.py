@@ -130,7 +130,6 @@ def export_adapter(checkpoint: str, output: str, dtype: torch.dtype | None = Non
     from .hf_io import copy_side_files
     from .loading import dims_for
     from .lora import meta_hf_model
-    from .mapping import in_moe_layers
 
     verify_checkpoint(checkpoint)
     config = read_config(checkpoint)
@@ -140,9 +139,8 @@ def export_adapter(checkpoint: str, output: str, dtype: torch.dtype | None = Non
     tensors: dict[str, torch.Tensor] = {}
     cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
     for target in _targets(config, settings):
-        kind = in_moe_layers(target.mca)  # a dense layer's MLP or an MoE layer's shared experts: only there
         for layer in range(config.num_layers):
-            if kind is not None and config.is_moe_layer(layer) != kind:
+            if not config.holds(target.mca, layer):  # e.g. a dense layer's MLP: only there
                 continue
             for piece in target.pieces:
                 if target.experts:

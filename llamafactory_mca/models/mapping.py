@@ -136,6 +136,54 @@ class Rename(Op):
         return [tensor] + [tensor.clone() for _ in self.hf[1:]]  # safetensors refuses tensors sharing memory
 
 
+def _load_grouped(src: Source, names: list[str], parts: tuple[tuple[int, int], ...], groups: int,
+                  shard: Shard | None, what: str) -> torch.Tensor:
+    """Rows interleaved per group from HF tensors that each store their parts one after another: ``parts`` lists
+    (which HF tensor, rows per group) in the Megatron group's order. TP splits whole groups, so a rank reads one
+    contiguous block of every part."""
+    first, count = 0, groups
+    if shard is not None:
+        if shard.dim != 0:
+            raise ValueError(f"{what}: the grouped rows are split along dim 0, not {shard.dim}")
+        count = groups // shard.size
+        first = shard.rank * count
+    offsets, pieces = {}, []
+    for index, rows in parts:
+        start = offsets.get(index, 0)
+        piece = src.get(names[index], 0, start + first * rows, start + (first + count) * rows)
+        pieces.append(piece.reshape(count, rows, *piece.shape[1:]))
+        offsets[index] = start + groups * rows
+    return torch.cat(pieces, dim=1).reshape(-1, *pieces[0].shape[2:])
+
+
+def _grouped_to_hf(tensor: torch.Tensor, parts: tuple[tuple[int, int], ...], groups: int) -> list[torch.Tensor]:
+    """The inverse of ``_load_grouped`` for the whole tensor: each HF tensor, its parts in order."""
+    tail = tensor.shape[1:]
+    pieces = torch.split(tensor.reshape(groups, -1, *tail), [rows for _, rows in parts], dim=1)
+    out: dict[int, list[torch.Tensor]] = {}
+    for (index, _), piece in zip(parts, pieces):
+        out.setdefault(index, []).append(piece.reshape(-1, *tail))
+    return [torch.cat(out[i]).contiguous() for i in sorted(out)]
+
+
+@dataclass(frozen=True)
+class GroupedRows(Op):
+    """Megatron rows interleaved per group ([part 0 | part 1 | ...] for each group) from HF tensors holding each part
+    for all groups in turn. ``parts``: (index into ``hf``, rows per group) in the group's order; ``groups``: how many.
+    The gated delta-rule layers group per key head (``native/gated_delta.py``): Qwen3.5's flat ``in_proj_qkv``
+    is three parts (q, k, v of every head), its conv1d too; a tensor already grouped per head (Qwen3-Next's
+    ``in_proj_qkvz``) is one part of its whole group."""
+
+    parts: tuple[tuple[int, int], ...] = ()
+    groups: int = 1
+
+    def load(self, src, names, shard, dims):
+        return _load_grouped(src, names, self.parts, self.groups, shard, self.mca)
+
+    def to_hf(self, tensor, dims):
+        return _grouped_to_hf(tensor, self.parts, self.groups)
+
+
 @dataclass(frozen=True)
 class FusedQKV(Op):
     """q, k, v → Megatron's linear_qkv, interleaved per query group: [g0: q.. k v][g1: q.. k v]...
@@ -144,29 +192,42 @@ class FusedQKV(Op):
     Works for weights [rows, hidden] and biases [rows].
     """
 
-    def _rows(self, dims: Dims) -> tuple[int, int]:
-        return dims.num_heads // dims.num_query_groups * dims.head_dim, dims.head_dim
+    def _parts(self, dims: Dims) -> tuple[tuple[int, int], ...]:
+        per_group = dims.num_heads // dims.num_query_groups * dims.head_dim
+        return (0, per_group), (1, dims.head_dim), (2, dims.head_dim)
 
     def load(self, src, names, shard, dims):
-        groups, first = dims.num_query_groups, 0
-        if shard is not None:
-            if shard.dim != 0:
-                raise ValueError(f"{self.mca}: linear_qkv is column-parallel (dim 0), not dim {shard.dim}")
-            groups = dims.num_query_groups // shard.size
-            first = shard.rank * groups
-        q_rows, kv_rows = self._rows(dims)
-        q = src.get(names[0], 0, first * q_rows, (first + groups) * q_rows)
-        k, v = (src.get(n, 0, first * kv_rows, (first + groups) * kv_rows) for n in names[1:])
-        tail = q.shape[1:]
-        parts = [q.reshape(groups, q_rows, *tail), k.reshape(groups, kv_rows, *tail),
-                 v.reshape(groups, kv_rows, *tail)]
-        return torch.cat(parts, dim=1).reshape(-1, *tail)
+        return _load_grouped(src, names, self._parts(dims), dims.num_query_groups, shard, self.mca)
 
     def to_hf(self, tensor, dims):
-        q_rows, kv_rows = self._rows(dims)
-        grouped = tensor.reshape(dims.num_query_groups, q_rows + 2 * kv_rows, *tensor.shape[1:])
-        q, k, v = torch.split(grouped, [q_rows, kv_rows, kv_rows], dim=1)
-        return [t.reshape(-1, *tensor.shape[1:]).contiguous() for t in (q, k, v)]
+        return _grouped_to_hf(tensor, self._parts(dims), dims.num_query_groups)
+
+
+@dataclass(frozen=True)
+class GatedFusedQKV(FusedQKV):
+    """Attention with an output gate (Qwen3-Next, Qwen3.5): HF's ``q_proj`` gives each head [q | gate]; Megatron's
+    linear_qkv (``attention_output_gate``) takes per query group [its heads' q | their gates | k | v]."""
+
+    def _parts(self, dims: Dims) -> tuple[tuple[int, int], ...]:
+        (_, q_rows), *kv = super()._parts(dims)
+        return ((0, 2 * q_rows), *kv)
+
+    def _swap(self, tensor: torch.Tensor, dims: Dims, before: tuple[int, int]) -> torch.Tensor:
+        """Within each group's q rows, [head, q/gate, dim] ↔ [q/gate, head, dim] (``before``: the order read)."""
+        heads = dims.num_heads // dims.num_query_groups
+        tail = tensor.shape[1:]
+        grouped = tensor.reshape(-1, 2 * heads * dims.head_dim + 2 * dims.head_dim, *tail)
+        q, kv = grouped.split([2 * heads * dims.head_dim, 2 * dims.head_dim], dim=1)
+        q = q.reshape(q.shape[0], *before, dims.head_dim, *tail).transpose(1, 2)
+        return torch.cat([q.reshape(q.shape[0], -1, *tail), kv], dim=1).reshape(-1, *tail)
+
+    def load(self, src, names, shard, dims):
+        heads = dims.num_heads // dims.num_query_groups
+        return self._swap(super().load(src, names, shard, dims), dims, (heads, 2))
+
+    def to_hf(self, tensor, dims):
+        heads = dims.num_heads // dims.num_query_groups
+        return super().to_hf(self._swap(tensor, dims, (2, heads)), dims)
 
 
 @dataclass(frozen=True)
@@ -235,12 +296,28 @@ def in_moe_layers(mca: str) -> bool | None:
     return False if ".mlp.linear_fc" in mca else None
 
 
-def dense_layer(attn: str = "self_attn", mlp: str = "mlp", qkv_bias: bool = False) -> list[Op]:
-    """The Llama-style decoder layer every family here shares (``mlp=""``: the MLP is mapped elsewhere)."""
+# the two kinds of attention layer in hybrid models (Qwen3-Next, Qwen3.5): gated delta-rule (linear) and full
+_LINEAR_ATTENTION = tuple(f".self_attention.{p}" for p in ("in_proj.", "conv1d", "dt_bias", "A_log", "out_norm.",
+                                                          "out_proj."))
+_FULL_ATTENTION = tuple(f".self_attention.{p}" for p in ("linear_qkv.", "linear_proj.", "q_layernorm.",
+                                                        "k_layernorm."))
+
+
+def in_linear_attention_layers(mca: str) -> bool | None:
+    """Like ``in_moe_layers`` for hybrid models: True only the linear-attention layers' tensors, False only the
+    full-attention layers', None every layer's."""
+    if any(part in mca for part in _LINEAR_ATTENTION):
+        return True
+    return False if any(part in mca for part in _FULL_ATTENTION) else None
+
+
+def dense_layer(attn: str = "self_attn", mlp: str = "mlp", qkv_bias: bool = False, gated: bool = False) -> list[Op]:
+    """The Llama-style decoder layer every family here shares (``mlp=""``: the MLP is mapped elsewhere; ``gated``:
+    attention with an output gate)."""
+    qkv = GatedFusedQKV if gated else FusedQKV
     ops: list[Op] = [
         Rename(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)),
-        FusedQKV(LAYER + "self_attention.linear_qkv.weight",
-                 tuple(f"{HF_LAYER}{attn}.{p}_proj.weight" for p in "qkv")),
+        qkv(LAYER + "self_attention.linear_qkv.weight", tuple(f"{HF_LAYER}{attn}.{p}_proj.weight" for p in "qkv")),
         Rename(LAYER + "self_attention.linear_proj.weight", (f"{HF_LAYER}{attn}.o_proj.weight",)),
         Rename(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "post_attention_layernorm.weight",)),
     ]

@@ -40,10 +40,11 @@ from megatron.core.transformer.transformer_layer import TransformerLayerSubmodul
 
 from ..compat import has_transformer_engine
 from ..errors import UserError
-from .config import is_moe_layer
+from .config import is_linear_attention_layer, is_moe_layer
 from .native.attention import NativeDotProductAttention, check_supported
 from .native.dispatch import LocalDispatchLayer, local_dispatch_applies
 from .native.experts import NativeGroupedMLP, describe_experts
+from .native.gated_delta import NativeGatedDeltaNet, fla_available
 from .native.kernels import varlen_attn_available
 from .mapping import NORM_ALIASES
 from .native import wgrad
@@ -92,9 +93,10 @@ def prepare_config(config: TransformerConfig | dict[str, Any]) -> TransformerCon
     return config
 
 
-def get_layer_spec(config: TransformerConfig, moe: bool | None = None) -> ModuleSpec:
+def get_layer_spec(config: TransformerConfig, moe: bool | None = None, linear: bool = False) -> ModuleSpec:
     """The transformer-layer spec for ``config`` (qk-norm and RMSNorm read from it). ``moe``: an MoE layer or a
     dense one (None: MoE whenever the config has experts; models mixing both take ``get_block_spec``).
+    ``linear``: a gated delta-rule layer (hybrid models, always the native spec).
 
     With GPTModel, Megatron builds the decoder's *final* norm itself, from apex/TE or else its
     ``WrappedTorchNorm``, which refuses sequence parallelism; use ``get_block_spec`` when SP is on.
@@ -118,7 +120,7 @@ def get_layer_spec(config: TransformerConfig, moe: bool | None = None) -> Module
             qk_layernorm=config.qk_layernorm, multi_latent_attention=config.multi_latent_attention,
             normalization=config.normalization, qk_l2_norm=getattr(config, "qk_l2_norm", False),
         )
-    return native_layer_spec(config, experts is not None)
+    return native_layer_spec(config, experts is not None, linear)
 
 
 def get_block_spec(config: TransformerConfig, vp_stage: int | None = None,
@@ -128,8 +130,9 @@ def get_block_spec(config: TransformerConfig, vp_stage: int | None = None,
     ``transformer_layer_spec``; it is per chunk because the layer count depends on ``vp_stage``."""
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    moe = [_is_moe_layer(config, offset + i) for i in range(count)]
-    specs = {kind: get_layer_spec(config, kind) for kind in set(moe)}
+    kinds = [(_is_moe_layer(config, offset + i), is_linear_attention_layer(config.linear_attention_freq, offset + i))
+             for i in range(count)]
+    specs = {kind: get_layer_spec(config, *kind) for kind in set(kinds)}
     if _choice(config) == "te":
         from megatron.core.extensions.transformer_engine import TENorm
 
@@ -138,7 +141,7 @@ def get_block_spec(config: TransformerConfig, vp_stage: int | None = None,
         final_norm = NativeNorm
     else:
         from megatron.core.transformer.transformer_block import LayerNormImpl as final_norm
-    return TransformerBlockSubmodules(layer_specs=[specs[kind] for kind in moe], layer_norm=final_norm)
+    return TransformerBlockSubmodules(layer_specs=[specs[kind] for kind in kinds], layer_norm=final_norm)
 
 
 def get_mtp_block_spec(config: TransformerConfig, vp_stage: int | None = None) -> Any:
@@ -167,9 +170,9 @@ def _is_moe_layer(config: TransformerConfig, layer: int) -> bool:
     return is_moe_layer(config.num_moe_experts, config.moe_layer_freq, layer)
 
 
-def native_layer_spec(config: TransformerConfig, moe: bool = True) -> ModuleSpec:
+def native_layer_spec(config: TransformerConfig, moe: bool = True, linear: bool = False) -> ModuleSpec:
     """Megatron's local layer layout with the native core attention, norms and grouped experts (``moe``: the MLP is
-    the experts, where the config has them)."""
+    the experts, where the config has them; ``linear``: the gated delta rule in the attention's place)."""
     check_supported(config)
     qk_norm = L2Norm if getattr(config, "qk_l2_norm", False) else _QK_NORM if config.qk_layernorm else IdentityOp
     if config.num_moe_experts and moe:
@@ -178,18 +181,20 @@ def native_layer_spec(config: TransformerConfig, moe: bool = True) -> ModuleSpec
     else:
         mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                               linear_fc2=RowParallelLinear))
+    if linear:
+        attention = ModuleSpec(module=NativeGatedDeltaNet)
+    elif config.multi_latent_attention:
+        attention = _mla_spec()
+    else:
+        attention = ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                               submodules=SelfAttentionSubmodules(
+                                   linear_qkv=ColumnParallelLinear, core_attention=NativeDotProductAttention,
+                                   linear_proj=RowParallelLinear, q_layernorm=qk_norm, k_layernorm=qk_norm))
     return ModuleSpec(
         module=LocalDispatchLayer,  # TransformerLayer; its MoE routes without host syncs where it can
         submodules=TransformerLayerSubmodules(
             input_layernorm=NativeNorm,
-            self_attention=_mla_spec() if config.multi_latent_attention else ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear, core_attention=NativeDotProductAttention,
-                    linear_proj=RowParallelLinear, q_layernorm=qk_norm, k_layernorm=qk_norm,
-                ),
-            ),
+            self_attention=attention,
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=NativeNorm,
             mlp=mlp,
@@ -236,7 +241,12 @@ def describe_kernels(config: TransformerConfig) -> str:
         local = local_dispatch_applies(config, *_expert_parallel_sizes(config))
         experts += ", routing on the device (no host sync)" if local else ", Megatron's alltoall routing"
     absent = "" if choice == "te" else " (Transformer Engine and apex absent: PyTorch kernels)"
+    if config.linear_attention_freq and has_transformer_engine():
+        absent = " (hybrid linear-attention model: our gated delta-rule layer has no TE spec)"
     line = f"layer spec: {choice}{absent}; attention: {attention}"
+    if config.linear_attention_freq:
+        kernel = "flash-linear-attention" if torch_cuda() and fla_available() else "transformers' torch chunked rule"
+        line += f"; gated delta rule: {kernel}"
     return line + (f"; MoE experts: {experts}" if config.num_moe_experts else "")
 
 
@@ -266,6 +276,8 @@ def _expert_parallel_sizes(config: TransformerConfig) -> tuple[int, int]:
 
 
 def _choice(config: TransformerConfig) -> str:
+    if config.linear_attention_freq:  # hybrid models: the gated delta-rule layer is native only
+        return "native"
     if has_transformer_engine():
         return "te"
     if _backend_name(config.attention_backend) == "local":
@@ -302,9 +314,13 @@ def _has_apex_wgrad() -> bool:
 
 
 def _cpu_only() -> bool:
+    return not torch_cuda()
+
+
+def torch_cuda() -> bool:
     import torch
 
-    return not torch.cuda.is_available()
+    return torch.cuda.is_available()
 
 
 _LOGGED: set[tuple] = set()

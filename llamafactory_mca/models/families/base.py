@@ -13,7 +13,8 @@ from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
 from ..config import AttentionShape, McaConfig, attention_shape, check_rope, rope_settings
-from ..mapping import HF_LAYER, LAYER, Op, Rename, dense_layer, embeddings, gated_mlp, mtp_ops, stacked_experts
+from ..mapping import (HF_LAYER, LAYER, GroupedRows, Op, Rename, dense_layer, embeddings, gated_mlp, mtp_ops,
+                       stacked_experts)
 
 
 def refuse(model_type: str, what: str, fix: str) -> NoReturn:
@@ -196,6 +197,55 @@ class MultiTokenPrediction(Part):
 
 
 @dataclass(frozen=True)
+class GatedDeltaNet(Part):
+    """Hybrid attention (Qwen3-Next, Qwen3.5): the layers ``layer_types`` marks ``linear_attention`` are gated
+    delta-rule layers (``native/gated_delta.py``); the others are full attention with a sigmoid output gate (HF's
+    ``q_proj`` gives each head [q | gate]), partial RoPE and zero-centred q/k norms. Every RMSNorm but the delta
+    rule's output norm is zero-centred (scale 1 + weight).
+
+    ``fused``: the checkpoint's projections are grouped per key head, [q k v z] in ``in_proj_qkvz`` and [beta alpha] in
+    ``in_proj_ba`` (Qwen3-Next); otherwise flat ``in_proj_qkv`` (all q, all k, all v), ``in_proj_z``, ``in_proj_b``
+    and ``in_proj_a`` (Qwen3.5). Both map into one layout grouped per key head, which TP splits by key heads."""
+
+    fused: bool = True
+
+    def check(self, model_type: str, hf: Any) -> None:
+        kinds = set(hf.layer_types)
+        if not kinds <= {"linear_attention", "full_attention"}:
+            refuse(model_type, f"layer_types {sorted(kinds)}", "Supported: linear_attention and full_attention.")
+        if hf.linear_num_value_heads % hf.linear_num_key_heads:
+            refuse(model_type, f"linear_num_value_heads={hf.linear_num_value_heads} not a multiple of "
+                   f"linear_num_key_heads={hf.linear_num_key_heads}", "Each key head must serve whole value heads.")
+
+    def transformer(self, hf: Any) -> dict[str, Any]:
+        return dict(
+            linear_attention_freq=[int(kind == "linear_attention") for kind in hf.layer_types],
+            linear_num_key_heads=hf.linear_num_key_heads, linear_num_value_heads=hf.linear_num_value_heads,
+            linear_key_head_dim=hf.linear_key_head_dim, linear_value_head_dim=hf.linear_value_head_dim,
+            linear_conv_kernel_dim=hf.linear_conv_kernel_dim,
+            attention_output_gate=True, layernorm_zero_centered_gamma=True,
+        )
+
+    def weights(self, config: McaConfig) -> list[Op]:
+        t = config.transformer
+        groups, dk = t["linear_num_key_heads"], t["linear_key_head_dim"]
+        ratio = t["linear_num_value_heads"] // groups  # value heads per key head
+        dv = ratio * t["linear_value_head_dim"]  # one key head's value width
+        ours, theirs = f"{LAYER}self_attention.", f"{HF_LAYER}linear_attn."
+        if self.fused:
+            names, parts = ("qkvz", "ba"), ((0, 2 * dk + 2 * dv), (1, 2 * ratio))
+        else:
+            names, parts = ("qkv", "z", "b", "a"), ((0, dk), (0, dk), (0, dv), (1, dv), (2, ratio), (3, ratio))
+        in_proj = GroupedRows(f"{ours}in_proj.weight", tuple(f"{theirs}in_proj_{n}.weight" for n in names),
+                              parts=parts, groups=groups)
+        conv = GroupedRows(f"{ours}conv1d.weight", (f"{theirs}conv1d.weight",), parts=((0, dk), (0, dk), (0, dv)),
+                           groups=groups)
+        renames = [("dt_bias", "dt_bias"), ("A_log", "A_log"), ("out_norm.weight", "norm.weight"),
+                   ("out_proj.weight", "out_proj.weight")]
+        return [in_proj, conv] + [Rename(f"{ours}{mine}", (f"{theirs}{hf}",)) for mine, hf in renames]
+
+
+@dataclass(frozen=True)
 class Vision(Part):
     """A vision tower (the HF module, on the first pipeline stage: ``models/multimodal.py``) whose image and video
     features replace the placeholder tokens' embeddings; the text half rotates by 3-D positions (mrope).
@@ -257,10 +307,12 @@ class DecoderFamily(Family):
     sliding_window: SlidingWindow | None = None
     vision: Vision | None = None
     mtp: MultiTokenPrediction | None = None
+    linear_attention: GatedDeltaNet | None = None
 
     def parts(self) -> list[Part]:
         """The declared parts, in the order their weight ops follow the layer's."""
-        return [part for part in (self.qk_norm, self.moe, self.mtp, self.vision) if part is not None]
+        return [part for part in (self.qk_norm, self.linear_attention, self.moe, self.mtp, self.vision)
+                if part is not None]
 
     def check(self, hf: Any) -> None:
         if getattr(hf, "hidden_act", "silu") != "silu":
@@ -322,7 +374,8 @@ class DecoderFamily(Family):
     def layer_ops(self, config: McaConfig, dense_mlp: bool) -> list[Op]:
         """A decoder layer's norms and attention, and its dense MLP where some layer has one (a family with another
         attention overrides this)."""
-        return dense_layer(mlp="mlp" if dense_mlp else "", qkv_bias=config.transformer["add_qkv_bias"])
+        return dense_layer(mlp="mlp" if dense_mlp else "", qkv_bias=config.transformer["add_qkv_bias"],
+                           gated=config.transformer.get("attention_output_gate", False))
 
     def weights(self, config: McaConfig) -> list[Op]:
         dense_mlp = not all(config.is_moe_layer(i) for i in range(config.num_layers))

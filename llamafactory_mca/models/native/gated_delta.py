@@ -1,32 +1,48 @@
-"""Gated delta-rule linear attention (Qwen3-Next, Qwen3.5) as a Megatron attention module, without TE or fla.
+"""Gated delta-rule linear attention (Qwen3-Next, Qwen3.5) as a Megatron attention module, without TE.
 
-megatron-core 0.16.1's ``GatedDeltaNet`` imports flash-linear-attention (GPU only), allocates on CUDA, refuses packed
-sequences and is reachable only through a Transformer Engine spec (docs/qwen3-next-notes.md §5). This module keeps
-its parameter names (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``out_norm``, ``out_proj``) and runs the math
-of transformers' ``Qwen3NextGatedDeltaNet``:
+megatron-core 0.16.1's ``GatedDeltaNet`` imports flash-linear-attention unconditionally, allocates on CUDA, refuses
+packed sequences and is reachable only through a Transformer Engine spec (docs/qwen3-next-notes.md §5). This module
+keeps its parameter names (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``out_norm``, ``out_proj``) and runs the
+math of transformers' ``Qwen3NextGatedDeltaNet``:
 
-    q, k, v, z, b, a = in_proj(x)                       (in_proj's rows: [q | k | v | z | beta | alpha] per TP rank)
+    q, k, v, z, b, a = in_proj(x)
     q, k, v = silu(causal depthwise conv1d([q | k | v]))
     g = -exp(A_log) * softplus(a + dt_bias);  beta = sigmoid(b)      (fp32)
     o = gated delta rule(l2norm(q), l2norm(k), v, g, beta)           (value head j reads key head j // (nv / nk))
     out = out_proj(rmsnorm(o) * out_norm.weight * silu(z))
 
-Both the convolution and the recurrence restart at every packed sequence's start (``cu_seqlens``): a packed batch
-gives each sequence's own output. The recurrence is transformers' chunked torch implementation, run per sequence
-(issue 19 builds this into the Qwen3-Next family; fla's kernels on GPUs are the next step). Tensor parallelism is
-meant to split heads (each rank ``nk / tp`` key and ``nv / tp`` value heads) but is not tested yet: it also needs
-``out_norm``'s weight gradient summed over TP ranks and a loader op that slices in_proj's six parts per rank.
+Rows are grouped per key head, as Qwen3-Next's checkpoints group them: ``in_proj`` is, for each key head h,
+[q_h | k_h | v_h | z_h | beta_h | alpha_h] (the v, z, beta, alpha of its nv / nk value heads), and ``conv1d``'s
+channels are [q_h | k_h | v_h]. Tensor parallelism then splits whole key heads, so every rank's slice of every
+parameter is one contiguous block of the world-size-1 tensor: checkpoints reshard by plain TP axes
+(``mapping.GroupedRows`` maps Qwen3.5's flat projections into this layout). ``out_norm`` is shared by all heads:
+each TP rank sees all tokens but only its own heads, so its weight gradient is summed over the TP group (the weight
+passes ``copy_to_tensor_model_parallel_region``).
+
+The convolution and the recurrence restart at every packed sequence's start (``cu_seqlens``): a packed batch gives
+each sequence its own output. On GPUs the recurrence is flash-linear-attention's chunked kernel (``fla``, Triton,
+with ``cu_seqlens``); elsewhere transformers' chunked torch implementation runs per sequence.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+from ...errors import UserError
+
+# the parameters outside the parallel linears and the norm; all split by heads on dim 0
+_OWN_TP_SPLIT = {"conv1d.weight": 0, "dt_bias": 0, "A_log": 0}
+FLA_HINT = "pip install flash-linear-attention (Triton kernels for the gated delta rule; GPUs only)"
 
 
 class NativeGatedDeltaNet(MegatronModule):
@@ -38,19 +54,21 @@ class NativeGatedDeltaNet(MegatronModule):
         self.layer_number = layer_number
         self.nk, self.nv = config.linear_num_key_heads // tp, config.linear_num_value_heads // tp
         self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
-        self.kernel = config.linear_conv_kernel_dim
-        self.sizes = [self.nk * self.dk, self.nk * self.dk, self.nv * self.dv, self.nv * self.dv, self.nv, self.nv]
-        total = tp * sum(self.sizes)
-        self.in_proj = ColumnParallelLinear(config.hidden_size, total, config=config, init_method=config.init_method,
-                                            bias=False, gather_output=False, skip_bias_add=False)
+        self.ratio = self.nv // self.nk
+        # one key head's rows: its q, k, then its value heads' v, z, beta, alpha
+        self.group = [self.dk, self.dk, self.ratio * self.dv, self.ratio * self.dv, self.ratio, self.ratio]
+        self.in_proj = ColumnParallelLinear(config.hidden_size, tp * self.nk * sum(self.group), config=config,
+                                            init_method=config.init_method, bias=False, gather_output=False,
+                                            skip_bias_add=False)
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         local = dict(device=device, dtype=config.params_dtype)
-        conv_dim = sum(self.sizes[:3])
-        self.conv1d = torch.nn.Parameter(torch.empty(conv_dim, 1, self.kernel, **local))
-        torch.nn.init.kaiming_uniform_(self.conv1d, a=5 ** 0.5)
+        channels = self.nk * sum(self.group[:3])  # depthwise: causal_conv applies its weight [channels, 1, K]
+        self.conv1d = torch.nn.Conv1d(channels, channels, config.linear_conv_kernel_dim, groups=channels, bias=False,
+                                      **local)
         self.dt_bias = torch.nn.Parameter(torch.ones(self.nv, **local))
         self.A_log = torch.nn.Parameter(torch.log(torch.empty(self.nv, **local).uniform_(1, 16)))
-        for param in (self.conv1d, self.dt_bias, self.A_log):  # split by heads along dim 0, as in_proj's rows
+        for name in _OWN_TP_SPLIT:
+            param = self.get_parameter(name)
             param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
         self.out_norm = torch.nn.RMSNorm(self.dv, eps=config.layernorm_epsilon, **local)
         self.out_proj = RowParallelLinear(tp * self.nv * self.dv, config.hidden_size, config=config,
@@ -61,40 +79,84 @@ class NativeGatedDeltaNet(MegatronModule):
                 packed_seq_params: PackedSeqParams | None = None, **_unused) -> tuple[torch.Tensor, None]:
         mixed, _ = self.in_proj(hidden_states)  # [s, b, local]
         seq, batch = mixed.shape[:2]
-        q, k, v, z, b, a = torch.split(mixed.transpose(0, 1), self.sizes, dim=-1)  # [b, s, .]
-        segments = _segments(packed_seq_params, seq) if packed_seq_params is not None else [(0, seq)]
-        qkv = F.silu(_causal_conv(torch.cat([q, k, v], dim=-1), self.conv1d, segments))
-        q, k, v = torch.split(qkv, self.sizes[:3], dim=-1)
-        q, k = (t.reshape(batch, seq, self.nk, self.dk).repeat_interleave(self.nv // self.nk, dim=2) for t in (q, k))
+        grouped = mixed.transpose(0, 1).reshape(batch, seq, self.nk, sum(self.group))
+        qkv, z, b, a = torch.split(grouped, [sum(self.group[:3]), *self.group[3:]], dim=-1)
+        cu_seqlens = _cu_seqlens(packed_seq_params, seq) if packed_seq_params is not None else None
+        qkv = F.silu(causal_conv(qkv.reshape(batch, seq, -1), self.conv1d.weight, cu_seqlens))
+        q, k, v = torch.split(qkv.view(batch, seq, self.nk, -1), self.group[:3], dim=-1)
         v = v.reshape(batch, seq, self.nv, self.dv)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        core = torch.cat([_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e]) for s, e in segments],
-                         dim=1)
+        beta = b.reshape(batch, seq, self.nv).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.reshape(batch, seq, self.nv).float() + self.dt_bias)
+        q, k = (t.repeat_interleave(self.ratio, dim=2) for t in (q, k))  # value head j reads key head j // ratio
+        core = delta_rule(q, k, v, g, beta, cu_seqlens)
         z = z.reshape(batch, seq, self.nv, self.dv)
-        gated = (self.out_norm(core.to(z.dtype)).float() * F.silu(z.float())).to(z.dtype)
+        weight = copy_to_tensor_model_parallel_region(self.out_norm.weight)  # its gradient: summed over TP ranks
+        normed = F.rms_norm(core.to(z.dtype), (self.dv,), weight, self.out_norm.eps)
+        gated = (normed.float() * F.silu(z.float())).to(z.dtype)
         out, bias = self.out_proj(gated.reshape(batch, seq, -1).transpose(0, 1).contiguous())
         return out, bias
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Megatron's default, with the conv, dt_bias and A_log split over TP on dim 0 (the default would take them
+        for replicated)."""
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        own = {name: self.get_parameter(name) for name in _OWN_TP_SPLIT}
+        state.update(make_sharded_tensors_for_checkpoint(
+            own, prefix, _OWN_TP_SPLIT, sharded_offsets, tp_group=parallel_state.get_tensor_model_parallel_group(),
+            dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True)))
+        return state
 
-def _segments(params: PackedSeqParams, length: int) -> list[tuple[int, int]]:
-    """Each packed sequence's [start, end) (padded boundaries: a sequence's padding sits at its own end)."""
+
+def _cu_seqlens(params: PackedSeqParams, length: int) -> torch.Tensor:
+    """Each packed sequence's start and end (padded boundaries: a sequence's padding sits at its own end)."""
     cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-    bounds = cu.tolist()
-    return [(s, min(e, length)) for s, e in zip(bounds[:-1], bounds[1:]) if s < length]
+    cu = cu.clamp(max=length).long()
+    return cu if cu[-1] == length else torch.cat([cu, cu.new_tensor([length])])  # trailing padding: its own piece
 
 
-def _causal_conv(x: torch.Tensor, weight: torch.Tensor, segments: list[tuple[int, int]]) -> torch.Tensor:
-    """Depthwise causal convolution over [b, s, c] with ``weight`` [c, 1, K], restarting at every segment."""
-    pad = weight.shape[-1] - 1
-    outs = [F.conv1d(F.pad(x[:, s:e].transpose(1, 2), (pad, 0)), weight, groups=weight.shape[0]).transpose(1, 2)
-            for s, e in segments]
-    return torch.cat(outs, dim=1)
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """Depthwise causal convolution over [b, s, c] with ``weight`` [c, 1, K]; with ``cu_seqlens`` (b = 1) no output
+    reads an input from before its own sequence's start. One shifted multiply-add per tap, on any device."""
+    taps, seq = weight.shape[-1], x.shape[1]
+    if cu_seqlens is not None:
+        starts = torch.repeat_interleave(cu_seqlens[:-1], cu_seqlens.diff(), output_size=seq)
+        position = torch.arange(seq, device=x.device) - starts  # each token's index inside its sequence
+    out = x * weight[:, 0, -1]
+    for shift in range(1, taps):
+        shifted = F.pad(x[:, : seq - shift], (0, 0, shift, 0))
+        if cu_seqlens is not None:
+            shifted = shifted * (position >= shift).unsqueeze(-1).to(x.dtype)
+        out = out + shifted * weight[:, 0, taps - 1 - shift]
+    return out
 
 
-def _delta_rule(q, k, v, g, beta) -> torch.Tensor:
-    """transformers' chunked gated delta rule (l2-normalised q and k), from a zero state: [b, s, h, dv]."""
+def delta_rule(q, k, v, g, beta, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """The chunked gated delta rule with l2-normalised q and k, from a zero state per sequence: [b, s, h, dv]."""
+    if q.is_cuda:
+        out, _ = _fla_rule()(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+        return out
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
-    out, _ = torch_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
-    return out
+    bounds = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
+    pieces = [torch_chunk_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e],
+                                           use_qk_l2norm_in_kernel=True)[0]
+              for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    return torch.cat(pieces, dim=1)
+
+
+@functools.cache
+def _fla_rule():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError as err:
+        raise UserError(f"the gated delta-rule layers need flash-linear-attention on GPUs ({err}): "
+                        f"{FLA_HINT}.") from err
+    return chunk_gated_delta_rule
+
+
+def fla_available() -> bool:
+    try:
+        _fla_rule()
+    except UserError:
+        return False
+    return True
