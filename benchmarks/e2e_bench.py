@@ -60,6 +60,17 @@ MOONLIGHT = dict(model_type="deepseek_v3", hidden_size=2048, num_hidden_layers=2
                  n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, n_group=1, topk_group=1,
                  routed_scaling_factor=2.446, norm_topk_prob=True, vocab_size=163840, max_position_embeddings=8192,
                  rope_theta=50000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+# Qwen3-Next-80B-A3B (Qwen/Qwen3-Next-80B-A3B-Instruct config.json): gated delta-rule layers (16 key / 32 value heads
+# of 128) with every 4th layer gated full attention (16 heads of 256, 2 kv heads, RoPE on a quarter), 512 routed
+# experts (top 10) + a gated shared expert in every layer; layers and their kinds set per run (``layer_pattern``).
+QWEN3_NEXT_80B = dict(model_type="qwen3_next", hidden_size=2048, num_hidden_layers=48, num_attention_heads=16,
+                      num_key_value_heads=2, head_dim=256, intermediate_size=5120, moe_intermediate_size=512,
+                      shared_expert_intermediate_size=512, num_experts=512, num_experts_per_tok=10,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
+                      linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                      linear_value_head_dim=128, linear_conv_kernel_dim=4, partial_rotary_factor=0.25,
+                      vocab_size=151936, max_position_embeddings=262144, rope_theta=1e7, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, vocab_size=512, max_position_embeddings=2048)
 SMOKE_SHAPES = {"dense": {**QWEN3_1_7B, **TINY}, "dense8b": {**QWEN3_8B, **TINY},
@@ -70,7 +81,10 @@ SMOKE_SHAPES = {"dense": {**QWEN3_1_7B, **TINY}, "dense8b": {**QWEN3_8B, **TINY}
                 "moonlight": {**MOONLIGHT, **TINY, "num_key_value_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
                               "qk_rope_head_dim": 8, "head_dim": 8, "v_head_dim": 8, "n_routed_experts": 8,
                               "num_experts_per_tok": 2,
-                              "moe_intermediate_size": 32}}
+                              "moe_intermediate_size": 32},
+                "next": {**QWEN3_NEXT_80B, **TINY, "num_experts": 8, "num_experts_per_tok": 2,
+                         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "linear_num_key_heads": 2,
+                         "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16}}
 # Vision-language shapes, each with its real vision tower (frozen, as LLaMA-Factory's default) and layers set per run:
 # Qwen2.5-VL-7B (32-block windowed tower) and Qwen3-VL-30B-A3B (27-block tower with deepstack, 128 experts).
 QWEN2_5_VL_7B = dict(model_type="qwen2_5_vl",
@@ -104,13 +118,15 @@ SMOKE_SHAPES |= {kind: dict(model_type=shape["model_type"]) for kind, shape in V
 # default path drops it (transformers has no MTP)
 SMOKE_SHAPES["glm_mtp"] = {**SMOKE_SHAPES["glm"], "num_nextn_predict_layers": 1}
 SHAPES = {"dense": QWEN3_1_7B, "dense8b": QWEN3_8B, "moe": QWEN3_30B_A3B, "glm": GLM_4_5_AIR,
-          "glm_mtp": {**GLM_4_5_AIR, "num_nextn_predict_layers": 1}, "moonlight": MOONLIGHT, **VL}
+          "glm_mtp": {**GLM_4_5_AIR, "num_nextn_predict_layers": 1}, "moonlight": MOONLIGHT, "next": QWEN3_NEXT_80B,
+          **VL}
 LABELS = {"dense": "Qwen3-1.7B shape", "dense8b": "Qwen3-8B shape", "moe": "Qwen3-30B-A3B shape",
           "glm": "GLM-4.5-Air shape", "glm_mtp": "GLM-4.5-Air shape with its MTP layer",
           "moonlight": "Moonlight-16B-A3B shape (DeepSeek-V3 architecture)",
+          "next": "Qwen3-Next-80B-A3B shape",
           "vl": "Qwen2.5-VL-7B shape",
           "vl_moe": "Qwen3-VL-30B-A3B shape"}
-MOE_KINDS = ("moe", "vl_moe", "glm", "glm_mtp", "moonlight")
+MOE_KINDS = ("moe", "vl_moe", "glm", "glm_mtp", "moonlight", "next")
 
 
 def image_side(kind: str, smoke: bool) -> int:
@@ -237,6 +253,11 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                  layers=2 if smoke else 8,
                  about=f"full fine-tuning of the first 8 layers (1 dense, 7 MoE: about what fits one H200 with Adam "
                        f"states), {cut}-token packed micro-batches, global batch 8"),
+        Workload("qwen3_next", "next", cut, varlen, [Run(**vars(r)) for r in varlen_runs], steps=8, warmup=3,
+                 layers=2 if smoke else 3,
+                 about=f"full fine-tuning of 3 layers (2 gated delta-rule, 1 gated full attention; every layer 512 "
+                       f"experts: what fits one H200 with Adam states), SFT rows log-uniform {varlen[1]}..{cut} "
+                       "tokens; padded: 2 rows x 4, packed: 1 pack x 8 (LLaMA-Factory: neat_packing)"),
         Workload("lora_dense", "dense8b", cut, packed,
                  _pair(1, 8, "1 GPU", lf_layout="1 GPU, gradient checkpointing (LF default)")
                  + [Run("ours_recompute", "ours", 1, True, 1, 8, "1 GPU, recompute full", recompute)],
@@ -267,6 +288,9 @@ def model_config(kind: str, layers: int, smoke: bool) -> dict:
     if kind in VL:
         return {**shape, "text_config": {**shape.get("text_config", {}), "num_hidden_layers": layers},
                 "num_hidden_layers": layers}
+    if kind == "next":  # Qwen3-Next's pattern (every 4th layer full attention), the last layer full in a short cut
+        shape = {**shape, "layer_types": ["full_attention" if (i + 1) % 4 == 0 or i == layers - 1 else
+                                          "linear_attention" for i in range(layers)]}
     return {**shape, "num_hidden_layers": layers}
 
 
@@ -798,6 +822,12 @@ def targets(name: str, data: dict, everything: dict, tol: float) -> list[dict]:
     elif name == "layouts":
         for run in ("ours_tp2", "ours_pp2"):
             found.append(_curve_target(run, runs.get(run), "ours (1 GPU)", runs.get("ours")))
+    elif name == "qwen3_next":
+        for mode in ("pack", "nopack"):
+            found.append(_ratio_target(f"tokens/s: ours >= 3x LLaMA-Factory ({mode.replace('no', 'not ')}ed)",
+                                       runs.get(f"ours_{mode}"), runs.get(f"lf_{mode}"), 3.0, "needs both runs"))
+            found.append(_loss_target(f"ours {mode}", runs.get(f"ours_{mode}"), f"LF {mode}", runs.get(f"lf_{mode}"),
+                                      tol))
     elif name.startswith("varlen"):
         found.append(_ratio_target("effective tokens/s: ours packed >= 1.5x ours padded", runs.get("ours_pack"),
                                    runs.get("ours_nopack"), 1.5, "needs both runs"))

@@ -32,7 +32,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "megatron", "*.yaml")))
 FAMILY = {"Qwen/Qwen3-1.7B": "qwen3", "Qwen/Qwen3-30B-A3B-Instruct-2507": "qwen3_moe",
           "Qwen/Qwen2-VL-7B-Instruct": "qwen2_vl", "Qwen/Qwen3-VL-30B-A3B-Instruct": "qwen3_vl_moe",
-          "zai-org/GLM-4.5-Air": "glm4_moe", "moonshotai/Moonlight-16B-A3B-Instruct": "deepseek_v3"}
+          "zai-org/GLM-4.5-Air": "glm4_moe", "moonshotai/Moonlight-16B-A3B-Instruct": "deepseek_v3",
+          "Qwen/Qwen3-Next-80B-A3B-Instruct": "qwen3_next"}
 # LLaMA-Factory's own dataset_info.json entries for its demo sets (data/dataset_info.json in its repository).
 LLAMAFACTORY_INFO = {
     "identity": {"file_name": "identity.json"},
@@ -98,9 +99,10 @@ def world(tmp_path_factory):
         if "_vl" in family:
             model = save_tiny_vl_model(family, str(root / "models" / family))
         else:
-            # GLM and Moonlight: as many experts as the recipes' expert parallel size (8); GLM's template tokens
+            # GLM, Moonlight, Qwen3-Next: as many experts as the recipes' expert parallel size (8); GLM's template tokens
             extra = GLM_TOKENS if family == "glm4_moe" else ()
-            experts = {"n_routed_experts": 8} if family in ("glm4_moe", "deepseek_v3") else {}
+            experts = ({"n_routed_experts": 8} if family in ("glm4_moe", "deepseek_v3")
+                       else {"num_experts": 8} if family == "qwen3_next" else {})
             model = save_tiny_model(family, str(root / "models" / family), vocab_size=vocab + len(extra), **experts)
             save_tiny_tokenizer(model, extra_special=extra)
         fake_hub_cache(str(root / "hub"), repo, model)
@@ -112,7 +114,8 @@ def test_every_example_is_covered():
                                                        "moonlight_full.yaml", "qwen2_vl_full.yaml",
                                                        "qwen3_dense_sft.yaml", "qwen3_dpo.yaml",
                                                        "qwen3_long_context_cp2.yaml", "qwen3_moe_full.yaml",
-                                                       "qwen3_moe_lora.yaml", "qwen3_vl_moe_full.yaml"]
+                                                       "qwen3_moe_lora.yaml", "qwen3_next_full.yaml",
+                                                       "qwen3_vl_moe_full.yaml"]
     for example in EXAMPLES:
         with open(example) as f:
             assert yaml.safe_load(f)["model_name_or_path"] in FAMILY, example

@@ -15,7 +15,8 @@ the epoch counter and the tokens trained must come out exact.
 
 GLM-4.5's layout (``glm4_moe``: dense first layer, sigmoid routing with a correction bias) runs DP4, EP2 and
 TP2 x PP2 with SP; DeepSeek-V3's (multi-latent attention) DP4, EP2 packed, TP2 + SP and CP2 padded and
-packed. Both train their multi-token-prediction layer.
+packed. Both train their multi-token-prediction layer. Qwen3-Next's (gated delta-rule and gated attention layers)
+runs DP4, EP2 packed and TP2 x PP2 with SP.
 """
 
 import functools
@@ -75,10 +76,17 @@ CASES = [
     # ranks' halves): padded, step 2 against DP4's; packed, step 1 against the HF loss
     ("ds-cp2", "deepseek_v3", {"context_parallel_size": 2}, 4),
     ("ds-cp2-packed", "deepseek_v3", {"context_parallel_size": 2, "sequence_packing": True}, 4),
+    # Qwen3-Next's hybrid layers (gated delta rule and gated attention in turn): packed (the recurrent state restarts
+    # per sequence, so step 1 is the HF loss over unpacked rows) with EP2, and TP2 x PP2 with SP
+    ("next-dp4", "qwen3_next", {}, 2),
+    ("next-ep2-packed", "qwen3_next", {"expert_model_parallel_size": 2, "sequence_packing": True}, 2),
+    ("next-tp2-pp2-sp", "qwen3_next", {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                                       "sequence_parallel": True}, 8),
     *_pipeline_cases(),
 ]
 # step 2 of every same-batch case must match these
-REFERENCE = {"qwen3": "dp4", "qwen3_moe": "moe-dp4", "glm4_moe": "glm-dp4", "deepseek_v3": "ds-dp4"}
+REFERENCE = {"qwen3": "dp4", "qwen3_moe": "moe-dp4", "glm4_moe": "glm-dp4", "deepseek_v3": "ds-dp4",
+             "qwen3_next": "next-dp4"}
 
 # One whole epoch over data that does not divide into steps: 21 sft rows, or 4 pt documents of 3-5 x cutoff_len
 # split into pieces. (name, model, arguments, gradient accumulation, data)

@@ -167,18 +167,11 @@ def test_bad_input_fails_clearly_and_writes_nothing(overrides, message, assets, 
     assert not out.exists() or not any(n.startswith("checkpoint") for n in os.listdir(out))
 
 
-@pytest.mark.parametrize("family,hf_class", [("glm4_moe", "Glm4MoeForCausalLM"),
-                                             ("deepseek_v3", "DeepseekV3ForCausalLM")])
-def test_deepseek_style_moe_sft_matches_llamafactory_and_merges(family, hf_class, assets, tmp_path):
-    """GLM-4.5's and DeepSeek-V3's layouts (dense first layer, sigmoid routing with a correction bias, shared expert;
-    GLM: partial RoPE, q/k/v biases, qk-norm; DeepSeek: multi-latent attention with YaRN) through the real command:
-    step 1's loss is LLaMA-Factory's default path's on the same
-    rows (8 rows, one global batch of all of them: row order cannot matter), the loss falls, and the merged checkpoint
-    is a Hugging Face model transformers loads. Both tiny models carry a multi-token-prediction layer: it trains (its
-    loss is logged beside the next-token loss, which stays the one compared) and is merged back with its copies of the
-    embedding and output layer."""
+def _sft_against_default(family: str, assets, tmp_path, **overrides) -> tuple[dict, float, str, str, str]:
+    """Four sft steps of a tiny ``family`` model through the real command (checkpoint-4 merged), and one step of
+    LLaMA-Factory's default path on the same rows (8 rows, one global batch of all of them: row order cannot
+    matter). Returns (our losses, the default path's step-1 loss, our log, the model's folder, the merged one)."""
     import yaml
-    from transformers import AutoModelForCausalLM
 
     from llamafactory_mca.tiny import save_tiny_model, save_tiny_tokenizer
     from tests._cli import cli_env, run
@@ -186,29 +179,44 @@ def test_deepseek_style_moe_sft_matches_llamafactory_and_merges(family, hf_class
     model = save_tiny_model(family, str(tmp_path / family), vocab_size=assets["vocab"])
     save_tiny_tokenizer(model)
     config = recipe(assets, tmp_path / "out", model_name_or_path=model, max_samples=8, max_steps=4,
-                    save_strategy="steps", save_steps=4)
+                    save_strategy="steps", save_steps=4, **overrides)
     result, output = train(tmp_path, config)
     ok(result, output)
     ours = losses(tmp_path / "out")
     assert f"llamafactory_mca: training {family}" in output and ours[4] < ours[1], ours
-    assert "| mtp loss " in output, output[-3000:]
-    assert f"training {family} with 1 multi-token-prediction layer(s), loss weight 0.1" in output
 
-    default = {k: v for k, v in config.items() if k not in ("save_strategy", "save_steps")}
+    default = {k: v for k, v in config.items() if k not in ("save_strategy", "save_steps", "sequence_packing")}
     default.update(output_dir=str(tmp_path / "default"), max_steps=1)
     (tmp_path / "default.yaml").write_text(yaml.safe_dump(default))
     env = {k: v for k, v in cli_env(None).items() if k != "USE_MCA"}
     result, log = run(["llamafactory-cli", "train", str(tmp_path / "default.yaml")], env=env, timeout=300,
                       cwd=tmp_path)
     assert result.returncode == 0, log[-4000:]
-    theirs = losses(tmp_path / "default")
-    assert abs(ours[1] - theirs[1]) <= 1e-4 * theirs[1], (ours[1], theirs[1])
+    theirs = losses(tmp_path / "default")[1]
+    assert abs(ours[1] - theirs) <= 1e-4 * theirs, (ours[1], theirs)
 
     merged = tmp_path / "merged"
     merge = [sys.executable, os.path.join(ROOT, "scripts", "megatron_merge.py"), "--checkpoint_path",
              str(tmp_path / "out" / "checkpoint-4"), "--output_path", str(merged)]
     result = subprocess.run(merge, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    return ours, theirs, output, model, str(merged)
+
+
+@pytest.mark.parametrize("family,hf_class", [("glm4_moe", "Glm4MoeForCausalLM"),
+                                             ("deepseek_v3", "DeepseekV3ForCausalLM")])
+def test_deepseek_style_moe_sft_matches_llamafactory_and_merges(family, hf_class, assets, tmp_path):
+    """GLM-4.5's and DeepSeek-V3's layouts (dense first layer, sigmoid routing with a correction bias, shared expert;
+    GLM: partial RoPE, q/k/v biases, qk-norm; DeepSeek: multi-latent attention with YaRN) through the real command:
+    step 1's loss is LLaMA-Factory's default path's, the loss falls, and the merged checkpoint is a Hugging Face
+    model transformers loads. Both tiny models carry a multi-token-prediction layer: it trains (its loss is logged
+    beside the next-token loss, which stays the one compared) and is merged back with its copies of the embedding
+    and output layer."""
+    from transformers import AutoModelForCausalLM
+
+    _, _, output, model, merged = _sft_against_default(family, assets, tmp_path)
+    assert "| mtp loss " in output, output[-3000:]
+    assert f"training {family} with 1 multi-token-prediction layer(s), loss weight 0.1" in output
     hf = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
     trained = dict(hf.named_buffers())["model.layers.1.mlp.gate.e_score_correction_bias"]
     assert type(hf).__name__ == hf_class and torch.isfinite(trained).all()
@@ -218,6 +226,24 @@ def test_deepseek_style_moe_sft_matches_llamafactory_and_merges(family, hf_class
     assert not torch.equal(start[mtp + "eh_proj.weight"], end[mtp + "eh_proj.weight"])  # trained
     assert torch.equal(end[mtp + "embed_tokens.weight"], end["model.embed_tokens.weight"])
     assert torch.equal(end[mtp + "shared_head.head.weight"], end["lm_head.weight"])
+
+
+def test_qwen3_next_sft_packed_matches_llamafactory_and_merges(assets, tmp_path):
+    """Qwen3-Next's hybrid layers (gated delta rule and gated attention in turn, MoE with a gated shared expert)
+    through the real command, packed: the recurrent state and the convolution restart at every sequence, so step 1's
+    loss is LLaMA-Factory's default (unpacked, padded) path's; the loss falls; the merged checkpoint is a
+    Qwen3NextForCausalLM with every tensor of the original, the delta-rule layers' trained."""
+    from transformers import AutoModelForCausalLM
+
+    _, _, output, model, merged = _sft_against_default("qwen3_next", assets, tmp_path, sequence_packing=True)
+    assert "gated delta rule: transformers' torch chunked rule" in output
+    hf = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+    assert type(hf).__name__ == "Qwen3NextForCausalLM"
+    start, end = _weights(model), _weights(merged)
+    assert set(start) == set(end)
+    for name in ("model.layers.0.linear_attn.in_proj_qkvz.weight", "model.layers.0.linear_attn.A_log",
+                 "model.layers.2.linear_attn.conv1d.weight", "model.layers.1.self_attn.q_proj.weight"):
+        assert not torch.equal(start[name], end[name]), name
 
 
 def _weights(directory) -> dict:

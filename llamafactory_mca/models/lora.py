@@ -366,9 +366,8 @@ class LoraLinearMixin:
 
 
 def _piece_rows(op: Op, hf_name: str, local: Dims) -> int:
-    """Rows of one HF piece of a fused linear on this rank (FusedQKV: query groups x rows per group)."""
-    q_rows, kv_rows = op._rows(local)
-    return local.num_query_groups * (q_rows if hf_name == op.hf[0] else kv_rows)
+    """Rows of one HF piece of a fused linear on this rank (FusedQKV: query groups x the piece's rows per group)."""
+    return local.num_query_groups * op.group_parts(local)[op.hf.index(hf_name)][1]
 
 
 class LoraGroupedExpertsMixin:

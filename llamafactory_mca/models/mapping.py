@@ -192,15 +192,15 @@ class FusedQKV(Op):
     Works for weights [rows, hidden] and biases [rows].
     """
 
-    def _parts(self, dims: Dims) -> tuple[tuple[int, int], ...]:
+    def group_parts(self, dims: Dims) -> tuple[tuple[int, int], ...]:
         per_group = dims.num_heads // dims.num_query_groups * dims.head_dim
         return (0, per_group), (1, dims.head_dim), (2, dims.head_dim)
 
     def load(self, src, names, shard, dims):
-        return _load_grouped(src, names, self._parts(dims), dims.num_query_groups, shard, self.mca)
+        return _load_grouped(src, names, self.group_parts(dims), dims.num_query_groups, shard, self.mca)
 
     def to_hf(self, tensor, dims):
-        return _grouped_to_hf(tensor, self._parts(dims), dims.num_query_groups)
+        return _grouped_to_hf(tensor, self.group_parts(dims), dims.num_query_groups)
 
 
 @dataclass(frozen=True)
@@ -208,8 +208,8 @@ class GatedFusedQKV(FusedQKV):
     """Attention with an output gate (Qwen3-Next, Qwen3.5): HF's ``q_proj`` gives each head [q | gate]; Megatron's
     linear_qkv (``attention_output_gate``) takes per query group [its heads' q | their gates | k | v]."""
 
-    def _parts(self, dims: Dims) -> tuple[tuple[int, int], ...]:
-        (_, q_rows), *kv = super()._parts(dims)
+    def group_parts(self, dims: Dims) -> tuple[tuple[int, int], ...]:
+        (_, q_rows), *kv = super().group_parts(dims)
         return ((0, 2 * q_rows), *kv)
 
     def _swap(self, tensor: torch.Tensor, dims: Dims, before: tuple[int, int]) -> torch.Tensor:

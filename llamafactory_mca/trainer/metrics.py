@@ -38,6 +38,10 @@ def flops_per_sequence_set(t: dict[str, Any], vocab_size: int, seqlens: Sequence
     weights, qk_width, v_width = _attention_sizes(t)
     per_layer = 2 * tokens * weights  # the projections
     per_layer += 2 * squares * (qk_width + v_width) * 0.5  # QK^T and AV, causal
+    linear_layers = sum(t.get("linear_attention_freq") or [])
+    if linear_layers:  # hybrid models: the gated delta-rule layers replace that many attention layers
+        per_layer = (per_layer * (_layer_count(t) - linear_layers) + _delta_rule_flops(t, tokens) * linear_layers
+                     ) / _layer_count(t)
     glu = 3 if t.get("gated_linear_unit", True) else 2
     moe = dense = 0.0
     if t.get("num_moe_experts"):
@@ -49,6 +53,25 @@ def flops_per_sequence_set(t: dict[str, Any], vocab_size: int, seqlens: Sequence
     forward = (per_layer * layers + moe * moe_layers + dense * (layers - moe_layers)
                + 2 * tokens * h * vocab_size * (1 + mtp) + mtp * 2 * tokens * 2 * h * h)  # MTP: logits and eh_proj
     return 3 * forward
+
+
+def _delta_rule_sizes(t: dict[str, Any]) -> tuple[int, int, int, int]:
+    """A gated delta-rule layer's (projection weights, other weights, key width, value width) over all heads."""
+    h = t["hidden_size"]
+    nv, keys = t["linear_num_value_heads"], t["linear_num_key_heads"] * t["linear_key_head_dim"]
+    values = nv * t["linear_value_head_dim"]
+    projections = h * (2 * keys + 2 * values + 2 * nv) + values * h  # in_proj, out_proj
+    return projections, (2 * keys + values) * t["linear_conv_kernel_dim"] + 2 * nv + t["linear_value_head_dim"], \
+        keys, values
+
+
+def _delta_rule_flops(t: dict[str, Any], tokens: float, chunk: int = 64) -> float:
+    """One gated delta-rule layer's forward: its projections, and per value head and token the chunked recurrence
+    (the state [dk, dv] read by q and k and updated: ~3 products of dk x dv, plus causal attention inside each
+    64-token chunk over dk and dv) — flash-linear-attention's work, approximately."""
+    projections, _, _, _ = _delta_rule_sizes(t)
+    dk, dv, nv = t["linear_key_head_dim"], t["linear_value_head_dim"], t["linear_num_value_heads"]
+    return 2 * tokens * projections + 2 * tokens * nv * (3 * dk * dv + chunk / 2 * (dk + dv))
 
 
 def _attention_sizes(t: dict[str, Any]) -> tuple[int, int, int]:
@@ -64,7 +87,8 @@ def _attention_sizes(t: dict[str, Any]) -> tuple[int, int, int]:
         return q + kv + n * v * h, n * qk, n * v
     heads, groups, head_dim = attention_shape(t)
     q, kv = heads * head_dim, groups * head_dim
-    return h * (q + 2 * kv) + q * h, q, q
+    gate = q * h if t.get("attention_output_gate") else 0  # q_proj's second half (Qwen3-Next)
+    return h * (q + 2 * kv) + q * h + gate, q, q
 
 
 def _layer_count(t: dict[str, Any]) -> int:
@@ -98,9 +122,14 @@ def model_parameter_count(config: Any) -> int:
         moe += glu * h * shared + (h if t.get("moe_shared_expert_gate") else 0)
     dense = glu * h * t["ffn_hidden_size"]
     moe_layers, layers = _moe_layer_count(t), _layer_count(t)
+    linear = 0  # the gated delta-rule layers have their own weights instead of the attention's
+    if t.get("linear_attention_freq"):
+        projections, other, _, _ = _delta_rule_sizes(t)
+        full = _attention_sizes(t)[0] + (2 * head_dim if t.get("qk_layernorm") else 0)
+        linear = sum(t["linear_attention_freq"]) * (projections + other - full)
     embeddings = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
     mtp = (t.get("mtp_num_layers") or 0) * (3 * h + 2 * h * h)  # enorm, hnorm, final norm, eh_proj
-    return layers * layer + moe_layers * moe + (layers - moe_layers) * dense + embeddings + h + mtp
+    return layers * layer + moe_layers * moe + (layers - moe_layers) * dense + embeddings + h + mtp + linear
 
 
 def count_parameters(chunks: list[torch.nn.Module]) -> int:

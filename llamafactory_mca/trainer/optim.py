@@ -8,6 +8,7 @@ biases and norms get ``wd_mult=0``), so LLaMA-Factory recipes keep their meaning
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -41,7 +42,14 @@ def wrap_ddp(chunks: list[torch.nn.Module], tc: Any, args: Any) -> list[Distribu
     return wrapped
 
 
+logger = logging.getLogger(__name__)
+
+
 def build_optimizer(wrapped: list[DistributedDataParallel], tc: Any, args: Any):
+    offload = args.optimizer_cpu_offload and torch.cuda.is_available()
+    if args.optimizer_cpu_offload and not offload:  # Megatron's hybrid optimizer maps GPU params to CPU copies
+        logger.info("optimizer_cpu_offload=True turned off: this run is on the CPU, where the optimizer states "
+                    "already are.")
     config = OptimizerConfig(
         optimizer=args.optimizer,
         lr=args.learning_rate,
@@ -56,8 +64,8 @@ def build_optimizer(wrapped: list[DistributedDataParallel], tc: Any, args: Any):
         params_dtype=tc.params_dtype,
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather=args.overlap_param_gather,
-        optimizer_cpu_offload=args.optimizer_cpu_offload,
-        optimizer_offload_fraction=1.0 if args.optimizer_cpu_offload else 0.0,
+        optimizer_cpu_offload=offload,
+        optimizer_offload_fraction=1.0 if offload else 0.0,
     )
     optimizer = get_megatron_optimizer(config, wrapped)
     use_fused_adam(optimizer)

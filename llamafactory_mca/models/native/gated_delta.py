@@ -87,7 +87,6 @@ class NativeGatedDeltaNet(MegatronModule):
         v = v.reshape(batch, seq, self.nv, self.dv)
         beta = b.reshape(batch, seq, self.nv).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.reshape(batch, seq, self.nv).float() + self.dt_bias)
-        q, k = (t.repeat_interleave(self.ratio, dim=2) for t in (q, k))  # value head j reads key head j // ratio
         core = delta_rule(q, k, v, g, beta, cu_seqlens)
         z = z.reshape(batch, seq, self.nv, self.dv)
         weight = copy_to_tensor_model_parallel_region(self.out_norm.weight)  # its gradient: summed over TP ranks
@@ -131,12 +130,14 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor 
 
 
 def delta_rule(q, k, v, g, beta, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-    """The chunked gated delta rule with l2-normalised q and k, from a zero state per sequence: [b, s, h, dv]."""
+    """The chunked gated delta rule with l2-normalised q and k, from a zero state per sequence: [b, s, nv, dv]. q and k
+    have the key heads [b, s, nk, dk]; value head j reads key head j // (nv / nk) (fla's grouped value attention)."""
     if q.is_cuda:
         out, _ = _fla_rule()(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
         return out
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
+    q, k = (t.repeat_interleave(v.shape[2] // q.shape[2], dim=2) for t in (q, k))
     bounds = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
     pieces = [torch_chunk_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e],
                                            use_qk_l2norm_in_kernel=True)[0]
@@ -152,6 +153,12 @@ def _fla_rule():
         raise UserError(f"the gated delta-rule layers need flash-linear-attention on GPUs ({err}): "
                         f"{FLA_HINT}.") from err
     return chunk_gated_delta_rule
+
+
+def check_kernels() -> None:
+    """Before any worker starts: on GPUs the delta rule runs on flash-linear-attention, so it must import."""
+    if torch.cuda.is_available():
+        _fla_rule()
 
 
 def fla_available() -> bool:

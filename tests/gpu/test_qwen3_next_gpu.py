@@ -1,0 +1,68 @@
+"""Qwen3-Next's gated delta-rule layers on one CUDA GPU: flash-linear-attention's kernel (bf16, packed with
+``cu_seqlens``, grouped value heads) against transformers' torch chunked rule run per sequence in fp32, outputs and
+gradients; and the tiny model through the real command in bf16, packed, with the optimizer offloaded to the CPU.
+
+Run: ``python -m pytest tests/gpu/test_qwen3_next_gpu.py -q`` (skipped without CUDA; needs fla-core).
+"""
+
+import pytest
+import torch
+
+from tests._cli import losses, ok, recipe, train
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+LENGTHS = (1, 37, 64, 200, 3, 130)  # a single token, chunk-sized, ragged
+
+
+def _inputs(nk=2, nv=4, dk=64, dv=96):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    total = sum(LENGTHS)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", generator=g)
+
+    q, k = rand(1, total, nk, dk).bfloat16(), rand(1, total, nk, dk).bfloat16()
+    v = rand(1, total, nv, dv).bfloat16()
+    decay = -torch.nn.functional.softplus(rand(1, total, nv))  # log-space decay, fp32 as the layer gives it
+    beta = rand(1, total, nv).sigmoid().bfloat16()
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], device="cuda")
+    return q, k, v, decay, beta, cu
+
+
+def test_fla_delta_rule_equals_the_torch_rule_per_sequence():
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    from llamafactory_mca.models.native.gated_delta import delta_rule
+
+    q, k, v, decay, beta, cu = _inputs()
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ours = delta_rule(*leaves, decay, beta, cu)
+    ours.float().square().sum().backward()
+    ref_leaves = [t.float().clone().requires_grad_(True) for t in (q, k, v)]
+    rq, rk = (t.repeat_interleave(v.shape[2] // q.shape[2], dim=2) for t in ref_leaves[:2])
+    bounds = cu.tolist()
+    want = torch.cat([torch_chunk_gated_delta_rule(rq[:, s:e], rk[:, s:e], ref_leaves[2][:, s:e], decay[:, s:e],
+                                                   beta[:, s:e].float(), use_qk_l2norm_in_kernel=True)[0]
+                      for s, e in zip(bounds[:-1], bounds[1:])], dim=1)
+    want.square().sum().backward()
+
+    def rel(a, b):
+        return ((a.float() - b).norm() / b.norm()).item()
+
+    assert rel(ours, want) < 2e-2, rel(ours, want)
+    for mine, theirs, name in zip(leaves, ref_leaves, "qkv"):
+        assert rel(mine.grad, theirs.grad) < 3e-2, (name, rel(mine.grad, theirs.grad))
+
+
+def test_qwen3_next_trains_packed_in_bf16_with_the_optimizer_on_the_cpu(assets, tmp_path):
+    from llamafactory_mca.tiny import save_tiny_model, save_tiny_tokenizer
+
+    model = save_tiny_model("qwen3_next", str(tmp_path / "qwen3_next"), vocab_size=assets["vocab"])
+    save_tiny_tokenizer(model)
+    config = recipe(assets, tmp_path / "out", model_name_or_path=model, bf16=True, sequence_packing=True,
+                    max_steps=8, learning_rate=3e-3, use_distributed_optimizer=True, optimizer_cpu_offload=True)
+    result, output = train(tmp_path, config, gpu=True)
+    ok(result, output)
+    assert "gated delta rule: flash-linear-attention" in output and "CPU offload" in output, output[-3000:]
+    curve = losses(tmp_path / "out")
+    assert len(curve) == 8 and curve[8] < curve[1], curve
