@@ -99,7 +99,8 @@ def world(tmp_path_factory):
         if "_vl" in family:
             model = save_tiny_vl_model(family, str(root / "models" / family))
         else:
-            # GLM, Moonlight, Qwen3-Next: as many experts as the recipes' expert parallel size (8); GLM's template tokens
+            # GLM, Moonlight, Qwen3-Next: as many experts as the recipes' expert parallel size (8); GLM's template
+            # tokens
             extra = GLM_TOKENS if family == "glm4_moe" else ()
             experts = ({"n_routed_experts": 8} if family in ("glm4_moe", "deepseek_v3")
                        else {"num_experts": 8} if family == "qwen3_next" else {})

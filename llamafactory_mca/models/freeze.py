@@ -8,7 +8,8 @@ from typing import Any
 from ..errors import UserError
 
 # LLaMA-Factory names the HF modules of a decoder layer and of the model; these are their Megatron names.
-LAYER_MODULES = {"self_attn": "self_attention", "linear_attn": "self_attention", "mlp": "mlp", "input_layernorm": "input_layernorm",
+LAYER_MODULES = {"self_attn": "self_attention", "linear_attn": "self_attention", "mlp": "mlp",
+                 "input_layernorm": "input_layernorm",
                  "post_attention_layernorm": "pre_mlp_layernorm", "block_sparse_moe": "mlp"}
 EXTRA_MODULES = {"embed_tokens": "embedding.", "lm_head": "output_layer.", "norm": "decoder.final_layernorm."}
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.([a-z_]+)\.")
