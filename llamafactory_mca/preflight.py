@@ -185,10 +185,6 @@ def preflight(argv: list[str]) -> Plan:
                       finetuning_args.stage, finetuning_args, training_args)
     custom = training_args.pipeline_model_parallel_layout is not None
     check_layout(config, layout, custom)
-    if config.is_hybrid:
-        from .models.native.gated_delta import check_kernels
-
-        check_kernels()
     check_model_fits(config, cutoff_len, finetuning_args.stage, layout, custom)
     if getattr(finetuning_args, "ref_model", None):
         resolve_model(finetuning_args.ref_model, model_args)

@@ -44,7 +44,8 @@ from .config import is_linear_attention_layer, is_moe_layer
 from .native.attention import NativeDotProductAttention, check_supported
 from .native.dispatch import LocalDispatchLayer, local_dispatch_applies
 from .native.experts import NativeGroupedMLP, describe_experts
-from .native.gated_delta import NativeGatedDeltaNet, fla_available
+from .native.gated_delta import NativeGatedDeltaNet
+from .native.gated_delta import describe_kernel as describe_delta_rule
 from .native.kernels import varlen_attn_available
 from .mapping import NORM_ALIASES
 from .native import wgrad
@@ -245,8 +246,7 @@ def describe_kernels(config: TransformerConfig) -> str:
         absent = " (hybrid linear-attention model: our gated delta-rule layer has no TE spec)"
     line = f"layer spec: {choice}{absent}; attention: {attention}"
     if config.linear_attention_freq:
-        kernel = "flash-linear-attention" if torch_cuda() and fla_available() else "transformers' torch chunked rule"
-        line += f"; gated delta rule: {kernel}"
+        line += f"; gated delta rule: {describe_delta_rule()}"
     return line + (f"; MoE experts: {experts}" if config.num_moe_experts else "")
 
 
@@ -314,13 +314,9 @@ def _has_apex_wgrad() -> bool:
 
 
 def _cpu_only() -> bool:
-    return not torch_cuda()
-
-
-def torch_cuda() -> bool:
     import torch
 
-    return torch.cuda.is_available()
+    return not torch.cuda.is_available()
 
 
 _LOGGED: set[tuple] = set()

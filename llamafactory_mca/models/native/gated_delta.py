@@ -21,7 +21,8 @@ passes ``copy_to_tensor_model_parallel_region``).
 
 The convolution and the recurrence restart at every packed sequence's start (``cu_seqlens``): a packed batch gives
 each sequence its own output. On GPUs the recurrence is flash-linear-attention's chunked kernel (``fla``, Triton,
-with ``cu_seqlens``); elsewhere transformers' chunked torch implementation runs per sequence.
+with ``cu_seqlens``) where it is installed and correct; elsewhere transformers' chunked torch implementation, with a
+pack's sequences as a batch.
 """
 
 from __future__ import annotations
@@ -131,18 +132,30 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor 
 
 def delta_rule(q, k, v, g, beta, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
     """The chunked gated delta rule with l2-normalised q and k, from a zero state per sequence: [b, s, nv, dv]. q and k
-    have the key heads [b, s, nk, dk]; value head j reads key head j // (nv / nk) (fla's grouped value attention)."""
-    if q.is_cuda:
+    have the key heads [b, s, nk, dk]; value head j reads key head j // (nv / nk) (fla's grouped value attention).
+
+    flash-linear-attention's Triton kernel where it is correct on this GPU (``fla_usable``); else transformers'
+    chunked torch rule, with the packed sequences of a THD batch laid side by side as a batch (zero-padded at
+    their ends, which a causal rule never reads back)."""
+    if q.is_cuda and fla_usable():
         out, _ = _fla_rule()(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
         return out
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
     q, k = (t.repeat_interleave(v.shape[2] // q.shape[2], dim=2) for t in (q, k))
-    bounds = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
-    pieces = [torch_chunk_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e],
-                                           use_qk_l2norm_in_kernel=True)[0]
-              for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
-    return torch.cat(pieces, dim=1)
+    if cu_seqlens is None:
+        return torch_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+    starts, lengths = cu_seqlens[:-1], cu_seqlens.diff()
+    offsets = torch.arange(int(lengths.max()), device=q.device)
+    inside = offsets < lengths[:, None]  # [sequences, longest]
+    index = (starts[:, None] + offsets).clamp(max=q.shape[1] - 1)
+
+    def side_by_side(t: torch.Tensor) -> torch.Tensor:
+        rows = t[0][index]
+        return rows * inside.view(*inside.shape, *[1] * (rows.dim() - 2)).to(rows.dtype)
+
+    out = torch_chunk_gated_delta_rule(*map(side_by_side, (q, k, v, g, beta)), use_qk_l2norm_in_kernel=True)[0]
+    return out[inside][None]  # the sequences' tokens, in pack order
 
 
 @functools.cache
@@ -150,20 +163,39 @@ def _fla_rule():
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError as err:
-        raise UserError(f"the gated delta-rule layers need flash-linear-attention on GPUs ({err}): "
-                        f"{FLA_HINT}.") from err
+        raise UserError(f"flash-linear-attention is not importable ({err}): {FLA_HINT}.") from err
     return chunk_gated_delta_rule
 
 
-def check_kernels() -> None:
-    """Before any worker starts: on GPUs the delta rule runs on flash-linear-attention, so it must import."""
-    if torch.cuda.is_available():
-        _fla_rule()
-
-
-def fla_available() -> bool:
+@functools.cache
+def fla_usable() -> bool:
+    """fla imports, and its gated backward kernel is correct here: fla refuses Hopper GPUs with Triton 3.4 to 3.7.0
+    (fla issue #640, a Triton miscompilation) unless tilelang is installed; those runs take the torch rule."""
     try:
         _fla_rule()
     except UserError:
         return False
-    return True
+    import importlib.util
+
+    import triton
+
+    version = tuple(int(x) for x in triton.__version__.split("+")[0].split(".")[:3])
+    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+    return not (hopper and (3, 4, 0) <= version < (3, 7, 1) and importlib.util.find_spec("tilelang") is None)
+
+
+def describe_kernel() -> str:
+    """For the startup summary."""
+    if torch.cuda.is_available() and fla_usable():
+        return "flash-linear-attention"
+    import importlib.util
+
+    if not torch.cuda.is_available():
+        why = ""
+    elif importlib.util.find_spec("fla") is None:
+        why = f" (GPU: {FLA_HINT})"
+    else:
+        import triton
+
+        why = f" (flash-linear-attention's backward is wrong on Hopper with Triton {triton.__version__}: fla #640)"
+    return "transformers' torch chunked rule" + why
