@@ -107,6 +107,10 @@ def _targets(config: Any, settings: LoraSettings, freeze_vision_tower: bool = Tr
 def check_lora_plan(config: Any, finetuning_args: Any, adapters: list[str], expert_tensor_parallel: int) -> None:
     """The preflight's LoRA checks: the adapters to continue are peft LoRA folders, the targets exist on this model,
     expert adapters have whole experts."""
+    if config.is_hybrid:
+        raise UserError(f"finetuning_type=lora on {config.hf_model_type}: LoRA on the gated delta-rule and gated "
+                         "attention layers is not supported yet. Use finetuning_type: full, or freeze with "
+                         "freeze_trainable_modules: self_attn,linear_attn.")
     for path in adapters:
         if not is_adapter_folder(path):
             raise UserError(f"adapter_name_or_path={path!r} is not a peft adapter folder (no {ADAPTER_CONFIG}).")

@@ -227,6 +227,7 @@ def _layout(**sizes):
     ("qwen3_moe", {"etp": 3}, "expert_tensor_parallel_size=3 does not divide moe_ffn_hidden_size=32"),
     ("llama", {"pp": 8}, "8 stages is more than num_layers=4"),
     ("llama", {"pp": 3}, "does not split evenly"),
+    ("qwen3_next", {"cp": 2}, "context_parallel_size=2: the gated delta-rule layers cannot split a sequence"),
 ])
 def test_layout_errors_name_the_sizes(name, sizes, message, tiny_models, tmp_path):
     from llamafactory_mca.models.auto import AutoConfig
@@ -236,6 +237,15 @@ def test_layout_errors_name_the_sizes(name, sizes, message, tiny_models, tmp_pat
                                                     intermediate_size=93)
     with pytest.raises(ValueError, match=message):
         check_layout(AutoConfig.from_pretrained(path), _layout(**sizes))
+
+
+def test_lora_on_hybrid_models_is_refused_by_the_preflight(tiny_models):
+    from llamafactory_mca.errors import UserError
+    from llamafactory_mca.models.auto import AutoConfig
+    from llamafactory_mca.models.lora_io import check_lora_plan
+
+    with pytest.raises(UserError, match="finetuning_type=lora on qwen3_next: LoRA on the gated delta-rule"):
+        check_lora_plan(AutoConfig.from_pretrained(tiny_models["qwen3_next"]), None, [], 1)
 
 
 def test_unsupported_models_fail_with_the_supported_list(tmp_path):
