@@ -1,8 +1,9 @@
 """Vision-language sft through ``USE_MCA=1 llamafactory-cli train``, against LLaMA-Factory's default path on the same
 rows with images (and, for Qwen3-VL, videos), resized by ``image_max_pixels``: the first step's loss (the global batch
 is the whole set, so row order cannot matter) at PP2 (the tower on the first stage, with Qwen3-VL's deepstack layers),
-padded for Qwen2-VL and packed for Qwen3-VL; the tower frozen as LLaMA-Factory freezes it by default; the export
-loading into ``transformers``. (Packed TP2 + SP and PP2 x EP4: the recipes in tests/test_examples.py.)"""
+padded for Qwen2-VL and packed for Qwen3-VL and Qwen3.5 (gated delta-rule layers restarting per sequence); the tower
+frozen as LLaMA-Factory freezes it by default; the export loading into ``transformers``. (Packed TP2 + SP and
+PP2 x EP4: the recipes in tests/test_examples.py.)"""
 
 import os
 
@@ -17,7 +18,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("family,template,video_every,packing", [("qwen2_vl", "qwen2_vl", 0, False),
-                                                                  ("qwen3_vl", "qwen3_vl", 3, True)])
+                                                                  ("qwen3_vl", "qwen3_vl", 3, True),
+                                                                  ("qwen3_5", "qwen3_5", 3, True)])
 def test_vision_language_sft_matches_llamafactory_and_keeps_the_tower_frozen(tmp_path, family, template, video_every,
                                                                             packing):
     from safetensors.torch import load_file

@@ -57,19 +57,22 @@ def apply_freeze(model: Any, finetuning_args: Any) -> int:
 def apply_multimodal_freeze(model: Any, finetuning_args: Any) -> int:
     """``freeze_vision_tower``, ``freeze_multi_modal_projector`` and ``freeze_language_model`` as LLaMA-Factory's
     default path applies them, by its own table of each VL model's module names (``COMPOSITE_MODELS``); our tower
-    parameters ``vision.X`` are its ``visual.X``. Returns the number of parameters frozen here."""
+    parameters ``vision.X`` are the checkpoint's ``<tower prefix>X``. Returns the number of parameters frozen here."""
     from llamafactory.model.model_utils.visual import COMPOSITE_MODELS
+
+    from .families import get_family
 
     names = COMPOSITE_MODELS.get(model.config.hf_model_type)
     if names is None:
         return 0
+    tower_prefix = get_family(model.config.hf_model_type).vision.tower_prefix  # "visual." or "model.visual."
     frozen_keys = ((names.vision_model_keys if finetuning_args.freeze_vision_tower else [])
                    + (names.projector_keys if finetuning_args.freeze_multi_modal_projector else []))
     frozen = 0
     for chunk in model.chunks:
         for name, param in chunk.named_parameters():
-            if name.startswith("vision."):
-                freeze = any(("visual." + name[len("vision."):]).startswith(key) for key in frozen_keys)
+            if name.startswith("vision."):  # LLaMA-Factory's rule: a key anywhere in the checkpoint's name
+                freeze = any(key in tower_prefix + name[len("vision."):] for key in frozen_keys)
             else:
                 freeze = bool(finetuning_args.freeze_language_model)
             if freeze:
