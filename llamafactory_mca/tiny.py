@@ -88,8 +88,13 @@ _VL35_TEXT = dict(BASE, head_dim=32, layer_types=["linear_attention", "full_atte
                   linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4,
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
                                    "mrope_interleaved": True, "partial_rotary_factor": 0.25})
-TINY_VL["qwen3_5"] = dict(text_config=_VL35_TEXT, vision_config={k: v for k, v in _VL3_VISION.items()
-                                                                 if k != "deepstack_visual_indexes"}, **_VL_TOKENS)
+_VL35_VISION = {k: v for k, v in _VL3_VISION.items() if k != "deepstack_visual_indexes"}
+TINY_VL["qwen3_5"] = dict(text_config=_VL35_TEXT, vision_config=_VL35_VISION, **_VL_TOKENS)
+# Qwen3.5-MoE: no dense width; 4 experts of 24 (2 x 24 != hidden 64: the stacked layouts cannot be confused), shared 48
+TINY_VL["qwen3_5_moe"] = dict(text_config=dict({k: v for k, v in _VL35_TEXT.items() if k != "intermediate_size"},
+                                               num_experts=4, moe_intermediate_size=24, num_experts_per_tok=2,
+                                               shared_expert_intermediate_size=48, router_aux_loss_coef=0.0),
+                              vision_config=_VL35_VISION, **_VL_TOKENS)
 
 
 def model_type_of(name: str) -> str:

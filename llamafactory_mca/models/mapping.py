@@ -245,20 +245,23 @@ class GatedMLP(Op):
 
 @dataclass(frozen=True)
 class StackedExpert(Op):
-    """One expert's weight out of an HF tensor stacking the layer's experts on dim 0. Hub checkpoints store each
-    expert transposed against Megatron's [out, in] (Qwen3-VL-MoE: gate_up_proj [E, hidden, 2I], down_proj
-    [E, I, hidden]); ``transformers``' own save_pretrained writes its in-memory [E, out, in]. Both are read (by where
-    the hidden size sits; the hub's when both sides are the hidden size) and the hub's is written.
-    ``glu``: the out dimension is [gate; up], which TP splits half by half."""
+    """One expert's weight out of an HF tensor stacking the layer's experts on dim 0. Qwen3-VL-MoE's hub checkpoints
+    store each expert transposed against Megatron's [out, in] (gate_up_proj [E, hidden, 2I], down_proj [E, I, hidden]);
+    ``transformers``' own save_pretrained writes its in-memory [E, out, in], as Qwen3.5-MoE's hub checkpoints do
+    (``out_in``). Both are read (by where the hidden size sits; the family's own when both sides are the hidden size)
+    and the family's is written. ``glu``: the out dimension is [gate; up], which TP splits half by half."""
 
     glu: bool = False
+    out_in: bool = False
 
     def load(self, src, names, shard, dims):
         base, expert = split_expert(names[0])
         _, rows, cols = src.shape(base)
         weight = src.get(base, 0, expert, expert + 1)[0]
-        hub = rows == dims.hidden_size if self.glu else cols == dims.hidden_size
-        weight = weight.t() if hub else weight
+        transposed = rows == dims.hidden_size if self.glu else cols == dims.hidden_size
+        if rows == cols:  # both sides the hidden size: the family's layout
+            transposed = not self.out_in
+        weight = weight.t() if transposed else weight
         if shard is not None:
             halves = weight.chunk(2, dim=shard.dim) if self.glu else (weight,)
             weight = torch.cat([h.narrow(shard.dim, lo, hi - lo) for h in halves
@@ -266,13 +269,14 @@ class StackedExpert(Op):
         return weight.contiguous()
 
     def to_hf(self, tensor, dims):
-        return [tensor.t().contiguous()]
+        return [tensor.contiguous() if self.out_in else tensor.t().contiguous()]
 
 
-def stacked_experts(mca: str, hf: str) -> list[Op]:
-    """Experts at ``mca`` (…local_experts.*) from HF's stacked ``hf``.gate_up_proj / .down_proj."""
-    return [StackedExpert(f"{mca}.linear_fc1.weight", (f"{hf}.gate_up_proj{EXPERT_SLICE}*",), glu=True),
-            StackedExpert(f"{mca}.linear_fc2.weight", (f"{hf}.down_proj{EXPERT_SLICE}*",))]
+def stacked_experts(mca: str, hf: str, out_in: bool = False) -> list[Op]:
+    """Experts at ``mca`` (…local_experts.*) from HF's stacked ``hf``.gate_up_proj / .down_proj (``out_in``: each
+    expert stored [out, in], as Megatron holds it)."""
+    return [StackedExpert(f"{mca}.linear_fc1.weight", (f"{hf}.gate_up_proj{EXPERT_SLICE}*",), glu=True, out_in=out_in),
+            StackedExpert(f"{mca}.linear_fc2.weight", (f"{hf}.down_proj{EXPERT_SLICE}*",), out_in=out_in)]
 
 
 def gated_mlp(mca: str, hf: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj") -> list[Op]:

@@ -1,6 +1,7 @@
 """Vision-language families against ``transformers`` (CPU, fp32): logits on text + image + video input at TP1, TP2 with
-sequence parallelism, PP2 (the tower on the first stage only) and, for Qwen3-VL-MoE, EP2; and the weights' round trip
-(HF -> Megatron -> HF) bit for bit. (Training through the recipe: tests/test_multimodal_training.py.)"""
+sequence parallelism, PP2 (the tower on the first stage only) and, for Qwen3-VL-MoE and Qwen3.5-MoE, EP2; and the
+weights' round trip (HF -> Megatron -> HF) bit for bit. (Training through the recipe:
+tests/test_multimodal_training.py.)"""
 
 import os
 
@@ -10,7 +11,7 @@ import torch
 from llamafactory_mca.tiny import save_tiny_model
 from tests._dist import run_distributed
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
 IMAGE_GRID = torch.tensor([[1, 4, 4], [1, 4, 8]])  # two images: 4 and 8 tokens after the 2 x 2 merge
 VIDEO_GRID = torch.tensor([[2, 4, 4]])  # a video of two temporal patches: 8 tokens
 
@@ -123,8 +124,10 @@ def test_vision_language_logits_and_round_trip_match_transformers(tmp_path):
         back = load_file(os.path.join(back_dir, "model.safetensors"))
         assert sorted(original) == sorted(back) and any("visual." in k for k in back)
         for key in original:
-            # transformers saves stacked experts as it holds them ([E, out, in]); we write the hub's [E, in, out]
-            expected = original[key].transpose(1, 2) if ".mlp.experts." in key else original[key]
+            # transformers saves stacked experts as it holds them ([E, out, in]); we write the hub's: Qwen3-VL-MoE's
+            # [E, in, out], Qwen3.5-MoE's [E, out, in]
+            hub_in_out = ".mlp.experts." in key and name == "qwen3_vl_moe"
+            expected = original[key].transpose(1, 2) if hub_in_out else original[key]
             assert torch.equal(expected, back[key]), (name, key)
 
 

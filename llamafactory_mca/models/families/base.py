@@ -121,6 +121,7 @@ class MoE(Part):
     hf_module: str = "mlp"
     projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     stacked: bool = False
+    stacked_out_in: bool = False  # stacked experts stored [E, out, in] (Qwen3.5-MoE), not the hub's [E, in, out]
     sigmoid: bool = False
 
     def check(self, model_type: str, hf: Any) -> None:
@@ -173,7 +174,7 @@ class MoE(Part):
         if self.sigmoid:
             ops.append(Rename(f"{LAYER}mlp.router.expert_bias", (f"{hf}.gate.e_score_correction_bias",)))
         if self.stacked:
-            ops += stacked_experts(f"{LAYER}mlp.experts.local_experts.*", f"{hf}.experts")
+            ops += stacked_experts(f"{LAYER}mlp.experts.local_experts.*", f"{hf}.experts", self.stacked_out_in)
         else:
             ops += gated_mlp(f"{LAYER}mlp.experts.local_experts.*", f"{hf}.experts.*", *self.projections)
         return ops + (self.shared_expert.weights() if self.shared_expert else [])
@@ -335,7 +336,8 @@ class DecoderFamily(Family):
         fields = dict(
             num_layers=hf.num_hidden_layers,
             hidden_size=hf.hidden_size,
-            ffn_hidden_size=hf.intermediate_size,
+            # a model of MoE layers only may have no dense width (Qwen3.5-MoE): Megatron still wants one
+            ffn_hidden_size=getattr(hf, "intermediate_size", None) or hf.moe_intermediate_size,
             num_attention_heads=heads,
             num_query_groups=groups,
             kv_channels=head_dim,
