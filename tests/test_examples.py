@@ -17,6 +17,7 @@ import yaml
 
 from llamafactory_mca.tiny import (
     GLM_TOKENS,
+    TINY_VL,
     SENTENCES,
     TOPICS,
     save_tiny_model,
@@ -33,7 +34,8 @@ EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "megatron", "*.yaml")
 FAMILY = {"Qwen/Qwen3-1.7B": "qwen3", "Qwen/Qwen3-30B-A3B-Instruct-2507": "qwen3_moe",
           "Qwen/Qwen2-VL-7B-Instruct": "qwen2_vl", "Qwen/Qwen3-VL-30B-A3B-Instruct": "qwen3_vl_moe",
           "zai-org/GLM-4.5-Air": "glm4_moe", "moonshotai/Moonlight-16B-A3B-Instruct": "deepseek_v3",
-          "Qwen/Qwen3-Next-80B-A3B-Instruct": "qwen3_next"}
+          "Qwen/Qwen3-Next-80B-A3B-Instruct": "qwen3_next", "Qwen/Qwen3.5-27B": "qwen3_5",
+          "Qwen/Qwen3.5-35B-A3B": "qwen3_5_moe"}
 # LLaMA-Factory's own dataset_info.json entries for its demo sets (data/dataset_info.json in its repository).
 LLAMAFACTORY_INFO = {
     "identity": {"file_name": "identity.json"},
@@ -96,8 +98,9 @@ def world(tmp_path_factory):
     tokenizer = save_tiny_tokenizer(str(root / "tokenizer"))
     vocab = len(AutoTokenizer.from_pretrained(tokenizer))
     for repo, family in FAMILY.items():
-        if "_vl" in family:
-            model = save_tiny_vl_model(family, str(root / "models" / family))
+        if family in TINY_VL:  # Qwen3.5-MoE: as many experts as its recipe's expert parallel size (8)
+            extra = {"num_experts": 8} if family == "qwen3_5_moe" else None
+            model = save_tiny_vl_model(family, str(root / "models" / family), text_config=extra)
         else:
             # GLM, Moonlight, Qwen3-Next: as many experts as the recipes' expert parallel size (8); GLM's template
             # tokens
@@ -113,6 +116,7 @@ def world(tmp_path_factory):
 def test_every_example_is_covered():
     assert [os.path.basename(e) for e in EXAMPLES] == ["glm4_5_air_lora.yaml",
                                                        "moonlight_full.yaml", "qwen2_vl_full.yaml",
+                                                       "qwen3_5_full.yaml", "qwen3_5_moe_full.yaml",
                                                        "qwen3_dense_sft.yaml", "qwen3_dpo.yaml",
                                                        "qwen3_long_context_cp2.yaml", "qwen3_moe_full.yaml",
                                                        "qwen3_moe_lora.yaml", "qwen3_next_full.yaml",
