@@ -11,6 +11,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+# CI runs two pytest workers (pytest-xdist, --dist loadgroup). A file whose tests share one module- or session-long
+# fixture (most run every case in one multi-process run) stays whole on one worker; the tests of these files are
+# independent runs of the real command and spread over both workers, filling in behind the long files.
+INDEPENDENT_TESTS = {"test_training.py", "test_tokens.py", "test_multimodal_training.py"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name not in INDEPENDENT_TESTS:
+            item.add_marker(pytest.mark.xdist_group(name=item.path.name))
+
 
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory):

@@ -131,8 +131,8 @@ def get_block_spec(config: TransformerConfig, vp_stage: int | None = None,
     ``transformer_layer_spec``; it is per chunk because the layer count depends on ``vp_stage``."""
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    kinds = [(_is_moe_layer(config, offset + i), is_linear_attention_layer(config.linear_attention_freq, offset + i))
-             for i in range(count)]
+    linear = getattr(config, "linear_attention_freq", None)
+    kinds = [(_is_moe_layer(config, offset + i), is_linear_attention_layer(linear, offset + i)) for i in range(count)]
     specs = {kind: get_layer_spec(config, *kind) for kind in set(kinds)}
     if _choice(config) == "te":
         from megatron.core.extensions.transformer_engine import TENorm
@@ -242,10 +242,10 @@ def describe_kernels(config: TransformerConfig) -> str:
         local = local_dispatch_applies(config, *_expert_parallel_sizes(config))
         experts += ", routing on the device (no host sync)" if local else ", Megatron's alltoall routing"
     absent = "" if choice == "te" else " (Transformer Engine and apex absent: PyTorch kernels)"
-    if config.linear_attention_freq and has_transformer_engine():
+    if getattr(config, "linear_attention_freq", None) and has_transformer_engine():
         absent = " (hybrid linear-attention model: our gated delta-rule layer has no TE spec)"
     line = f"layer spec: {choice}{absent}; attention: {attention}"
-    if config.linear_attention_freq:
+    if getattr(config, "linear_attention_freq", None):
         line += f"; gated delta rule: {describe_delta_rule()}"
     return line + (f"; MoE experts: {experts}" if config.num_moe_experts else "")
 
@@ -276,7 +276,7 @@ def _expert_parallel_sizes(config: TransformerConfig) -> tuple[int, int]:
 
 
 def _choice(config: TransformerConfig) -> str:
-    if config.linear_attention_freq:  # hybrid models: the gated delta-rule layer is native only
+    if getattr(config, "linear_attention_freq", None):  # hybrid models: the gated delta-rule layer is native only
         return "native"
     if has_transformer_engine():
         return "te"
