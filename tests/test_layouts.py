@@ -169,8 +169,9 @@ def _walk(models: dict, out_dir: str, cases: list, epoch_cases: list, lora_cases
 
     data = {"steps": Dataset.from_list(_rows(64)), "rows": Dataset.from_list(_rows(21)),
             "documents": split_documents(Dataset.from_list(_documents()), cutoff_len=32)}
-    parallel.init_distributed(60)
-    watchdog.start(60, torch.distributed.get_rank())  # a hang ends this rank (and the test) after a minute
+    # a hang ends this rank (and the test) after five minutes: a loaded 2-core CI machine stalls ranks for one
+    parallel.init_distributed(300)
+    watchdog.start(300, torch.distributed.get_rank())
 
     def train(model_name, sizes, micro, dataset, adapter=None, **steps):
         args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=1, gradient_accumulation_steps=micro,
