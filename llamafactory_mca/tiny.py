@@ -44,12 +44,13 @@ TINY: dict[str, dict[str, Any]] = {
                                                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 128,
                                                     "beta_fast": 32, "beta_slow": 1}, num_nextn_predict_layers=1),
     # Qwen3-Next's layout: gated delta-rule and gated full-attention layers in turn (each pipeline stage gets both),
-    # value heads twice the key heads and wider (12 vs 8), RoPE on 4 of 16 dims, MoE with a gated shared expert
+    # value heads twice the key heads and wider (12 vs 8), RoPE on 4 of 16 dims, MoE with a gated shared expert, a
+    # multi-token-prediction layer (under mtp.)
     "qwen3_next": dict(BASE, **dict(MOE, moe_intermediate_size=24), num_experts=4, shared_expert_intermediate_size=48,
                        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], head_dim=16,
                        partial_rotary_factor=0.25, layer_types=["linear_attention", "full_attention"] * 2,
                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                       linear_value_head_dim=12, linear_conv_kernel_dim=4),
+                       linear_value_head_dim=12, linear_conv_kernel_dim=4, mtp_num_hidden_layers=1),
     "mixtral": dict(BASE, intermediate_size=32, num_local_experts=3, num_experts_per_tok=2, router_aux_loss_coef=0.0,
                     sliding_window=None),
 }
@@ -119,9 +120,17 @@ def save_tiny_model(name: str, directory: str, seed: int = 0, dtype: torch.dtype
     _randomize_correction_bias(model)
     _randomize_zero_init(model)
     model.save_pretrained(directory)
-    if getattr(config, "num_nextn_predict_layers", 0):
+    if _mtp_layers(config):
         add_mtp_layers(config, directory, dtype)
     return directory
+
+
+def _mtp_layers(config: Any) -> int:
+    """How many multi-token-prediction layers the config declares, under its family's key."""
+    from .models.families import get_family
+
+    mtp = getattr(get_family(config.model_type), "mtp", None)
+    return (getattr(config.get_text_config(), mtp.count, 0) or 0) if mtp else 0
 
 
 def _randomize_zero_init(model: Any) -> None:
@@ -143,16 +152,19 @@ def _randomize_correction_bias(model: Any) -> None:
 
 @torch.no_grad()
 def add_mtp_layers(config: Any, directory: str, dtype: torch.dtype, device: str = "cpu") -> None:
-    """Multi-token-prediction layers as DeepSeek-V3's and GLM-4.5's checkpoints store them: decoder layer
-    ``num_hidden_layers + k`` (saved by transformers itself, from a model one layer deeper) plus ``enorm``,
-    ``hnorm``, ``eh_proj``, ``shared_head.norm`` and copies of the embedding and output layer, in a file of their own
-    beside the model's (``model.safetensors.index.json`` lists both). transformers' save_pretrained drops them."""
+    """Multi-token-prediction layers as the family's checkpoints store them (``MultiTokenPrediction``), in a file of
+    their own beside the model's (``model.safetensors.index.json`` lists both); transformers' save_pretrained drops
+    them. Each is decoder layer ``num_hidden_layers + k`` of a model one layer deeper (a full-attention layer in a
+    hybrid model), saved by transformers itself, plus ``enorm``, ``hnorm``, ``eh_proj`` and its final norm; DeepSeek's
+    layout adds copies of the embedding and output layer, Qwen3-Next's moves it all under ``mtp.``."""
     import json
     import tempfile
 
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from .models.families import get_family
 
     index_path, single = os.path.join(directory, "model.safetensors.index.json"), "model.safetensors"
     if os.path.isfile(index_path):
@@ -167,12 +179,20 @@ def add_mtp_layers(config: Any, directory: str, dtype: torch.dtype, device: str 
         with safe_open(os.path.join(directory, index["weight_map"][name]), "pt") as f:
             return f.get_tensor(name)
 
-    layers, hidden = config.num_hidden_layers, config.hidden_size
-    deeper = type(config)(**{**config.to_dict(), "num_hidden_layers": layers + config.num_nextn_predict_layers,
-                             "num_nextn_predict_layers": 0})
+    family = get_family(config.model_type)
+    text, count, extra = config.get_text_config(), _mtp_layers(config), len(family.mtp.copied_embeddings(
+        family.config_from_hf(config)))
+    layers, hidden, hybrid = text.num_hidden_layers, text.hidden_size, bool(getattr(text, "layer_types", None))
+    deeper_text = {**text.to_dict(), "num_hidden_layers": layers + count, family.mtp.count: 0}
+    if hybrid:
+        deeper_text["layer_types"] = list(text.layer_types) + ["full_attention"] * count
+    vision = hasattr(config, "vision_config")
+    deeper = type(config)(**({**config.to_dict(), "text_config": deeper_text} if vision else deeper_text))
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(deeper, dtype=dtype)
+        model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_config(deeper, dtype=dtype)
     _randomize_correction_bias(model)
+    _randomize_zero_init(model)
+    prefix = "model.language_model.layers." if vision else "model.layers."
     tensors: dict[str, torch.Tensor] = {}
     with tempfile.TemporaryDirectory() as scratch:
         model.save_pretrained(scratch)
@@ -180,15 +200,19 @@ def add_mtp_layers(config: Any, directory: str, dtype: torch.dtype, device: str 
         for file in os.listdir(scratch):
             if file.endswith(".safetensors"):
                 saved = load_file(os.path.join(scratch, file))
-                tensors.update({n: t for n, t in saved.items() if int(n.split(".")[2] if n.startswith(
-                    "model.layers.") else -1) >= layers})
-    for k in range(config.num_nextn_predict_layers):
-        prefix = f"model.layers.{layers + k}."
-        for norm in ("enorm", "hnorm", "shared_head.norm"):  # not ones: a swapped norm would go unseen
-            tensors[f"{prefix}{norm}.weight"] = (1 + 0.1 * torch.randn(hidden)).to(dtype)
-        tensors[f"{prefix}eh_proj.weight"] = (torch.randn(hidden, 2 * hidden) * config.initializer_range).to(dtype)
-        tensors[f"{prefix}embed_tokens.weight"] = read("model.embed_tokens.weight")
-        tensors[f"{prefix}shared_head.head.weight"] = read("lm_head.weight")
+                tensors.update({n: t for n, t in saved.items()
+                                if n.startswith(prefix) and int(n[len(prefix):].split(".")[0]) >= layers})
+    centre = 0.0 if hybrid else 1.0  # hybrid models' norms scale by 1 + weight
+    for k in range(count):
+        layer = f"{prefix}{layers + k}."
+        for norm in ("enorm", "hnorm", "shared_head.norm"):  # not at their initial values: a swap would go unseen
+            tensors[f"{layer}{norm}.weight"] = (centre + 0.1 * torch.randn(hidden)).to(dtype)
+        tensors[f"{layer}eh_proj.weight"] = (torch.randn(hidden, 2 * hidden) * text.initializer_range).to(dtype)
+        if extra:
+            tensors[f"{layer}embed_tokens.weight"] = read("model.embed_tokens.weight")
+            tensors[f"{layer}shared_head.head.weight"] = read("lm_head.weight")
+    stored = family.weight_table(family.config_from_hf(config)).stored
+    tensors = {stored(name): tensor for name, tensor in tensors.items()}
     save_file(tensors, os.path.join(directory, "model-mtp.safetensors"), metadata={"format": "pt"})
     index["weight_map"].update({name: "model-mtp.safetensors" for name in tensors})
     with open(index_path, "w", encoding="utf-8") as f:

@@ -232,17 +232,20 @@ def test_qwen3_next_sft_packed_matches_llamafactory_and_merges(assets, tmp_path)
     """Qwen3-Next's hybrid layers (gated delta rule and gated attention in turn, MoE with a gated shared expert)
     through the real command, packed: the recurrent state and the convolution restart at every sequence, so step 1's
     loss is LLaMA-Factory's default (unpacked, padded) path's; the loss falls; the merged checkpoint is a
-    Qwen3NextForCausalLM with every tensor of the original, the delta-rule layers' trained."""
+    Qwen3NextForCausalLM with every tensor of the original, the delta-rule layers' trained. Its multi-token-prediction
+    layer (stored under mtp.) trains beside it, logged apart, and is merged back under the same names."""
     from transformers import AutoModelForCausalLM
 
     _, _, output, model, merged = _sft_against_default("qwen3_next", assets, tmp_path, sequence_packing=True)
     assert "gated delta rule: transformers' torch chunked rule" in output
+    assert "| mtp loss " in output and "training qwen3_next with 1 multi-token-prediction layer(s)" in output
     hf = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
     assert type(hf).__name__ == "Qwen3NextForCausalLM"
     start, end = _weights(model), _weights(merged)
     assert set(start) == set(end)
     for name in ("model.layers.0.linear_attn.in_proj_qkvz.weight", "model.layers.0.linear_attn.A_log",
-                 "model.layers.2.linear_attn.conv1d.weight", "model.layers.1.self_attn.q_proj.weight"):
+                 "model.layers.2.linear_attn.conv1d.weight", "model.layers.1.self_attn.q_proj.weight",
+                 "mtp.fc.weight", "mtp.layers.0.self_attn.q_proj.weight", "mtp.pre_fc_norm_hidden.weight"):
         assert not torch.equal(start[name], end[name]), name
 
 

@@ -19,7 +19,6 @@ from .. import checkpoints
 from .config import McaConfig, rope_inv_freq
 from .families import get_family
 from .hf_io import SafetensorsSource
-from .mapping import WeightTable
 
 
 logger = logging.getLogger(__name__)
@@ -59,12 +58,14 @@ def _drop_missing_mtp(config: McaConfig, path: str) -> McaConfig:
         names = SafetensorsSource(path).keys()
     except Exception:  # no weights here (a config-only folder): loading says what is missing
         return config
-    if f"model.layers.{config.num_layers}.eh_proj.weight" in names:
+    _, (eh_proj,) = get_family(config.hf_model_type).weight_table(config).lookup(
+        f"decoder.layers.{config.num_layers}.mtp.eh_proj.weight")
+    if eh_proj in names:
         return config
     said = torch.distributed.is_initialized() and torch.distributed.get_rank() == 0 and path not in _SAID_NO_MTP
     if said:  # the launcher's preflight stays quiet; rank 0 says it once
         _SAID_NO_MTP.add(path)
-        logger.warning("%s: config.json declares %d multi-token-prediction layer(s) (num_nextn_predict_layers), "
+        logger.warning("%s: config.json declares %d multi-token-prediction layer(s), "
                        "but %s holds no weights for them (transformers' save_pretrained drops them): training "
                        "without them.", config.hf_model_type, config.mtp_num_layers, path)
     return config.without_mtp()
@@ -185,7 +186,7 @@ class McaModel:
         from .loading import dims_for, load_hf_weights
 
         src = SafetensorsSource(path)
-        table = WeightTable(get_family(self.config.hf_model_type).weights(self.config))
+        table = get_family(self.config.hf_model_type).weight_table(self.config)
         dims = dims_for(self.config, ps.get_tensor_model_parallel_world_size())
         load_hf_weights(self.chunks, src, table, dims, self.config.num_experts)
         return src

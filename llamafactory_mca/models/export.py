@@ -23,7 +23,7 @@ from .dist_reader import DistCheckpointReader
 from .families import get_family
 from .hf_io import INDEX_NAME, ShardedWriter, copy_side_files, write_hf_config
 from .loading import dims_for
-from .mapping import WeightTable, fill, is_mtp_only, split_expert, stored_mtp_name, te_norm_name
+from .mapping import fill, is_mtp_only, split_expert, stored_mtp_name, te_norm_name
 
 
 def stored_keys(pattern: str) -> list[str]:
@@ -62,7 +62,7 @@ def _index_ranges(pattern: str, config: McaConfig, reader: DistCheckpointReader 
 def iter_hf_tensors(reader: DistCheckpointReader, config: McaConfig, dtype: torch.dtype | None = None
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf_name, tensor) for every exported HF tensor, layer by layer, reading one region at a time."""
-    table = WeightTable(get_family(config.hf_model_type).weights(config))
+    table = get_family(config.hf_model_type).weight_table(config)
     dims = dims_for(config, 1)
     ops = [op for op in table.ops if op.export]
     # Tensors outside the decoder layers first, then each layer's together (one layer's group in memory at a time).
@@ -80,11 +80,11 @@ def iter_hf_tensors(reader: DistCheckpointReader, config: McaConfig, dtype: torc
             hf_tensor = hf_tensor if dtype is None else hf_tensor.to(dtype)
             base, expert = split_expert(name)
             if expert is None:
-                yield name, hf_tensor
+                yield table.stored(name), hf_tensor
                 continue
             stacking.setdefault(base, []).append(hf_tensor)
             if len(stacking[base]) == config.num_experts:
-                yield base, torch.stack(stacking.pop(base))
+                yield table.stored(base), torch.stack(stacking.pop(base))
 
 
 def _read(reader: DistCheckpointReader, pattern: str, index: tuple[int, ...], config: McaConfig) -> torch.Tensor:

@@ -500,7 +500,7 @@ def apply_lora(model: Any, settings: LoraSettings, freeze_vision_tower: bool = T
     from .native.experts import NativeGroupedMLP
 
     config = model.config
-    table = WeightTable(get_family(config.hf_model_type).weights(config))
+    table = get_family(config.hf_model_type).weight_table(config)
     targets = plan_targets(config.hf_config, table, settings, freeze_vision_tower)
     if settings.experts and ps.get_expert_tensor_parallel_world_size() > 1:
         raise UserError(f"LoRA on the experts needs expert_tensor_parallel_size: 1 (it is "

@@ -89,18 +89,16 @@ def _in_memory_name(hf_name: str, names: set[str]) -> str:
 def _additional_ops(config: Any, settings: LoraSettings) -> list:
     from .families import get_family
     from .freeze import EXTRA_MODULES
-    from .mapping import WeightTable
 
     prefixes = tuple(EXTRA_MODULES[m] for m in settings.additional)
-    table = WeightTable(get_family(config.hf_model_type).weights(config))
+    table = get_family(config.hf_model_type).weight_table(config)
     return [op for op in table.ops if prefixes and op.mca.startswith(prefixes) and op.export]
 
 
 def _targets(config: Any, settings: LoraSettings, freeze_vision_tower: bool = True) -> list[TargetLinear]:
     from .families import get_family
-    from .mapping import WeightTable
 
-    return plan_targets(config.hf_config, WeightTable(get_family(config.hf_model_type).weights(config)), settings,
+    return plan_targets(config.hf_config, get_family(config.hf_model_type).weight_table(config), settings,
                         freeze_vision_tower)
 
 
@@ -240,13 +238,13 @@ def _load_additional(model: Any, tensors: dict[str, torch.Tensor], used: set[str
 
     from .families import get_family
     from .loading import dims_for, local_targets
-    from .mapping import DictSource, WeightTable
+    from .mapping import DictSource
 
     extra = {k[len(PEFT_PREFIX):]: v for k, v in tensors.items() if k not in used and ".lora_" not in k}
     if not extra:
         return
     config = model.config
-    table = WeightTable(get_family(config.hf_model_type).weights(config))
+    table = get_family(config.hf_model_type).weight_table(config)
     dims = dims_for(config, ps.get_tensor_model_parallel_world_size())
     names = set(extra)
     for chunk in model.chunks:

@@ -15,6 +15,7 @@ slice, and the exporter stacks the experts back into one tensor (``split_expert`
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -386,6 +387,29 @@ def mtp_ops() -> list[Op]:
     return [Rename(f"{LAYER}mtp.{ours}.weight", (f"{HF_LAYER}{theirs}.weight",)) for ours, theirs in MTP_PARTS.items()]
 
 
+# Qwen3-Next and Qwen3.5 keep their MTP layer under ``mtp.``: its decoder layer as ``mtp.layers.<k>.``, its parts as
+# below, and no copies of the embedding or output layer. Canonically (in the ops) it is still decoder layer
+# ``num_layers + k`` with DeepSeek's part names; ``mtp_module_names`` renames at the checkpoint's edge.
+MTP_MODULE_PARTS = {"eh_proj": "fc", "enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden",
+                    "shared_head.norm": "norm"}
+
+
+def mtp_module_names(layer_prefix: str, num_layers: int) -> Callable[[str], str]:
+    """Canonical HF name → the name in a checkpoint that stores its MTP layers under ``mtp.``; ``layer_prefix``: where
+    the decoder layers are (``model.layers.``, or ``model.language_model.layers.`` in a vision-language model)."""
+
+    def stored(name: str) -> str:
+        index, _, rest = name[len(layer_prefix):].partition(".") if name.startswith(layer_prefix) else ("", "", "")
+        if not index.isdigit() or int(index) < num_layers:
+            return name
+        part = rest.removesuffix(".weight")
+        if part in MTP_MODULE_PARTS:
+            return f"mtp.{MTP_MODULE_PARTS[part]}.weight"
+        return f"mtp.layers.{int(index) - num_layers}.{rest}"
+
+    return stored
+
+
 def is_mtp_only(pattern: str) -> bool:
     return pattern.startswith(f"{LAYER}mtp.")
 
@@ -410,10 +434,13 @@ def stored_mtp_name(name: str, num_layers: int) -> str:
 
 
 class WeightTable:
-    """Looks ops up by canonical Megatron name (with concrete indices) and lists every HF name they cover."""
+    """Looks ops up by canonical Megatron name (with concrete indices) and lists every HF name they cover.
+    ``stored``: canonical HF name → the checkpoint's, where a family stores some tensors elsewhere (MTP layers under
+    ``mtp.``); the ops stay canonical."""
 
-    def __init__(self, ops: list[Op]) -> None:
+    def __init__(self, ops: list[Op], stored: Callable[[str], str] | None = None) -> None:
         self.ops = ops
+        self.stored = stored or (lambda name: name)
         self._by_mca = {op.mca: op for op in ops}
         if len(self._by_mca) != len(ops):
             raise ValueError("two ops map the same Megatron tensor")
@@ -436,4 +463,4 @@ class WeightTable:
         op = self._by_mca.get(pattern)
         if op is None:
             raise KeyError(f"no weight mapping for Megatron tensor {mca_name!r}")
-        return op, [fill(p, indices[: p.count("*")]) for p in op.hf]
+        return op, [self.stored(fill(p, indices[: p.count("*")])) for p in op.hf]

@@ -1,7 +1,7 @@
-"""Multi-token prediction (DeepSeek-V3, GLM-4.5): the MTP loss of our model against one computed from the
-transformers classes themselves, on one rank and in TP2 + SP, EP2 and PP2 (the MTP layer on the last stage, beside
-a copy of the embedding). The round trip of the MTP weights runs in test_bridge (the tiny models of both families
-carry an MTP layer); training with it, the recipe's switch and the merge in test_training."""
+"""Multi-token prediction (DeepSeek-V3, GLM-4.5, Qwen3-Next): the MTP loss of our model against one computed from
+the transformers classes themselves, on one rank and in TP2 + SP, EP2 and PP2 (the MTP layer on the last stage,
+beside a copy of the embedding). The round trip of the MTP weights runs in test_bridge (the tiny models of these
+families carry an MTP layer); training with it, the recipe's switch and the merge in test_training."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ import torch
 from llamafactory_mca.tiny import TINY, save_tiny_model
 from tests._dist import run_distributed
 
-FAMILIES = ["deepseek_v3", "glm4_moe"]
+FAMILIES = ["deepseek_v3", "glm4_moe", "qwen3_next"]
 INPUT = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(1))
 LAYOUTS = [("single", {}), ("tp2-sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
            ("ep2", {"expert_model_parallel_size": 2}), ("pp2", {"pipeline_model_parallel_size": 2})]
@@ -65,23 +65,31 @@ def _losses(plan: list) -> dict:
 
 def _reference(model_dir: str) -> tuple[float, float]:
     """The next-token loss sum and the MTP loss from transformers' classes: the model proper, and its decoder layer
-    class one layer deeper (so transformers itself loads the MTP layer's weights) with enorm, hnorm, eh_proj and
-    shared_head.norm as DeepSeek-V3 defines them (vLLM's MTP modules compute the same)."""
+    class one layer deeper (so transformers itself loads the MTP layer's weights; Qwen3-Next's from ``mtp.layers.0.``
+    into a full-attention layer) with enorm, hnorm, eh_proj and shared_head.norm as DeepSeek-V3 defines them
+    (Qwen3-Next's pre_fc_norm_embedding, pre_fc_norm_hidden, fc and norm; vLLM's MTP modules compute the same)."""
     from transformers import AutoModelForCausalLM
 
+    from llamafactory_mca.models.auto import AutoConfig
+    from llamafactory_mca.models.families import get_family
     from tests.models.test_bridge import _hf_tensors
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     layers = model.config.num_hidden_layers
-    deeper = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa",
-                                                  num_hidden_layers=layers + 1).eval()
-    weights = {k: v.float() for k, v in _hf_tensors(model_dir).items()}
     prefix = f"model.layers.{layers}."
+    deeper = {"num_hidden_layers": layers + 1}
+    if getattr(model.config, "layer_types", None):  # a hybrid model's MTP layer is a full-attention one
+        deeper |= {"layer_types": [*model.config.layer_types, "full_attention"],
+                   "key_mapping": {r"^mtp\.layers\.0\.": prefix}}
+    deeper = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa",
+                                                  **deeper).eval()
+    weights = {k: v.float() for k, v in _hf_tensors(model_dir).items()}
+    stored = get_family(model.config.model_type).weight_table(AutoConfig.from_pretrained(model_dir)).stored
     norm = type(model.model.norm)
 
     def rms(name: str) -> torch.nn.Module:
         module = norm(model.config.hidden_size, eps=model.config.rms_norm_eps)
-        module.weight.data.copy_(weights[prefix + name + ".weight"])
+        module.weight.data.copy_(weights[stored(prefix + name + ".weight")])
         return module
 
     labels, mask = _batch()
@@ -92,7 +100,7 @@ def _reference(model_dir: str) -> tuple[float, float]:
                 * mask.flatten()).sum().item()
         embedded = model.model.embed_tokens(INPUT[:, 1:])  # token i + 1 beside the hidden state of token i
         x = torch.cat([rms("enorm")(embedded), rms("hnorm")(hidden[:, :-1])], dim=-1)
-        x = x @ weights[prefix + "eh_proj.weight"].T
+        x = x @ weights[stored(prefix + "eh_proj.weight")].T
         positions = torch.arange(x.shape[1]).unsqueeze(0)
         x = deeper.model.layers[layers](x, position_embeddings=model.model.rotary_emb(x, positions),
                                         position_ids=positions)
@@ -135,7 +143,8 @@ def test_packed_roll_is_megatrons():
 
 
 def test_tiny_models_carry_an_mtp_layer():
-    assert all(TINY[name]["num_nextn_predict_layers"] == 1 for name in FAMILIES)
+    assert all(TINY[name].get("num_nextn_predict_layers", TINY[name].get("mtp_num_hidden_layers")) == 1
+               for name in FAMILIES)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
 from ..config import AttentionShape, McaConfig, attention_shape, check_rope, rope_settings
-from ..mapping import (HF_LAYER, LAYER, GroupedRows, Op, Rename, dense_layer, embeddings, gated_mlp, mtp_ops,
-                       stacked_experts)
+from ..mapping import (HF_LAYER, LAYER, GroupedRows, Op, Rename, WeightTable, dense_layer, embeddings, gated_mlp,
+                       mtp_module_names, mtp_ops, stacked_experts)
 
 
 def refuse(model_type: str, what: str, fix: str) -> NoReturn:
@@ -42,6 +42,9 @@ class Family:
 
     def weights(self, config: McaConfig) -> list[Op]:
         raise NotImplementedError
+
+    def weight_table(self, config: McaConfig) -> WeightTable:
+        return WeightTable(self.weights(config))
 
     def build_chunk(self, mca: McaConfig, **gpt_kwargs: Any) -> Any:
         """One model chunk (a pipeline stage's part of the model) from GPTModel's arguments."""
@@ -182,19 +185,36 @@ class MoE(Part):
 
 @dataclass(frozen=True)
 class MultiTokenPrediction(Part):
-    """DeepSeek-V3's multi-token-prediction layers (GLM-4.5 has them too; HF: ``num_nextn_predict_layers``). Layer k
-    combines the model's last hidden state at position i (``hnorm``) with the embedding of token i + k + 1
-    (``enorm``) through ``eh_proj``, runs one more decoder layer of the last layer's kind, and predicts token
-    i + k + 2 through ``shared_head.norm`` and the shared output layer. Megatron's MTP block trains it, its loss
-    weighted by ``mtp_loss_scaling_factor``. transformers does not implement it (it drops the layers on load), so a
-    checkpoint saved by transformers has none; ``models/auto.py`` then builds the model without them."""
+    """Multi-token-prediction layers. Layer k combines the model's last hidden state at position i (``hnorm``) with
+    the embedding of token i + k + 1 (``enorm``) through ``eh_proj``, runs one more decoder layer (full attention,
+    of the last layer's MLP kind), and predicts token i + k + 2 through its own final norm and the shared output
+    layer. Megatron's MTP block trains it, its loss weighted by ``mtp_loss_scaling_factor``. transformers implements
+    none (it drops the layers on load), so a checkpoint saved by transformers has none; ``models/auto.py`` then
+    builds the model without them.
+
+    ``count``: the HF config's key for the number of layers. ``under_mtp``: where the checkpoint keeps them.
+    DeepSeek-V3 and GLM-4.5 (``num_nextn_predict_layers``) store layer k as decoder layer ``num_layers + k``, with
+    copies of the embedding and output layer; Qwen3-Next and Qwen3.5 (``mtp_num_hidden_layers``) store one layer
+    under ``mtp.`` (``mapping.mtp_module_names``), sharing the model's embedding and output layer."""
+
+    count: str = "num_nextn_predict_layers"
+    under_mtp: bool = False
+
+    def check(self, model_type: str, hf: Any) -> None:
+        if self.under_mtp and (getattr(hf, self.count, 0) or 0) > 1:
+            refuse(model_type, f"{self.count}={getattr(hf, self.count)}",
+                   "Supported: one multi-token-prediction layer (its fc and norms are stored once, under mtp.).")
 
     def transformer(self, hf: Any) -> dict[str, Any]:
-        layers = getattr(hf, "num_nextn_predict_layers", 0) or 0
+        layers = getattr(hf, self.count, 0) or 0
         return {"mtp_num_layers": layers} if layers else {}
 
     def weights(self, config: McaConfig) -> list[Op]:
         return mtp_ops() if config.mtp_num_layers else []
+
+    def copied_embeddings(self, config: McaConfig) -> range:
+        """The HF layer indices whose checkpoint entries repeat the embedding and output layer (see ``embeddings``)."""
+        return range(0) if self.under_mtp else range(config.num_layers, config.num_layers_with_mtp)
 
 
 @dataclass(frozen=True)
@@ -381,14 +401,20 @@ class DecoderFamily(Family):
 
     def weights(self, config: McaConfig) -> list[Op]:
         dense_mlp = not all(config.is_moe_layer(i) for i in range(config.num_layers))
-        mtp_layers = range(config.num_layers, config.num_layers_with_mtp)
-        ops = embeddings(config.tie_word_embeddings, mtp_layers) + self.layer_ops(config, dense_mlp)
+        copies = self.mtp.copied_embeddings(config) if self.mtp else range(0)
+        ops = embeddings(config.tie_word_embeddings, copies) + self.layer_ops(config, dense_mlp)
         for part in self.parts():
             if part is not self.vision:
                 ops += part.weights(config)
         if self.vision is not None:
             ops = self.vision.text_ops(ops) + self.vision.weights(config)
         return ops
+
+    def weight_table(self, config: McaConfig) -> WeightTable:
+        if not (self.mtp and self.mtp.under_mtp and config.mtp_num_layers):
+            return WeightTable(self.weights(config))
+        layers = (self.vision.text_prefix if self.vision else "model.") + "layers."
+        return WeightTable(self.weights(config), stored=mtp_module_names(layers, config.num_layers))
 
     def build_chunk(self, mca: McaConfig, **gpt_kwargs: Any) -> Any:
         """With a vision tower, our VisionLanguageModel (GPTModel + the tower on the first stage)."""

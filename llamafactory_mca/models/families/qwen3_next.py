@@ -1,8 +1,9 @@
 """Qwen3-Next (e.g. Qwen3-Next-80B-A3B): three gated delta-rule layers to one gated full-attention layer, every layer
-MoE with one gated shared expert, zero-centred RMSNorms, RoPE on a quarter of each head (docs/qwen3-next-notes.md)."""
+MoE with one gated shared expert, zero-centred RMSNorms, RoPE on a quarter of each head, one
+multi-token-prediction layer stored under ``mtp.`` (docs/qwen3-next-notes.md)."""
 
 from ..registry import register
-from .base import DecoderFamily, GatedDeltaNet, MoE, QKNorm, SharedExpert
+from .base import DecoderFamily, GatedDeltaNet, MoE, MultiTokenPrediction, QKNorm, SharedExpert
 
 
 @register("qwen3_next")
@@ -10,3 +11,4 @@ class Qwen3NextFamily(DecoderFamily):
     qk_norm = QKNorm()
     linear_attention = GatedDeltaNet(fused=True)
     moe = MoE(shared_expert=SharedExpert(gate=True))
+    mtp = MultiTokenPrediction(count="mtp_num_hidden_layers", under_mtp=True)
