@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from llamafactory_mca.tiny import alpaca_rows, save_tiny_model, save_tiny_tokenizer, write_alpaca_dataset
+from tests._dist import one_job_at_a_time
 
 
 def make_assets(root: Path) -> dict:
@@ -68,8 +69,9 @@ def train(tmp_path, config, world=1, env=None, name="run", gpu=False, timeout=30
     path.write_text(yaml.safe_dump(config))
     log = tmp_path / f"{name}.log"
     with open(log, "w") as f:  # a file, not a pipe: a killed run's leftovers cannot hold it open
-        result = subprocess.run(["llamafactory-cli", "train", str(path), *args], env=cli_env(world, env, gpu),
-                                stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=tmp_path)
+        with one_job_at_a_time():
+            result = subprocess.run(["llamafactory-cli", "train", str(path), *args], env=cli_env(world, env, gpu),
+                                    stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=tmp_path)
     return result, log.read_text()
 
 
@@ -102,7 +104,8 @@ def one_error(result, output: str, *fragments: str) -> str:
 
 
 def run(args, env=None, timeout=120, cwd=None):
-    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    with one_job_at_a_time():
+        result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
     return result, result.stdout + result.stderr
 
 

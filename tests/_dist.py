@@ -6,12 +6,42 @@ imports, which on a 2-core CI machine is most of what a small multi-rank test co
 server (no process group, no Megatron state), so each rank starts as clean as a spawned one.
 """
 
+import contextlib
+import fcntl
 import os
 import socket
+import tempfile
 import traceback
 
 import torch
 import torch.multiprocessing as mp
+
+
+_HELD = 0
+
+
+@contextlib.contextmanager
+def one_job_at_a_time():
+    """One multi-process job (a gloo run here, a real command in tests/_cli.py) at a time across pytest-xdist's
+    workers. Ranks step in lockstep: two jobs of 4-8 ranks on a 2-core machine stall each other at every collective
+    (most of their time went to the scheduler), where one job alone keeps both cores busy; single-process tests still
+    run beside it. Reentrant within a process."""
+    global _HELD
+    if _HELD:
+        _HELD += 1
+        try:
+            yield
+        finally:
+            _HELD -= 1
+        return
+    with open(os.path.join(tempfile.gettempdir(), f"llamafactory_mca-tests-{os.getuid()}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _HELD = 1
+        try:
+            yield
+        finally:
+            _HELD = 0
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def free_port() -> int:
@@ -42,6 +72,11 @@ def run_distributed(fn, world_size: int, *args, retries: int = 3) -> list:
     """Call ``fn(*args)`` on every rank; return each rank's result. A taken port is retried."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
+    with one_job_at_a_time():
+        return _run(ctx, fn, world_size, args, retries)
+
+
+def _run(ctx, fn, world_size: int, args: tuple, retries: int) -> list:
     for attempt in range(retries):
         with ctx.Manager() as manager:
             results = manager.dict()
