@@ -8,12 +8,7 @@ It runs torch's own elastic launcher in this process and adds what a user needs 
 - a user error raised in a worker is printed once, after torchrun's shutdown, as the last thing on screen
   (workers write it to ``LLAMAFACTORY_MCA_ERROR_FILE``); a crashed worker keeps its own traceback and is
   followed by one line naming the rank and exit code, instead of torchrun's ChildFailedError report;
-- torchrun's banner about OMP_NUM_THREADS gives way to a sensible default (cores / processes);
-- on a machine without GPUs, the workers of a one-node run are forked from this process after it has imported
-  what they import (LLaMA-Factory's tuner, transformers, Megatron-Core, our trainer: ~14 s of CPU per process),
-  instead of each starting Python afresh. Eight CPU ranks on a laptop start in seconds, not a minute, and share
-  those modules' memory. With GPUs the workers start as torchrun starts them: a process that has touched CUDA
-  must not fork.
+- torchrun's banner about OMP_NUM_THREADS gives way to a sensible default (cores / processes).
 """
 
 from __future__ import annotations
@@ -87,9 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if not debug_enabled():  # modules that use plain logging.getLogger inherit from here
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
-        args = parse_args(argv)
-        _fork_on_cpu(args)
-        run(args)
+        run(parse_args(argv))
         return 0
     except ChildFailedError as err:
         message = _read(error_file)
@@ -101,41 +94,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if os.path.exists(error_file):
             os.remove(error_file)
-
-
-# What a worker imports before it trains; importing it here once lets forked workers skip it.
-WORKER_IMPORTS = ("llamafactory.train.tuner", "llamafactory_mca.workflow", "llamafactory_mca.trainer.trainer")
-
-
-def _fork_on_cpu(args) -> None:
-    """Without GPUs and on one node, have torchrun fork its workers from this process (its ``--run-path`` with
-    ``--start-method fork``) once the workers' imports are done here. A forked worker starts with this process's
-    signal handlers (torch's agent turns SIGTERM into an exception) and sees its rank only after the fork:
-    ``_in_forked_worker`` restores the defaults, plugin.prepare_worker quiets the other ranks."""
-    import importlib
-
-    import torch
-    from torch.distributed.run import parse_min_max_nnodes
-
-    if (args.run_path or args.module or args.no_python or torch.cuda.is_available()
-            or parse_min_max_nnodes(args.nnodes)[1] != 1 or os.environ.get("LLAMAFACTORY_MCA_SPAWN") == "1"):
-        return
-    for name in WORKER_IMPORTS:
-        importlib.import_module(name)
-    for stream in (sys.stdout, sys.stderr):  # what ``python -u`` gave each worker: lines reach the screen at once
-        stream.reconfigure(line_buffering=True)
-    os.register_at_fork(after_in_child=_in_forked_worker)
-    args.run_path, args.start_method = True, "fork"
-
-
-FORKED_ENV = "LLAMAFACTORY_MCA_FORKED_WORKER"
-
-
-def _in_forked_worker() -> None:
-    os.environ[FORKED_ENV] = "1"
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _torch_at_least(major: int, minor: int) -> bool:

@@ -260,8 +260,7 @@ def end_worker() -> None:
     the GIL of a dying interpreter and the process aborts ("terminate called without an active exception", SIGABRT):
     a finished run then reports a failure (seen on a loaded CI machine, one rank in eight; pytorch PR 179291
     describes the mechanism). So: free what is left while everything is alive, run the exit handlers (logging,
-    experiment trackers), flush, and leave with exit code 0. For worker processes only: it does not return, but in a
-    worker forked by launch.py, which returns to torch's agent code that reports back and leaves the same way."""
+    experiment trackers), flush, and leave with exit code 0. For worker processes only: it does not return."""
     import atexit
     import gc
     import sys
@@ -274,7 +273,4 @@ def end_worker() -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
-    from .launch import FORKED_ENV
-
-    if os.environ.get(FORKED_ENV) != "1":
-        os._exit(0)
+    os._exit(0)

@@ -60,7 +60,6 @@ def _guard_train_args(module: types.ModuleType) -> None:
 
     def get_train_args(args=None):
         if os.environ.get("LOCAL_RANK") is not None:  # a worker: our process group first, see _join_process_group
-            prepare_worker()  # again: a worker forked by launch.py learnt its rank after the fork
             _join_process_group(module.read_args(args))
         parsed = parse(args)
         from .workflow import check_request
@@ -192,7 +191,7 @@ def install() -> None:
     _INSTALLED = True
     other = _other_mcore_adapter()
     sys.meta_path.insert(0, McaFinder())
-    prepare_worker()
+    _quiet_worker()
     if _should_announce():
         from . import __version__
 
@@ -202,17 +201,14 @@ def install() -> None:
         print(line, file=sys.stderr)
 
 
-def prepare_worker() -> None:
+def _quiet_worker() -> None:
     """In a worker (torchrun sets RANK): only rank 0 speaks through LLaMA-Factory's logger, as it does through
-    ours; warnings from every rank stay. The variable is read when LLaMA-Factory's logging starts; a forked worker
-    (launch.py) inherits a logger that has started, so its level is set too."""
+    ours; warnings from every rank stay. Set before LLaMA-Factory's logging reads the variable."""
     from .quiet import quiet_third_party
 
     quiet_third_party()
     if os.environ.get("RANK", "0") != "0":
         os.environ.setdefault("LLAMAFACTORY_VERBOSITY", "WARN")
-        if "llamafactory.extras.logging" in sys.modules:
-            logging.getLogger("llamafactory").setLevel(logging.WARNING)
 
 
 def startup_hook() -> None:

@@ -62,9 +62,8 @@ def test_version_command_reports_the_torch_set_and_succeeds():
 
 
 def test_train_help_is_quick_and_names_the_megatron_keys():
-    start = time.perf_counter()
     result, output = run(["llamafactory-mca", "train", "--help"])
-    assert result.returncode == 0 and time.perf_counter() - start < 5, output
+    assert result.returncode == 0 and result.seconds < 5, output
     assert len(output.splitlines()) < 120
     for key in ("tensor_model_parallel_size", "expert_model_parallel_size", "sequence_packing", "max_nonfinite_steps"):
         assert key in output
@@ -109,11 +108,10 @@ def test_demo_is_quiet_and_answers_what_it_learned(tmp_path):
     ({"stage": "rm"}, ["stage='rm' is not supported with USE_MCA=1; supported: pt, sft, dpo"]),
 ])
 def test_a_mistake_is_one_message_before_any_worker(overrides, fragments, assets, tmp_path):
-    start = time.perf_counter()
     result, output = train(tmp_path, recipe(assets, tmp_path / "out", **overrides), world=None)
     one_error(result, output, *fragments)
     assert "Initializing" not in output  # LLaMA-Factory's launcher never got to start torchrun
-    assert time.perf_counter() - start < 60
+    assert result.seconds < 60
     assert not (tmp_path / "out").exists()
 
 
@@ -325,11 +323,10 @@ def test_killed_launchers_stop_their_workers_and_one_live_run_per_output_dir(ass
 
 def test_a_collective_waiting_past_ddp_timeout_aborts_naming_rank_step_and_call(assets, tmp_path):
     config = recipe(assets, tmp_path / "out", max_steps=4, gradient_accumulation_steps=2, ddp_timeout=5)
-    start = time.perf_counter()
     result, output = train(tmp_path, config, world=2, env={"LLAMAFACTORY_MCA_FAULT": "hang:2@1"})
     message = one_error(result, output, "rank 0 (step 2) waited", "longer than ddp_timeout=5 s")
     assert "called from" in message, message
-    assert time.perf_counter() - start < 120
+    assert result.seconds < 120
 
 
 def test_the_known_pipeline_hang_trains(assets, tmp_path):

@@ -81,22 +81,3 @@ def test_disable_switch_turns_the_hook_off():
                      {"USE_MCA": "1", "LLAMAFACTORY_MCA_DISABLE": "1"})
     assert result.returncode == 0 and result.stdout.strip() == "None"
 
-
-@pytest.mark.parametrize("spawn", ["0", "1"])
-def test_cpu_workers_are_forked_from_the_launcher_unless_asked_to_start_afresh(spawn, monkeypatch):
-    """Without GPUs and on one node, torchrun forks the workers from our launcher (its --run-path, fork start) after
-    the launcher imported what they import; LLAMAFACTORY_MCA_SPAWN=1 keeps torchrun's own start, as on GPUs."""
-    from torch.distributed.run import parse_args
-
-    from llamafactory_mca import launch
-
-    monkeypatch.setenv("LLAMAFACTORY_MCA_SPAWN", spawn)
-    monkeypatch.setattr(os, "register_at_fork", lambda **_: None)  # this pytest process forks nothing here
-    args = parse_args(["--nnodes", "1", "--nproc_per_node", "2", "launcher.py", "x.yaml"])
-    launch._fork_on_cpu(args)
-    forked = spawn == "0"
-    assert (args.run_path, args.start_method) == ((True, "fork") if forked else (False, "spawn"))
-    assert all(name in sys.modules for name in launch.WORKER_IMPORTS) or not forked
-    two_nodes = parse_args(["--nnodes", "2", "--nproc_per_node", "2", "launcher.py", "x.yaml"])
-    launch._fork_on_cpu(two_nodes)
-    assert not two_nodes.run_path

@@ -329,16 +329,16 @@ def test_every_hf_key_maps_exactly_once(tiny_models):
     """Per family: the weight table covers every key of the HF checkpoint once, and nothing more."""
     from llamafactory_mca.models.auto import AutoConfig
     from llamafactory_mca.models.export import _index_ranges
-    from llamafactory_mca.models.mapping import WeightTable, fill
+    from llamafactory_mca.models.mapping import fill
     from llamafactory_mca.models.families import get_family
 
     for name, path in tiny_models.items():
         config = AutoConfig.from_pretrained(path)
-        table = WeightTable(get_family(config.hf_model_type).weights(config))
+        table = get_family(config.hf_model_type).weight_table(config)
         covered = []
         for op in table.ops:
             for index in _index_ranges(op.mca, config):
-                covered += [fill(p, index[: p.count("*")]) for p in op.hf if op.export]
+                covered += [table.stored(fill(p, index[: p.count("*")])) for p in op.hf if op.export]
         assert len(covered) == len(set(covered)), name
         assert set(covered) == set(_hf_tensors(path)), (name, set(covered) ^ set(_hf_tensors(path)))
 
@@ -353,9 +353,9 @@ def test_parameter_count_is_the_hf_models(tiny_models):
 
     for name, path in tiny_models.items():
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        # transformers drops the multi-token-prediction layer (deepseek_v3, glm4_moe): its tensors counted from the
-        # file, less its copies of the embedding and output layer and its correction bias (a buffer)
-        layer, not_counted = f"model.layers.{hf.config.num_hidden_layers}.", (
+        # transformers drops the multi-token-prediction layer (deepseek_v3, glm4_moe; qwen3_next's under mtp.): its
+        # tensors counted from the file, less its copies of the embedding and output layer and its correction bias
+        layer, not_counted = (f"model.layers.{hf.config.num_hidden_layers}.", "mtp."), (
             "embed_tokens.weight", "shared_head.head.weight", "e_score_correction_bias")
         mtp = sum(t.numel() for key, t in _hf_tensors(path).items()
                   if key.startswith(layer) and not key.endswith(not_counted))
