@@ -80,4 +80,3 @@ def test_disable_switch_turns_the_hook_off():
     result = _python("import importlib.util; print(importlib.util.find_spec('mcore_adapter'))",
                      {"USE_MCA": "1", "LLAMAFACTORY_MCA_DISABLE": "1"})
     assert result.returncode == 0 and result.stdout.strip() == "None"
-
