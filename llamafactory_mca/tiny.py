@@ -180,8 +180,8 @@ def add_mtp_layers(config: Any, directory: str, dtype: torch.dtype, device: str 
             return f.get_tensor(name)
 
     family = get_family(config.model_type)
-    text, count, extra = config.get_text_config(), _mtp_layers(config), len(family.mtp.copied_embeddings(
-        family.config_from_hf(config)))
+    mca = family.config_from_hf(config)
+    text, count, extra = config.get_text_config(), mca.mtp_num_layers, len(family.mtp.copied_embeddings(mca))
     layers, hidden, hybrid = text.num_hidden_layers, text.hidden_size, bool(getattr(text, "layer_types", None))
     deeper_text = {**text.to_dict(), "num_hidden_layers": layers + count, family.mtp.count: 0}
     if hybrid:
@@ -192,7 +192,7 @@ def add_mtp_layers(config: Any, directory: str, dtype: torch.dtype, device: str 
         model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_config(deeper, dtype=dtype)
     _randomize_correction_bias(model)
     _randomize_zero_init(model)
-    prefix = "model.language_model.layers." if vision else "model.layers."
+    prefix = family.hf_layers
     tensors: dict[str, torch.Tensor] = {}
     with tempfile.TemporaryDirectory() as scratch:
         model.save_pretrained(scratch)
@@ -211,7 +211,7 @@ def add_mtp_layers(config: Any, directory: str, dtype: torch.dtype, device: str 
         if extra:
             tensors[f"{layer}embed_tokens.weight"] = read("model.embed_tokens.weight")
             tensors[f"{layer}shared_head.head.weight"] = read("lm_head.weight")
-    stored = family.weight_table(family.config_from_hf(config)).stored
+    stored = family.weight_table(mca).stored
     tensors = {stored(name): tensor for name, tensor in tensors.items()}
     save_file(tensors, os.path.join(directory, "model-mtp.safetensors"), metadata={"format": "pt"})
     index["weight_map"].update({name: "model-mtp.safetensors" for name in tensors})

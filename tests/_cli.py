@@ -70,11 +70,8 @@ def train(tmp_path, config, world=1, env=None, name="run", gpu=False, timeout=30
     path.write_text(yaml.safe_dump(config))
     log = tmp_path / f"{name}.log"
     with open(log, "w") as f:  # a file, not a pipe: a killed run's leftovers cannot hold it open
-        with one_job_at_a_time():
-            start = time.perf_counter()
-            result = subprocess.run(["llamafactory-cli", "train", str(path), *args], env=cli_env(world, env, gpu),
-                                    stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=tmp_path)
-            result.seconds = time.perf_counter() - start  # the command's own time, not the wait for the lock
+        result = _run_alone(["llamafactory-cli", "train", str(path), *args], env=cli_env(world, env, gpu),
+                            stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=tmp_path)
     return result, log.read_text()
 
 
@@ -107,11 +104,18 @@ def one_error(result, output: str, *fragments: str) -> str:
 
 
 def run(args, env=None, timeout=120, cwd=None):
+    result = _run_alone(args, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    return result, result.stdout + result.stderr
+
+
+def _run_alone(args, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run`` as the only multi-process job (``one_job_at_a_time``); ``result.seconds``: the command's
+    own time, not the wait for its turn."""
     with one_job_at_a_time():
         start = time.perf_counter()
-        result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+        result = subprocess.run(args, **kwargs)
         result.seconds = time.perf_counter() - start
-    return result, result.stdout + result.stderr
+    return result
 
 
 def fake_hub_cache(root, repo: str, model_dir: str) -> str:

@@ -410,11 +410,15 @@ class DecoderFamily(Family):
             ops = self.vision.text_ops(ops) + self.vision.weights(config)
         return ops
 
+    @property
+    def hf_layers(self) -> str:
+        """Where the checkpoint keeps its decoder layers."""
+        return (self.vision.text_prefix if self.vision else "model.") + "layers."
+
     def weight_table(self, config: McaConfig) -> WeightTable:
         if not (self.mtp and self.mtp.under_mtp and config.mtp_num_layers):
             return WeightTable(self.weights(config))
-        layers = (self.vision.text_prefix if self.vision else "model.") + "layers."
-        return WeightTable(self.weights(config), stored=mtp_module_names(layers, config.num_layers))
+        return WeightTable(self.weights(config), stored=mtp_module_names(self.hf_layers, config.num_layers))
 
     def build_chunk(self, mca: McaConfig, **gpt_kwargs: Any) -> Any:
         """With a vision tower, our VisionLanguageModel (GPTModel + the tower on the first stage)."""
