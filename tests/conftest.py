@@ -15,13 +15,25 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # fixture (most run every case in one multi-process run) stays whole on one worker; the tests of these files are
 # independent runs of the real command and spread over both workers, filling in behind the long files.
 INDEPENDENT_TESTS = {"test_training.py", "test_tokens.py", "test_multimodal_training.py"}
+# Handed out first: the longest single multi-process run (the layouts walk, minutes), so it does not finish last.
+LONGEST_FIRST = ("test_layouts.py",)
 
 
-@pytest.hookimpl(tryfirst=True)
+def pytest_itemcollected(item):
+    if item.path.name not in INDEPENDENT_TESTS:
+        item.add_marker(pytest.mark.xdist_group(name=item.path.name))
+
+
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.path.name not in INDEPENDENT_TESTS:
-            item.add_marker(pytest.mark.xdist_group(name=item.path.name))
+    items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)  # stable: the rest keep their order
+
+
+def pytest_configure(config):
+    # pytest 9 names items by a structured id and ignores the node ids pytest-xdist 3.8's loadgroup rewrites: every
+    # worker then ran each file's shared multi-process fixture again (CI ran the layouts walk twice).
+    if config.getoption("dist", "no") == "loadgroup" and pytest.version_tuple >= (9,):
+        raise pytest.UsageError(f"pytest {pytest.__version__} breaks pytest-xdist's --dist loadgroup: install the "
+                                "versions pinned in pyproject.toml (pip install -e '.[test]')")
 
 
 @pytest.fixture(scope="session")
