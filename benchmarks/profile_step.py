@@ -2,6 +2,7 @@
 
     python benchmarks/profile_step.py --out DIR            # Qwen3-1.7B shape, 8 packed 4096-token micro-batches
     python benchmarks/profile_step.py --moe --layers 8 --out DIR   # Qwen3-30B-A3B shape
+    python benchmarks/profile_step.py --next --layers 3 --out DIR  # Qwen3-Next-80B-A3B shape
     python benchmarks/profile_step.py --baseline --out DIR # megatron-core's own fallbacks instead of ours (below)
     python benchmarks/profile_step.py --smoke --out DIR    # tiny shape, CPU
 
@@ -36,6 +37,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per packed micro-batch")
     parser.add_argument("--micro", type=int, default=8, help="micro-batches per step")
     parser.add_argument("--moe", action="store_true", help="Qwen3-30B-A3B shape (128 experts, top 8)")
+    parser.add_argument("--next", action="store_true", help="Qwen3-Next-80B-A3B shape (512 experts, top 10; gated "
+                                                           "delta-rule layers, every 3rd full attention)")
     parser.add_argument("--baseline", action="store_true", help="megatron-core's fallbacks instead of ours")
     parser.add_argument("--off", default="", help="comma-separated recipe keys of ours set to false (one change "
                                                   "left out at a time: native_cross_entropy, ...)")
@@ -47,7 +50,7 @@ def main() -> None:
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    from transformers import Qwen3Config, Qwen3MoeConfig
+    from transformers import Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
 
     from llamafactory_mca import parallel
     from llamafactory_mca.training_args import TrainingArguments
@@ -62,11 +65,23 @@ def main() -> None:
     if args.moe:
         shape.update(intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32, num_key_value_heads=4,
                      num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False)
+    if args.next:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from e2e_bench import QWEN3_NEXT_80B
+
+        shape = {k: v for k, v in QWEN3_NEXT_80B.items() if k != "model_type"}
+        shape.update(num_hidden_layers=args.layers, layer_types=[
+            "full_attention" if (i + 1) % 3 == 0 else "linear_attention" for i in range(args.layers)])
     tokens, seqs, micro = args.tokens, 4, args.micro
     if args.smoke:
         shape.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=16, vocab_size=512,
-                     **(dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2) if args.moe else {}))
+                     **(dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2) if args.moe else {}),
+                     **(dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, linear_num_key_heads=2,
+                             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                             shared_expert_intermediate_size=32) if args.next else {}))
+        if args.next:
+            shape.update(num_hidden_layers=3, layer_types=shape["layer_types"][:3])
         tokens, micro = 256, 2
     gpu = torch.cuda.is_available()
     variant = dict(moe_local_dispatch=False, bias_activation_fusion=False, native_cross_entropy=False
@@ -74,11 +89,13 @@ def main() -> None:
     off, on = [k for k in args.off.split(",") if k], [k for k in args.on.split(",") if k]
     variant.update({k: False for k in off} | {k: True for k in on})
     targs = TrainingArguments(output_dir=args.out, bf16=gpu, use_distributed_optimizer=True, overlap_grad_reduce=True,
-                              learning_rate=1e-5, report_to="none", moe_grouped_gemm=args.moe or None, **variant)
+                              learning_rate=1e-5, report_to="none", moe_grouped_gemm=(args.moe or args.next) or None,
+                              **variant)
     parallel.initialize(targs.resolve_layout(world_size=1))
     if args.baseline:
         _megatron_fallbacks()
-    family, hf = ("qwen3_moe", Qwen3MoeConfig(**shape)) if args.moe else ("qwen3", Qwen3Config(**shape))
+    family, hf = (("qwen3_next", Qwen3NextConfig(**shape)) if args.next else ("qwen3_moe", Qwen3MoeConfig(**shape))
+                  if args.moe else ("qwen3", Qwen3Config(**shape)))
     config = get_family(family).config_from_hf(hf)
     model = AutoModel.from_config(config, targs)
     wrapped = wrap_ddp(model.chunks, model.transformer_config, targs)
@@ -138,7 +155,7 @@ def main() -> None:
 
     flops = flops_per_sequence_set(config.transformer, config.vocab_size, [length] * seqs * micro)
     peak = peak_flops()
-    name = f"{'moe' if args.moe else 'dense'}_{'baseline' if args.baseline else 'ours'}"
+    name = f"{'next' if args.next else 'moe' if args.moe else 'dense'}_{'baseline' if args.baseline else 'ours'}"
     name += "".join(f"_no_{k}" for k in off) + "".join(f"_with_{k}" for k in on)
     lines = [f"# One optimizer step of our path, {name} ({'GPU ' + torch.cuda.get_device_name() if gpu else 'CPU'})",
              "", f"{type(hf).__name__} {shape}, {micro} packed micro-batches of {tokens} tokens ({seqs} sequences "

@@ -91,9 +91,12 @@ case $phase in
     bench 0 g11 --workloads glm_moe --gpus 1 --timeout 300 ;;
   glm_mtp)  # one H200: GLM-4.5-Air shape, 2 layers + its MTP layer (ours trains it; LLaMA-Factory's default drops it)
     bench 0 g13 --workloads glm_mtp --gpus 1 --timeout 300 --runs "${RUNS:-lf,ours,ours_no_mtp}" ;;
-  qwen3_next)  # one H200: the Qwen3-Next GPU tests, then the Qwen3-Next-80B-A3B shape (3 layers), packed and padded
+  qwen3_next)  # one H200: the Qwen3-Next / Qwen3.5 GPU tests, the delta rule alone (transformers' vs ours), then the
+    # Qwen3-Next-80B-A3B shape (3 layers), packed and padded
     CUDA_VISIBLE_DEVICES=0 python3 -m pytest tests/gpu/test_qwen3_next_gpu.py -q -p no:cacheprovider \
       > "$out/gpu_tests.log" 2>&1; echo "== qwen3_next gpu tests: exit $?"; tail -n 5 "$out/gpu_tests.log"
+    CUDA_VISIBLE_DEVICES=0 python3 benchmarks/delta_rule_bench.py --out "$out" > "$out/delta_rule.log" 2>&1
+    echo "== delta rule bench: exit $?"; tail -n 8 "$out/delta_rule.log"
     bench 0 g14 --workloads qwen3_next --gpus 1 --steps 8 --warmup 3 --timeout 240 --runs "${RUNS:-lf_pack,ours_pack,lf_nopack,ours_nopack}" ;;
   moonlight)  # one H200: Moonlight-16B-A3B shape (DeepSeek-V3 architecture, 8 layers), LLaMA-Factory's default vs ours
     bench 0 g12 --workloads moonlight --gpus 1 --timeout 300 ;;

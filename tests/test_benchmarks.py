@@ -1,4 +1,5 @@
-"""benchmarks/e2e_bench.py on CPU: what the launcher entry counts, and one smoke workload through both paths."""
+"""benchmarks/ on CPU: what the e2e launcher entry counts, one smoke workload through both paths, the delta-rule
+bench in smoke shapes."""
 
 import importlib.util
 import json
@@ -89,3 +90,13 @@ def test_two_gpu_target_uses_the_one_gpu_result_of_another_invocation(tmp_path):
     results = e2e_bench.write_results(str(tmp_path), {"dense": workload(1000.0, comparable="other")}, 0.05)
     assert results["workloads"]["dp2"]["targets"][0]["met"] is None  # other shapes or GPU: no verdict
     assert list(results["workloads"]) == ["dense", "dp2"] and "## dp2" in (tmp_path / "e2e.md").read_text()
+
+
+def test_delta_rule_bench_smoke_compares_the_rules(tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "delta_rule_bench.py"), "--smoke",
+                             "--repeat", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((tmp_path / "delta_rule.json").read_text())["results"]
+    assert {(r["workload"], r["impl"]) for r in rows} >= {(w, i) for w in ("padded", "packed")
+                                                          for i in ("transformers", "ours")}
+    assert all(r["ms"] > 0 for r in rows) and "| packed | ours |" in (tmp_path / "delta_rule.md").read_text()

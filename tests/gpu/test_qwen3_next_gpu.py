@@ -1,9 +1,8 @@
 """Qwen3-Next's gated delta-rule layers on one CUDA GPU: the kernel the layer picks there (flash-linear-attention in
-bf16, packed with ``cu_seqlens`` and grouped value heads, where it is correct; else the torch rule over the pack as a
-batch) against transformers' torch chunked rule run per sequence in fp32, outputs and gradients; and the tiny model
-through the real command in bf16, packed, with the optimizer offloaded to the CPU.
-
-Run: ``python -m pytest tests/gpu/test_qwen3_next_gpu.py -q`` (skipped without CUDA).
+bf16, packed with ``cu_seqlens`` and grouped value heads, where it is correct; else our torch rule, delta_rule.py)
+against transformers' torch chunked rule run per sequence in fp32, outputs and gradients; and the tiny model through
+the real command in bf16, packed, with the optimizer offloaded to the CPU; tiny Qwen3.5 and Qwen3.5-MoE (the same
+layers under a vision tower) through the real command in bf16, packed, with images and videos.
 """
 
 import pytest
@@ -31,7 +30,7 @@ def _inputs(nk=2, nv=4, dk=64, dv=96):
 
 
 def test_delta_rule_on_the_gpu_equals_the_torch_rule_per_sequence():
-    """Whichever kernel this GPU runs (fla where it is correct, else the torch rule over the pack side by side)."""
+    """Whichever kernel this GPU runs (fla where it is correct, else our torch rule, delta_rule.py)."""
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
     from llamafactory_mca.models.native.gated_delta import delta_rule
@@ -70,3 +69,24 @@ def test_qwen3_next_trains_packed_in_bf16_with_the_optimizer_on_the_cpu(assets, 
     assert f"gated delta rule: {describe_kernel()}" in output and "CPU offload" in output, output[-3000:]
     curve = losses(tmp_path / "out")
     assert len(curve) == 8 and curve[8] < curve[1], curve
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_trains_packed_with_images_in_bf16(family, tmp_path):
+    from safetensors.torch import load_file
+
+    from llamafactory_mca.tiny import save_tiny_vl_model, write_image_dataset
+
+    model = save_tiny_vl_model(family, str(tmp_path / "model"))
+    data = write_image_dataset(str(tmp_path), 12, video_every=3)
+    config = recipe({"models": {"qwen3": model}, "sft": data}, tmp_path / "out", dataset="tiny_images",
+                    template="qwen3_5", cutoff_len=256, image_max_pixels=768, image_min_pixels=256, bf16=True,
+                    sequence_packing=True, per_device_train_batch_size=4, gradient_accumulation_steps=3, max_steps=6,
+                    learning_rate=3e-3)
+    result, output = train(tmp_path, config, gpu=True)
+    ok(result, output)
+    curve = losses(tmp_path / "out")
+    assert len(curve) == 6 and curve[6] < curve[1], curve
+    before, after = (load_file(f"{folder}/model.safetensors") for folder in (model, tmp_path / "out"))
+    tower = [k for k in before if "visual." in k]  # frozen; the export is in the run's dtype (bf16)
+    assert tower and all(torch.equal(before[k].to(after[k].dtype), after[k]) for k in tower)

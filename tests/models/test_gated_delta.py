@@ -1,8 +1,11 @@
 """The native gated delta-rule layer against transformers' ``Qwen3NextGatedDeltaNet``, split over two tensor-parallel
 ranks: Qwen3-Next's checkpoint tensors, each rank's slice read by the family's own ops, give transformers' outputs and
 input gradients (padded), each sequence's own output when packed (the conv and the recurrent state restart at every
-sequence), and on both ranks the whole gradient of the output norm shared by all heads (summed over the ranks)."""
+sequence), and on both ranks the whole gradient of the output norm shared by all heads (summed over the ranks).
+Our torch delta rule (``delta_rule.py``) against transformers' ``torch_chunk_gated_delta_rule`` run per sequence, over
+lengths that cross chunk boundaries, outputs and the gradients of all five inputs."""
 
+import pytest
 import torch
 
 from tests._dist import run_distributed
@@ -102,3 +105,32 @@ def test_native_gated_delta_net_is_transformers_over_tp2():
         assert torch.allclose(ours["A_log_grad"], own, atol=1e-4, rtol=1e-4)
     # the state restarts: one forward over the whole pack (transformers does not restart) differs
     assert not torch.allclose(whole, per_sequence, atol=1e-3)
+
+
+@pytest.mark.parametrize("rows,lengths", [(2, (150, 150)), (1, (1, 64, 65, 130, 3, 70)), (3, (7, 7, 7))],
+                         ids=["padded-rows", "packed-ragged", "short-rows"])
+def test_our_delta_rule_is_transformers_per_sequence(rows, lengths):
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    from llamafactory_mca.models.native.delta_rule import chunked_delta_rule
+
+    g = torch.Generator().manual_seed(0)
+    total = sum(lengths) // rows
+    shapes = [(NK, DK), (NK, DK), (NV, DV), (NV,), (NV,)]
+    inputs = [torch.randn(rows, total, *shape, generator=g, dtype=torch.float64) for shape in shapes]
+    inputs[3] = -0.5 * inputs[3].abs()  # log decay
+    inputs[4] = inputs[4].sigmoid()  # beta
+    leaves = [t.requires_grad_(True) for t in inputs]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]) if rows == 1 else None
+    ours = chunked_delta_rule(*(t.float() for t in leaves), cu_seqlens=cu)
+    q, k = (t.repeat_interleave(NV // NK, dim=2) for t in leaves[:2])
+    bounds = cu.tolist() if cu is not None else [0, total]
+    want = torch.cat([torch_chunk_gated_delta_rule(*(t[:, s:e].float() for t in (q, k, *leaves[2:])),
+                                                   use_qk_l2norm_in_kernel=True)[0]
+                      for s, e in zip(bounds[:-1], bounds[1:])], dim=1)
+    weight = torch.randn(ours.shape, generator=g)
+    mine = torch.autograd.grad((ours * weight).sum(), leaves)
+    theirs = torch.autograd.grad((want * weight).sum(), leaves)
+    assert torch.allclose(ours, want, atol=1e-5), (ours - want).abs().max()
+    for name, a, b in zip(("q", "k", "v", "g", "beta"), mine, theirs):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (name, (a - b).abs().max())
