@@ -196,7 +196,7 @@ def preflight(argv: list[str]) -> Plan:
             if os.path.isabs(os.path.expanduser(path)) and not os.path.isdir(os.path.expanduser(path)):
                 raise UserError(f"adapter_name_or_path={path!r} is not a peft adapter folder (it does not exist).")
             adapters.append(resolve_model(path, model_args))
-        check_lora_plan(config, finetuning_args, adapters, layout.etp)
+        check_lora_plan(config, finetuning_args, adapters, layout.etp, layout.tp)
     check_datasets(data_args)
     resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
     return Plan(world_size=world, layout=layout, model_path=model_path, output_dir=training_args.output_dir)

@@ -24,6 +24,7 @@ and no optimizer state; checkpoints hold only the adapters (``adapter_state``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -35,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UserError
-from .mapping import DictSource, Dims, Op, WeightTable
+from .mapping import DictSource, Dims, GroupedRows, Op, WeightTable
 
 EXPERTS_WORD = "experts"  # lora_target word for the routed experts (peft target_parameters)
 EXPERT_PIECES = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
@@ -175,9 +176,10 @@ def _text_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 # Megatron's linears an adapter can sit on: attention (multi-latent attention's five projections among them, each one
-# HF module) and the dense or shared-expert MLP
+# HF module; the gated delta-rule layer's in_proj, fused from two HF modules or four, and out_proj) and the dense or
+# shared-expert MLP
 _ADAPTABLE = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj", "linear_q_down_proj",
-              "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
+              "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "in_proj", "out_proj")
 
 
 def plan_targets(hf_config: dict, table: WeightTable, settings: LoraSettings,
@@ -298,7 +300,7 @@ class LoraLinearMixin:
             self.lora_A[piece.name], self.lora_B[piece.name] = A, B
         names = [p.name for p in target.pieces]
         local = dims._replace(num_heads=dims.num_heads // tp, num_query_groups=dims.num_query_groups // tp)
-        op = target.op
+        op = _local_op(target.op, tp)
 
         def assemble(b: dict[str, torch.Tensor]) -> torch.Tensor:
             """The pieces' B as one [rows of the fused linear, pieces x r] matrix, block-diagonal by piece."""
@@ -366,8 +368,33 @@ class LoraLinearMixin:
 
 
 def _piece_rows(op: Op, hf_name: str, local: Dims) -> int:
-    """Rows of one HF piece of a fused linear on this rank (FusedQKV: query groups x the piece's rows per group)."""
-    return local.num_query_groups * op.group_parts(local)[op.hf.index(hf_name)][1]
+    """Rows of one HF piece of a fused linear on this rank (FusedQKV: query groups x the piece's rows per group;
+    GroupedRows: key heads x the piece's rows per head)."""
+    index = op.hf.index(hf_name)
+    if isinstance(op, GroupedRows):
+        return op.groups * sum(rows for i, rows in op.parts if i == index)
+    return local.num_query_groups * op.group_parts(local)[index][1]
+
+
+def _local_op(op: Op | None, tp: int) -> Op | None:
+    """The op laying out one tensor-parallel rank's rows: GroupedRows counts its groups (key heads) over all ranks."""
+    return dataclasses.replace(op, groups=op.groups // tp) if isinstance(op, GroupedRows) else op
+
+
+def refuse_split_pieces(targets: list[TargetLinear], tensor_parallel: int) -> None:
+    """HF modules of a fused linear that hold several of its row groups each (Qwen3.5's flat ``in_proj_qkv``: the q,
+    k and v of every head in turn): a tensor-parallel rank's rows of such a module are not one block of it, so
+    their adapter's B cannot be split over TP ranks as each adapter is (a dist checkpoint's adapter is peft's)."""
+    split = set()
+    for target in targets:
+        if isinstance(target.op, GroupedRows):
+            indices = [i for i, _ in target.op.parts]
+            held = {target.op.hf[i][: -len(".weight")].rsplit(".", 1)[-1] for i in indices if indices.count(i) > 1}
+            split |= held & {p.name for p in target.pieces}
+    if split and tensor_parallel > 1:
+        raise UserError(f"LoRA on {sorted(split)} needs tensor_model_parallel_size: 1 (it is {tensor_parallel}): "
+                        "each holds the q, k and v of every head in turn, so a rank's rows are not one block of its "
+                        "adapter. Leave them out of lora_target, or use tensor_model_parallel_size: 1.")
 
 
 class LoraGroupedExpertsMixin:
@@ -502,6 +529,7 @@ def apply_lora(model: Any, settings: LoraSettings, freeze_vision_tower: bool = T
     config = model.config
     table = get_family(config.hf_model_type).weight_table(config)
     targets = plan_targets(config.hf_config, table, settings, freeze_vision_tower)
+    refuse_split_pieces(targets, ps.get_tensor_model_parallel_world_size())
     if settings.experts and ps.get_expert_tensor_parallel_world_size() > 1:
         raise UserError(f"LoRA on the experts needs expert_tensor_parallel_size: 1 (it is "
                         f"{ps.get_expert_tensor_parallel_world_size()}).")

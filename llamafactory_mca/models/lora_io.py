@@ -18,7 +18,8 @@ import torch
 
 from ..checkpoints import ADAPTER_CONFIG_NAME as ADAPTER_CONFIG
 from ..errors import UserError
-from .lora import EXPERT_PIECES, LoraSettings, TargetLinear, apply_lora, lora_modules, merge_lora, plan_targets
+from .lora import (EXPERT_PIECES, LoraSettings, TargetLinear, apply_lora, lora_modules, merge_lora, plan_targets,
+                   refuse_split_pieces)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -102,13 +103,10 @@ def _targets(config: Any, settings: LoraSettings, freeze_vision_tower: bool = Tr
                         freeze_vision_tower)
 
 
-def check_lora_plan(config: Any, finetuning_args: Any, adapters: list[str], expert_tensor_parallel: int) -> None:
+def check_lora_plan(config: Any, finetuning_args: Any, adapters: list[str], expert_tensor_parallel: int,
+                    tensor_parallel: int = 1) -> None:
     """The preflight's LoRA checks: the adapters to continue are peft LoRA folders, the targets exist on this model,
     expert adapters have whole experts."""
-    if config.is_hybrid:
-        raise UserError(f"finetuning_type=lora on {config.hf_model_type}: LoRA on the gated delta-rule and gated "
-                         "attention layers is not supported yet. Use finetuning_type: full, or freeze with "
-                         "freeze_trainable_modules: self_attn,linear_attn.")
     for path in adapters:
         if not is_adapter_folder(path):
             raise UserError(f"adapter_name_or_path={path!r} is not a peft adapter folder (no {ADAPTER_CONFIG}).")
@@ -116,7 +114,7 @@ def check_lora_plan(config: Any, finetuning_args: Any, adapters: list[str], expe
     resume = adapters[-1] if adapters and not finetuning_args.create_new_adapter else None
     settings = LoraSettings.from_peft(read_adapter_config(resume)) if resume else \
         LoraSettings.from_args(finetuning_args)
-    _targets(config, settings, finetuning_args.freeze_vision_tower)
+    refuse_split_pieces(_targets(config, settings, finetuning_args.freeze_vision_tower), tensor_parallel)
     if settings.experts and expert_tensor_parallel > 1:
         raise UserError(f"LoRA on the experts needs expert_tensor_parallel_size: 1 (each expert whole on its rank); "
                         f"it is {expert_tensor_parallel}. Set expert_tensor_parallel_size: 1.")
@@ -142,7 +140,7 @@ def export_adapter(checkpoint: str, output: str, dtype: torch.dtype | None = Non
     cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
     for target in _targets(config, settings):
         for layer in range(config.num_layers):
-            if not config.holds(target.mca, layer):  # e.g. a dense layer's MLP: only there
+            if not config.holds(f"{target.mca}.weight", layer):  # e.g. a dense layer's MLP: only there
                 continue
             for piece in target.pieces:
                 if target.experts:

@@ -153,3 +153,72 @@ def test_what_vision_language_training_cannot_do_yet_is_refused(tmp_path):
         check_model_fits(config, 64, "sft", SimpleNamespace(cp=1, pp=2, vpp=2))
     # with a pipeline_model_parallel_layout the user places the layers; the model build checks where they went
     check_model_fits(config, 64, "sft", SimpleNamespace(cp=1, pp=2, vpp=2), custom_pipeline_layout=True)
+
+
+def _lora_logits(model_dir: str, adapter: str, inputs: dict, positions: torch.Tensor, layouts: list) -> dict:
+    from llamafactory_mca import parallel
+    from llamafactory_mca.args import MegatronArguments
+    from llamafactory_mca.models.auto import AutoModel
+    from llamafactory_mca.models.lora import LoraSettings, apply_lora
+    from llamafactory_mca.models.lora_io import load_adapter, read_adapter_config
+
+    found = {}
+    for layout, sizes in layouts:
+        args = MegatronArguments(**sizes)
+        parallel.initialize(parallel.ParallelLayout.from_args(args))
+        model = AutoModel.from_pretrained(model_dir, args)
+        apply_lora(model, LoraSettings.from_peft(read_adapter_config(adapter)))
+        load_adapter(model, adapter)
+        logits = _logits(model.eval(), inputs, positions)
+        if logits is not None:
+            found[layout] = logits
+        parallel.destroy_layout()
+    return found
+
+
+def test_qwen3_5_lora_gives_peft_logits_with_images(tmp_path):
+    """LoRA on Qwen3.5's gated delta-rule projections (flat in_proj_qkv / z / b; in_proj_a left out, so its rows of
+    the fused adapter are zero), its gated attention and MLP, with images and a video: peft's logits at DP2, and at
+    TP2 + SP without in_proj_qkv, which holds q, k and v of every head in turn and is refused under TP."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    model_dir = save_tiny_model("qwen3_5", str(tmp_path / "model"))
+    inputs, positions, _ = _hf(model_dir)
+    adapters, expected = {}, {}
+    for name, targets in {"all": ["in_proj_qkv", "in_proj_z", "in_proj_b", "out_proj", "q_proj", "o_proj",
+                                  "down_proj"],
+                          "no_qkv": ["in_proj_z", "in_proj_b", "out_proj", "v_proj", "gate_proj"]}.items():
+        torch.manual_seed(1)
+        hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+        peft = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+        with torch.no_grad():
+            for param_name, param in peft.named_parameters():
+                if "lora_" in param_name:
+                    param.mul_(0.3)
+        adapters[name] = str(tmp_path / name)
+        peft.save_pretrained(adapters[name])
+        reference = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(
+            model_dir, dtype=torch.float32), adapters[name]).eval()
+        with torch.no_grad():
+            expected[name] = reference(**inputs).logits
+    ranks = run_distributed(_lora_logits, 2, model_dir, adapters["all"], inputs, positions, [("dp2", {})])
+    ranks += run_distributed(_lora_logits, 2, model_dir, adapters["no_qkv"], inputs, positions,
+                             [("tp2-sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True})])
+    found = {("all" if "dp2" in r else "no_qkv"): v for rank in ranks for r, v in rank.items()}
+    assert set(found) == {"all", "no_qkv"}
+    for name, logits in found.items():
+        logits = logits[..., : expected[name].shape[-1]]
+        assert (logits - expected[name]).abs().max().item() <= 1e-4, name
+
+    from llamafactory.hparams import FinetuningArguments
+
+    from llamafactory_mca.errors import UserError
+    from llamafactory_mca.models.auto import AutoConfig
+    from llamafactory_mca.models.lora_io import check_lora_plan
+
+    config = AutoConfig.from_pretrained(model_dir)
+    everything = FinetuningArguments(finetuning_type="lora", lora_target="all")
+    check_lora_plan(config, everything, [], 1, tensor_parallel=1)
+    with pytest.raises(UserError, match=r"LoRA on \['in_proj_qkv'\] needs tensor_model_parallel_size: 1 \(it is 2\)"):
+        check_lora_plan(config, everything, [], 1, tensor_parallel=2)
