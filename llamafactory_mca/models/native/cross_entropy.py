@@ -70,6 +70,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         for a, b in _rows(target.numel(), logits.device):
             row_max[a:b], sum_exp[a:b] = stats(logits2d[a:b])
         if world > 1:
+            # a rank whose slice is all vocabulary padding (logits -inf: a vocabulary under tp x 128 / 2, as in tiny
+            # test models) adds nothing to the sum; its exp(-inf - -inf) would be NaN
+            sum_exp = torch.where(row_max == float("-inf"), 0.0, sum_exp)
             global_max = row_max.clone()
             dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
             sum_exp.mul_((row_max - global_max).exp())
