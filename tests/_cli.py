@@ -86,8 +86,10 @@ def losses(output_dir) -> dict[int, float]:
     return found
 
 
-def ok(result, output):
+def ok(result, output, nonfinite: bool = False):
+    """The run succeeded, and (unless the test injects them) no step was skipped for inf/nan loss or gradients."""
     assert result.returncode == 0, output[-6000:]
+    assert nonfinite or "inf/nan loss or gradients" not in output, output[-6000:]
 
 
 def one_error(result, output: str, *fragments: str) -> str:

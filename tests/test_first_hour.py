@@ -242,7 +242,7 @@ def test_nan_in_the_weights_names_the_tensor(assets, tmp_path):
 def test_a_nan_step_is_skipped_and_counted_and_a_run_of_them_stops(assets, tmp_path):
     config = recipe(assets, tmp_path / "out", max_steps=3)
     result, output = train(tmp_path, config, env={"LLAMAFACTORY_MCA_FAULT": "nan:2"})
-    ok(result, output)
+    ok(result, output, nonfinite=True)
     assert "step 2: inf/nan loss or gradients, step skipped (1 in a row; the run stops at 10)" in output
     assert "skipped 1 step(s) with inf/nan" in output
     curve = losses(tmp_path / "out")

@@ -177,7 +177,8 @@ def _text_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 # Megatron's linears an adapter can sit on: attention (multi-latent attention's five projections among them, each one
 # HF module; the gated delta-rule layer's in_proj, fused from two HF modules or four, and out_proj) and the dense or
-# shared-expert MLP
+# shared-expert MLP; and the shared expert's gate (a weight, not a linear: LoraSharedGateMixin)
+SHARED_GATE = ".mlp.shared_experts.gate"
 _ADAPTABLE = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj", "linear_q_down_proj",
               "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "in_proj", "out_proj")
 
@@ -192,10 +193,13 @@ def plan_targets(hf_config: dict, table: WeightTable, settings: LoraSettings,
     homes: set[str] = set()  # every HF module an adapter could go on
     targets = []
     for op in table.ops:
-        if not op.mca.endswith(".weight") or ".local_experts." in op.mca or not op.mca.startswith("decoder.layers."):
+        if ".local_experts." in op.mca or not op.mca.startswith("decoder.layers."):
             continue
-        linear = op.mca[: -len(".weight")]
-        if linear.rsplit(".", 1)[-1] not in _ADAPTABLE:
+        if op.mca.endswith(SHARED_GATE + "_weight"):
+            linear = op.mca[: -len("_weight")]
+        elif op.mca.endswith(".weight") and op.mca[: -len(".weight")].rsplit(".", 1)[-1] in _ADAPTABLE:
+            linear = op.mca[: -len(".weight")]
+        else:
             continue
         pieces = []
         for hf_name in op.hf:
@@ -212,6 +216,11 @@ def plan_targets(hf_config: dict, table: WeightTable, settings: LoraSettings,
             found.add(short)
         if pieces:
             targets.append(TargetLinear(linear, op, tuple(pieces)))
+    gates = [p.name for t in targets if t.mca.endswith(SHARED_GATE) for p in t.pieces]
+    if gates and settings.dropout:
+        raise UserError(f"lora_dropout={settings.dropout} with LoRA on {gates}: its adapter is folded into the gate's "
+                        "weight, which leaves no place for dropout. Set lora_dropout: 0, or leave it out of "
+                        "lora_target.")
     if settings.experts:
         targets += _expert_targets(hf_config, modules)
     missing = [name for name in wanted if name not in found]
@@ -472,6 +481,57 @@ class LoraGroupedExpertsMixin:
         return base
 
 
+class LoraSharedGateMixin:
+    """An adapter on the shared expert's gate (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE: HF's ``shared_expert_gate``, a
+    [1, hidden] linear; Megatron's SharedExpertMLP keeps its ``gate_weight`` and applies it with ``F.linear`` in
+    both its forward paths). Every read of ``gate_weight`` gives W + s·B·A, so the gate's logits are peft's
+    x·Wᵀ + s·(x·Aᵀ)·Bᵀ (without dropout: refused in ``plan_targets``). A and B are whole on every rank, marked
+    ``sequence_parallel`` like the gate under SP (their gradients are then summed over TP)."""
+
+    lora_enabled: bool = True
+    lora_replicated = True  # load_adapter: neither factor is split over tensor-parallel ranks
+
+    @property
+    def gate_weight(self) -> torch.Tensor:
+        weight = self._parameters["gate_weight"]
+        if not self.lora_enabled:
+            return weight
+        (piece,) = self.lora_pieces
+        return weight + (self.lora_B[piece.name] @ self.lora_A[piece.name]).to(weight.dtype) * self.lora_scaling
+
+    def init_lora(self, target: TargetLinear, global_name: str, settings: LoraSettings) -> None:
+        self.lora_pieces, self.lora_scaling = target.pieces, settings.scaling
+        self.lora_name, self.lora_target, self.lora_column = global_name, target, False
+        weight = self._parameters["gate_weight"]
+        (piece,) = target.pieces
+        a = _init_a((settings.rank, piece.in_features), f"{global_name}.lora_A.{piece.name}", settings.seed)
+        self.lora_A, self.lora_B = torch.nn.ParameterDict(), torch.nn.ParameterDict()
+        for store, value in ((self.lora_A, a), (self.lora_B, torch.zeros(piece.out_features, settings.rank))):
+            store[piece.name] = torch.nn.Parameter(value.to(weight.device, weight.dtype))
+            _set_tp_attributes(store[piece.name], None, expert=False, sequence_parallel=self.config.sequence_parallel)
+
+    @torch.no_grad()
+    def merge_lora(self) -> None:
+        (piece,) = self.lora_pieces
+        weight = self._parameters["gate_weight"]
+        delta = self.lora_B[piece.name].float() @ self.lora_A[piece.name].float() * self.lora_scaling
+        weight.add_(delta.to(weight.dtype))
+        self.lora_B[piece.name].zero_()
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        held = {name: self._modules.pop(name) for name in ("lora_A", "lora_B")}  # MLP's asks every child for its own
+        try:
+            base = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        finally:
+            self._modules.update(held)
+        adapters = {f"gate.lora_{w}.{k}": v for w in "AB" for k, v in getattr(self, f"lora_{w}").items()}
+        return base | make_sharded_tensors_for_checkpoint(
+            adapters, prefix, {}, sharded_offsets, tp_group=self.tp_group,
+            dp_cp_group=(metadata or {}).get("dp_cp_group"))
+
+
 @functools.cache
 def _lora_class(base: type, mixin: type) -> type:
     return type(f"Lora{base.__name__}", (mixin, base), {})
@@ -520,6 +580,7 @@ def apply_lora(model: Any, settings: LoraSettings, freeze_vision_tower: bool = T
     """Freeze the model and put adapters on the targeted linears of this rank's chunks (before DDP wraps it)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
     from .families import get_family
     from .freeze import EXTRA_MODULES
@@ -565,6 +626,11 @@ def apply_lora(model: Any, settings: LoraSettings, freeze_vision_tower: bool = T
                 continue
             if pattern.startswith("decoder.layers.*.mlp.experts.*."):  # a sequential expert's linear
                 pattern = pattern.replace(".mlp.experts.*.", ".mlp.experts.")
+            gate = by_pattern.get(pattern + ".gate") if isinstance(module, SharedExpertMLP) else None
+            if gate is not None and module.use_shared_expert_gate:
+                module.__class__ = _lora_class(type(module), LoraSharedGateMixin)
+                module.init_lora(gate, f"{glob}.gate", settings)
+                placed += 1
             target = by_pattern.get(pattern)
             if target is not None and isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.__class__ = _lora_class(type(module), LoraLinearMixin)
@@ -590,7 +656,7 @@ def _activations_need_grad(module: torch.nn.Module, inputs: Any, output: torch.T
 
 def lora_modules(model: Any) -> list[torch.nn.Module]:
     return [m for chunk in model.chunks for m in chunk.modules()
-            if isinstance(m, (LoraLinearMixin, LoraGroupedExpertsMixin))]
+            if isinstance(m, (LoraLinearMixin, LoraGroupedExpertsMixin, LoraSharedGateMixin))]
 
 
 def set_lora_enabled(model: Any, enabled: bool) -> None:

@@ -223,7 +223,7 @@ def load_adapter(model: Any, path: str) -> None:
                 a, b = take(peft_key(target, piece.name, layer, "A")), take(peft_key(target, piece.name, layer, "B"))
             if module.lora_column:
                 b = b.chunk(tp, dim=0)[rank]
-            else:
+            elif not getattr(module, "lora_replicated", False):
                 a = a.chunk(tp, dim=1)[rank]
             module.lora_A[piece.name].copy_(a)
             module.lora_B[piece.name].copy_(b)

@@ -24,8 +24,9 @@ ADAPTERS = {"qwen3": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
                             None),
             # gated delta-rule layers (in_proj fused from qkvz and ba, grouped per key head; ba left out here, so its
             # rows of the fused adapter are zero) and gated attention ([q | gate] per head); the shared expert's MLP
+            # and its gate
             "qwen3_next": (["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "out_proj", "gate_proj",
-                            "down_proj"], False, None)}
+                            "down_proj", "shared_expert_gate"], False, None)}
 LAYOUTS = [("dp2", {}), ("tp2-sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
            ("pp2", {"pipeline_model_parallel_size": 2}), ("ep2", {"expert_model_parallel_size": 2}),
            ("ep2-grouped", {"expert_model_parallel_size": 2, "moe_grouped_gemm": True}),
@@ -159,7 +160,8 @@ def test_trainable_parameters_are_peft_s(tmp_path):
     cases = [("qwen3", ["all"]), ("qwen3", ["q_proj", "v_proj"]), ("qwen3_moe", ["all"]),
              ("qwen3_moe", ["all", "experts"]), ("qwen2_moe", ["q_proj", "gate_proj", "experts"]),
              ("glm4_moe", ["all"]), ("deepseek_v3", ["all", "experts"]),
-             ("qwen3_next", ["in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj", "experts"])]
+             ("qwen3_next", ["all"]), ("qwen3_next", ["in_proj_qkvz", "in_proj_ba", "out_proj", "experts"]),
+             ("qwen2_moe", ["all"])]
     models = {name: save_tiny_model(name, str(tmp_path / name)) for name in {n for n, _ in cases}}
     (ours,) = run_distributed(_count, 1, models, cases)
     for (name, targets), count in zip(cases, ours):
