@@ -1,9 +1,11 @@
 """LoRA on Megatron's parallel linears: LLaMA-Factory's ``finetuning_type: lora``, adapters peft can load.
 
 One adapter per Hugging Face module, as peft has them, so trainable parameters, initialisation and the saved
-adapter are peft's: Megatron's fused ``linear_qkv`` carries separate q, k and v adapters, ``linear_fc1`` gate and up.
-Their low-rank outputs are laid out like the fused weight's rows with the weight table's own op (``FusedQKV``
-interleaves per query group), so the HF <-> Megatron layout is written once (``mapping.py``).
+adapter are peft's: Megatron's fused ``linear_qkv`` carries separate q, k and v adapters, ``linear_fc1`` gate and up,
+the gated delta-rule layer's ``in_proj`` Qwen3-Next's qkvz and ba (Qwen3.5's qkv, z, b and a). Their low-rank
+outputs are laid out like the fused weight's rows with the weight table's own op (``FusedQKV`` interleaves per query
+group, ``GroupedRows`` per key head), so the HF <-> Megatron layout is written once (``mapping.py``). The shared
+expert's gate, a weight rather than a linear in Megatron, takes its adapter folded in (``LoraSharedGateMixin``).
 
 Placement on tensor-parallel ranks (each adapter parameter holds exactly the HF tensor's rows it covers, so a dist
 checkpoint's global adapter tensor *is* peft's tensor):
