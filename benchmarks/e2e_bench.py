@@ -253,11 +253,14 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                  layers=2 if smoke else 8,
                  about=f"full fine-tuning of the first 8 layers (1 dense, 7 MoE: about what fits one H200 with Adam "
                        f"states), {cut}-token packed micro-batches, global batch 8"),
-        Workload("qwen3_next", "next", cut, varlen, [Run(**vars(r)) for r in varlen_runs], steps=8, warmup=3,
-                 layers=2 if smoke else 3,
+        Workload("qwen3_next", "next", cut, varlen, [Run(**vars(r)) for r in varlen_runs]
+                 + [Run("ours_nopack_padded", "ours", 1, False, 2, 4, "1 GPU, padded BSHD", {"padding_free": False})],
+                 steps=8, warmup=3, layers=2 if smoke else 3,
                  about=f"full fine-tuning of 3 layers (2 gated delta-rule, 1 gated full attention; every layer 512 "
                        f"experts: what fits one H200 with Adam states), SFT rows log-uniform {varlen[1]}..{cut} "
-                       "tokens; padded: 2 rows x 4, packed: 1 pack x 8 (LLaMA-Factory: neat_packing)"),
+                       "tokens; padded: 2 rows x 4 (ours runs the rows without their padding, `padding_free`, the "
+                       "default; `ours_nopack_padded`: padded rows), packed: 1 pack x 8 (LLaMA-Factory: "
+                       "neat_packing)"),
         Workload("lora_dense", "dense8b", cut, packed,
                  _pair(1, 8, "1 GPU", lf_layout="1 GPU, gradient checkpointing (LF default)")
                  + [Run("ours_recompute", "ours", 1, True, 1, 8, "1 GPU, recompute full", recompute)],

@@ -97,7 +97,7 @@ case $phase in
       > "$out/gpu_tests.log" 2>&1; echo "== qwen3_next gpu tests: exit $?"; tail -n 5 "$out/gpu_tests.log"
     CUDA_VISIBLE_DEVICES=0 python3 benchmarks/delta_rule_bench.py --out "$out" > "$out/delta_rule.log" 2>&1
     echo "== delta rule bench: exit $?"; tail -n 8 "$out/delta_rule.log"
-    bench 0 g14 --workloads qwen3_next --gpus 1 --steps 8 --warmup 3 --timeout 240 --runs "${RUNS:-lf_pack,ours_pack,lf_nopack,ours_nopack}" ;;
+    bench 0 g14 --workloads qwen3_next --gpus 1 --steps 8 --warmup 3 --timeout 240 --runs "${RUNS:-lf_pack,ours_pack,lf_nopack,ours_nopack,ours_nopack_padded}" ;;
   moonlight)  # one H200: Moonlight-16B-A3B shape (DeepSeek-V3 architecture, 8 layers), LLaMA-Factory's default vs ours
     bench 0 g12 --workloads moonlight --gpus 1 --timeout 300 ;;
   lora_moe_again)  # one H200: LoRA MoE runs (RUNS, default ours) again, merged beside the others of results/h200_lora

@@ -73,6 +73,7 @@ class BatchingConfig:
     pad_multiple: int = 1
     variable_seq_lengths: bool = True  # False: one length for every micro-batch (MoE allgather dispatcher)
     equal_rows: bool = False  # every padded micro-batch has micro_batch_size rows (pipeline parallel transfers)
+    padding_free: bool = False  # unpacked micro-batches run as THD rows: the same rows without their padding
     pack_window: int = 128  # rows per first-fit-decreasing window
     pad_token_id: int = 0
     seed: int = 42
@@ -92,7 +93,8 @@ class BatchingConfig:
         seed = args.data_seed if getattr(args, "data_seed", None) is not None else args.seed
         return cls(cutoff_len=cutoff_len, micro_batch_size=micro, packing=packing, pad_multiple=pad_multiple,
                    variable_seq_lengths=args.allow_variable_seq_lengths(), pad_token_id=pad_token_id, seed=seed,
-                   shuffle=not for_eval, equal_rows=getattr(args, "pipeline_model_parallel_size", 1) > 1)
+                   shuffle=not for_eval, equal_rows=getattr(args, "pipeline_model_parallel_size", 1) > 1,
+                   padding_free=not packing and getattr(args, "run_padding_free", lambda: False)())
 
     def capacity(self, sequences_per_row: int = 1) -> int:
         """Tokens per pack."""
@@ -173,7 +175,7 @@ class DataPlan:
         """Read the group's rows and lay them out (packed or padded, as configured)."""
         config = self.config
         samples = fetch_samples(self._dataset, list(group), self.kind, config.cutoff_len, self.reference)
-        if config.packing:
+        if config.packing or config.padding_free:
             total = None if config.variable_seq_lengths else self.capacity
             batch = collate_packed(samples, config.pad_multiple, config.pad_token_id, self.pairwise, total)
         else:
@@ -235,13 +237,13 @@ class DataPlan:
         tokens = int(kept_lengths.sum())
         if self._packs is not None and not config.variable_seq_lengths:
             padded_tokens = len(self._packs) * self.capacity
-        elif self._packs is not None:
+        elif self._packs is not None or config.padding_free:
             padded_tokens = int(round_up_array(kept_lengths, config.pad_multiple).sum())
         else:
             padded_tokens = sum(self._padded_size(group) for group in self.epoch_groups(0))
         return {
             "kind": self.kind,
-            "layout": "packed" if config.packing else "padded",
+            "layout": "packed" if config.packing else "padding-free" if config.padding_free else "padded",
             "rows": table.num_rows,
             "rows_kept": len(self._kept),
             "rows_dropped_empty": table.num_empty,
@@ -269,7 +271,8 @@ class DataPlan:
 
 def format_stats(stats: dict[str, Any]) -> str:
     """The one log line a run prints about its data."""
-    layout = f"packed, capacity {stats['capacity']}" if stats["layout"] == "packed" else "padded"
+    layout = {"packed": f"packed, capacity {stats['capacity']}", "padding-free": "rows without padding, THD"
+              }.get(stats["layout"], "padded")
     rows = f"{stats['rows']} rows"
     if stats.get("pieces"):
         rows = f"{stats['documents']} documents in {stats['pieces']} pieces of at most cutoff_len"

@@ -177,7 +177,8 @@ def startup_summary(*, layout: Any, args: Any, model_type: str, params_total: in
         f"  batch       global {layout.global_batch_size} = dp {layout.dp} x micro batch {layout.micro_batch_size}"
         f" x grad accumulation {layout.grad_accum}"
         + (f"; ~{tokens_per_step:,} tokens per step" if tokens_per_step else "")
-        + (" (packed)" if args.sequence_packing else " (padded to the longest row)"),
+        + (" (packed)" if args.sequence_packing else " (rows without padding)" if args.run_padding_free()
+           else " (padded to the longest row)"),
         f"  steps       {steps}; lr {args.learning_rate:g} ({schedule}), warmup "
         f"{args.get_warmup_steps(steps)}, weight decay {args.weight_decay:g}, max grad norm {args.max_grad_norm:g}",
         f"  kernels     {kernels}",
