@@ -293,10 +293,11 @@ class MegatronArguments(DistributingParallelArguments):
     optimizer_cpu_offload: bool = field(default=False, metadata={"help": "Keep optimizer states on CPU."})
     save_hf_model: bool = field(default=False, metadata={"help": "Also write HF safetensors in each checkpoint."})
     sequence_packing: bool = field(default=False, metadata={"help": "Pack rows into THD micro-batches."})
-    padding_free: bool = field(
-        default=True, metadata={"help": "Without sequence_packing: each micro-batch's rows run as variable-length "
+    padding_free: bool | None = field(
+        default=None, metadata={"help": "Without sequence_packing: each micro-batch's rows run as variable-length "
                                         "sequences (THD) instead of right-padded rows; the same rows, the same "
-                                        "loss, no compute spent on padding. false: padded rows (BSHD)."})
+                                        "loss, no compute spent on padding. Default: on GPUs (on CPUs the padded "
+                                        "kernels are the faster ones). false: padded rows (BSHD)."})
     pt_blocks: str = field(
         default="documents",
         metadata={"help": "pt only. documents: every document split into cutoff_len pieces, each its own sequence "
@@ -337,9 +338,12 @@ class MegatronArguments(DistributingParallelArguments):
             json.dump(data, f, indent=2, sort_keys=True)
 
     def run_padding_free(self) -> bool:
-        """Whether unpacked micro-batches run as THD rows: asked for (the default), micro-batches may differ in
-        length, and the attention kernels take THD (auto: the native ones or TE; not Megatron's local spec)."""
-        return (self.padding_free and not self.sequence_packing and self.allow_variable_seq_lengths()
+        """Whether unpacked micro-batches run as THD rows: asked for (by default on GPUs), micro-batches may differ
+        in length, and the attention kernels take THD (auto: the native ones or TE; not Megatron's local spec)."""
+        from .cpu_mode import cpu_mode_needed
+
+        wanted = not cpu_mode_needed() if self.padding_free is None else self.padding_free
+        return (wanted and not self.sequence_packing and self.allow_variable_seq_lengths()
                 and self.attention_backend in (None, "auto"))
 
     def allow_variable_seq_lengths(self) -> bool:

@@ -239,13 +239,20 @@ def test_layout_errors_name_the_sizes(name, sizes, message, tiny_models, tmp_pat
         check_layout(AutoConfig.from_pretrained(path), _layout(**sizes))
 
 
-def test_lora_on_hybrid_models_is_refused_by_the_preflight(tiny_models):
+def test_lora_on_hybrid_models_passes_the_preflight_and_refuses_dropout_on_the_shared_gate(tiny_models):
+    """``lora_target: all`` on Qwen3-Next takes every projection and the shared expert's gate, whose adapter is folded
+    into its weight: lora_dropout is refused there, naming it."""
+    from llamafactory.hparams import FinetuningArguments
+
     from llamafactory_mca.errors import UserError
     from llamafactory_mca.models.auto import AutoConfig
     from llamafactory_mca.models.lora_io import check_lora_plan
 
-    with pytest.raises(UserError, match="finetuning_type=lora on qwen3_next: LoRA on the gated delta-rule"):
-        check_lora_plan(AutoConfig.from_pretrained(tiny_models["qwen3_next"]), None, [], 1)
+    config = AutoConfig.from_pretrained(tiny_models["qwen3_next"])
+    check_lora_plan(config, FinetuningArguments(finetuning_type="lora", lora_target="all"), [], 1, 2)
+    with pytest.raises(UserError, match=r"lora_dropout=0.1 with LoRA on \['shared_expert_gate'\]"):
+        check_lora_plan(config, FinetuningArguments(finetuning_type="lora", lora_target="all", lora_dropout=0.1),
+                        [], 1)
 
 
 def test_unsupported_models_fail_with_the_supported_list(tmp_path):
