@@ -149,11 +149,13 @@ def test_a_hub_id_in_the_cache_trains_offline_as_without_use_mca(assets, tmp_pat
     cache = tmp_path / "hub"
     fake_hub_cache(str(cache), "tiny-org/tiny-qwen3", assets["models"]["qwen3"])
     hub_env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    # one step over all 8 rows: both paths see the same batch, whatever order they shuffle in
+    # one step over all 8 rows: both paths see the same batch, whatever order they shuffle in; ours with the rows
+    # run without their padding (padding_free, the GPUs' default) against LLaMA-Factory's padded rows
     config = recipe(assets, tmp_path / "mca", model_name_or_path="tiny-org/tiny-qwen3", max_steps=1, max_samples=8,
                     per_device_train_batch_size=8, gradient_accumulation_steps=1)
-    result, output = train(tmp_path, config, env=hub_env, name="mca")
+    result, output = train(tmp_path, {**config, "padding_free": True}, env=hub_env, name="mca")
     ok(result, output)
+    assert "(rows without padding)" in output and "rows without padding, THD" in output
     default = {**config, "output_dir": str(tmp_path / "default")}
     (tmp_path / "default.yaml").write_text(yaml.safe_dump(default))
     env = {k: v for k, v in cli_env(None, hub_env).items() if k != "USE_MCA"}

@@ -141,10 +141,10 @@ def test_expert_adapters_refuse_dropout():
         check_lora_request(args)
 
 
-def test_lora_on_qwen3_next_trains_and_its_adapter_moves_to_llamafactory(assets, tmp_path):
+def test_lora_on_qwen3_next_trains_through_the_real_command(assets, tmp_path):
     """Qwen3-Next with ``lora_target: all`` (the gated delta-rule layers' fused in_proj and out_proj, the gated
-    attention, the shared expert and its gate) at TP2 + SP, packed: the loss falls; LLaMA-Factory's default path
-    continuing the adapter it leaves has our first-step loss on it (all 8 rows in one global batch)."""
+    attention, the shared expert and its gate) at TP2 + SP, packed: the loss falls and the peft adapter it leaves
+    holds every module kind. (peft's logits from such adapters and their export: tests/models/test_lora.py.)"""
     from safetensors.torch import load_file
 
     from llamafactory_mca.tiny import save_tiny_model, save_tiny_tokenizer
@@ -160,10 +160,3 @@ def test_lora_on_qwen3_next_trains_and_its_adapter_moves_to_llamafactory(assets,
     for module in ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba", "linear_attn.out_proj", "self_attn.q_proj",
                    "mlp.shared_expert.up_proj", "mlp.shared_expert_gate"):
         assert any(f".{module}.lora_B" in key for key in adapter), module
-
-    one_step = dict(config, max_samples=8, per_device_train_batch_size=2, gradient_accumulation_steps=4, max_steps=1,
-                    adapter_name_or_path=str(tmp_path / "out"))
-    _default_path(tmp_path, {k: v for k, v in one_step.items() if k not in ("tensor_model_parallel_size",
-                                                                              "sequence_parallel")}, "default")
-    ok(*train(tmp_path, {**one_step, "output_dir": str(tmp_path / "again")}, world=2, name="again"))
-    assert losses(tmp_path / "again")[1] == pytest.approx(losses(tmp_path / "default")[1], rel=1e-5)

@@ -21,23 +21,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
 
 
-def test_padding_free_rows_train_as_padded_rows(assets, tmp_path):
-    """``padding_free`` (on by default on GPUs) runs a micro-batch's rows as THD sequences without their padding:
-    the same rows, so the same losses and gradient norms, step by step, as padded rows."""
-    curves = {}
-    for name, free in (("free", True), ("padded", False)):
-        config = recipe(assets, tmp_path / name, max_steps=3, padding_free=free)
-        result, output = train(tmp_path, config, name=name)
-        ok(result, output)
-        assert ("(rows without padding)" in output) == free and ("rows without padding, THD" in output) == free
-        norms = [float(line.split("grad norm ")[1].split(" ")[0]) for line in output.splitlines()
-                 if line.startswith("step ") and "grad norm" in line]
-        curves[name] = (losses(tmp_path / name), norms)
-    assert len(curves["free"][0]) == 3 and len(curves["free"][1]) == 3, curves
-    assert curves["free"][0] == pytest.approx(curves["padded"][0], rel=1e-5), curves
-    assert curves["free"][1] == pytest.approx(curves["padded"][1], rel=1e-3), curves  # printed to 4 digits
-
-
 @pytest.mark.parametrize("stage", ["pt", "sft", "dpo"])
 def test_stage_trains_and_loss_falls(stage, assets, tmp_path):
     extra = {"pt": dict(dataset="tiny_text", dataset_dir=assets["pt"], save_strategy="steps", save_steps=3,
