@@ -84,11 +84,12 @@ TINY_VL |= {
 
 # Qwen3.5: Qwen3-Next's hybrid decoder (gated delta rule and gated attention in turn, flat delta-rule projections),
 # dense MLPs, interleaved mrope over the rotary quarter of each 32-wide head (4 frequencies: T 2, H 1, W 1),
-# Qwen3-VL's tower without deepstack
+# Qwen3-VL's tower without deepstack, a multi-token-prediction layer (under mtp.) as the hub's configs declare
 _VL35_TEXT = dict(BASE, head_dim=32, layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
                   linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4,
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
-                                   "mrope_interleaved": True, "partial_rotary_factor": 0.25})
+                                   "mrope_interleaved": True, "partial_rotary_factor": 0.25},
+                  mtp_num_hidden_layers=1)
 _VL35_VISION = {k: v for k, v in _VL3_VISION.items() if k != "deepstack_visual_indexes"}
 TINY_VL["qwen3_5"] = dict(text_config=_VL35_TEXT, vision_config=_VL35_VISION, **_VL_TOKENS)
 # Qwen3.5-MoE: no dense width; 4 experts of 24 (2 x 24 != hidden 64: the stacked layouts cannot be confused), shared 48

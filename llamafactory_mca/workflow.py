@@ -69,9 +69,16 @@ def plan_mtp(config: Any, stage: str, finetuning_args: Any, training_args: Any, 
     """The model's multi-token-prediction layers for this run: trained in full pt and sft; left out in LoRA runs (a
     peft adapter has no place for them, and the base model keeps its own), freeze runs (they train chosen decoder
     layers only) and dpo runs (their loss is next-token prediction, not a preference), unless the recipe sets
-    ``mtp_num_layers``."""
-    from .models.auto import resolve_mtp
+    ``mtp_num_layers``. A vision-language model's MTP layer needs the image features, which live on the first
+    pipeline stage, and sits on the last: under pipelining it is left out (``resolve_mtp``)."""
+    from .models.auto import mtp_apart_from_features, resolve_mtp
 
+    apart = mtp_apart_from_features(config, training_args)
+    if apart and training_args.mtp_num_layers is None:
+        if say:
+            logger.warning("%s: it is not trained in this run, and the exported model has none, like "
+                           "LLaMA-Factory's default path's. pipeline_model_parallel_size: 1 trains it.", apart)
+        return resolve_mtp(config, training_args)
     tuning = finetuning_args.finetuning_type
     if config.mtp_num_layers and training_args.mtp_num_layers is None and (stage == "dpo" or tuning != "full"):
         training_args.mtp_num_layers = 0

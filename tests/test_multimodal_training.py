@@ -1,11 +1,10 @@
 """Vision-language sft through ``USE_MCA=1 llamafactory-cli train``, against LLaMA-Factory's default path on the same
-rows with images (and, for Qwen3-VL, videos), resized by ``image_max_pixels``: the first step's loss (the global batch
-is the whole set, so row order cannot matter) at PP2 (the tower on the first stage, with Qwen3-VL's deepstack layers),
-padded for Qwen2-VL and packed for Qwen3-VL and Qwen3.5 (gated delta-rule layers restarting per sequence); the tower
-frozen as LLaMA-Factory freezes it by default; the export loading into ``transformers``. (Packed TP2 + SP and
-PP2 x EP4: the recipes in tests/test_examples.py.)"""
-
-import os
+rows with images (and, for Qwen3-VL and Qwen3.5, videos), resized by ``image_max_pixels``: the first step's loss (the
+global batch is the whole set, so row order cannot matter) at PP2 (the tower on the first stage, with Qwen3-VL's
+deepstack layers), padded for Qwen2-VL and packed for Qwen3-VL; Qwen3.5 packed at TP2 + SP (gated delta-rule layers
+restarting per sequence, and its multi-token-prediction layer trained on the image features); the tower frozen as
+LLaMA-Factory freezes it by default; the export loading into ``transformers``. (Packed PP4 and PP2 x EP4: the recipes
+in tests/test_examples.py.)"""
 
 import pytest
 import torch
@@ -17,13 +16,19 @@ from tests._cli import cli_env, losses, ok, recipe, run, train
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("family,template,video_every,packing", [("qwen2_vl", "qwen2_vl", 0, False),
-                                                                  ("qwen3_vl", "qwen3_vl", 3, True),
-                                                                  ("qwen3_5", "qwen3_5", 3, True)])
+PP2 = {"pipeline_model_parallel_size": 2}
+TP2_SP = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
+
+
+@pytest.mark.parametrize("family,template,video_every,packing,layout", [
+    ("qwen2_vl", "qwen2_vl", 0, False, PP2), ("qwen3_vl", "qwen3_vl", 3, True, PP2),
+    # Qwen3.5 trains its multi-token-prediction layer, which sees the image features: not under pipelining
+    ("qwen3_5", "qwen3_5", 3, True, TP2_SP)])
 def test_vision_language_sft_matches_llamafactory_and_keeps_the_tower_frozen(tmp_path, family, template, video_every,
-                                                                            packing):
-    from safetensors.torch import load_file
+                                                                            packing, layout):
     from transformers import AutoModelForImageTextToText
+
+    from tests.models.test_bridge import _hf_tensors
 
     model = save_tiny_vl_model(family, str(tmp_path / "model"))
     # one or two images a row, two image sizes; for Qwen3-VL every third row also has a two-frame video
@@ -41,21 +46,24 @@ def test_vision_language_sft_matches_llamafactory_and_keeps_the_tower_frozen(tmp
     assert result.returncode == 0, output[-4000:]
     theirs = losses(tmp_path / "default")[1]
 
-    # PP2 (dp 1): the pixels go to the first stage only; packed, positions restart per sequence in the pack
-    # (three steps: each is one epoch of the 12 rows, so the loss must fall)
-    config = recipe(assets, tmp_path / "pp2", **{**vl, "max_steps": 3}, pipeline_model_parallel_size=2,
-                    sequence_packing=packing, per_device_train_batch_size=4)
-    result, output = train(tmp_path, config, world=2, name="pp2")
+    # two ranks, dp 1. PP2: the pixels go to the first stage only. Packed: positions restart per sequence in the
+    # pack. Three steps: each is one epoch of the 12 rows, so the loss must fall.
+    config = recipe(assets, tmp_path / "ours", **{**vl, "max_steps": 3}, **layout, sequence_packing=packing,
+                    per_device_train_batch_size=4)
+    result, output = train(tmp_path, config, world=2, name="ours")
     ok(result, output)
-    ours = losses(tmp_path / "pp2")
-    assert ours[1] == pytest.approx(theirs, rel=1e-6), theirs
+    ours = losses(tmp_path / "ours")
+    assert ours[1] == pytest.approx(theirs, rel=1e-6), theirs  # the next-token loss (MTP's is logged apart)
     assert ours[3] < ours[2] < ours[1], ours
 
-    before, after = (load_file(os.path.join(folder, "model.safetensors")) for folder in (model, tmp_path / "pp2"))
+    before, after = _hf_tensors(model), _hf_tensors(tmp_path / "ours")
     assert sorted(before) == sorted(after)
     tower = [k for k in before if "visual." in k]
     assert tower and all(torch.equal(before[k], after[k]) for k in tower)  # freeze_vision_tower (and projector)
     norm = next(k for k in before if k.endswith("model.norm.weight") or k.endswith("language_model.norm.weight"))
     assert not torch.equal(before[norm], after[norm])  # the language model trained
-    _, info = AutoModelForImageTextToText.from_pretrained(tmp_path / "pp2", output_loading_info=True)
+    if family == "qwen3_5":
+        assert not torch.equal(before["mtp.fc.weight"], after["mtp.fc.weight"])  # and its MTP layer
+        assert "mtp_loss" in (tmp_path / "ours" / "trainer_log.jsonl").read_text()
+    _, info = AutoModelForImageTextToText.from_pretrained(tmp_path / "ours", output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched tensors

@@ -74,10 +74,28 @@ def _drop_missing_mtp(config: McaConfig, path: str) -> McaConfig:
 _SAID_NO_MTP: set[str] = set()
 
 
+def mtp_apart_from_features(config: McaConfig, args: Any) -> str | None:
+    """Why a vision-language model's multi-token-prediction layer cannot train in this layout, or None: it takes the
+    image features (``multimodal.VisionLanguageModel._mtp_embeddings``), which stay on the first pipeline stage, and
+    sits on the last."""
+    pipeline = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    if config.mtp_num_layers and pipeline > 1 and config.transformer.get("mrope_section"):
+        return (f"{config.hf_model_type}: the multi-token-prediction layer takes the image features, which stay on "
+                f"the first pipeline stage, but sits on the last (pipeline_model_parallel_size={pipeline})")
+    return None
+
+
 def resolve_mtp(config: McaConfig, args: Any) -> McaConfig:
     """The model's multi-token-prediction layers as the run wants them: the recipe's ``mtp_num_layers`` (unset: the
-    model's; 0: leave them out, as LoRA and DPO runs do)."""
+    model's, unless the layout cannot train them; 0: leave them out, as LoRA and DPO runs do)."""
     asked = getattr(args, "mtp_num_layers", None)
+    apart = mtp_apart_from_features(config, args)
+    if apart and asked:
+        from ..errors import UserError
+
+        raise UserError(f"{apart}. Set pipeline_model_parallel_size: 1 to train it, or mtp_num_layers: 0.")
+    if apart:
+        return config.without_mtp()
     if asked is None or asked == config.mtp_num_layers:
         return config
     if asked == 0:

@@ -133,13 +133,18 @@ class VisionLanguageModel(LanguageModel):
                 # replicated over tensor-parallel ranks, which see different gradients only through rounding:
                 # Megatron's finalize_model_grads averages these over the TP group
                 param.average_gradients_across_tp_domain = True
+        # while forward runs: [the input embeddings with the vision features (all positions), packed_seq_params]
+        self._mtp_input: list | None = None
+        if self.mtp_process:
+            self.embedding.register_forward_hook(self._mtp_embeddings)
 
     def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
               image_grid_thw: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
-              video_grid_thw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              video_grid_thw: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Token embeddings [s, b, h] (sequence-parallel: this rank's part) with the vision features at the
-        placeholder tokens, and the deepstack features laid out alike ([levels, s, b, h], zero at text tokens;
-        None without deepstack or without images)."""
+        placeholder tokens, the deepstack features laid out alike ([levels, s, b, h], zero at text tokens;
+        None without deepstack or without images), and the embeddings at every position (for the MTP layer)."""
         embeddings = self.embedding(input_ids=input_ids, position_ids=None)
         if pixel_values is None and pixel_values_videos is None and self.training:
             # a text-only micro-batch: a zero that touches every trainable tower parameter, so each gets its
@@ -163,25 +168,55 @@ class VisionLanguageModel(LanguageModel):
                 if deepstack is None:
                     deepstack = [torch.zeros_like(embeddings) for _ in levels]
                 deepstack = [_scatter(d, mask, level.to(d.dtype)) for d, level in zip(deepstack, levels)]
+        whole = embeddings
         if self.config.sequence_parallel:
             from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region as scatter
 
             embeddings = scatter(embeddings)
             deepstack = None if deepstack is None else [scatter(d) for d in deepstack]
-        return embeddings, (None if deepstack is None else torch.stack(deepstack))
+        return embeddings, (None if deepstack is None else torch.stack(deepstack)), whole
+
+    def _mtp_embeddings(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        """Forward hook of the embedding: inside ``forward`` only the MTP block calls it, once per MTP layer, with the
+        token ids moved one more position left; it gets the input embeddings moved alike, so at an image's
+        placeholders it sees the image's features (as vLLM's drafting does), not the placeholder token's embedding.
+        Moved as Megatron moves the ids (each packed sequence apart, its last position zero: a position whose MTP
+        target is past the sequence, so its loss mask is zero), and split over sequence-parallel ranks like the
+        decoder's input."""
+        if self._mtp_input is None:
+            return output
+        from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+        whole, packed_seq_params = self._mtp_input
+        whole = roll_tensor(whole.permute(1, 2, 0), packed_seq_params=packed_seq_params)[0].permute(2, 0, 1)
+        self._mtp_input[0] = whole
+        if self.config.sequence_parallel:
+            from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+            return scatter_to_sequence_parallel_region(whole)
+        return whole
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 decoder_input: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
                 pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
                 **kwargs: Any) -> torch.Tensor:
+        whole = None
         if self.pre_process and decoder_input is None:
-            decoder_input, deepstack = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
-                                                  video_grid_thw)
+            decoder_input, deepstack, whole = self.embed(input_ids, pixel_values, image_grid_thw,
+                                                         pixel_values_videos, video_grid_thw)
             if deepstack is not None:
                 kwargs["extra_block_kwargs"] = {"context": deepstack}
-        return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
-                               **kwargs)
+        if self.mtp_process:
+            if whole is None:  # the MTP layer sits with the tower (``plan_mtp`` leaves it out under pipelining)
+                raise RuntimeError("the multi-token-prediction layer of a vision-language model needs the first "
+                                   "stage's input embeddings")
+            self._mtp_input = [whole, kwargs.get("packed_seq_params")]
+        try:
+            return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input,
+                                   labels=labels, **kwargs)
+        finally:
+            self._mtp_input = None
 
 
 def _scatter(hidden: torch.Tensor, mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

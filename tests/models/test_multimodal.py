@@ -3,7 +3,6 @@ sequence parallelism, PP2 (the tower on the first stage only) and, for Qwen3-VL-
 weights' round trip (HF -> Megatron -> HF) bit for bit. (Training through the recipe:
 tests/test_multimodal_training.py.)"""
 
-import os
 
 import pytest
 import torch
@@ -105,7 +104,7 @@ def _ours(jobs: dict, layouts: list) -> dict:
 def test_vision_language_logits_and_round_trip_match_transformers(tmp_path):
     """Every family, at DP2 (each rank the whole model), TP2 + SP and PP2 (the tower on the first stage only), in
     one two-process run."""
-    from safetensors.torch import load_file
+    from tests.models.test_bridge import _hf_tensors
 
     jobs, expected = {}, {}
     for name in FAMILIES:
@@ -120,9 +119,9 @@ def test_vision_language_logits_and_round_trip_match_transformers(tmp_path):
         logits = logits[..., : expected[name].shape[-1]]
         assert torch.allclose(logits, expected[name], atol=1e-4), (name, layout, (logits - expected[name]).abs().max())
     for name, (model_dir, _, _, back_dir) in jobs.items():
-        original = load_file(os.path.join(model_dir, "model.safetensors"))
-        back = load_file(os.path.join(back_dir, "model.safetensors"))
+        original, back = _hf_tensors(model_dir), _hf_tensors(back_dir)
         assert sorted(original) == sorted(back) and any("visual." in k for k in back)
+        assert any(k.startswith("mtp.") for k in back) == name.startswith("qwen3_5"), name  # Qwen3.5's MTP layer
         for key in original:
             # transformers saves stacked experts as it holds them ([E, out, in]); we write the hub's: Qwen3-VL-MoE's
             # [E, in, out], Qwen3.5-MoE's [E, out, in]
@@ -136,7 +135,7 @@ def test_what_vision_language_training_cannot_do_yet_is_refused(tmp_path):
 
     from llamafactory_mca.errors import UserError
     from llamafactory_mca.models.auto import AutoConfig
-    from llamafactory_mca.workflow import check_model_fits
+    from llamafactory_mca.workflow import check_model_fits, plan_mtp
 
     config = AutoConfig.from_pretrained(save_tiny_model("qwen2_vl", str(tmp_path / "hf")))
     layout = SimpleNamespace(cp=1, pp=1, vpp=None)
@@ -153,6 +152,16 @@ def test_what_vision_language_training_cannot_do_yet_is_refused(tmp_path):
         check_model_fits(config, 64, "sft", SimpleNamespace(cp=1, pp=2, vpp=2))
     # with a pipeline_model_parallel_layout the user places the layers; the model build checks where they went
     check_model_fits(config, 64, "sft", SimpleNamespace(cp=1, pp=2, vpp=2), custom_pipeline_layout=True)
+    # Qwen3.5's MTP layer takes the image features: trained without pipelining, left out with it (refused if asked)
+    config = AutoConfig.from_pretrained(save_tiny_model("qwen3_5", str(tmp_path / "hf35")))
+    full = SimpleNamespace(finetuning_type="full")
+    run = lambda pp, mtp=None: SimpleNamespace(pipeline_model_parallel_size=pp, mtp_num_layers=mtp)  # noqa: E731
+    assert plan_mtp(config, "sft", full, run(1)).mtp_num_layers == 1
+    assert plan_mtp(config, "sft", full, run(2)).mtp_num_layers == 0
+    assert plan_mtp(config, "sft", full, run(2, 0)).mtp_num_layers == 0
+    with pytest.raises(UserError, match=r"qwen3_5: the multi-token-prediction layer takes the image features, .* "
+                                        r"\(pipeline_model_parallel_size=2\)\. Set pipeline_model_parallel_size: 1"):
+        plan_mtp(config, "sft", full, run(2, 1))
 
 
 def _lora_logits(model_dir: str, adapter: str, inputs: dict, positions: torch.Tensor, layouts: list) -> dict:
