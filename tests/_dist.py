@@ -3,7 +3,8 @@
 The ranks are forked by multiprocessing's fork server, which imports torch, transformers, Megatron-Core and our
 trainer once per pytest process: a rank then starts in a fraction of a second instead of spending ~8 s of CPU on
 imports, which on a 2-core CI machine is most of what a small multi-rank test costs. Nothing is initialised in the
-server (no process group, no Megatron state), so each rank starts as clean as a spawned one.
+server (no process group, no Megatron state), so each rank starts as clean as a spawned one. On a GPU machine the
+server preloads nothing: an import there initialises CUDA, which a forked rank could not use.
 """
 
 import contextlib
@@ -71,7 +72,8 @@ PRELOAD = ["torch", "transformers", "megatron.core", "datasets", "llamafactory_m
 def run_distributed(fn, world_size: int, *args, retries: int = 3) -> list:
     """Call ``fn(*args)`` on every rank; return each rank's result. A taken port is retried."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    if not torch.cuda.is_available():  # on a GPU machine an import initialises CUDA, which a forked rank cannot use
+        ctx.set_forkserver_preload(PRELOAD)
     with one_job_at_a_time():
         return _run(ctx, fn, world_size, args, retries)
 

@@ -2,13 +2,18 @@
 bf16, packed with ``cu_seqlens`` and grouped value heads, where it is correct; else our torch rule, delta_rule.py)
 against transformers' torch chunked rule run per sequence in fp32, outputs and gradients; and the tiny model through
 the real command in bf16, packed, with the optimizer offloaded to the CPU; tiny Qwen3.5 and Qwen3.5-MoE (the same
-layers under a vision tower) through the real command in bf16, packed, with images and videos.
+layers under a vision tower, and its multi-token-prediction layer) through the real command in bf16, packed, with
+images and videos.
 """
+
+import json
+import math
 
 import pytest
 import torch
 
 from tests._cli import losses, ok, recipe, train
+from tests.models.test_bridge import _hf_tensors
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 LENGTHS = (1, 37, 64, 200, 3, 130)  # a single token, chunk-sized, ragged
@@ -73,8 +78,6 @@ def test_qwen3_next_trains_packed_in_bf16_with_the_optimizer_on_the_cpu(assets, 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
 def test_qwen3_5_trains_packed_with_images_in_bf16(family, tmp_path):
-    from safetensors.torch import load_file
-
     from llamafactory_mca.tiny import save_tiny_vl_model, write_image_dataset
 
     model = save_tiny_vl_model(family, str(tmp_path / "model"))
@@ -82,11 +85,15 @@ def test_qwen3_5_trains_packed_with_images_in_bf16(family, tmp_path):
     config = recipe({"models": {"qwen3": model}, "sft": data}, tmp_path / "out", dataset="tiny_images",
                     template="qwen3_5", cutoff_len=256, image_max_pixels=768, image_min_pixels=256, bf16=True,
                     sequence_packing=True, per_device_train_batch_size=4, gradient_accumulation_steps=3, max_steps=6,
-                    learning_rate=3e-3)
+                    learning_rate=3e-3, save_strategy="steps", save_steps=6)
     result, output = train(tmp_path, config, gpu=True)
     ok(result, output)
     curve = losses(tmp_path / "out")
     assert len(curve) == 6 and curve[6] < curve[1], curve
-    before, after = (load_file(f"{folder}/model.safetensors") for folder in (model, tmp_path / "out"))
+    with open(tmp_path / "out" / "checkpoint-6" / "trainer_state.json") as f:  # the MTP layer, on image features
+        mtp = [entry["mtp_loss"] for entry in json.load(f)["log_history"] if "mtp_loss" in entry]
+    assert len(mtp) == 6 and all(map(math.isfinite, mtp)) and mtp[-1] < mtp[0], mtp
+    before, after = _hf_tensors(model), _hf_tensors(tmp_path / "out")
     tower = [k for k in before if "visual." in k]  # frozen; the export is in the run's dtype (bf16)
     assert tower and all(torch.equal(before[k].to(after[k].dtype), after[k]) for k in tower)
+    assert not torch.equal(before["mtp.fc.weight"].to(after["mtp.fc.weight"].dtype), after["mtp.fc.weight"])
