@@ -36,20 +36,15 @@ def _inputs(nk=2, nv=4, dk=64, dv=96):
 
 def test_delta_rule_on_the_gpu_equals_the_torch_rule_per_sequence():
     """Whichever kernel this GPU runs (fla where it is correct, else our torch rule, delta_rule.py)."""
-    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
-
     from llamafactory_mca.models.native.gated_delta import delta_rule
+    from tests.models.test_gated_delta import transformers_rule_per_sequence
 
     q, k, v, decay, beta, cu = _inputs()
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     ours = delta_rule(*leaves, decay, beta, cu)
     ours.float().square().sum().backward()
     ref_leaves = [t.float().clone().requires_grad_(True) for t in (q, k, v)]
-    rq, rk = (t.repeat_interleave(v.shape[2] // q.shape[2], dim=2) for t in ref_leaves[:2])
-    bounds = cu.tolist()
-    want = torch.cat([torch_chunk_gated_delta_rule(rq[:, s:e], rk[:, s:e], ref_leaves[2][:, s:e], decay[:, s:e],
-                                                   beta[:, s:e].float(), use_qk_l2norm_in_kernel=True)[0]
-                      for s, e in zip(bounds[:-1], bounds[1:])], dim=1)
+    want = transformers_rule_per_sequence(*ref_leaves, decay, beta, cu.tolist())
     want.square().sum().backward()
 
     def rel(a, b):

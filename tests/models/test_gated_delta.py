@@ -107,11 +107,20 @@ def test_native_gated_delta_net_is_transformers_over_tp2():
     assert not torch.allclose(whole, per_sequence, atol=1e-3)
 
 
+def transformers_rule_per_sequence(q, k, v, g, beta, bounds: list[int]) -> torch.Tensor:
+    """The reference for our rule and the GPU kernel: transformers' ``torch_chunk_gated_delta_rule`` (fp32, q and k
+    l2-normed in the kernel) on each sequence of the packed row alone, the key heads repeated for the value heads."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    q, k = (t.repeat_interleave(v.shape[2] // t.shape[2], dim=2) for t in (q, k))
+    return torch.cat([torch_chunk_gated_delta_rule(*(t[:, s:e].float() for t in (q, k, v, g, beta)),
+                                                   use_qk_l2norm_in_kernel=True)[0]
+                      for s, e in zip(bounds[:-1], bounds[1:])], dim=1)
+
+
 @pytest.mark.parametrize("rows,lengths", [(2, (150, 150)), (1, (1, 64, 65, 130, 3, 70)), (3, (7, 7, 7))],
                          ids=["padded-rows", "packed-ragged", "short-rows"])
 def test_our_delta_rule_is_transformers_per_sequence(rows, lengths):
-    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
-
     from llamafactory_mca.models.native.delta_rule import chunked_delta_rule
 
     g = torch.Generator().manual_seed(0)
@@ -123,11 +132,7 @@ def test_our_delta_rule_is_transformers_per_sequence(rows, lengths):
     leaves = [t.requires_grad_(True) for t in inputs]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]) if rows == 1 else None
     ours = chunked_delta_rule(*(t.float() for t in leaves), cu_seqlens=cu)
-    q, k = (t.repeat_interleave(NV // NK, dim=2) for t in leaves[:2])
-    bounds = cu.tolist() if cu is not None else [0, total]
-    want = torch.cat([torch_chunk_gated_delta_rule(*(t[:, s:e].float() for t in (q, k, *leaves[2:])),
-                                                   use_qk_l2norm_in_kernel=True)[0]
-                      for s, e in zip(bounds[:-1], bounds[1:])], dim=1)
+    want = transformers_rule_per_sequence(*leaves, cu.tolist() if cu is not None else [0, total])
     weight = torch.randn(ours.shape, generator=g)
     mine = torch.autograd.grad((ours * weight).sum(), leaves)
     theirs = torch.autograd.grad((want * weight).sum(), leaves)

@@ -68,14 +68,24 @@ def peft_logits(model_dir: str, adapter: str) -> torch.Tensor:
         return model(INPUT).logits
 
 
+def model_with_adapter(model_dir: str, adapter: str, args):
+    """Our model of ``model_dir`` in the current layout with peft's ``adapter`` on it, as a LoRA run resumes one."""
+    from llamafactory_mca.models.auto import AutoModel
+    from llamafactory_mca.models.lora import LoraSettings, apply_lora
+    from llamafactory_mca.models.lora_io import load_adapter, read_adapter_config
+
+    model = AutoModel.from_pretrained(model_dir, args)
+    run = apply_lora(model, LoraSettings.from_peft(read_adapter_config(adapter)))
+    load_adapter(model, adapter)
+    return model, run
+
+
 def _in_layouts(models: dict, adapters: dict, layouts: list, work: str) -> dict:
 
     from llamafactory_mca import parallel
     from llamafactory_mca.args import MegatronArguments
     from llamafactory_mca.checkpoints import SideFiles, write_folder
-    from llamafactory_mca.models.auto import AutoModel
-    from llamafactory_mca.models.lora import LoraSettings, apply_lora
-    from llamafactory_mca.models.lora_io import export_adapter, load_adapter, peft_config, read_adapter_config
+    from llamafactory_mca.models.lora_io import export_adapter, peft_config
 
     results = {}
     for layout_name, sizes in layouts:
@@ -86,14 +96,12 @@ def _in_layouts(models: dict, adapters: dict, layouts: list, work: str) -> dict:
         for name, model_dir in models.items():
             if (layout.ep > 1 or sizes.get("moe_grouped_gemm")) and name != "qwen3_moe":
                 continue
-            model = AutoModel.from_pretrained(model_dir, args)
-            settings = LoraSettings.from_peft(read_adapter_config(adapters[name]))
-            run = apply_lora(model, settings)
-            load_adapter(model, adapters[name])
+            model, run = model_with_adapter(model_dir, adapters[name], args)
             logits = pipeline_logits(model.eval(), INPUT)
             folder = os.path.join(work, layout_name, name)
             write_folder(folder, model.sharded_state_dict(),
-                         SideFiles(model.config, layout, adapter_config=peft_config(settings, run.targets, model_dir)))
+                         SideFiles(model.config, layout, adapter_config=peft_config(run.settings, run.targets,
+                                                                                    model_dir)))
             if torch.distributed.get_rank() == 0:
                 export_adapter(folder, os.path.join(folder, "peft"))
             torch.distributed.barrier()

@@ -167,17 +167,13 @@ def test_what_vision_language_training_cannot_do_yet_is_refused(tmp_path):
 def _lora_logits(model_dir: str, adapter: str, inputs: dict, positions: torch.Tensor, layouts: list) -> dict:
     from llamafactory_mca import parallel
     from llamafactory_mca.args import MegatronArguments
-    from llamafactory_mca.models.auto import AutoModel
-    from llamafactory_mca.models.lora import LoraSettings, apply_lora
-    from llamafactory_mca.models.lora_io import load_adapter, read_adapter_config
+    from tests.models.test_lora import model_with_adapter
 
     found = {}
     for layout, sizes in layouts:
         args = MegatronArguments(**sizes)
         parallel.initialize(parallel.ParallelLayout.from_args(args))
-        model = AutoModel.from_pretrained(model_dir, args)
-        apply_lora(model, LoraSettings.from_peft(read_adapter_config(adapter)))
-        load_adapter(model, adapter)
+        model, _ = model_with_adapter(model_dir, adapter, args)
         logits = _logits(model.eval(), inputs, positions)
         if logits is not None:
             found[layout] = logits
