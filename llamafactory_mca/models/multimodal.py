@@ -208,7 +208,7 @@ class VisionLanguageModel(LanguageModel):
             if deepstack is not None:
                 kwargs["extra_block_kwargs"] = {"context": deepstack}
         if self.mtp_process:
-            if whole is None:  # the MTP layer sits with the tower (``plan_mtp`` leaves it out under pipelining)
+            if whole is None:  # it sits with the tower: under pipelining ``resolve_mtp`` leaves it out
                 raise RuntimeError("the multi-token-prediction layer of a vision-language model needs the first "
                                    "stage's input embeddings")
             self._mtp_input = [whole, kwargs.get("packed_seq_params")]
