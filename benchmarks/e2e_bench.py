@@ -111,8 +111,27 @@ QWEN3_VL_30B_A3B = dict(model_type="qwen3_vl_moe",
                                            temporal_patch_size=2, num_position_embeddings=2304,
                                            deepstack_visual_indexes=[8, 16, 24], hidden_act="gelu_pytorch_tanh"),
                         tie_word_embeddings=False)
-VL = {"vl": QWEN2_5_VL_7B, "vl_moe": QWEN3_VL_30B_A3B}
-VL_TEMPLATE = {"qwen2_5_vl": "qwen2_vl", "qwen3_vl_moe": "qwen3_vl_nothink"}
+# Qwen3.5-35B-A3B (transformers' Qwen3_5MoeConfig defaults are its shape; the tower's output width set to the text
+# width, the hub's rotary base and 3-D sections): Qwen3-Next's hybrid decoder with 256 experts (top 8) and a gated
+# shared expert in every layer, Qwen3-VL's 27-block tower without deepstack, and its multi-token-prediction layer
+QWEN3_5_35B_A3B = dict(model_type="qwen3_5_moe",
+                       text_config=dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                                        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                                        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256,
+                                        num_experts_per_tok=8, moe_intermediate_size=512,
+                                        shared_expert_intermediate_size=512, router_aux_loss_coef=0.001,
+                                        vocab_size=248320, max_position_embeddings=262144, rms_norm_eps=1e-6,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                                                         "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                                                         "mrope_interleaved": True},
+                                        mtp_num_hidden_layers=1),
+                       vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                                          out_hidden_size=2048, patch_size=16, spatial_merge_size=2,
+                                          temporal_patch_size=2, num_position_embeddings=2304,
+                                          hidden_act="gelu_pytorch_tanh"),
+                       tie_word_embeddings=False)
+VL = {"vl": QWEN2_5_VL_7B, "vl_moe": QWEN3_VL_30B_A3B, "vl_next": QWEN3_5_35B_A3B}
+VL_TEMPLATE = {"qwen2_5_vl": "qwen2_vl", "qwen3_vl_moe": "qwen3_vl_nothink", "qwen3_5_moe": "qwen3_5_nothink"}
 SMOKE_SHAPES |= {kind: dict(model_type=shape["model_type"]) for kind, shape in VL.items()}  # tiny.py's shapes
 # GLM-4.5-Air as released, with its multi-token-prediction layer (an MoE layer): ours trains it, LLaMA-Factory's
 # default path drops it (transformers has no MTP)
@@ -125,8 +144,9 @@ LABELS = {"dense": "Qwen3-1.7B shape", "dense8b": "Qwen3-8B shape", "moe": "Qwen
           "moonlight": "Moonlight-16B-A3B shape (DeepSeek-V3 architecture)",
           "next": "Qwen3-Next-80B-A3B shape",
           "vl": "Qwen2.5-VL-7B shape",
-          "vl_moe": "Qwen3-VL-30B-A3B shape"}
-MOE_KINDS = ("moe", "vl_moe", "glm", "glm_mtp", "moonlight", "next")
+          "vl_moe": "Qwen3-VL-30B-A3B shape",
+          "vl_next": "Qwen3.5-35B-A3B shape"}
+MOE_KINDS = ("moe", "vl_moe", "vl_next", "glm", "glm_mtp", "moonlight", "next")
 
 
 def image_side(kind: str, smoke: bool) -> int:
@@ -220,7 +240,7 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                  about=f"{LABELS[kind]} sft: one {image_side(kind, smoke)}-pixel image per row (256 tokens; the tower "
                        f"frozen, LLaMA-Factory's default) and log-uniform {max(32 // k, 4)}..{cut // 2} text tokens; "
                        "padded: 2 rows x 4, packed: 1 pack x 8. MFU: the language model only")
-        for kind in VL
+        for kind in VL if kind != "vl_next"
     ]
     lora = dict(finetuning_type="lora", lora_rank=16, lora_alpha=32, lora_target="all")
     lora_about = ("LoRA rank 16 on `lora_target: all` (LLaMA-Factory's expansion: every attention and MLP projection "
@@ -261,6 +281,19 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                        "tokens; padded: 2 rows x 4 (ours runs the rows without their padding, `padding_free`, the "
                        "default; `ours_nopack_padded`: padded rows), packed: 1 pack x 8 (LLaMA-Factory: "
                        "neat_packing)"),
+        Workload("qwen3_5", "vl_next", cut, ("loguniform", max(32 // k, 4), cut // 2),
+                 _pair(1, 4, "1 GPU, padded", packing=False, micro_batch=2, suffix="_nopack")
+                 + [Run("ours_nopack_no_mtp", "ours", 1, False, 2, 4, "1 GPU, padded, mtp_num_layers: 0",
+                        dict(mtp_num_layers=0)),
+                    Run("ours_pack", "ours", 1, True, 1, 8, "1 GPU, packed")],
+                 steps=8, warmup=3, layers=2 if smoke else 4,
+                 about=f"full fine-tuning of 4 layers (3 gated delta-rule, 1 gated full attention, every one 256 "
+                       f"experts) and the multi-token-prediction layer (ours trains it on the image features; "
+                       f"LLaMA-Factory's default path drops it; `ours_nopack_no_mtp` leaves it out too, like for "
+                       f"like), sft: one {image_side('vl_next', smoke)}-pixel image per row (256 tokens; the tower "
+                       f"frozen, LLaMA-Factory's default) and log-uniform {max(32 // k, 4)}..{cut // 2} text tokens; "
+                       "padded: 2 rows x 4 (ours without their padding, `padding_free`), packed: 1 pack x 8. MFU: the "
+                       "language model only"),
         Workload("lora_dense", "dense8b", cut, packed,
                  _pair(1, 8, "1 GPU", lf_layout="1 GPU, gradient checkpointing (LF default)")
                  + [Run("ours_recompute", "ours", 1, True, 1, 8, "1 GPU, recompute full", recompute)],
@@ -289,12 +322,17 @@ def _key(obj: Any) -> str:
 def model_config(kind: str, layers: int, smoke: bool) -> dict:
     shape = (SMOKE_SHAPES if smoke else SHAPES)[kind]
     if kind in VL:
-        return {**shape, "text_config": {**shape.get("text_config", {}), "num_hidden_layers": layers},
-                "num_hidden_layers": layers}
+        text = {**shape.get("text_config", {}), "num_hidden_layers": layers}
+        if kind == "vl_next":  # every 4th layer full attention, the last one too in a short cut
+            text["layer_types"] = _hybrid_pattern(layers)
+        return {**shape, "text_config": text, "num_hidden_layers": layers}
     if kind == "next":  # Qwen3-Next's pattern (every 4th layer full attention), the last layer full in a short cut
-        shape = {**shape, "layer_types": ["full_attention" if (i + 1) % 4 == 0 or i == layers - 1 else
-                                          "linear_attention" for i in range(layers)]}
+        shape = {**shape, "layer_types": _hybrid_pattern(layers)}
     return {**shape, "num_hidden_layers": layers}
+
+
+def _hybrid_pattern(layers: int) -> list[str]:
+    return ["full_attention" if (i + 1) % 4 == 0 or i == layers - 1 else "linear_attention" for i in range(layers)]
 
 
 def prepare_model(config: dict, smoke: bool, cache: str) -> str:
@@ -831,6 +869,12 @@ def targets(name: str, data: dict, everything: dict, tol: float) -> list[dict]:
                                        runs.get(f"ours_{mode}"), runs.get(f"lf_{mode}"), 3.0, "needs both runs"))
             found.append(_loss_target(f"ours {mode}", runs.get(f"ours_{mode}"), f"LF {mode}", runs.get(f"lf_{mode}"),
                                       tol))
+    elif name == "qwen3_5":  # measured, no target set: ours trains the MTP layer as well, unless told not to
+        for run in ("ours_nopack", "ours_nopack_no_mtp", "ours_pack"):
+            found.append(_ratio_target(f"(for reference) tokens/s: {run} vs LLaMA-Factory padded", runs.get(run),
+                                       runs.get("lf_nopack"), None, "needs both runs"))
+        found.append(_loss_target("ours padded, no MTP", runs.get("ours_nopack_no_mtp"), "LF padded",
+                                  runs.get("lf_nopack"), tol))
     elif name.startswith("varlen"):
         found.append(_ratio_target("effective tokens/s: ours packed >= 1.5x ours padded", runs.get("ours_pack"),
                                    runs.get("ours_nopack"), 1.5, "needs both runs"))

@@ -98,6 +98,8 @@ case $phase in
     CUDA_VISIBLE_DEVICES=0 python3 benchmarks/delta_rule_bench.py --out "$out" > "$out/delta_rule.log" 2>&1
     echo "== delta rule bench: exit $?"; tail -n 8 "$out/delta_rule.log"
     bench 0 g14 --workloads qwen3_next --gpus 1 --steps 8 --warmup 3 --timeout 240 --runs "${RUNS:-lf_pack,ours_pack,lf_nopack,ours_nopack,ours_nopack_padded}" ;;
+  qwen3_5)  # one H200: Qwen3.5-35B-A3B shape (4 layers + its MTP layer), one image per row, padded and packed
+    bench 0 g15 --workloads qwen3_5 --gpus 1 --steps 8 --warmup 3 --timeout 300 --runs "${RUNS:-lf_nopack,ours_nopack,ours_nopack_no_mtp,ours_pack}" ;;
   moonlight)  # one H200: Moonlight-16B-A3B shape (DeepSeek-V3 architecture, 8 layers), LLaMA-Factory's default vs ours
     bench 0 g12 --workloads moonlight --gpus 1 --timeout 300 ;;
   lora_moe_again)  # one H200: LoRA MoE runs (RUNS, default ours) again, merged beside the others of results/h200_lora
