@@ -76,7 +76,7 @@ _SAID_NO_MTP: set[str] = set()
 
 def mtp_apart_from_features(config: McaConfig, args: Any) -> str | None:
     """Why a vision-language model's multi-token-prediction layer cannot train in this layout, or None: it takes the
-    image features (``multimodal.VisionLanguageModel._mtp_embeddings``), which stay on the first pipeline stage, and
+    image features (``multimodal.VisionLanguageModel._shifted_inputs``), which stay on the first pipeline stage, and
     sits on the last."""
     pipeline = getattr(args, "pipeline_model_parallel_size", 1) or 1
     if config.mtp_num_layers and pipeline > 1 and config.transformer.get("mrope_section"):

@@ -136,7 +136,7 @@ class VisionLanguageModel(LanguageModel):
         # while forward runs: [the input embeddings with the vision features (all positions), packed_seq_params]
         self._mtp_input: list | None = None
         if self.mtp_process:
-            self.embedding.register_forward_hook(self._mtp_embeddings)
+            self.mtp.register_forward_pre_hook(self._give_mtp_the_inputs, with_kwargs=True)
 
     def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
               image_grid_thw: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
@@ -176,15 +176,17 @@ class VisionLanguageModel(LanguageModel):
             deepstack = None if deepstack is None else [scatter(d) for d in deepstack]
         return embeddings, (None if deepstack is None else torch.stack(deepstack)), whole
 
-    def _mtp_embeddings(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        """Forward hook of the embedding: inside ``forward`` only the MTP block calls it, once per MTP layer, with the
-        token ids moved one more position left; it gets the input embeddings moved alike, so at an image's
-        placeholders it sees the image's features (as vLLM's drafting does), not the placeholder token's embedding.
+    def _give_mtp_the_inputs(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Forward pre-hook of the MTP block: the ``embedding`` GPTModel hands it (which would embed the shifted token
+        ids: the placeholder token's embedding at an image) becomes ``_shifted_inputs``."""
+        return args, {**kwargs, "embedding": self._shifted_inputs}
+
+    def _shifted_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """What the MTP block embeds, once per MTP layer, with the token ids moved one more position left: the input
+        embeddings moved alike, so at an image's placeholders it sees the image's features (as vLLM's drafting does).
         Moved as Megatron moves the ids (each packed sequence apart, its last position zero: a position whose MTP
         target is past the sequence, so its loss mask is zero), and split over sequence-parallel ranks like the
         decoder's input."""
-        if self._mtp_input is None:
-            return output
         from megatron.core.transformer.multi_token_prediction import roll_tensor
 
         whole, packed_seq_params = self._mtp_input
