@@ -239,17 +239,43 @@ def destroy() -> None:
 
 def destroy_layout() -> None:
     """Megatron's process groups gone, the default group kept, so that ``initialize`` can build another layout in
-    the same processes (tests, benchmarks). megatron-core's ``destroy_model_parallel`` only forgets its groups: each
-    gloo group keeps three threads, and a 4-process test that walks 36 layouts piled up ~1,500 threads per process,
-    some of them spinning (its run went from 74 s to over 300 s)."""
+    the same processes (tests, benchmarks).
+
+    A gloo group keeps three threads until the last reference to it goes, some of them spinning: a 4-process test
+    walking 60 layouts piled up ~1,200 threads per process and its cases slowed from 5 s to 37 s each. So every
+    holder is let go: megatron-core's ``destroy_model_parallel`` forgets most of its globals but not all (0.16.1:
+    ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` and its gloo twin), the MoE and MTP loss trackers keep the groups
+    their losses were reduced over, and the rotary embeddings' class-level ``lru_cache`` on ``forward`` keeps the
+    last modules (``self``) and, through the DDP hooks on them, the whole finished model with its optimizer. (The
+    trainer drops the autograd graphs its modules keep: ``trainer._drop_kept_graphs``.)"""
+    import gc
+
     from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
     from torch.distributed import distributed_c10d as c10d
 
+    gc.collect()  # the finished model's reference cycles (modules and their hooks) hold groups too
+    for rotary in (RotaryEmbedding, YarnRotaryEmbedding):
+        rotary.forward.cache_clear()
+    get_moe_layer_wise_logging_tracker().clear()
+    MTPLossLoggingHelper.tracker.clear()
     parallel_state.destroy_model_parallel()
+    for name, value in list(vars(parallel_state).items()):
+        if name.startswith("_") and _holds_group(value):
+            setattr(parallel_state, name, None)
     if torch.distributed.is_initialized():
         world = c10d._get_default_group()
         for group in [g for g in list(c10d._world.pg_map) if g is not world]:
             torch.distributed.destroy_process_group(group)
+
+
+def _holds_group(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_holds_group(v) for v in value)
+    return isinstance(value, torch.distributed.ProcessGroup)
 
 
 def end_worker() -> None:

@@ -54,8 +54,6 @@ def free_port() -> int:
 def _entry(rank: int, world_size: int, port: int, fn, args, results) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    # The cores shared out, as our launcher does for CLI runs: more threads than cores make OpenMP spin against gloo.
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
     from llamafactory_mca.parallel import end_worker
 
     try:
@@ -74,8 +72,27 @@ def run_distributed(fn, world_size: int, *args, retries: int = 3) -> list:
     ctx = mp.get_context("forkserver")
     if not torch.cuda.is_available():  # on a GPU machine an import initialises CUDA, which a forked rank cannot use
         ctx.set_forkserver_preload(PRELOAD)
+    _start_server()
     with one_job_at_a_time():
         return _run(ctx, fn, world_size, args, retries)
+
+
+def _start_server() -> None:
+    """Start the fork server with one OpenMP thread per rank. OpenMP reads its settings when torch is imported, in
+    the server, so ``torch.set_num_threads`` in a rank comes too late: with the server's default pool, MKL's GEMMs
+    spun OpenMP threads against each other on 4 ranks of 2 cores (a TP2 case of the layouts walk took 9-17 s
+    instead of 1.5 s)."""
+    from multiprocessing import forkserver
+
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
 
 
 def _run(ctx, fn, world_size: int, args: tuple, retries: int) -> list:

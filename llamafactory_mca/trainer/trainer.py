@@ -61,6 +61,24 @@ def _reduce_logged(outputs: list[dict], device) -> dict[str, float]:
             for i, name in enumerate(names)}
 
 
+def _drop_kept_graphs(chunks: list) -> None:
+    """Forget tensors with autograd history that modules (or plain objects on them) kept from the last step.
+
+    Megatron's all-to-all MoE dispatcher keeps the last micro-batch's routing probabilities on itself, graph and all:
+    a cycle through autograd nodes (the router weight's gradient hook holds DDP, DDP the dispatcher) that Python's gc
+    cannot see. A trained model, its optimizer and its process groups then outlive the trainer in a process that goes
+    on to build another (tests, benchmarks), each gloo group with three threads: the layouts walk slowed case by case.
+    """
+    for chunk in chunks:
+        for module in chunk.modules():
+            holders = [module] + [v for v in vars(module).values()
+                                  if hasattr(v, "__dict__") and not isinstance(v, (torch.nn.Module, torch.Tensor))]
+            for holder in holders:
+                for name, value in list(vars(holder).items()):
+                    if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                        setattr(holder, name, None)
+
+
 class McaTrainer:
     def __init__(self, model: Any, args: Any, layout: Any, train_data: Any, eval_data: Any = None,
                  tokenizer: Any = None, processor: Any = None, callbacks: list | None = None,
@@ -309,6 +327,7 @@ class McaTrainer:
                 break
         if args.save_strategy != "no" and not self._saved_at(self.state.global_step):
             self._save(consumed)
+        _drop_kept_graphs(self.wrapped)
         runtime = time.time() - start_time
         metrics = {"train_runtime": round(runtime, 2),
                    "train_steps_per_second": round(self.state.global_step / runtime, 3),
