@@ -257,11 +257,15 @@ def destroy_layout() -> None:
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
     from torch.distributed import distributed_c10d as c10d
 
-    gc.collect()  # the finished model's reference cycles (modules and their hooks) hold groups too
     for rotary in (RotaryEmbedding, YarnRotaryEmbedding):
         rotary.forward.cache_clear()
     get_moe_layer_wise_logging_tracker().clear()
     MTPLossLoggingHelper.tracker.clear()
+    # The finished model's reference cycles (modules and their hooks) hold groups too: collected now, once the caches
+    # above no longer keep it, and until a pass frees nothing (finalizers run in one pass let go of more for the
+    # next); otherwise it lingers as garbage, with its groups' threads, until Python's next automatic collection.
+    while gc.collect():
+        pass
     parallel_state.destroy_model_parallel()
     for name, value in list(vars(parallel_state).items()):
         if name.startswith("_") and _holds_group(value):

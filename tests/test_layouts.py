@@ -173,6 +173,7 @@ def _walk(models: dict, out_dir: str, cases: list, epoch_cases: list, lora_cases
     # a hang ends this rank (and the test) after five minutes: a loaded 2-core CI machine stalls ranks for one
     parallel.init_distributed(300)
     watchdog.start(300, torch.distributed.get_rank())
+    threads = []  # this process's threads after each case
 
     def train(model_name, sizes, micro, dataset, adapter=None, **steps):
         args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=1, gradient_accumulation_steps=micro,
@@ -196,15 +197,15 @@ def _walk(models: dict, out_dir: str, cases: list, epoch_cases: list, lora_cases
         groups = plan.epoch_groups(0)[: layout.dp * micro]
         del trainer, model
         parallel.destroy_layout()
+        threads.append(_threads())
         return losses, groups, state, plan.steps_per_epoch(layout.dp, micro)
 
-    results, threads = [], []
+    results = []
     for name, model_name, sizes, micro in cases:
         losses, groups, _, _ = train(model_name, sizes, micro, data["steps"], max_steps=2)
         rows = [data["steps"][int(i)] for group in groups for i in group]
         reference = _hf_loss(models[model_name], rows) if torch.distributed.get_rank() == 0 else None
         results.append((name, losses, reference, len(rows)))
-        threads = threads or [_threads()]
     epochs = []
     for name, model_name, sizes, micro, which in epoch_cases:
         losses, _, state, steps = train(model_name, sizes, micro, data[which], num_train_epochs=1)
@@ -212,7 +213,7 @@ def _walk(models: dict, out_dir: str, cases: list, epoch_cases: list, lora_cases
         epochs.append((name, losses, state, steps, sum(len(row["input_ids"]) for row in source)))
     lora = [(name, train(model_name, sizes, micro, data["steps"], adapters[model_name], max_steps=3)[0])
             for name, model_name, sizes, micro in lora_cases]
-    return results, epochs, lora, threads + [_threads()]
+    return results, epochs, lora, threads
 
 
 def _threads() -> int:
@@ -269,10 +270,14 @@ def test_one_epoch_trains_every_token_once(case, walked):
 
 
 def test_the_walk_leaves_no_process_groups_behind(walked):
-    """Every layout's groups end with it (``parallel.destroy_layout``): a gloo group that something still holds keeps
-    three threads, and a walk that left each case's behind slowed case by case (5 s to 37 s)."""
-    after_first, at_end = walked[3]
-    assert at_end <= after_first + 2, (after_first, at_end)
+    """Layouts' groups do not pile up (``parallel.destroy_layout``): a gloo group that something still holds keeps
+    three threads, and a walk that left each case's behind slowed case by case (5 s to 37 s; ~1,200 threads per
+    process by its end). One finished layout's groups (~45 threads) may outlive it for a few cases: seen on rank 0,
+    its parameters' gradient accumulators (whose hooks hold DDP, which holds the model) kept by one reference from
+    outside Python's view, which a later case releases. More than one layout's worth is a leak."""
+    threads = walked[3]
+    assert len(threads) == len(CASES) + len(EPOCH_CASES) + len(LORA_CASES)
+    assert max(threads) <= threads[0] + 75, threads
 
 
 @pytest.mark.filterwarnings("ignore:Unsupported layer type")
