@@ -123,7 +123,10 @@ LAYOUTS = {  # all run in one 4-process world (dp = 4 / model-parallel size)
                                                  "glm4_moe", "deepseek_v3"]),
     # glm4_moe first: its round trip runs here (layer 0 dense, on stage 0 only)
     "pp2": ({"pipeline_model_parallel_size": 2}, ["glm4_moe", "llama3_tied", "qwen3_moe", "qwen3_next"]),
-    "pp2_vpp2": ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}, ["qwen2"]),
+    # qwen3_next first: its round trip runs here (its layer pattern, delta rule, attention, delta rule, attention,
+    # cut into four virtual stages; the MTP layer with the last)
+    "pp2_vpp2": ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
+                 ["qwen3_next", "qwen2"]),
     "ep2": ({"expert_model_parallel_size": 2}, ["qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "qwen3_next"]),
     "ep2_grouped": ({"expert_model_parallel_size": 2, "moe_grouped_gemm": True}, ["qwen2_moe"]),
     "ep2_etp2": ({"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2}, ["qwen3_moe", "glm4_moe",
