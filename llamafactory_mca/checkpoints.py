@@ -5,7 +5,8 @@ A folder of ours (``output_dir/checkpoint-N`` of training, or the output of ``ll
 - ``dist_ckpt/``: the Megatron dist checkpoint (model; for training also optimizer, RNG, LR schedule, consumed
   micro-batches — what goes in is ``trainer/checkpoint.py``'s business, how it is written is ``write_folder``'s);
 - ``mca_config.json``: the model in Megatron terms (``models.config.McaConfig``);
-- ``mca_layout.json``: the parallel layout it was written in (informational: every load reshards);
+- ``mca_layout.json``: the parallel layout it was written in (a load under another one reshards: the model's
+  tensors are global, the optimizer's are re-laid out by ``trainer/reshard.py``);
 - Hugging Face ``config.json``, tokenizer and processor files, and for training ``trainer_state.json``.
 
 ``write_folder`` writes it all into ``tmp-<name>`` and renames it when complete, so a folder with our name is
@@ -38,6 +39,7 @@ ADAPTER_CONFIG_NAME = "adapter_config.json"  # in a LoRA run's checkpoints: what
 LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size")
 _LAYOUT_ATTRS = ("tp", "pp", "vpp", "ep", "etp", "cp")
+DP_KEY = "data_parallel_size"
 _CHECKPOINT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
 
 
@@ -70,6 +72,20 @@ def read_layout(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
+def layout_record(layout: Any) -> dict[str, Any]:
+    """A ``parallel.ParallelLayout`` as the layout file records it (the recipe's key names, and the dp size)."""
+    return {**{key: getattr(layout, attr) for key, attr in zip(LAYOUT_KEYS, _LAYOUT_ATTRS)}, DP_KEY: layout.dp}
+
+
+def layout_change(saved: dict[str, Any], layout: Any) -> str | None:
+    """What differs between a recorded layout and ``layout``, e.g. ``tensor_model_parallel_size 1 -> 2``; None if
+    nothing (or nothing was recorded)."""
+    now = layout_record(layout)
+    changes = [f"{key} {saved[key] or 1} -> {now[key] or 1}" for key in (*LAYOUT_KEYS, DP_KEY)
+               if key in saved and (saved[key] or 1) != (now[key] or 1)]
+    return ", ".join(changes) or None
+
+
 @dataclasses.dataclass
 class SideFiles:
     """Everything a folder of ours carries besides its dist checkpoint."""
@@ -88,8 +104,8 @@ class SideFiles:
         os.makedirs(directory, exist_ok=True)
         _write_json(os.path.join(directory, MCA_CONFIG_NAME), dataclasses.asdict(self.config))
         if self.layout is not None:
-            record = {key: getattr(self.layout, attr) for key, attr in zip(LAYOUT_KEYS, _LAYOUT_ATTRS)}
-            _write_json(os.path.join(directory, LAYOUT_NAME), {**record, "moe_grouped_gemm": self.grouped_experts})
+            _write_json(os.path.join(directory, LAYOUT_NAME),
+                        {**layout_record(self.layout), "moe_grouped_gemm": self.grouped_experts})
         if self.hf_source is not None:
             copy_side_files(self.hf_source, directory)
             shutil.copy(os.path.join(self.hf_source, "config.json"), os.path.join(directory, "config.json"))

@@ -1,9 +1,11 @@
 """What a training checkpoint holds and how a run comes back from it: model, optimizer, RNG, LR schedule,
 consumed micro-batches. The folder itself (names, side files, tmp-then-rename) is ``checkpoints.py``'s.
 
-Saved fully in parallel; the distributed optimizer's state in Megatron's dp-reshardable format, so a run resumes
-onto a different data-parallel size. A crash mid-save leaves a ``tmp-`` folder, which resume ignores (and the next
-save removes).
+Saved fully in parallel; the distributed optimizer's state in Megatron's dp-reshardable format with our bucket map
+beside it (``reshard.py``), so a run resumes under any layout: as saved where the optimizer's buckets are laid out
+the same (a data-parallel change included), re-laid out from model space otherwise. The model's tensors are global
+and reshard by themselves; RNG states come back where the (pp, tp) layout is the same. A crash mid-save leaves a
+``tmp-`` folder, which resume ignores (and the next save removes).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any
 import torch
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.serialization import (
     get_default_load_sharded_strategy,
     get_default_save_sharded_strategy,
@@ -27,9 +30,19 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 )
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..checkpoints import SideFiles, checkpoint_path, dist_checkpoint_dir, newest_intact, write_folder
+from ..checkpoints import (
+    SideFiles,
+    checkpoint_path,
+    dist_checkpoint_dir,
+    layout_change,
+    newest_intact,
+    read_layout,
+    write_folder,
+)
 from ..errors import UserError
 from ..models.auto import check_finite
+from ..models.dist_reader import DistCheckpointReader
+from . import reshard
 from .faults import maybe_crash
 from .optim import inner_optimizers, step_counter, use_fused_adam
 
@@ -92,40 +105,81 @@ def _init_optimizer_state(optimizer: Any) -> None:
     _set_step_counters(optimizer, 0.0, only_missing=True)
 
 
-def _state(model: Any, optimizer: Any, is_loading: bool) -> dict:
-    state = model.sharded_state_dict()
-    if optimizer is not None:
-        if is_loading:
-            _init_optimizer_state(optimizer)
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=_OPTIM_METADATA)
-    return state
+def _optimizer_state(model_state: dict, optimizer: Any, is_loading: bool) -> dict:
+    if is_loading:
+        _init_optimizer_state(optimizer)
+    return optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=_OPTIM_METADATA)
 
 
 def _dp_group():
     return ps.get_data_parallel_group(with_context_parallel=True)
 
 
+def _tensor_keys(state: Any) -> set[str]:
+    return {sh.key for sh in nested_values(state) if isinstance(sh, ShardedTensor)}
+
+
 def save_checkpoint(output_dir: str, step: int, model: Any, optimizer: Any, trainer_state: dict,
                     side_files: SideFiles, extra: Callable[[str], None]) -> str:
     """Collective. ``trainer_state``: plain values (LR schedule, consumed micro-batches, ...), saved once;
     ``extra(folder)`` runs on rank 0 beside the side files (trainer_state.json)."""
-    state = _state(model, optimizer, is_loading=False)
+    state = model.sharded_state_dict()
+    saved = {**trainer_state, "layout_key": list(_layout_key()), "optimizer_format": None, "bucket_map": None}
+    if optimizer is not None:
+        distributed = reshard.is_distributed(optimizer)
+        model_state = dict(state)
+        state["optimizer"] = _optimizer_state(model_state, optimizer, is_loading=False)
+        saved.update(optimizer_step=optimizer_step_count(optimizer),
+                     optimizer_format=_BUCKETS if distributed else _MODEL_SPACE,
+                     bucket_map=reshard.bucket_map(optimizer, model_state, _tensor_keys(state["optimizer"]))
+                     if distributed else None)
     state["rng_state"] = _rng_object(_layout_key())
-    state["trainer"] = {**trainer_state, "layout_key": list(_layout_key()),
-                        "optimizer_step": optimizer_step_count(optimizer) if optimizer is not None else None}
+    state["trainer"] = saved
     strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), _dp_group())
     return write_folder(checkpoint_path(output_dir, step), state, side_files, extra=extra,
                         before_commit=lambda: maybe_crash("save", step), strategy=strategy)
 
 
-def load_checkpoint(path: str, model: Any, optimizer: Any | None) -> dict:
+_BUCKETS, _MODEL_SPACE = "dp_reshardable", "model_space"  # how a checkpoint holds the optimizer's state
+
+
+def _optimizer_source(path: str, directory: str, saved: dict, optimizer: Any, model_state: dict, layout: Any):
+    """None to load the optimizer's state as saved (Megatron's own load), else where to read it in model space."""
+    reader = DistCheckpointReader(directory)
+    written = saved.get("optimizer_format") or (
+        _BUCKETS if any(".distributed." in key for key in reader.keys(optimizer=True)) else _MODEL_SPACE)
+    distributed = reshard.is_distributed(optimizer)
+    if written == _MODEL_SPACE:
+        return reshard.ModelSpaceSource(reader) if distributed else None
+    rows = saved.get("bucket_map")
+    if distributed and reshard.bucket_map(optimizer, model_state, None) == rows:
+        return None  # the same buckets (any data-parallel size)
+    if rows is not None:
+        return reshard.BucketSource(reader, rows)
+    change = layout_change(read_layout(path), layout)
+    if change is None and distributed:
+        return None
+    raise UserError(f"{path} was written by an earlier llamafactory_mca whose distributed-optimizer checkpoints "
+                    "reload only under the layout they were written in"
+                    + (f", and this run changes it ({change})" if change else
+                       ", and this run turns the distributed optimizer off") + ". Resume with the checkpoint's layout "
+                    f"(its {os.path.basename(path)}/mca_layout.json), or start a new run from its weights: "
+                    f"model_name_or_path: {path}.")
+
+
+def load_checkpoint(path: str, model: Any, optimizer: Any | None, layout: Any) -> dict:
     """Restore model, optimizer and (same TP/PP layout) RNG states; returns the saved trainer state."""
     directory = dist_checkpoint_dir(path)
     common = dist_checkpointing.load_common_state_dict(directory)
-    trainer_state = common.get("trainer", {})
-    state = _state(model, optimizer, is_loading=True)
-    same_layout = tuple(trainer_state.get("layout_key", ())) == _layout_key()
-    if same_layout:
+    saved = common.get("trainer", {})
+    state = model.sharded_state_dict()
+    source = None
+    if optimizer is not None:
+        source = _optimizer_source(path, directory, saved, optimizer, dict(state), layout)
+        if source is None:
+            state["optimizer"] = _optimizer_state(dict(state), optimizer, is_loading=True)
+    same_rng = tuple(saved.get("layout_key", ())) == _layout_key()
+    if same_rng:
         state["rng_state"] = _rng_object(_layout_key())
     strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(directory), _dp_group())
     try:
@@ -140,11 +194,15 @@ def load_checkpoint(path: str, model: Any, optimizer: Any | None) -> dict:
         chunk.load_state_dict(loaded["model" if len(model.chunks) == 1 else f"model{i}"], strict=False)
     check_finite(model.chunks, path)
     if optimizer is not None:
-        with torch.no_grad():  # fp32 runs: main params are the model's leaf parameters, copied into in place
-            optimizer.load_state_dict(loaded["optimizer"])
+        if source is None:
+            with torch.no_grad():  # fp32 runs: main params are the model's leaf parameters, copied into in place
+                optimizer.load_state_dict(loaded["optimizer"])
+        else:
+            _init_optimizer_state(optimizer)
+            reshard.load_model_space(optimizer, model.sharded_state_dict(), source, path)
         use_fused_adam(optimizer)
-        _restore_step_count(optimizer, trainer_state.get("optimizer_step"))
-    if same_layout and "rng_state" in loaded:
+        _restore_step_count(optimizer, saved.get("optimizer_step"))
+    if same_rng and "rng_state" in loaded:
         rng = loaded["rng_state"]
         __import__("random").setstate(rng["random"])
         torch.set_rng_state(rng["torch"])
@@ -153,10 +211,14 @@ def load_checkpoint(path: str, model: Any, optimizer: Any | None) -> dict:
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
         get_cuda_rng_tracker().set_states(rng["tracker"])
-    elif torch.distributed.get_rank() == 0:
-        logger.warning("Checkpoint was written with (pp, tp)=%s, this run uses %s: RNG states not restored.",
-                       trainer_state.get("layout_key"), _layout_key())
-    return trainer_state
+    if torch.distributed.get_rank() == 0:
+        change = layout_change(read_layout(path), layout)
+        if change or source is not None:
+            logger.info("Resuming %s under another layout (%s): %s%s.", path, change or "optimizer placement",
+                        "the optimizer's state re-laid out from model space" if source is not None
+                        else "the optimizer's state read as saved",
+                        "" if same_rng else "; RNG states start anew (they are kept per pipeline and tensor rank)")
+    return saved
 
 
 def _root_cause(err: BaseException) -> str:

@@ -279,7 +279,7 @@ class McaTrainer:
         self.state.logging_steps, self.state.save_steps = args.logging_steps, args.save_steps
         self.state.eval_steps = args.eval_steps
         if resume:
-            saved = ckpt.load_checkpoint(resume, self.model, self.optimizer)
+            saved = ckpt.load_checkpoint(resume, self.model, self.optimizer, self.layout)
             self.schedule.load_state_dict(saved["scheduler"])
             consumed = saved["consumed_micro_batches"]
             loaded = TrainerState.load_from_json(os.path.join(resume, "trainer_state.json"))
