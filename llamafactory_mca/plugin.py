@@ -4,7 +4,9 @@ LLaMA-Factory 0.9.x, when ``USE_MCA=1``, imports its argument classes from a mod
 ``mcore_adapter`` and its pt/sft/dpo workflows from ``llamafactory.train.mca``. The installed startup
 hook (``llamafactory_mca.pth``, one line) calls :func:`install` only when ``USE_MCA`` is on; install
 puts an import finder first on ``sys.meta_path`` that answers those two names with our modules.
-``LLAMAFACTORY_MCA_DISABLE=1`` turns the hook off.
+``LLAMAFACTORY_MCA_DISABLE=1`` turns the backend off: LLaMA-Factory reads ``USE_MCA`` itself (its parser then needs
+``mcore_adapter``, its launcher forces torchrun), so the hook takes ``USE_MCA`` out of the environment and the run
+is LLaMA-Factory's default path (:func:`turn_off`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ _EXPORTS = {
     ADAPTER_NAME: ("llamafactory_mca.training_args", ("TrainingArguments", "Seq2SeqTrainingArguments")),
     WORKFLOW_NAME: ("llamafactory_mca.workflow", ("run_pt", "run_sft", "run_dpo")),
 }
+
+
+DISABLE_ENV = "LLAMAFACTORY_MCA_DISABLE"
 
 
 def env_enabled(name: str) -> bool:
@@ -186,7 +191,7 @@ _INSTALLED = False
 def install() -> None:
     """Activate the backend in this process (idempotent)."""
     global _INSTALLED
-    if _INSTALLED or env_enabled("LLAMAFACTORY_MCA_DISABLE"):
+    if _INSTALLED or env_enabled(DISABLE_ENV):
         return
     _INSTALLED = True
     other = _other_mcore_adapter()
@@ -211,10 +216,37 @@ def _quiet_worker() -> None:
         os.environ.setdefault("LLAMAFACTORY_VERBOSITY", "WARN")
 
 
+def turn_off() -> None:
+    """``USE_MCA=1`` with ``LLAMAFACTORY_MCA_DISABLE=1``: LLaMA-Factory's default path, as if USE_MCA were unset.
+
+    Merely not installing the finder is not off: LLaMA-Factory reads USE_MCA itself, and then asks torchrun for one
+    process per GPU (none on a CPU machine) and imports ``mcore_adapter``, which nothing answers. Dropping the
+    variable here is safe because this runs from the startup hook, before any of LLaMA-Factory is imported, and
+    clear because of the one line below. Children inherit the environment without it, so the line is said once."""
+    os.environ.pop("USE_MCA", None)
+    print(f"[llamafactory_mca] {DISABLE_ENV}=1: USE_MCA is removed from this process's environment, so LLaMA-Factory "
+          "runs its default path (unset LLAMAFACTORY_MCA_DISABLE to train with Megatron-Core)", file=sys.stderr)
+
+
+def refuse_when_disabled(command: str) -> None:
+    """Our own commands (``llamafactory-mca train``, ``demo``) are the Megatron-Core backend; with the off switch set
+    they would start LLaMA-Factory's default path under our name."""
+    if env_enabled(DISABLE_ENV):
+        from .errors import UserError
+
+        raise UserError(f"{DISABLE_ENV}={os.environ[DISABLE_ENV]} turns the Megatron-Core backend off, and "
+                        f"`llamafactory-mca {command}` is that backend: unset {DISABLE_ENV}, or use "
+                        "`llamafactory-cli train` for LLaMA-Factory's default path.")
+
+
 def startup_hook() -> None:
     """Called by the installed .pth file at interpreter start: inert unless USE_MCA is on."""
-    if env_enabled("USE_MCA") and not env_enabled("LLAMAFACTORY_MCA_DISABLE"):
-        try:
+    if not env_enabled("USE_MCA"):
+        return
+    try:
+        if env_enabled(DISABLE_ENV):
+            turn_off()
+        else:
             install()
-        except Exception as err:  # never break an interpreter at start-up
-            print(f"[llamafactory_mca] activation failed: {err!r}", file=sys.stderr)
+    except Exception as err:  # never break an interpreter at start-up
+        print(f"[llamafactory_mca] activation failed: {err!r}", file=sys.stderr)

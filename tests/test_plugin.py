@@ -7,6 +7,8 @@ import sys
 import pytest
 import yaml
 
+from tests._cli import losses, one_error, recipe, run, train
+
 
 def _run(args, env_extra=None, timeout=300, cwd=None):
     env = {k: v for k, v in os.environ.items() if k not in ("USE_MCA", "LLAMAFACTORY_MCA_DISABLE")}
@@ -77,6 +79,30 @@ def test_without_use_mca_llamafactory_is_untouched(tmp_path):
 
 
 def test_disable_switch_turns_the_hook_off():
-    result = _python("import importlib.util; print(importlib.util.find_spec('mcore_adapter'))",
-                     {"USE_MCA": "1", "LLAMAFACTORY_MCA_DISABLE": "1"})
-    assert result.returncode == 0 and result.stdout.strip() == "None"
+    code = "import importlib.util, os; print(importlib.util.find_spec('mcore_adapter'), os.environ.get('USE_MCA'))"
+    result = _python(code, {"USE_MCA": "1", "LLAMAFACTORY_MCA_DISABLE": "1"})
+    assert result.returncode == 0 and result.stdout.strip() == "None None"
+    assert result.stderr.count("USE_MCA is removed from this process's environment") == 1, result.stderr
+
+
+def test_disable_switch_trains_on_llamafactorys_default_path(assets, tmp_path):
+    """The README's off switch, as a user sets it beside USE_MCA=1: LLaMA-Factory's own trainer runs (before, its
+    launcher asked torchrun for 0 processes on a CPU machine and its parser imported mcore_adapter)."""
+    out = tmp_path / "out"
+    result, output = train(tmp_path, recipe(assets, out, max_steps=1), world=None,
+                           env={"LLAMAFACTORY_MCA_DISABLE": "1"})
+    assert result.returncode == 0, output[-4000:]
+    assert output.count("LLAMAFACTORY_MCA_DISABLE=1: USE_MCA is removed") == 1, output[-4000:]
+    assert "Traceback" not in output and "Megatron-Core backend" not in output, output[-4000:]
+    assert "llamafactory_mca: training" not in output  # our startup summary
+    assert "Running training" in output  # the Hugging Face Trainer's banner: LLaMA-Factory's default path
+    assert set(losses(out)) == {1}
+
+
+@pytest.mark.parametrize("command", ["train", "demo"])
+def test_our_commands_refuse_the_disable_switch_in_one_line(tmp_path, command):
+    args = ["llamafactory-mca", command] + ([str(tmp_path / "x.yaml")] if command == "train" else [])
+    env = {k: v for k, v in os.environ.items() if k != "USE_MCA"}
+    result, output = run(args, env={**env, "LLAMAFACTORY_MCA_DISABLE": "1"}, cwd=tmp_path)
+    one_error(result, output, "LLAMAFACTORY_MCA_DISABLE=1 turns the Megatron-Core backend off",
+              f"`llamafactory-mca {command}` is that backend", "unset LLAMAFACTORY_MCA_DISABLE")
