@@ -2,8 +2,10 @@
 logging step, not the model config five times and two dozen warnings from every rank.
 
 What is hidden only ever says something the startup summary already says in one line (Transformer Engine
-and apex are absent, so the native kernels run), or is a deprecation inside a library we pin (Megatron's
-own calls into torch.distributed). Our own warnings are fixed at their source, not filtered here.
+and apex are absent, so the native kernels run), is a deprecation inside a library we pin (Megatron's
+own calls into torch.distributed), or is advice that is wrong where it is given (LLaMA-Factory's "enable mixed
+precision" on a machine without GPUs, where the run is fp32 on purpose and the summary says so). Our own warnings
+are fixed at their source, not filtered here.
 ``LLAMAFACTORY_MCA_DEBUG=1`` keeps everything.
 """
 
@@ -31,6 +33,22 @@ _LOGGERS = (
 )
 
 
+MIXED_PRECISION_ADVICE = "We recommend enable mixed precision training."
+
+
+class CpuPrecisionAdvice(logging.Filter):
+    """LLaMA-Factory's parser recommends bf16/fp16 whenever neither is set. Without a GPU that is noise on every
+    run: a CPU run (tests, the demo, a laptop) trains in fp32 on purpose, and the startup summary says fp32. On GPUs
+    the advice stands and is kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage() != MIXED_PRECISION_ADVICE:
+            return True
+        import torch
+
+        return torch.cuda.is_available()
+
+
 def quiet_third_party() -> None:
     """Install the filters in this process (idempotent; workers inherit nothing, each calls it at start)."""
     if debug_enabled():
@@ -39,6 +57,9 @@ def quiet_third_party() -> None:
         warnings.filterwarnings("ignore", message=message, category=category)
     for name in _LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
+    parser_logger = logging.getLogger("llamafactory.hparams.parser")  # what LLaMA-Factory's get_logger returns
+    if not any(isinstance(f, CpuPrecisionAdvice) for f in parser_logger.filters):
+        parser_logger.addFilter(CpuPrecisionAdvice())
 
 
 def quiet_transformers() -> None:

@@ -93,9 +93,29 @@ def test_demo_is_quiet_and_answers_what_it_learned(tmp_path):
     lines = output.split("\n")  # as a terminal shows it: a progress bar's updates (\r) stay on one line
     assert len(lines) < 60, output
     assert "Traceback" not in output and "Warning" not in output and "warnings.warn" not in output, output
+    assert "mixed precision" not in output, output  # LLaMA-Factory's bf16 advice: wrong on a CPU run
     assert "llamafactory_mca: training qwen3" in output and "step 40/40 | loss" in output
     answer = next(line for line in lines if line.startswith("A: "))
     assert answer == "A: The capital of France is Paris.", output
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_mixed_precision_advice_is_kept_on_gpus_only(gpu):
+    """LLaMA-Factory's parser recommends bf16 on every run without it; a CPU run is fp32 on purpose, so there it is
+    noise. Said through LLaMA-Factory's own logger in a process the USE_MCA=1 hook started."""
+    code = (
+        "import torch\n"
+        f"torch.cuda.is_available = lambda: {gpu}\n"
+        "from llamafactory.extras.logging import get_logger\n"
+        "get_logger('llamafactory.hparams.parser').warning_rank0('We recommend enable mixed precision training.')\n"
+        "get_logger('llamafactory.hparams.parser').warning_rank0('another warning stays')\n"
+    )
+    env = {**os.environ, "USE_MCA": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("LLAMAFACTORY_MCA_DISABLE", None)
+    result, output = run([sys.executable, "-c", code], env=env)
+    assert result.returncode == 0, output
+    assert "another warning stays" in output
+    assert ("We recommend enable mixed precision training." in output) == gpu, output
 
 
 # ---- 3. one clear error, before any worker starts -------------------------------------------------------------
