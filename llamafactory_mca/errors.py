@@ -18,6 +18,7 @@ import sys
 from collections.abc import Iterator
 
 ERROR_FILE_ENV = "LLAMAFACTORY_MCA_ERROR_FILE"
+STATUS_DIR_ENV = "LLAMAFACTORY_MCA_STATUS_DIR"  # where each worker posts where it stands (watchdog.py)
 DEBUG_ENV = "LLAMAFACTORY_MCA_DEBUG"
 PREFIX = "[llamafactory_mca] error: "
 

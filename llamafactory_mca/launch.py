@@ -7,7 +7,10 @@ It runs torch's own elastic launcher in this process and adds what a user needs 
   workers when the command that started it dies;
 - a user error raised in a worker is printed once, after torchrun's shutdown, as the last thing on screen
   (workers write it to ``LLAMAFACTORY_MCA_ERROR_FILE``); a crashed worker keeps its own traceback and is
-  followed by one line naming the rank and exit code, instead of torchrun's ChildFailedError report;
+  followed by one line naming the rank and exit code (or the signal that killed it, which leaves no traceback),
+  instead of torchrun's ChildFailedError report;
+- the workers post where they stand in a status folder of this run, so a rank that waits past ``ddp_timeout`` can
+  name the rank it waits for (``watchdog.py``);
 - torchrun's banner about OMP_NUM_THREADS gives way to a sensible default (cores / processes).
 """
 
@@ -15,13 +18,14 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
 import threading
 import time
 
-from .errors import ERROR_FILE_ENV, PREFIX
+from .errors import ERROR_FILE_ENV, PREFIX, STATUS_DIR_ENV
 
 
 def _watch_parent(parent: int) -> None:
@@ -41,13 +45,27 @@ def _nproc(argv: list[str]) -> int:
     return 1
 
 
+_KILLED_HOW = {"SIGKILL": "killed by SIGKILL (the out-of-memory killer's signal, or kill -9)",
+               "SIGSEGV": "crashed with SIGSEGV (a segmentation fault in native code)",
+               "SIGABRT": "aborted (SIGABRT, from native code)"}
+
+
 def _failure_line(err) -> str:
-    parts = []
-    for rank, failure in sorted(err.failures.items()):
-        how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-        parts.append(f"rank {rank} ({how})")
-    return (f"{PREFIX}training failed: {', '.join(parts)}. The worker's traceback is above; "
-            "LLAMAFACTORY_MCA_DEBUG=1 shows torchrun's full report.")
+    """One line for workers that ended without a user error: the first to fail (torchrun stops the others with
+    SIGTERM, which is not news), how it ended, and where to look."""
+    first_rank, first = min(err.failures.items(),
+                            key=lambda item: (item[1].signal_name() == "SIGTERM", item[1].timestamp, item[0]))
+    if first.exitcode < 0:
+        name = first.signal_name()
+        how = _KILLED_HOW.get(name, f"stopped by {name}")
+        look = "A signal leaves no traceback; the system log (dmesg, journalctl -k) names the out-of-memory killer."
+    else:
+        how, look = f"exited with code {first.exitcode}", "Its traceback is above."
+    others = sorted(rank for rank in err.failures if rank != first_rank)
+    stopped = (f" Rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} "
+               f"{'were' if len(others) > 1 else 'was'} stopped with it." if others else "")
+    return (f"{PREFIX}training failed: rank {first_rank} {how}.{stopped} {look} LLAMAFACTORY_MCA_DEBUG=1 shows "
+            "torchrun's full report.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,10 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TORCH_NCCL_AVOID_RECORD_STREAMS") == "1" and _torch_at_least(2, 11):
         # LLaMA-Factory's launcher sets it; torch 2.11+ does this by default and warns on every rank that it is set
         del os.environ["TORCH_NCCL_AVOID_RECORD_STREAMS"]
-    fd, error_file = tempfile.mkstemp(prefix="llamafactory_mca-", suffix=".err")
-    os.close(fd)
-    os.remove(error_file)  # workers create it exclusively: the first one to fail wins
+    run_dir = tempfile.mkdtemp(prefix="llamafactory_mca-")
+    error_file = os.path.join(run_dir, "error")  # workers create it exclusively: the first one to fail wins
     os.environ[ERROR_FILE_ENV] = error_file
+    os.environ[STATUS_DIR_ENV] = run_dir
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
 
     # torch's elastic loggers take their level from LOGLEVEL when created; ours replace their failure report.
@@ -92,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PREFIX}stopped by {err.sigval.name}; the workers were stopped too.", file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
     finally:
-        if os.path.exists(error_file):
-            os.remove(error_file)
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _torch_at_least(major: int, minor: int) -> bool:

@@ -206,6 +206,15 @@ def init_distributed(timeout_s: float = 1800) -> None:
     )
 
 
+# What a collective raises on the survivors when another rank's process died (gloo; NCCL's watchdog aborts itself).
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "remote process exited")
+
+
+def lost_peer(err: BaseException) -> bool:
+    """A collective failed because another rank's process is gone, not because of this rank."""
+    return isinstance(err, RuntimeError) and any(text in str(err) for text in _PEER_GONE)
+
+
 def initialize(layout: ParallelLayout, seed: int = 42) -> None:
     """Create Megatron's process groups for ``layout`` (idempotent) and seed every RNG."""
     from megatron.core import parallel_state

@@ -3,8 +3,14 @@
 - its main thread has waited at one spot for longer than ``ddp_timeout`` without any progress, in a
   communication call (a torch.distributed collective, a Megatron pipeline send/receive, a gradient bucket's
   reduce) or, on GPUs, in a host synchronisation behind an asynchronous NCCL collective; the message names the
-  rank, the step and the call; or
+  rank, the step and the call, and the rank that stopped, where this node can tell (every rank on a node
+  posts where it stands in the launcher's status folder);
+- a checkpoint writer process it forked was killed mid-save (Megatron would wait for its result forever); or
 - the launcher that started it is gone (torchrun killed with SIGKILL cannot stop its workers itself).
+
+Every process a worker forks (the checkpoint writer's result Manager and file writers, data workers) is killed by
+the kernel when the worker ends, however it ends: a worker killed with SIGKILL (the out-of-memory killer's signal)
+runs no exit handler that could stop them.
 
 A rank that computes for a long time is not waiting, so it is never stopped; the ranks waiting for it are,
 after ``ddp_timeout``, as NCCL would, but with a message a person can act on. The process-group timeout is
@@ -13,18 +19,24 @@ set a minute longer, so this message comes first on gloo and NCCL alike.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import json
+import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
 import types
 
-from .errors import report
+from .errors import STATUS_DIR_ENV, report
 
 # Where the main thread stands when it waits for other ranks.
 _COMMUNICATION = ("torch/distributed/", "megatron/core/pipeline_parallel/p2p_communication.py",
                   "megatron/core/distributed/")
 _NOT_WAITING = ("torch/distributed/checkpoint/filesystem.py",)  # writing checkpoint files is work, not a wait
+_SAVING = "dist_checkpointing/strategies/filesystem_async.py"  # waits for the writer processes it forked
 
 _ACTIVE: Watchdog | None = None
 
@@ -85,6 +97,8 @@ class Watchdog:
                           file=sys.stderr, flush=True)
                 os._exit(1)
             frame = sys._current_frames().get(self._main)
+            self._post(frame)
+            self._check_writers(frame)
             now = time.monotonic()
             here = (id(frame), frame.f_lasti) if frame is not None else None
             if self.progress != seen or here != spot:
@@ -101,14 +115,112 @@ class Watchdog:
             if call is None:
                 continue  # computing, not waiting for another rank
             report(f"{self._where()} waited {now - since:.0f} s in {call}, longer than ddp_timeout="
-                   f"{self.timeout_s:g} s: another rank stopped, crashed or is stuck. Stopping the run. (Raise "
-                   "ddp_timeout if a rank legitimately needs longer, e.g. to tokenize a large dataset.)")
+                   f"{self.timeout_s:g} s: {self._culprits() or 'another rank stopped, crashed or is stuck'}. "
+                   "Stopping the run. (Raise ddp_timeout if a rank legitimately needs longer, e.g. to tokenize a "
+                   "large dataset.)")
             os._exit(1)
+
+    # ---- where every rank of this node stands ----------------------------------------------------------------------
+    def _post(self, frame: types.FrameType | None) -> None:
+        """Write where this rank stands into the launcher's status folder (once per poll)."""
+        folder = os.environ.get(STATUS_DIR_ENV)
+        if not folder or frame is None:
+            return
+        status = {"rank": self.rank, "pid": os.getpid(), "where": self._where(), "time": time.time(),
+                  "waiting": waiting_in(frame), "at": f"{os.path.basename(frame.f_code.co_filename)}:"
+                                                     f"{frame.f_lineno} ({frame.f_code.co_name})"}
+        path = os.path.join(folder, f"rank-{self.rank}.json")
+        try:
+            with open(path + ".tmp", "w") as f:
+                json.dump(status, f)
+            os.replace(path + ".tmp", path)
+        except OSError:
+            pass
+
+    def _culprits(self) -> str | None:
+        """The ranks on this node that are not waiting for others: gone, frozen, or busy outside any collective."""
+        folder = os.environ.get(STATUS_DIR_ENV)
+        if not folder or not os.path.isdir(folder):
+            return None
+        found = []
+        for name in sorted(os.listdir(folder)):
+            if not (name.startswith("rank-") and name.endswith(".json")):
+                continue
+            try:
+                with open(os.path.join(folder, name)) as f:
+                    status = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if status.get("rank") == self.rank:
+                continue
+            if not _alive(status["pid"]):
+                found.append(f"{status['where']} is gone (pid {status['pid']})")
+            elif time.time() - status["time"] > 5 * self.poll_s + 5:
+                found.append(f"{status['where']} stopped responding at {status['at']}")
+            elif not status.get("waiting"):
+                found.append(f"{status['where']} is not in a collective: it stands at {status['at']}")
+        return "; ".join(found) or None
+
+    def _check_writers(self, frame: types.FrameType | None) -> None:
+        """Megatron's checkpoint save waits for the writer processes it forked with no timeout: one killed mid-save
+        (e.g. by the out-of-memory killer) would stop the run forever."""
+        if frame is None or not any(_SAVING in f.f_code.co_filename.replace(os.sep, "/") for f in _stack(frame)):
+            return
+        for child in list(multiprocessing.process._children):  # started by this process, not yet joined
+            code = child.exitcode
+            if code is not None and code < 0:
+                report(f"{self._where()}: a checkpoint writer process (pid {child.pid}) was killed by "
+                       f"{signal.Signals(-code).name} while saving; the checkpoint being written is incomplete (its "
+                       "tmp- folder is ignored on resume). Stopping the run; resume from the newest complete "
+                       "checkpoint. (Out of host memory? The writers hold each rank's tensors while writing.)")
+                os._exit(1)
+
+
+def _stack(frame: types.FrameType | None):
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ---- forked children die with their worker ------------------------------------------------------------------------
+_PR_SET_PDEATHSIG = 1
+_forking_parent = 0
+
+
+def _remember_parent() -> None:
+    global _forking_parent
+    _forking_parent = os.getpid()
+
+
+def _die_with_parent() -> None:
+    """In a child just forked by a worker: the kernel sends it SIGKILL when the worker ends (Linux)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != _forking_parent:  # the worker ended before the line above
+        os._exit(1)
+
+
+def children_die_with_worker() -> None:
+    """Every process this worker forks from now on ends when the worker ends, by whatever signal (Linux's
+    parent-death signal, set in the child right after the fork; elsewhere nothing changes)."""
+    if sys.platform.startswith("linux"):
+        os.register_at_fork(before=_remember_parent, after_in_child=_die_with_parent)
 
 
 def start(timeout_s: float, rank: int) -> Watchdog:
     global _ACTIVE
     if _ACTIVE is None:
+        children_die_with_worker()
         _ACTIVE = Watchdog(timeout_s, rank).start()
     return _ACTIVE
 

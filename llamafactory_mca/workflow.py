@@ -202,14 +202,20 @@ def _load_rows(stage: str, template: Any, model_args: Any, data_args: Any, train
 
 def _run(stage: str, model_args, data_args, training_args, finetuning_args, callbacks=None) -> None:
     """A worker's run: a user error is one message (see errors.py), Ctrl-C a quiet exit."""
-    from .errors import user_errors
-    from .parallel import end_worker
+    from .errors import debug_enabled, user_errors
+    from .parallel import end_worker, lost_peer
 
     try:
         with user_errors():
             _train(stage, model_args, data_args, training_args, finetuning_args, callbacks)
     except KeyboardInterrupt:
         raise SystemExit(130) from None
+    except RuntimeError as err:
+        if not lost_peer(err) or debug_enabled():
+            raise
+        # another rank died (killed, out of memory, crashed): its failure is the news, which the launcher reports;
+        # this rank's traceback from inside a collective would only bury it
+        raise SystemExit(1) from None
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker; an in-process caller keeps its interpreter
         end_worker()
 
