@@ -8,10 +8,10 @@
 
 Random weights, one GPU, bf16, the native layer spec, Megatron DDP + distributed optimizer, the same forward
 step and loss as McaTrainer. Writes ``profile_<shape>_<variant>.md``: step time, GPU busy share, MFU, kernel
-launches and host synchronisations per step, top kernels and top CPU ops. ``--baseline`` runs the step as before
-issue 17's changes: megatron-core's THD RoPE and apex-less grad norm, its MoE dispatcher (moe_local_dispatch:
-false), SwiGLU unfused (bias_activation_fusion: false),
-Megatron's fp32 cross-entropy (native_cross_entropy: false).
+launches and host synchronisations per step, top kernels and top CPU ops. ``--baseline`` runs the step on
+megatron-core's own paths instead of our replacements: its THD RoPE and apex-less grad norm, its MoE dispatcher
+(moe_local_dispatch: false), SwiGLU unfused (bias_activation_fusion: false), Megatron's fp32 cross-entropy
+(native_cross_entropy: false).
 """
 
 from __future__ import annotations

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# What we run on the GPU machine (one H200 pair), phase by phase; each phase fits one 10-minute remote command.
+# The GPU benchmarks as we ran them (written for one pair of H200s), phase by phase; each phase takes at most about
+# 10 minutes. Scratch files (models, runs) go under $WORK (default: $TMPDIR or /tmp).
 #   bash benchmarks/run_gpu.sh <phase> <out_dir>
 # Single-GPU workloads run two at a time, one per GPU, to halve the wall time; two-GPU workloads run alone.
 set -uo pipefail
 phase=$1
 out=${2:-benchmarks/results/gpu}
+work=${WORK:-${TMPDIR:-/tmp}}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 bench() {  # bench <gpus> <name> <args...>
   local gpus=$1 name=$2; shift 2
-  CUDA_VISIBLE_DEVICES=$gpus python3 benchmarks/e2e_bench.py --out "$out/$name" --work "/tmp/e2e_$name" \
+  CUDA_VISIBLE_DEVICES=$gpus python3 benchmarks/e2e_bench.py --out "$out/$name" --work "$work/e2e_$name" \
     --steps 10 --warmup 3 --timeout 300 "$@" >> "$out/$name.log" 2>&1
   echo "== $name: exit $?"; tail -n 4 "$out/$name.log"
 }
@@ -18,18 +20,18 @@ check_tests() {  # the GPU tests on the given GPUs
   echo "== gpu tests: exit $?"; tail -n 3 "$out/gpu_tests.log"
 }
 check() {  # the trainer on GPUs end to end (DP2, distributed optimizer, merge, generate) and the GPU tests
-  llamafactory-mca demo --output_dir /tmp/demo > "$out/demo.log" 2>&1; echo "== demo: exit $?"; tail -n 4 "$out/demo.log"
+  llamafactory-mca demo --output_dir "$work/demo" > "$out/demo.log" 2>&1; echo "== demo: exit $?"; tail -n 4 "$out/demo.log"
   check_tests 0,1
 }
-first_hour() {  # issue 12 on a GPU pair: the demo (and which processes hold GPU memory), a collective hung over NCCL
+first_hour() {  # a new user's first hour on a GPU pair: the demo (and which processes hold GPU memory), a collective hung over NCCL
   (for _ in $(seq 1 90); do nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader; sleep 1; done \
     > "$out/gpu_apps.log" 2>&1) & local smi=$!
-  llamafactory-mca demo --output_dir /tmp/demo > "$out/demo.log" 2>&1; echo "== demo: exit $?"; tail -n 6 "$out/demo.log"
+  llamafactory-mca demo --output_dir "$work/demo" > "$out/demo.log" 2>&1; echo "== demo: exit $?"; tail -n 6 "$out/demo.log"
   kill $smi 2>/dev/null; echo "== processes that held GPU memory during the demo (pid, memory):"; sort -u "$out/gpu_apps.log"
   llamafactory-mca version > "$out/version.log" 2>&1; echo "== version: exit $?"; cat "$out/version.log"
   [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "== one GPU: no NCCL hang test"; return; }
   local start=$SECONDS
-  LLAMAFACTORY_MCA_FAULT=hang:3@1 USE_MCA=1 llamafactory-cli train /tmp/demo/demo_sft.yaml output_dir=/tmp/hang \
+  LLAMAFACTORY_MCA_FAULT=hang:3@1 USE_MCA=1 llamafactory-cli train "$work/demo/demo_sft.yaml" output_dir="$work/hang" \
     ddp_timeout=20 max_steps=8 > "$out/hang.log" 2>&1
   echo "== hung collective over NCCL: exit $? after $((SECONDS - start)) s"; tail -n 3 "$out/hang.log"
 }
@@ -114,6 +116,6 @@ case $phase in
   single_ours)  # one GPU: our path's single-GPU runs again after a change, then the MoE run's peak-memory report
     bench 0 g0 --workloads dense,varlen,varlen_moe,moe --paths ours --gpus 1
     USE_MCA=1 LLAMAFACTORY_MCA_MEMORY_REPORT="$out/memory_moe.md" timeout 120 \
-      llamafactory-cli train /tmp/e2e_g0/gpu/runs/moe/ours/recipe.yaml > "$out/memory_moe.log" 2>&1
+      llamafactory-cli train "$work/e2e_g0/gpu/runs/moe/ours/recipe.yaml" > "$out/memory_moe.log" 2>&1
     echo "== memory report: exit $?"; cat "$out/memory_moe.md" ;;
 esac

@@ -8,8 +8,8 @@ It launches ``llamafactory-cli`` as the training tests do, so run it with the en
 For every layout: the first steps' losses equal a smaller layout's on the same data, a checkpoint resumes onto
 a different data-parallel size with the uninterrupted run's losses, and ``scripts/megatron_merge.py`` gives a
 model that ``transformers`` loads. On CPU the models are tiny Qwen3 / Qwen3-MoE stand-ins with the same
-structure (GQA, qk-norm, 8 experts top-2); the 4- and 8-GPU machines were not lent, so real shapes, tokens/s
-and memory are still to be measured there with the same script (``--gpu``).
+structure (GQA, qk-norm, 8 experts top-2); no 4- or 8-GPU machine was available to us, so real shapes,
+tokens/s and memory are still to be measured on one with the same script (``--gpu``).
 """
 
 from __future__ import annotations

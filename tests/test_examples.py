@@ -12,6 +12,7 @@ is a CPU process.
 import glob
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -126,6 +127,21 @@ def test_every_example_is_covered():
     for example in EXAMPLES:
         with open(example) as f:
             assert yaml.safe_load(f)["model_name_or_path"] in FAMILY, example
+
+
+def test_readme_lists_every_recipe_and_only_recipes_that_exist():
+    """README's recipe paragraph is how a reader finds the recipes: a recipe added without it, or a name left there
+    after a rename, goes unnoticed otherwise."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    paragraph = re.search(r"Recipes in `examples/megatron/`(.*?)\.\n", readme, re.S)
+    assert paragraph, "README lost its 'Recipes in `examples/megatron/`' paragraph"
+    listed = re.findall(r"`([\w.-]+\.yaml)`", paragraph.group(1))
+    assert sorted(listed) == sorted(os.path.basename(e) for e in EXAMPLES), listed
+    assert len(listed) == len(set(listed)), listed
+    named_anywhere = re.findall(r"examples/megatron/([\w.-]+\.yaml)", readme)
+    for name in named_anywhere:
+        assert os.path.isfile(os.path.join(ROOT, "examples", "megatron", name)), name
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=os.path.basename)

@@ -1,4 +1,4 @@
-"""A new user's first hour (issue 12), through the real commands: the installed set works, help is quick, a mistake
+"""A new user's first hour, through the real commands: the installed set works, help is quick, a mistake
 is one message before any worker starts, hub ids resolve like LLaMA-Factory's default path, faults are named,
 killed launchers take their workers with them, and nothing waits forever.
 """

@@ -1,6 +1,6 @@
 """torch's AdamW inside Megatron's optimizer wrappers: fused on CUDA, untouched on CPU, same updates either way.
 
-The CUDA half runs in ``tests/gpu`` on the GPU machine (it needs the fused CUDA kernel); the helpers here are
+The CUDA half runs in ``tests/gpu`` on a machine with a GPU (it needs the fused CUDA kernel); the helpers here are
 shared with it.
 """
 

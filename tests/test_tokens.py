@@ -1,4 +1,4 @@
-"""Every token trained once per epoch (issue 13), through ``llamafactory-cli train``, against LLaMA-Factory's default
+"""Every token trained once per epoch, through ``llamafactory-cli train``, against LLaMA-Factory's default
 path on the same data. (Every layout's epoch accounting is in tests/test_layouts.py.)
 """
 

@@ -628,8 +628,8 @@ def test_native_cross_entropy_equals_megatrons(tp):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_zero_centred_rmsnorm_is_qwen3_nexts(dtype):
-    """``layernorm_zero_centered_gamma``: scale 1 + weight, as transformers' Qwen3-Next / Qwen3.5 norms (issue 19's
-    first piece): equal outputs and weight gradients from the same stored weight, the weight starting at zero."""
+    """``layernorm_zero_centered_gamma``: scale 1 + weight, as transformers' Qwen3-Next / Qwen3.5 norms: equal
+    outputs and weight gradients from the same stored weight, the weight starting at zero."""
     from megatron.core.transformer import TransformerConfig
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
 
