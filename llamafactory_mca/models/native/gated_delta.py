@@ -1,9 +1,9 @@
 """Gated delta-rule linear attention (Qwen3-Next, Qwen3.5) as a Megatron attention module, without TE.
 
 megatron-core 0.16.1's ``GatedDeltaNet`` imports flash-linear-attention unconditionally, allocates on CUDA, refuses
-packed sequences and is reachable only through a Transformer Engine spec (docs/qwen3-next-notes.md §5). This module
-keeps its parameter names (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``out_norm``, ``out_proj``) and runs the
-math of transformers' ``Qwen3NextGatedDeltaNet``:
+packed sequences and is reachable only through a Transformer Engine spec (docs/qwen3-next-notes.md). This module keeps
+its parameter names (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``out_norm``, ``out_proj``) and runs the math of
+transformers' ``Qwen3NextGatedDeltaNet``:
 
     q, k, v, z, b, a = in_proj(x)
     q, k, v = silu(causal depthwise conv1d([q | k | v]))
