@@ -244,10 +244,11 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
 
     from . import memory_report, parallel, run_lock, watchdog
     from .checkpoints import SideFiles
-    from .data import BatchingConfig, DataPlan, format_stats
+    from .data import BatchingConfig, DataPlan, check_trainable, empty_rows_warning, format_stats
+    from .data.content import template_tokens
     from .log import setup_logging
     from .models import spec
-    from .models.auto import AutoConfig, AutoModel
+    from .models.auto import AutoConfig, AutoModel, describe_load_balancing, resolve_load_balancing
     from .models.freeze import apply_freeze, apply_multimodal_freeze
     from .parallel import check_layout
     from .quiet import quiet_transformers
@@ -269,6 +270,7 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
     _resolve_model_once_per_node(model_args, finetuning_args)
     config = AutoConfig.from_pretrained(model_args.model_name_or_path, training_args, model_args.trust_remote_code)
     config = plan_mtp(config, stage, finetuning_args, training_args, say=torch.distributed.get_rank() == 0)
+    config, balancing = resolve_load_balancing(config, training_args, model_args.moe_aux_loss_coef)
     custom = training_args.pipeline_model_parallel_layout is not None
     check_layout(config, layout, custom)
     check_model_fits(config, cutoff_len, stage, layout, custom)
@@ -285,8 +287,29 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
                          "resizing embeddings is not supported with USE_MCA=1. Use a tokenizer that fits the model "
                          "(or resize and save the model with transformers first).")
     dataset_module = _load_rows(stage, template, model_args, data_args, training_args, tokenizer_module, cutoff_len)
+    frame = template_tokens(stage, template, tokenizer, tokenizer_module.get("processor"), data_args)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    batching = dict(cutoff_len=cutoff_len, packing=packing, pad_multiple=layout.pad_multiple, pad_token_id=pad_id)
+    vision = None
+    if config.transformer.get("mrope_section"):
+        from .data.multimodal import VisionInputs
 
-    model = AutoModel.from_pretrained(model_args.model_name_or_path, training_args, model_args.trust_remote_code)
+        vision = VisionInputs(template.mm_plugin, tokenizer_module.get("processor"), config.hf_config)
+    train_plan = DataPlan(dataset_module["train_dataset"], BatchingConfig.from_args(training_args, **batching),
+                          log=False, vision=vision, template_tokens=frame)
+    check_trainable(train_plan.stats, dataset=",".join(data_args.dataset or []))
+    warning = empty_rows_warning(train_plan.stats, dataset=",".join(data_args.dataset or []))
+    if warning and torch.distributed.get_rank() == 0:
+        logger.warning(warning)
+    eval_dataset = dataset_module.get("eval_dataset")
+    if isinstance(eval_dataset, dict):
+        raise UserError("several eval datasets (eval_dataset with a dict) are not supported with USE_MCA=1.")
+    eval_plan = None if eval_dataset is None else DataPlan(
+        eval_dataset, BatchingConfig.from_args(training_args, for_eval=True, **batching), log=False, vision=vision,
+        template_tokens=frame)
+
+    model = AutoModel.from_pretrained(model_args.model_name_or_path, training_args, model_args.trust_remote_code,
+                                      config=config)
     adapter_config = None
     if finetuning_args.finetuning_type == "lora":
         from .models.lora_io import setup_lora
@@ -298,21 +321,6 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
         if finetuning_args.finetuning_type == "freeze":
             apply_freeze(model, finetuning_args)
         apply_multimodal_freeze(model, finetuning_args)
-
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    batching = dict(cutoff_len=cutoff_len, packing=packing, pad_multiple=layout.pad_multiple, pad_token_id=pad_id)
-    vision = None
-    if config.transformer.get("mrope_section"):
-        from .data.multimodal import VisionInputs
-
-        vision = VisionInputs(template.mm_plugin, tokenizer_module.get("processor"), config.hf_config)
-    train_plan = DataPlan(dataset_module["train_dataset"], BatchingConfig.from_args(training_args, **batching),
-                          log=False, vision=vision)
-    eval_dataset = dataset_module.get("eval_dataset")
-    if isinstance(eval_dataset, dict):
-        raise UserError("several eval datasets (eval_dataset with a dict) are not supported with USE_MCA=1.")
-    eval_plan = None if eval_dataset is None else DataPlan(
-        eval_dataset, BatchingConfig.from_args(training_args, for_eval=True, **batching), log=False, vision=vision)
 
     preference = None
     if stage == "dpo":
@@ -340,7 +348,9 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
             steps=trainer.max_steps, data_stats=format_stats(train_plan.stats),
             memory=memory_estimate_gib(on_rank, training_args, layout.dp, trainable),
             tuning=f"{model.lora.describe()}: {trainable / 1e6:,.2f}M trainable parameters on this rank "
-                   f"({100 * trainable / max(on_rank, 1):.2f}%)" if model.lora else None))
+                   f"({100 * trainable / max(on_rank, 1):.2f}%)" if model.lora else None,
+            moe=describe_load_balancing(model.transformer_config, config.hf_model_type, balancing)
+            if config.num_experts else None))
 
     result = trainer.train(training_args.resume_from_checkpoint)
     trainer.save_model()

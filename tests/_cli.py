@@ -28,7 +28,7 @@ def make_assets(root: Path) -> dict:
         save_tiny_tokenizer(path)
         models[name] = path
     rows = alpaca_rows(48)
-    rows += [{"instruction": "", "input": "", "output": ""}]  # empty: still one target (the end token)
+    rows += [{"instruction": "", "input": "", "output": ""}]  # empty: trained (its end token), counted, warned about
     rows += [{"instruction": " ".join(["Explain rain in one sentence ."] * 30), "input": "", "output": "Sure ."}]
     sft_dir = write_alpaca_dataset(str(root / "sft"), 0, rows=rows)
     dpo_dir = write_alpaca_dataset(str(root / "dpo"), 24, ranking=True)

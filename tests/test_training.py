@@ -41,7 +41,9 @@ def test_stage_trains_and_loss_falls(stage, assets, tmp_path):
     if stage == "sft":
         assert (tmp_path / "out" / "training_loss.png").is_file()
         assert "1 reach cutoff_len and were truncated" in output  # the long row
-        assert "data (sft): 50 rows, 50 kept" in output  # an empty conversation still teaches the end token
+        # an empty conversation is kept, as LLaMA-Factory's default path keeps it (its end token carries loss), counted
+        assert "data (sft): 50 rows, 50 kept, 1 empty (nothing but template tokens) (dropped 0" in output
+        assert output.count("dataset=tiny_alpaca: 1 empty (nothing but the chat template's tokens) of 50 rows") == 1
     if stage == "dpo":
         with open(tmp_path / "out" / "trainer_log.jsonl") as f:
             first = json.loads(f.readline())
@@ -167,6 +169,19 @@ def test_bad_input_fails_clearly_and_writes_nothing(overrides, message, assets, 
     assert not out.exists() or not any(n.startswith("checkpoint") for n in os.listdir(out))
 
 
+def test_a_dataset_of_empty_rows_is_refused(assets, tmp_path):
+    """Alpaca rows whose fields are all empty would train on the template's end-of-turn token alone: one line, before
+    the model loads (the counting itself, for sft, dpo and pt: tests/data/test_content.py)."""
+    from llamafactory_mca.tiny import write_alpaca_dataset
+
+    rows = [{"instruction": "", "input": "", "output": ""}] * 8
+    config = recipe(assets, tmp_path / "out", dataset_dir=write_alpaca_dataset(str(tmp_path / "empty"), 0, rows=rows))
+    result, output = train(tmp_path, config)
+    one_error(result, output, "dataset=tiny_alpaca: nothing but the chat template's tokens would carry loss in its 8 "
+              "rows (8 empty, 0 with an empty answer)")
+    assert "Loaded qwen3" not in output
+
+
 def _sft_against_default(family: str, assets, tmp_path, **overrides) -> tuple[dict, float, str, str, str]:
     """Four sft steps of a tiny ``family`` model through the real command (checkpoint-4 merged), and one step of
     LLaMA-Factory's default path on the same rows (8 rows, one global batch of all of them: row order cannot
@@ -249,6 +264,36 @@ def test_qwen3_next_sft_packed_matches_llamafactory_and_merges(assets, tmp_path)
         assert not torch.equal(start[name], end[name]), name
 
 
+def test_moe_load_balancing_loss_is_named_trained_and_logged_apart(assets, tmp_path):
+    """A Qwen3-MoE checkpoint carrying router_aux_loss_coef 0.5: where the recipe is silent the run trains with it and
+    the summary names it; moe_aux_loss_coef: 0 (LLaMA-Factory's key) trains without it. Both runs' step 1 sees the same
+    weights and rows, so the same logged loss: the language-model loss, the load-balancing loss apart (the progress
+    line, trainer_state.json; trainer_log.jsonl keeps LLaMA-Factory's keys). Step 2 differs: the term trained the
+    first run's routers."""
+    from llamafactory_mca.tiny import save_tiny_model, save_tiny_tokenizer
+
+    model = save_tiny_model("qwen3_moe", str(tmp_path / "model"), vocab_size=assets["vocab"], router_aux_loss_coef=0.5)
+    save_tiny_tokenizer(model)
+    runs = {}
+    for name, extra in (("checkpoint", {}), ("off", {"moe_aux_loss_coef": 0})):
+        result, output = train(tmp_path, recipe(assets, tmp_path / name, model_name_or_path=model, **extra), name=name)
+        ok(result, output)
+        with open(tmp_path / name / "trainer_state.json") as f:
+            history = [entry for entry in json.load(f)["log_history"] if "loss" in entry]
+        with open(tmp_path / name / "trainer_log.jsonl") as f:
+            keys = {key for line in f for key in json.loads(line)}
+        assert "loss" in keys and not any("moe" in key or "balancing" in key for key in keys), keys
+        runs[name] = losses(tmp_path / name), history, output
+    (on, on_history, on_output), (off, off_history, off_output) = runs["checkpoint"], runs["off"]
+    assert ("MoE         load-balancing loss aux_loss x 0.5 (the checkpoint's router_aux_loss_coef), logged apart as "
+            "load_balancing_loss: loss is the language-model loss") in on_output
+    assert "| load_balancing_loss " in on_output and all(0.5 < e["moe/load_balancing_loss"] < 4 for e in on_history)
+    assert "MoE         no load-balancing loss (moe_aux_loss_coef: 0)" in off_output
+    assert "| load_balancing_loss " not in off_output and not any("moe/load_balancing_loss" in e for e in off_history)
+    assert on[1] == pytest.approx(off[1], rel=1e-6), (on, off)
+    assert abs(on[2] - off[2]) > 1e-6, (on, off)
+
+
 def _weights(directory) -> dict:
     from safetensors.torch import load_file
 
@@ -261,7 +306,9 @@ def test_deepseek_style_moe_dpo_trains(family, assets, tmp_path):
     """DPO on GLM-4.5's and DeepSeek-V3's layouts through the real command: the reference is the starting model
     (ln 2 at step 1), the loss falls, and the run says once why its multi-token-prediction layer is not trained:
     DeepSeek's because this is dpo; GLM's checkpoint was saved by transformers (as a model fine-tuned by
-    LLaMA-Factory's default path is), which declares the layer in config.json but drops its weights."""
+    LLaMA-Factory's default path is), which declares the layer in config.json but drops its weights. GLM's routing
+    stays aux-loss-free; DeepSeek's recipe asks for moe_aux_loss_coef, which adds the sequence-wise balancing loss
+    beside the expert bias: logged apart, so step 1's loss is still ln 2."""
     from transformers import AutoModelForCausalLM
 
     from llamafactory_mca.tiny import save_tiny_model, save_tiny_tokenizer
@@ -271,12 +318,18 @@ def test_deepseek_style_moe_dpo_trains(family, assets, tmp_path):
         AutoModelForCausalLM.from_pretrained(model).save_pretrained(tmp_path / "resaved")
         model = str(tmp_path / "resaved")
     save_tiny_tokenizer(model)
+    balancing = {"moe_aux_loss_coef": 0.01} if family == "deepseek_v3" else {}
     config = recipe(assets, tmp_path / "dpo", model_name_or_path=model, stage="dpo", dataset="tiny_alpaca",
                     dataset_dir=assets["dpo"], pref_beta=0.1, learning_rate=3e-4, gradient_accumulation_steps=2,
-                    max_steps=4)
+                    max_steps=4, **balancing)
     result, output = train(tmp_path, config)
     ok(result, output)
     curve = losses(tmp_path / "dpo")
     assert abs(curve[1] - 0.6931) < 1e-3 and curve[4] < curve[1], curve
+    if balancing:
+        assert "seq_aux_loss x 0.01 (moe_aux_loss_coef), logged apart as seq_load_balancing_loss" in output
+        assert "| seq_load_balancing_loss " in output, output[-3000:]
+    else:
+        assert "MoE         routing balanced by the expert bias (aux-loss-free); no load-balancing loss" in output
     said = "holds no weights for them" if family == "glm4_moe" else "layer(s) are not trained in a dpo run"
     assert output.count(said) == 1, output[-3000:]

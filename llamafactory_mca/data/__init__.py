@@ -6,7 +6,7 @@ epoch; stats), ``DataPlan.steps`` (one rank's micro-batches per optimizer step f
 """
 
 from .batch import IGNORE_INDEX, MicroBatch
-from .loader import BatchingConfig, DataPlan, Step, format_stats
+from .loader import BatchingConfig, DataPlan, Step, check_trainable, empty_rows_warning, format_stats
 from .packing import collate_packed, collate_padded, pack_window_ffd
 from .rows import PAIRWISE, PT, SFT, RowTable, Sample, detect_kind, scan_rows
 
@@ -21,9 +21,11 @@ __all__ = [
     "RowTable",
     "Sample",
     "Step",
+    "check_trainable",
     "collate_packed",
     "collate_padded",
     "detect_kind",
+    "empty_rows_warning",
     "format_stats",
     "pack_window_ffd",
     "scan_rows",

@@ -113,8 +113,11 @@ def _rng(seed: int, stream: int, epoch: int = 0) -> np.random.Generator:
 class DataPlan:
     """Which rows form which micro-batch, for every epoch; collation on demand."""
 
-    def __init__(self, dataset: Dataset, config: BatchingConfig, log: bool = True, vision: Any = None) -> None:
-        """``vision``: a ``data.multimodal.VisionInputs`` for vision-language models (pixels, 3-D positions)."""
+    def __init__(self, dataset: Dataset, config: BatchingConfig, log: bool = True, vision: Any = None,
+                 template_tokens: np.ndarray | None = None) -> None:
+        """``vision``: a ``data.multimodal.VisionInputs`` for vision-language models (pixels, 3-D positions).
+        ``template_tokens``: the ids the chat template adds around a row's text (``data/content.py``), to count the
+        rows with no text of their own; without them every token counts as the dataset's."""
         if not hasattr(dataset, "select_columns") or not hasattr(dataset, "__len__"):
             raise TypeError(
                 f"DataPlan needs a map-style datasets.Dataset, got {type(dataset).__name__}; streaming datasets "
@@ -122,7 +125,7 @@ class DataPlan:
             )
         self.config, self.vision = config, vision
         self.kind = detect_kind(dataset.column_names)
-        self.table: RowTable = scan_rows(dataset, self.kind, config.cutoff_len)
+        self.table: RowTable = scan_rows(dataset, self.kind, config.cutoff_len, template_tokens=template_tokens)
         self._dataset = dataset.select_columns(columns_for(self.kind, dataset.column_names))
         self._kept = np.flatnonzero(self.table.keep)
         self._packs: list[tuple[int, ...]] | None = None
@@ -213,7 +216,7 @@ class DataPlan:
         """
         n, per_step = self.num_micro_batches, dp_size * grad_accum
         if n == 0:
-            raise UserError("the dataset has no row left to train on (see the data line of the summary).")
+            raise UserError(f"the dataset has no row left to train on: {nothing_left(self.stats)}")
         epoch, offset = divmod(consumed, n)
         if offset % per_step:
             raise UserError(f"resume point {consumed} is not a whole step of dp x gradient_accumulation_steps = "
@@ -246,14 +249,18 @@ class DataPlan:
             "layout": "packed" if config.packing else "padding-free" if config.padding_free else "padded",
             "rows": table.num_rows,
             "rows_kept": len(self._kept),
-            "rows_dropped_empty": table.num_empty,
+            "rows_dropped_short": table.num_short,
             "rows_dropped_no_loss": table.num_no_loss,
+            "rows_empty": int(table.empty.sum()),
+            "rows_empty_answer": int(table.empty_answer.sum()),
             "rows_truncated": table.num_truncated,
             "tokens": tokens,
             "data_tokens": int(table.data_tokens[self._kept].sum()),
             "documents": int((~table.continues).sum()),
             "pieces": table.num_rows if table.split else None,
             "loss_tokens": int(table.loss_tokens[self._kept].sum()),
+            "content_loss_tokens": int(table.content_loss_tokens[self._kept].sum()),
+            "cutoff_len": config.cutoff_len,
             "padded_tokens": padded_tokens,
             "micro_batches": self.num_micro_batches,
             "capacity": self.capacity if config.packing else None,
@@ -276,11 +283,55 @@ def format_stats(stats: dict[str, Any]) -> str:
     rows = f"{stats['rows']} rows"
     if stats.get("pieces"):
         rows = f"{stats['documents']} documents in {stats['pieces']} pieces of at most cutoff_len"
+    empty = "".join(f", {stats[key]} {words}" for key, words in (
+        ("rows_empty", "empty (nothing but template tokens)"),
+        ("rows_empty_answer", "with an empty answer (loss on template tokens only)")) if stats.get(key))
     return (
-        f"data ({stats['kind']}): {rows}, {stats['rows_kept']} kept "
-        f"(dropped {stats['rows_dropped_empty']} empty, {stats['rows_dropped_no_loss']} without loss tokens; "
+        f"data ({stats['kind']}): {rows}, {stats['rows_kept']} kept{empty} "
+        f"(dropped {stats['rows_dropped_short']} with nothing to predict, {stats['rows_dropped_no_loss']} without "
+        "loss tokens; "
         f"{stats['rows_truncated']} reach cutoff_len and were truncated), {stats['data_tokens']} tokens "
         f"({stats['loss_tokens']} with loss), "
         f"{stats['micro_batches']} micro-batches per epoch ({layout}), "
         f"efficiency {100 * stats['packing_efficiency']:.1f}% real tokens"
     )
+
+
+def nothing_left(stats: dict[str, Any]) -> str:
+    """Why no row of a dataset is left to train on, from its stats (said before any summary is printed)."""
+    return (f"of {stats['rows']} rows read, {stats['rows_dropped_short']} have fewer than two tokens (nothing to "
+            f"predict) and {stats['rows_dropped_no_loss']} no loss token within cutoff_len={stats['cutoff_len']} (the "
+            "prompt fills cutoff_len, or every label is masked). Check the dataset's columns in dataset_info.json, or "
+            "raise cutoff_len.")
+
+
+def check_trainable(stats: dict[str, Any], dataset: str) -> None:
+    """Refuse a training set with no row left, or whose loss would fall on nothing but the chat template's tokens
+    (every row empty, or every answer: what a wrong column mapping reads as)."""
+    if not stats["rows_kept"]:
+        raise UserError(f"dataset={dataset} has no row left to train on: {nothing_left(stats)}")
+    if stats["content_loss_tokens"]:
+        return
+    if stats["kind"] == "pt":
+        found, learned = f"{stats['rows_empty']} of them empty", "the end of a text"
+    else:
+        found = f"{stats['rows_empty']} empty, {stats['rows_empty_answer']} with an empty answer"
+        learned = "the end of a turn"
+    raise UserError(f"dataset={dataset}: nothing but the chat template's tokens would carry loss in its "
+                    f"{stats['rows_kept']} rows ({found}): training would only teach {learned}. Check that the "
+                    "dataset's text is where dataset_info.json's \"columns\" say it is (the file's field names), "
+                    "and that the fields are not empty.")
+
+
+def empty_rows_warning(stats: dict[str, Any], dataset: str) -> str | None:
+    """A line about the rows with no text of their own, or whose loss falls on template tokens only: kept and
+    trained, as LLaMA-Factory's default path trains them, but rarely meant."""
+    empty, answers = stats["rows_empty"], stats["rows_empty_answer"]
+    if not empty and not answers:
+        return None
+    parts = [f"{empty} empty (nothing but the chat template's tokens)"] if empty else []
+    parts += [f"{answers} with an empty answer (loss on template tokens only)"] if answers else []
+    learned = "to end a text at once" if stats["kind"] == "pt" else "to end its turn at once"
+    return (f"dataset={dataset}: {' and '.join(parts)} of {stats['rows_kept']} rows; they are trained, as LLaMA-"
+            f"Factory's default path trains them, teaching the model {learned}. Remove them from the data if that is "
+            "not what they are for.")

@@ -52,13 +52,17 @@ class RowTable:
 
     kind: str
     lengths: np.ndarray  # int64 [rows, sequences per row]: positions after truncation and shift
-    keep: np.ndarray  # bool [rows]: non-empty and with at least one loss token (both sides of a pair)
+    keep: np.ndarray  # bool [rows]: something to predict and at least one loss token (both sides of a pair)
     loss_tokens: np.ndarray  # int64 [rows]
     continues: np.ndarray  # bool [rows]: a pt piece that continues a document (its first token was counted before)
     split: bool  # rows are pieces of documents (split_documents)
-    num_empty: int
+    num_short: int  # dropped: fewer than two tokens, nothing to predict
     num_no_loss: int
     num_truncated: int
+    # The dataset's own text, as opposed to the tokens the chat template puts around it (``data/content.py``);
+    # without the template's tokens every token counts as the dataset's.
+    content_tokens: np.ndarray  # int64 [rows]: tokens within cutoff_len that are not the template's
+    content_loss_tokens: np.ndarray  # int64 [rows]: loss tokens that are not the template's
 
     @property
     def num_rows(self) -> int:
@@ -73,6 +77,19 @@ class RowTable:
         """Per row, the dataset tokens it trains: positions, plus each sequence's last token unless shared."""
         return self.lengths.sum(axis=1) + np.where(self.continues, 0, self.sequences_per_row)
 
+    @property
+    def empty(self) -> np.ndarray:
+        """bool [rows]: kept rows with nothing of the dataset's own, only the template's tokens (an alpaca row with
+        empty instruction, input and output)."""
+        return self.keep & (self.content_tokens == 0)
+
+    @property
+    def empty_answer(self) -> np.ndarray:
+        """bool [rows]: kept sft rows and pairs with text of their own whose loss falls on template tokens only (an
+        empty output: only the end of the turn is learned). Not for pt, where a document's last piece may hold
+        one token and the end of text."""
+        return self.keep & (self.content_tokens > 0) & (self.content_loss_tokens == 0) & (self.kind != PT)
+
 
 def _list_lengths(column: Any) -> np.ndarray:
     import pyarrow.compute as pc
@@ -80,20 +97,34 @@ def _list_lengths(column: Any) -> np.ndarray:
     return pc.fill_null(pc.list_value_length(column), 0).to_numpy().astype(np.int64)
 
 
-def _loss_counts(labels: Any, cutoff_len: int) -> np.ndarray:
-    """Targets that count per row: labels[1 : cutoff_len + 1] that are not IGNORE_INDEX, vectorised."""
-    lengths = _list_lengths(labels)
-    values = labels.flatten().to_numpy(zero_copy_only=False)
+def _count_per_row(column: Any, first: int, last: int, pick: Any) -> np.ndarray:
+    """Per row, how many of its values at positions ``first``..``last`` (inclusive) ``pick`` accepts, vectorised."""
+    lengths = _list_lengths(column)
+    values = column.flatten().to_numpy(zero_copy_only=False)
     rows = np.repeat(np.arange(len(lengths)), lengths)
     within = np.arange(len(values)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    counts = (values != IGNORE_INDEX) & (within >= 1) & (within <= cutoff_len)
+    counts = pick(values) & (within >= first) & (within <= last)
     return np.bincount(rows, weights=counts, minlength=len(lengths)).astype(np.int64)
 
 
-def scan_rows(dataset: Dataset, kind: str, cutoff_len: int, batch_size: int = 1024) -> RowTable:
-    """Lengths and loss presence of every row, read through Arrow in batches (no Python per token)."""
+def _loss_counts(labels: Any, cutoff_len: int, own: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Targets that count per row (labels[1 : cutoff_len + 1] that are not IGNORE_INDEX), and how many of them are
+    the dataset's own tokens (``own``)."""
+    trained = _count_per_row(labels, 1, cutoff_len, lambda v: v != IGNORE_INDEX)
+    return trained, _count_per_row(labels, 1, cutoff_len, lambda v: (v != IGNORE_INDEX) & own(v))
+
+
+def scan_rows(dataset: Dataset, kind: str, cutoff_len: int, batch_size: int = 1024,
+              template_tokens: np.ndarray | None = None) -> RowTable:
+    """Lengths, loss presence and the dataset's own tokens of every row, read through Arrow in batches (no Python
+    per token). ``template_tokens``: the ids the chat template adds around a row's text (``data/content.py``)."""
     prefixes = _PREFIXES[kind]
-    lengths, losses, truncated, continues = [], [], [], []
+    template = np.unique(np.asarray(template_tokens if template_tokens is not None else [], dtype=np.int64))
+
+    def own(values: np.ndarray) -> np.ndarray:
+        return ~np.isin(values, template)
+
+    lengths, losses, truncated, continues, content, content_loss = [], [], [], [], [], []
     split = DOCUMENT_START in dataset.column_names  # pieces of documents: long ones were split, not truncated
     for table in dataset.with_format("arrow").iter(batch_size=batch_size):
         if split:
@@ -101,6 +132,7 @@ def scan_rows(dataset: Dataset, kind: str, cutoff_len: int, batch_size: int = 10
         else:
             continues.append(np.zeros(table.num_rows, dtype=bool))
         seq_lengths, seq_losses, seq_truncated = [], [], []
+        own_tokens = own_loss = np.zeros(table.num_rows, dtype=np.int64)
         for prefix in prefixes:
             ids = table.column(f"{prefix}input_ids").combine_chunks()
             count = _list_lengths(ids)
@@ -108,29 +140,40 @@ def scan_rows(dataset: Dataset, kind: str, cutoff_len: int, batch_size: int = 10
             seq_lengths.append(positions)
             # LLaMA-Factory already cut rows to cutoff_len + 1 tokens: reaching the limit means truncated
             seq_truncated.append(np.zeros(len(count), dtype=bool) if split else count >= cutoff_len + 1)
+            own_tokens = own_tokens + _count_per_row(ids, 0, cutoff_len, own)
             if kind == PT:
                 seq_losses.append(positions)
+                own_loss = own_loss + _count_per_row(ids, 1, cutoff_len, own)
             else:
-                seq_losses.append(_loss_counts(table.column(f"{prefix}labels").combine_chunks(), cutoff_len))
+                trained, trained_own = _loss_counts(table.column(f"{prefix}labels").combine_chunks(), cutoff_len, own)
+                seq_losses.append(trained)
+                own_loss = own_loss + trained_own
         lengths.append(np.stack(seq_lengths, axis=1))
         losses.append(np.stack(seq_losses, axis=1))
         truncated.append(np.any(np.stack(seq_truncated, axis=1), axis=1))
+        content.append(own_tokens)
+        content_loss.append(own_loss)
     width = len(prefixes)
-    lengths_all = np.concatenate(lengths) if lengths else np.zeros((0, width), dtype=np.int64)
-    losses_all = np.concatenate(losses) if losses else np.zeros((0, width), dtype=np.int64)
-    truncated_all = np.concatenate(truncated) if truncated else np.zeros(0, dtype=bool)
-    empty = np.any(lengths_all == 0, axis=1)
-    no_loss = ~empty & np.any(losses_all == 0, axis=1)
+
+    def joined(parts: list, shape: tuple, dtype: Any) -> np.ndarray:
+        return np.concatenate(parts) if parts else np.zeros(shape, dtype=dtype)
+
+    lengths_all = joined(lengths, (0, width), np.int64)
+    losses_all = joined(losses, (0, width), np.int64)
+    short = np.any(lengths_all == 0, axis=1)
+    no_loss = ~short & np.any(losses_all == 0, axis=1)
     return RowTable(
         kind=kind,
         lengths=lengths_all,
-        keep=~empty & ~no_loss,
+        keep=~short & ~no_loss,
         loss_tokens=losses_all.sum(axis=1),
-        continues=np.concatenate(continues) if continues else np.zeros(0, dtype=bool),
+        continues=joined(continues, (0,), bool),
         split=split,
-        num_empty=int(empty.sum()),
+        num_short=int(short.sum()),
         num_no_loss=int(no_loss.sum()),
-        num_truncated=int(truncated_all.sum()),
+        num_truncated=int(joined(truncated, (0,), bool).sum()),
+        content_tokens=joined(content, (0,), np.int64),
+        content_loss_tokens=joined(content_loss, (0,), np.int64),
     )
 
 

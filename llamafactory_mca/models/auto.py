@@ -8,6 +8,7 @@ checkpoint loaded instead, resharded to the current layout.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from .. import checkpoints
+from ..errors import UserError
 from .config import McaConfig, rope_inv_freq
 from .families import get_family
 from .hf_io import SafetensorsSource
@@ -28,8 +30,6 @@ class AutoConfig:
     def from_pretrained(path: str, args: Any = None, trust_remote_code: bool = False) -> McaConfig:
         """McaConfig of one of our folders, or from a HF ``config.json``."""
         if checkpoints.is_adapter_checkpoint(path):
-            from ..errors import UserError
-
             raise UserError(f"{path} is a checkpoint of a LoRA run: it holds the adapter, not the model. Keep "
                             "model_name_or_path on the base model and set adapter_name_or_path to its exported "
                             "adapter "
@@ -91,8 +91,6 @@ def resolve_mtp(config: McaConfig, args: Any) -> McaConfig:
     asked = getattr(args, "mtp_num_layers", None)
     apart = mtp_apart_from_features(config, args)
     if apart and asked:
-        from ..errors import UserError
-
         raise UserError(f"{apart}. Set pipeline_model_parallel_size: 1 to train it, or mtp_num_layers: 0.")
     if apart:
         return config.without_mtp()
@@ -100,11 +98,65 @@ def resolve_mtp(config: McaConfig, args: Any) -> McaConfig:
         return config
     if asked == 0:
         return config.without_mtp()
-    from ..errors import UserError
-
     raise UserError(f"mtp_num_layers={asked}: {config.hf_model_type} has {config.mtp_num_layers} multi-token-"
                      "prediction layer(s) in its checkpoint. Leave mtp_num_layers unset to train them, or set 0 to "
                      "leave them out.")
+
+
+# The families of ours whose HF modeling LLaMA-Factory's default path hands moe_aux_loss_coef to (its configure_moe);
+# it trains the others without a load-balancing loss whatever the recipe says.
+LLAMAFACTORY_AUX_LOSS_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+_TRACKED_AS = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+               "global_aux_loss": "global_load_balancing_loss"}
+
+
+def resolve_load_balancing(config: McaConfig, args: Any, moe_aux_loss_coef: float | None) -> tuple[McaConfig, str]:
+    """The router's load-balancing loss for this run, and where its coefficient came from (for the summary).
+
+    LLaMA-Factory's ``moe_aux_loss_coef``, where the recipe sets it, decides the coefficient, as Megatron's
+    ``moe_aux_loss_coeff`` does (set both, they must agree). Where the recipe says neither, the checkpoint's
+    ``router_aux_loss_coef`` stays (Megatron's practice), while LLaMA-Factory's default path trains without the
+    term: transformers adds it only with ``output_router_logits``, which only that key turns on. Sigmoid routing
+    (DeepSeek-V3, GLM-4.5) balances through its expert bias without an auxiliary loss; a coefficient asked for there
+    adds DeepSeek-V3's sequence-wise one (``seq_aux_loss``) unless ``moe_router_load_balancing_type`` says otherwise.
+    """
+    if not config.num_experts:
+        return config, ""
+    theirs, ours = moe_aux_loss_coef, getattr(args, "moe_aux_loss_coeff", None)
+    if theirs is not None and ours is not None and float(theirs) != float(ours):
+        raise UserError(f"moe_aux_loss_coef={theirs} (LLaMA-Factory's key) and moe_aux_loss_coeff={ours} (Megatron's) "
+                        "disagree on the load-balancing loss weight: set one of them.")
+    if theirs is None and ours is None:
+        return config, "the checkpoint's router_aux_loss_coef"
+    transformer = dict(config.transformer, moe_aux_loss_coeff=float(theirs if theirs is not None else ours))
+    if (transformer["moe_aux_loss_coeff"] and transformer.get("moe_router_load_balancing_type") == "none"
+            and getattr(args, "moe_router_load_balancing_type", None) is None):
+        transformer["moe_router_load_balancing_type"] = "seq_aux_loss"
+    source = "moe_aux_loss_coef" if theirs is not None else "moe_aux_loss_coeff"
+    return dataclasses.replace(config, transformer=transformer), source
+
+
+def describe_load_balancing(tc: Any, model_type: str, source: str) -> str:
+    """The summary's MoE line: which load-balancing loss trains, its weight and where that came from, how it is logged,
+    and where it differs from LLaMA-Factory's default path."""
+    kind, coeff = tc.moe_router_load_balancing_type, tc.moe_aux_loss_coeff
+    weight = f"{coeff:g}" if isinstance(coeff, (int, float)) else str(coeff)
+    parts = ["routing balanced by the expert bias (aux-loss-free)"] if tc.moe_router_enable_expert_bias else []
+    from_checkpoint = source.startswith("the checkpoint")
+    if kind == "none" or not coeff:
+        why = "" if from_checkpoint else f" ({source}: 0)" if not coeff else " (moe_router_load_balancing_type: none)"
+        parts.append(f"no load-balancing loss{why}" + ("" if coeff else ", as in LLaMA-Factory's default path"))
+    else:
+        parts.append(f"load-balancing loss {kind} x {weight} ({source}), logged apart as "
+                     f"{_TRACKED_AS.get(str(kind), str(kind))}: loss is the language-model loss")
+        if from_checkpoint:
+            parts.append(f"LLaMA-Factory's default path trains {model_type} without it; moe_aux_loss_coef: 0 does "
+                         "the same here")
+        elif model_type not in LLAMAFACTORY_AUX_LOSS_TYPES:
+            parts.append(f"LLaMA-Factory's default path ignores moe_aux_loss_coef for {model_type}")
+    if tc.moe_z_loss_coeff:
+        parts.append(f"router z-loss x {tc.moe_z_loss_coeff:g}")
+    return "; ".join(parts)
 
 
 def _engine_fields(config: McaConfig, args: Any) -> dict[str, Any]:
@@ -213,9 +265,12 @@ class McaModel:
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.validation import StrictHandling
 
-        state = dist_checkpointing.load(self.sharded_state_dict(), directory,
-                                        strict=StrictHandling.ASSUME_OK_UNEXPECTED if not strict
-                                        else StrictHandling.RAISE_UNEXPECTED)
+        from .dist_reader import named_load_errors  # with megatron's: torch DCP is not needed to plan a run
+
+        with named_load_errors(directory):
+            state = dist_checkpointing.load(self.sharded_state_dict(), directory,
+                                            strict=StrictHandling.ASSUME_OK_UNEXPECTED if not strict
+                                            else StrictHandling.RAISE_UNEXPECTED)
         for i, chunk in enumerate(self.chunks):
             chunk.load_state_dict(state["model" if len(self.chunks) == 1 else f"model{i}"], strict=False)
         check_finite(self.chunks, directory)
@@ -247,8 +302,6 @@ def check_finite(chunks: list[torch.nn.Module], source: str) -> None:
     finite = torch.stack([torch.isfinite(p).all() for _, p in named]).cpu()
     bad = [name for (name, _), ok in zip(named, finite.tolist()) if not ok]
     if bad:
-        from ..errors import UserError
-
         raise UserError(f"{source} holds NaN or inf values in {', '.join(bad[:5])}"
                         + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
                         + ": the checkpoint is corrupt or training diverged before it was saved.")
@@ -330,9 +383,12 @@ class AutoModel:
         return McaModel(config, tc, chunks)
 
     @staticmethod
-    def from_pretrained(path: str, args: Any = None, trust_remote_code: bool = False) -> McaModel:
+    def from_pretrained(path: str, args: Any = None, trust_remote_code: bool = False,
+                        config: McaConfig | None = None) -> McaModel:
+        """``config``: the run's plan of the model at ``path`` (``resolve_mtp``, ``resolve_load_balancing``), if made
+        already; read from ``path`` otherwise."""
         start = time.perf_counter()
-        config = AutoConfig.from_pretrained(path, args, trust_remote_code)
+        config = config or AutoConfig.from_pretrained(path, args, trust_remote_code)
         model = AutoModel.from_config(config, args)
         dist = checkpoints.dist_checkpoint_dir(path) if checkpoints.is_ours(path) else None
         if dist is not None:

@@ -165,7 +165,7 @@ def gpu_memory_gib() -> tuple[float, float]:
 
 def startup_summary(*, layout: Any, args: Any, model_type: str, params_total: int, params_on_rank: int,
                     kernels: str, tokens_per_step: int | None, steps: int, data_stats: str,
-                    memory: dict[str, float], tuning: str | None = None) -> str:
+                    memory: dict[str, float], tuning: str | None = None, moe: str | None = None) -> str:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (gloo)"
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     schedule = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
@@ -182,6 +182,7 @@ def startup_summary(*, layout: Any, args: Any, model_type: str, params_total: in
         f"  steps       {steps}; lr {args.learning_rate:g} ({schedule}), warmup "
         f"{args.get_warmup_steps(steps)}, weight decay {args.weight_decay:g}, max grad norm {args.max_grad_norm:g}",
         f"  kernels     {kernels}",
+        *([f"  MoE         {moe}"] if moe else []),
         *([f"  tuning      {tuning}"] if tuning else []),
         f"  optimizer   {args.optimizer}{' (distributed)' if args.use_distributed_optimizer else ''}"
         f"{', overlap grad reduce' if args.overlap_grad_reduce else ''}"

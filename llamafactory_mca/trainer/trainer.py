@@ -31,6 +31,7 @@ from .. import memory_report, watchdog
 from ..errors import UserError
 from .. import checkpoints
 from ..checkpoints import SideFiles, checkpoint_path, resolve_resume
+from ..data.loader import nothing_left
 from . import checkpoint as ckpt
 from .feeder import StepFeeder
 from .faults import maybe_crash, maybe_hang, nan_loss
@@ -127,7 +128,7 @@ class McaTrainer:
         """(max_steps, epochs): an epoch's last step takes what is left, so every epoch has ceil(n / per step)."""
         per_epoch = self.train_feed.steps_per_epoch()
         if per_epoch < 1:
-            raise UserError("the training set has no row left to train on (see the data line of the summary).")
+            raise UserError(f"the training set has no row left to train on: {nothing_left(self.train_data.stats)}")
         if self.args.max_steps and self.args.max_steps > 0:
             return self.args.max_steps, self.args.max_steps / per_epoch
         epochs = self.args.num_train_epochs
@@ -228,6 +229,9 @@ class McaTrainer:
                             "checkpoint; raise max_nonfinite_steps to tolerate longer runs of bad steps.")
 
     def _moe_metrics(self, num_micro_batches: int) -> dict[str, float]:
+        """The routers' load-balancing (and z-) losses, unweighted, averaged over the MoE layers (the MTP layers' too)
+        and micro-batches, as Megatron logs them; they reach the gradients with their coefficients, not the logged
+        ``loss``, which stays the language-model loss."""
         tc = self.model.transformer_config
         if not tc.num_moe_experts:
             return {}
@@ -245,7 +249,9 @@ class McaTrainer:
             clear_aux_losses_tracker()
             return {}
         reduce_aux_losses_tracker_across_ranks(names)
-        metrics = {f"moe/{name}": (tracker[name]["values"].sum() / tc.num_layers / num_micro_batches).item()
+        config = self.model.config
+        moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers + (tc.mtp_num_layers or 0)))
+        metrics = {f"moe/{name}": (tracker[name]["values"].sum() / moe_layers / num_micro_batches).item()
                    for name in names}
         clear_aux_losses_tracker()
         return metrics

@@ -158,7 +158,7 @@ def test_stats_count_dropped_and_truncated_rows(caplog):
         plan = DataPlan(datasets.Dataset.from_list(rows), config)
     stats = plan.stats
     assert (stats["rows"], stats["rows_kept"]) == (5, 2)
-    assert (stats["rows_dropped_empty"], stats["rows_dropped_no_loss"]) == (2, 1)
+    assert (stats["rows_dropped_short"], stats["rows_dropped_no_loss"]) == (2, 1)
     assert stats["rows_truncated"] == 1
     assert stats["tokens"] == 9 + 16 and stats["loss_tokens"] == 8 + 15
     assert stats["padded_tokens"] == 12 + 16 and stats["packing_efficiency"] == pytest.approx(25 / 28)

@@ -152,6 +152,7 @@ class MoE(Part):
             moe_router_topk=hf.num_experts_per_tok,
             # HF: softmax over all experts, top-k, renormalise if norm_topk_prob = Megatron's softmax over the top-k.
             moe_router_pre_softmax=not norm_topk,
+            # the checkpoint's weight, unless the recipe gives one (auto.resolve_load_balancing)
             moe_aux_loss_coeff=float(getattr(hf, "router_aux_loss_coef", 0.0) or 0.0),
             moe_router_load_balancing_type="aux_loss",
         )
@@ -162,8 +163,8 @@ class MoE(Part):
                 moe_router_topk_scaling_factor=float(hf.routed_scaling_factor),
                 moe_router_num_groups=groups if groups > 1 else None,
                 moe_router_group_topk=hf.topk_group if groups > 1 else None,
-                # HF's modeling (and so LLaMA-Factory's default path) trains these with no auxiliary loss; a recipe
-                # may set moe_router_load_balancing_type: seq_aux_loss and moe_aux_loss_coeff
+                # HF's modeling (and so LLaMA-Factory's default path) trains these with no auxiliary loss; a recipe's
+                # moe_aux_loss_coef adds DeepSeek-V3's sequence-wise one (auto.resolve_load_balancing)
                 moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
             )
             dense = getattr(hf, "first_k_dense_replace", 0) or 0

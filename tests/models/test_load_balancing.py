@@ -1,0 +1,67 @@
+"""The router's load-balancing loss a run trains with: LLaMA-Factory's moe_aux_loss_coef decides it where the recipe
+sets it, the checkpoint's router_aux_loss_coef otherwise, and the summary says which (and where LLaMA-Factory's default
+path differs). Sigmoid routing (DeepSeek-V3, GLM-4.5) stays aux-loss-free unless a coefficient is asked for."""
+
+import pytest
+
+from llamafactory_mca.args import MegatronArguments
+from llamafactory_mca.errors import UserError
+from llamafactory_mca.models.auto import build_transformer_config, describe_load_balancing, resolve_load_balancing
+from llamafactory_mca.models.families import get_family
+from llamafactory_mca.tiny import tiny_hf_config
+
+
+def planned(name: str, coef: float | None, checkpoint: float = 0.001, **recipe):
+    hf = tiny_hf_config(name, router_aux_loss_coef=checkpoint)
+    config = get_family(hf.model_type).config_from_hf(hf)
+    args = MegatronArguments(**recipe)
+    config, source = resolve_load_balancing(config, args, coef)
+    tc = build_transformer_config(config, args)
+    return tc, describe_load_balancing(tc, config.hf_model_type, source)
+
+
+def test_the_checkpoints_coefficient_stays_and_is_named():
+    tc, said = planned("qwen3_moe", None)
+    assert (tc.moe_router_load_balancing_type, tc.moe_aux_loss_coeff) == ("aux_loss", 0.001)
+    assert said == ("load-balancing loss aux_loss x 0.001 (the checkpoint's router_aux_loss_coef), logged apart as "
+                    "load_balancing_loss: loss is the language-model loss; LLaMA-Factory's default path trains "
+                    "qwen3_moe without it; moe_aux_loss_coef: 0 does the same here")
+
+
+@pytest.mark.parametrize("coef,weight,words", [
+    (0.0, 0.0, "no load-balancing loss (moe_aux_loss_coef: 0), as in LLaMA-Factory's default path"),
+    (0.02, 0.02, "load-balancing loss aux_loss x 0.02 (moe_aux_loss_coef), logged apart as load_balancing_loss"),
+])
+def test_llamafactorys_key_decides_the_coefficient(coef, weight, words):
+    tc, said = planned("qwen3_moe", coef)
+    assert tc.moe_aux_loss_coeff == weight and said.startswith(words) and "default path trains" not in said
+    assert planned("qwen3_moe", coef, moe_aux_loss_coeff=coef)[0].moe_aux_loss_coeff == weight  # both keys agree
+    with pytest.raises(UserError, match=r"moe_aux_loss_coef=.* and moe_aux_loss_coeff=0.5 .Megatron's. disagree"):
+        planned("qwen3_moe", coef, moe_aux_loss_coeff=0.5)
+
+
+def test_families_llamafactory_ignores_the_key_for_are_named():
+    tc, said = planned("qwen3_vl_moe", 0.01)
+    assert tc.moe_aux_loss_coeff == 0.01
+    assert said.endswith("LLaMA-Factory's default path ignores moe_aux_loss_coef for qwen3_vl_moe")
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_sigmoid_routing_stays_aux_loss_free_unless_asked(family):
+    tc, said = planned(family, None)
+    assert (tc.moe_router_load_balancing_type, tc.moe_aux_loss_coeff, tc.moe_router_enable_expert_bias) == \
+        ("none", 0.0, True)
+    assert said == ("routing balanced by the expert bias (aux-loss-free); no load-balancing loss, as in "
+                    "LLaMA-Factory's default path")
+    tc, said = planned(family, 1e-4)  # DeepSeek-V3's sequence-wise loss beside the bias
+    assert (tc.moe_router_load_balancing_type, tc.moe_aux_loss_coeff, tc.moe_router_enable_expert_bias) == \
+        ("seq_aux_loss", 1e-4, True)
+    assert "seq_aux_loss x 0.0001 (moe_aux_loss_coef), logged apart as seq_load_balancing_loss" in said
+    tc, _ = planned(family, 1e-4, moe_router_load_balancing_type="aux_loss")  # the recipe's type wins
+    assert (tc.moe_router_load_balancing_type, tc.moe_aux_loss_coeff) == ("aux_loss", 1e-4)
+
+
+def test_dense_models_have_no_load_balancing():
+    hf = tiny_hf_config("qwen3")
+    config = get_family(hf.model_type).config_from_hf(hf)
+    assert resolve_load_balancing(config, MegatronArguments(), 0.01) == (config, "")
