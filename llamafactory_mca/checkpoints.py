@@ -7,6 +7,8 @@ A folder of ours (``output_dir/checkpoint-N`` of training, or the output of ``ll
 - ``mca_config.json``: the model in Megatron terms (``models.config.McaConfig``);
 - ``mca_layout.json``: the parallel layout it was written in (a load under another one reshards: the model's
   tensors are global, the optimizer's are re-laid out by ``trainer/reshard.py``);
+- ``mca_run.json`` (training): what the run was (stage, finetuning type, model), so that a resume that would
+  continue another kind of run is refused before any worker starts;
 - Hugging Face ``config.json``, tokenizer and processor files, and for training ``trainer_state.json``.
 
 ``write_folder`` writes it all into ``tmp-<name>`` and renames it when complete, so a folder with our name is
@@ -35,6 +37,7 @@ DIST_DIR = "dist_ckpt"  # where a checkpoint folder keeps its Megatron dist chec
 MCA_CONFIG_NAME = "mca_config.json"  # the model in Megatron terms (models.config.McaConfig)
 LAYOUT_NAME = "mca_layout.json"  # the layout it was written in
 TRAINER_STATE_NAME = "trainer_state.json"
+RUN_NAME = "mca_run.json"  # a training checkpoint's run: stage, finetuning type, model
 ADAPTER_CONFIG_NAME = "adapter_config.json"  # in a LoRA run's checkpoints: what the adapters are (peft's file)
 LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size")
@@ -97,6 +100,7 @@ class SideFiles:
     processor: Any = None
     hf_source: str | None = None  # a Hugging Face folder to copy config.json and tokenizer files from (convert)
     adapter_config: dict | None = None  # a LoRA run's peft adapter_config.json (its checkpoints hold adapters only)
+    run: dict | None = None  # training: ``run_record``
 
     def write(self, directory: str) -> None:
         from .models.hf_io import copy_side_files, write_hf_config
@@ -113,6 +117,8 @@ class SideFiles:
             write_hf_config(self.config.hf_config, directory, None)
         if self.adapter_config is not None:
             _write_json(os.path.join(directory, ADAPTER_CONFIG_NAME), self.adapter_config)
+        if self.run is not None:
+            _write_json(os.path.join(directory, RUN_NAME), self.run)
         for saver in (self.tokenizer, self.processor):
             if saver is not None:
                 saver.save_pretrained(directory)
@@ -150,17 +156,25 @@ def write_folder(path: str, state: dict, side_files: SideFiles, *, extra: Callab
     return path
 
 
+_MANAGER = None  # ours, for Megatron's writer results queue (see _forked_results_queue)
+
+
 def _forked_results_queue() -> None:
     """Megatron's checkpoint writer hands its results back through a ``multiprocessing`` Manager that it starts with
     ``spawn``, once per process: a fresh interpreter that imports torch to unpickle them, on every rank at once at the
-    first save (7 s of a 2-step 8-rank CPU run's 42 s; seconds on a GPU node too). A forked Manager has torch already;
-    Megatron forks its file writers from the same process, so forking is already safe there."""
+    first save (7 s of a 2-step 8-rank CPU save, seconds on a GPU node too). A forked Manager has torch already;
+    Megatron forks its file writers from the same process, so forking is already safe there. A Manager that has
+    died since the last save (killed: a stray kill -9, the out-of-memory killer) is replaced, not written to."""
     import multiprocessing
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if getattr(filesystem_async, "_results_queue", False) is None:
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+    global _MANAGER
+    ours = _MANAGER is not None and filesystem_async._results_queue is _MANAGER[1]
+    if filesystem_async._results_queue is None or (ours and not _MANAGER[0]._process.is_alive()):
+        manager = multiprocessing.get_context("fork").Manager()
+        _MANAGER = manager, manager.Queue()
+        filesystem_async._results_queue = _MANAGER[1]
 
 
 def _write_json(path: str, data: dict) -> None:
@@ -229,9 +243,44 @@ def newest_intact(output_dir: str, besides: str | None = None) -> str | None:
     return None
 
 
-def resolve_resume(resume: Any, output_dir: str) -> str | None:
+def run_record(stage: str, finetuning_type: str, config: McaConfig) -> dict[str, Any]:
+    """What a training run is, as its checkpoints record it (``mca_run.json``) and a resume must match."""
+    t = config.transformer
+    return {"stage": stage, "finetuning_type": finetuning_type, "model_type": config.hf_model_type,
+            "num_layers": t.get("num_layers"), "hidden_size": t.get("hidden_size")}
+
+
+def check_same_run(path: str, run: dict[str, Any]) -> None:
+    """A resume continues the run that wrote ``path``: the same stage, finetuning type and model (the layout may
+    change). Anything else is a new run from its weights, which says how."""
+    file = os.path.join(path, RUN_NAME)
+    if not os.path.isfile(file):
+        return  # written before the record existed: the load itself says what does not fit
+    with open(file, encoding="utf-8") as f:
+        saved = json.load(f)
+    if any(saved.get(k) != run.get(k) for k in ("model_type", "num_layers", "hidden_size")):
+        raise UserError(f"cannot resume from {path}: it was written for {_describe_model(saved)}, and this run "
+                        f"trains {_describe_model(run)}. Resume with the model it was written for, or choose another "
+                        "output_dir / resume_from_checkpoint: false.")
+    for key in ("stage", "finetuning_type"):
+        if saved.get(key) != run.get(key):
+            start = (f"merge it (llamafactory-mca merge --checkpoint_path {path} --merge_lora) and set "
+                     "model_name_or_path to the merged folder" if saved.get("finetuning_type") == "lora"
+                     else f"set model_name_or_path: {path}")
+            raise UserError(f"cannot resume from {path}: it was written by a {key}={saved.get(key)!r} run and this "
+                            f"run has {key}={run.get(key)!r}; resuming continues the same run (its optimizer state, "
+                            f"schedule and data position). To start this run from its weights, {start}, with "
+                            "resume_from_checkpoint: false or another output_dir.")
+
+
+def _describe_model(run: dict[str, Any]) -> str:
+    return f"{run.get('model_type')} ({run.get('num_layers')} layers, hidden size {run.get('hidden_size')})"
+
+
+def resolve_resume(resume: Any, output_dir: str, run: dict[str, Any] | None = None) -> str | None:
     """``resume_from_checkpoint`` (a path, true/"true" for the newest complete one, None/false) as a folder that
-    verifies; otherwise a UserError naming the broken file and the checkpoint to use instead."""
+    verifies and, given ``run`` (``run_record``), continues the same kind of run; otherwise a UserError naming the
+    broken file and the checkpoint to use instead, or what differs."""
     if resume in (None, False, "", "false", "False"):
         return None
     if resume in (True, "true", "True"):
@@ -250,6 +299,8 @@ def resolve_resume(resume: Any, output_dir: str) -> str | None:
         fix = (f"Resume from the newest intact checkpoint instead: resume_from_checkpoint: {instead}" if instead
                else "No other intact checkpoint is there: set overwrite_output_dir: true to start over")
         raise UserError(f"cannot resume from {resume}: {err} {fix}.") from err
+    if run is not None:
+        check_same_run(resume, run)
     return resume
 
 

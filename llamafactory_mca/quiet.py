@@ -24,6 +24,9 @@ _WARNINGS = (
     (FutureWarning, r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor|_all_gather_base|"
                     r"_reduce_scatter_base)` is deprecated"),
     (UserWarning, r"torch\.distributed is disabled"),  # a plain merge process reading a dist checkpoint on purpose
+    # megatron-core 0.16's torch_dist checkpoint strategy: torch's old DCP entry point and its ShardedTensor
+    (FutureWarning, r"`load_state_dict` is deprecated and will be removed in future versions\. Please use `load`"),
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
 )
 # Loggers whose messages below ERROR say nothing a user can act on here.
 _LOGGERS = (

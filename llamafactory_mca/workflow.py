@@ -243,7 +243,7 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
     from llamafactory.model import load_tokenizer
 
     from . import memory_report, parallel, run_lock, watchdog
-    from .checkpoints import SideFiles
+    from .checkpoints import SideFiles, run_record
     from .data import BatchingConfig, DataPlan, check_trainable, empty_rows_warning, format_stats
     from .data.content import template_tokens
     from .log import setup_logging
@@ -334,7 +334,8 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
         model=model, args=training_args, layout=layout, train_data=train_plan, eval_data=eval_plan,
         tokenizer=tokenizer, processor=processor, callbacks=callbacks, preference=preference,
         reference_model=finetuning_args.ref_model if stage == "dpo" else None,
-        side_files=SideFiles(config, layout, grouped, tokenizer, processor, adapter_config=adapter_config),
+        side_files=SideFiles(config, layout, grouped, tokenizer, processor, adapter_config=adapter_config,
+                             run=run_record(stage, finetuning_args.finetuning_type, config)),
     )
 
     if torch.distributed.get_rank() == 0:

@@ -7,6 +7,8 @@ rank's tokens under context parallelism.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from typing import Any
 from collections.abc import Iterator
 
@@ -32,6 +34,28 @@ class StepFeeder:
     @property
     def micro_batches_per_epoch(self) -> int:
         return self.plan.num_micro_batches
+
+    @functools.cached_property
+    def signature(self) -> dict[str, Any]:
+        """What a checkpoint's data position means: the epoch's micro-batches (which rows each holds) and the padding
+        multiple that shaped packs. A resume whose plan differs continues at the same count, not the same rows."""
+        groups = hashlib.sha1(repr(self.plan.epoch_groups(0)).encode()).hexdigest()[:16]
+        return {"micro_batches": self.plan.num_micro_batches, "groups": groups,
+                "packing": self.plan.config.packing, "pad_multiple": self.plan.config.pad_multiple}
+
+    def resume_note(self, saved: dict[str, Any] | None) -> str | None:
+        """None if a checkpoint's data position (its ``signature``) means the same rows here; else what differs."""
+        mine = self.signature
+        if not saved or saved == mine:
+            return None
+        why = (f"packed with sequences padded to a multiple of {mine['pad_multiple']} instead of "
+               f"{saved['pad_multiple']} (2 x context x tensor parallel sizes)"
+               if mine["packing"] and saved.get("packing") and saved.get("pad_multiple") != mine["pad_multiple"]
+               else "another dataset, micro-batch size, cutoff_len, packing or seed")
+        return (f"this run's micro-batches differ from the checkpoint's ({saved['micro_batches']} -> "
+                f"{mine['micro_batches']} per epoch: {why}): the epoch in progress continues at the same count of "
+                "micro-batches, so some of its rows may be trained twice or not at all; later epochs are whole. "
+                "Resume with the checkpoint's settings to continue exactly.")
 
     def steps_per_epoch(self) -> int:
         return self.plan.steps_per_epoch(self.layout.dp, self.layout.grad_accum)

@@ -1,9 +1,37 @@
-"""A progress bar on rank 0 and one readable line per logging step."""
+"""A progress bar on rank 0 and one readable line per logging step; LLaMA-Factory's trainer_log.jsonl on resume."""
 
 from __future__ import annotations
 
+import json
+import os
+
+from llamafactory.extras.constants import TRAINER_LOG
 from transformers import TrainerCallback
 from tqdm.auto import tqdm
+
+
+def forget_logs_after(output_dir: str, step: int) -> int:
+    """Drop the entries of LLaMA-Factory's ``trainer_log.jsonl`` past ``step`` (those a resumed run trains again),
+    so its loss plot and LlamaBoard's progress read one history. LLaMA-Factory's default path appends instead, and
+    steps between the checkpoint and the crash appear twice. Returns how many entries went."""
+    path = os.path.join(output_dir, TRAINER_LOG)
+    if not os.path.isfile(path):
+        return 0
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    kept = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:  # a line cut short by the crash
+            continue
+        if int(entry.get("current_steps", 0)) <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if len(kept) != len(lines):
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+    return len(lines) - len(kept)
 
 
 def format_logs(step: int, max_steps: int, logs: dict) -> str:

@@ -152,7 +152,7 @@ def _bucket_rows(key: str, bucket: Any, buffer: Any, meta: dict, state_keys: set
 def _overlap(offset: tuple, shape: tuple, other_offset: tuple, other_shape: tuple) -> tuple[list, list] | None:
     lo = [max(a, b) for a, b in zip(offset, other_offset)]
     hi = [min(a + n, b + m) for a, n, b, m in zip(offset, shape, other_offset, other_shape)]
-    return (lo, hi) if all(h > l for l, h in zip(lo, hi)) else None
+    return (lo, hi) if all(b > a for a, b in zip(lo, hi)) else None
 
 
 def _window(lo: list, hi: list, origin: tuple) -> tuple[slice, ...]:

@@ -38,7 +38,7 @@ from .faults import maybe_crash, maybe_hang, nan_loss
 from .loss import PreferenceConfig, collect_pair_logps, dpo_loss, lm_loss
 from .metrics import flops_per_sequence_set, gpu_memory_gib, peak_flops
 from .optim import LRSchedule, build_optimizer, wrap_ddp
-from .progress import ProgressCallback
+from .progress import ProgressCallback, forget_logs_after
 
 
 logger = logging.getLogger("llamafactory_mca")
@@ -278,7 +278,7 @@ class McaTrainer:
     # ---- the loop -------------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: Any = None) -> TrainOutput:
         args = self.args
-        resume = resolve_resume(resume_from_checkpoint, args.output_dir)
+        resume = resolve_resume(resume_from_checkpoint, args.output_dir, self.side_files.run)
         self._attach_reference_logps()
         consumed = 0
         self.state.max_steps, self.state.num_train_epochs = self.max_steps, self.num_epochs
@@ -293,6 +293,10 @@ class McaTrainer:
             self.state.num_input_tokens_seen = loaded.num_input_tokens_seen
             self.state.total_flos = loaded.total_flos
             if self.is_world_process_zero():
+                note = self.train_feed.resume_note(saved.get("data_plan"))
+                if note:
+                    logger.warning("Resuming %s: %s", resume, note)
+                forget_logs_after(args.output_dir, self.state.global_step)
                 logger.info("Resumed from %s at step %d (%d micro-batches consumed)", resume,
                             self.state.global_step, consumed)
         self.model.train()
@@ -376,7 +380,8 @@ class McaTrainer:
         step = self.state.global_step
         path = ckpt.save_checkpoint(
             self.args.output_dir, step, self.model, self.optimizer,
-            {"scheduler": self.schedule.state_dict(), "consumed_micro_batches": consumed, "global_step": step},
+            {"scheduler": self.schedule.state_dict(), "consumed_micro_batches": consumed, "global_step": step,
+             "data_plan": self.train_feed.signature},
             self.side_files, extra=lambda folder: self.state.save_to_json(
                 os.path.join(folder, checkpoints.TRAINER_STATE_NAME)))
         if self.args.save_hf_model:

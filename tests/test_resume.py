@@ -1,0 +1,165 @@
+"""A training checkpoint resumes under any layout, through the real command: one uninterrupted run is the reference,
+and a chain of runs, each resuming the previous one's checkpoint under another layout, must train the same steps with
+the same losses (fp32 on CPU, the same padded rows in every layout: equal to 1e-4).
+
+The chain changes, one link at a time: PP2 -> TP2, TP2 -> TP2 x DP2, TP2 x DP2 -> PP2, PP2 -> PP2 x VPP2,
+PP2 x VPP2 -> PP2, the distributed optimizer off (its buckets read back in model space), CP2 with it back on (model
+space into buckets). The MoE model: EP2 -> EP1 -> TP2 x ETP2. LoRA: TP2 -> PP2 (the adapters' optimizer state).
+What cannot continue the same run (another stage, LoRA <-> full, another model) is one line before any worker starts,
+and a checkpoint of an earlier version under another layout names the change and the way out.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests._cli import losses, ok, one_error, recipe, train
+
+
+pytestmark = pytest.mark.slow
+
+DIST = dict(use_distributed_optimizer=True, save_strategy="steps", save_steps=2, include_num_input_tokens_seen=True)
+
+
+def _run(tmp_path, assets, name, world, steps, resume=None, **overrides):
+    """A run of ``steps`` steps in its own output_dir; global batch 8 rows (micro-batch 2 x dp x accumulation)."""
+    config = recipe(assets, tmp_path / name, max_steps=steps, **{**DIST, **overrides})
+    if resume is not None:
+        config["resume_from_checkpoint"] = str(resume)
+    result, output = train(tmp_path, config, world=world, name=name)
+    return result, output
+
+
+def _same_losses(reference: dict, got: dict, steps) -> None:
+    for step in steps:
+        assert got[step] == pytest.approx(reference[step], rel=1e-4), (step, got, reference)
+
+
+@pytest.fixture(scope="module")
+def reference(assets, tmp_path_factory):
+    """The uninterrupted run (PP2, distributed optimizer): 16 steps, a checkpoint every 2."""
+    tmp_path = tmp_path_factory.mktemp("reference")
+    result, output = _run(tmp_path, assets, "ref", 2, 16, pipeline_model_parallel_size=2,
+                          gradient_accumulation_steps=4)
+    ok(result, output)
+    return tmp_path / "ref", losses(tmp_path / "ref")
+
+
+# (name, resumes from (link or "ref"), at step, world, layout keys, the change the resume line names)
+CHAIN = [
+    ("tp2", "ref", 2, 2, dict(tensor_model_parallel_size=2, gradient_accumulation_steps=4),
+     "tensor_model_parallel_size 1 -> 2, pipeline_model_parallel_size 2 -> 1"),
+    ("tp2-dp2", "tp2", 4, 4, dict(tensor_model_parallel_size=2, gradient_accumulation_steps=2),
+     "data_parallel_size 1 -> 2"),
+    ("pp2", "tp2-dp2", 6, 2, dict(pipeline_model_parallel_size=2, gradient_accumulation_steps=4),
+     "tensor_model_parallel_size 2 -> 1, pipeline_model_parallel_size 1 -> 2, data_parallel_size 2 -> 1"),
+    ("vpp2", "pp2", 8, 2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                               gradient_accumulation_steps=4),
+     "virtual_pipeline_model_parallel_size 1 -> 2"),
+    ("pp2-again", "vpp2", 10, 2, dict(pipeline_model_parallel_size=2, gradient_accumulation_steps=4),
+     "virtual_pipeline_model_parallel_size 2 -> 1"),
+    ("plain-optimizer", "pp2-again", 12, 1, dict(use_distributed_optimizer=False, gradient_accumulation_steps=4),
+     "pipeline_model_parallel_size 2 -> 1"),
+    ("cp2", "plain-optimizer", 14, 2, dict(context_parallel_size=2, gradient_accumulation_steps=4),
+     "context_parallel_size 1 -> 2"),
+]
+
+
+@pytest.fixture(scope="module")
+def chain(assets, reference, tmp_path_factory):
+    """Each link resumes the previous one's checkpoint and trains two steps (run in order, once)."""
+    tmp_path = tmp_path_factory.mktemp("chain")
+    folders = {"ref": reference[0]}
+    runs = {}
+    for name, source, step, world, layout, _ in CHAIN:
+        resume = folders[source] / f"checkpoint-{step}"
+        runs[name] = _run(tmp_path, assets, name, world, step + 2, resume=resume, **layout)
+        folders[name] = tmp_path / name
+    return folders, runs
+
+
+@pytest.mark.parametrize("link", CHAIN, ids=[link[0] for link in CHAIN])
+def test_a_resume_under_another_layout_trains_the_same_steps(link, reference, chain):
+    name, source, step, _, _, change = link
+    folders, runs = chain
+    result, output = runs[name]
+    ok(result, output)
+    checkpoint = folders[source] / f"checkpoint-{step}"
+    assert f"Resuming {checkpoint} under another layout ({change})" in output, output[-3000:]
+    assert f"Resumed from {checkpoint} at step {step}" in output
+    _same_losses(reference[1], losses(folders[name]), (step + 1, step + 2))
+    with open(folders[name] / "trainer_state.json") as f, \
+            open(reference[0] / f"checkpoint-{step + 2}" / "trainer_state.json") as g:
+        assert json.load(f)["num_input_tokens_seen"] == json.load(g)["num_input_tokens_seen"]  # the data position
+
+
+def test_moe_resumes_from_ep2_to_ep1_and_to_tp2_with_expert_tensor_parallelism(assets, tmp_path):
+    moe = dict(model_name_or_path=assets["models"]["qwen3_moe"])
+    result, output = _run(tmp_path, assets, "ep2", 2, 6, expert_model_parallel_size=2, gradient_accumulation_steps=2,
+                          **moe)
+    ok(result, output)
+    expected = losses(tmp_path / "ep2")
+    result, output = _run(tmp_path, assets, "ep1", 1, 4, resume=tmp_path / "ep2" / "checkpoint-2",
+                          gradient_accumulation_steps=4, **moe)
+    ok(result, output)
+    assert "(expert_model_parallel_size 2 -> 1, data_parallel_size 2 -> 1)" in output
+    _same_losses(expected, losses(tmp_path / "ep1"), (3, 4))
+    result, output = _run(tmp_path, assets, "etp2", 2, 6, resume=tmp_path / "ep1" / "checkpoint-4",
+                          tensor_model_parallel_size=2, expert_tensor_parallel_size=2, gradient_accumulation_steps=4,
+                          **moe)
+    ok(result, output)
+    assert "tensor_model_parallel_size 1 -> 2, expert_tensor_parallel_size 1 -> 2" in output
+    _same_losses(expected, losses(tmp_path / "etp2"), (5, 6))
+
+
+def test_lora_resumes_from_tp2_to_pp2(assets, tmp_path):
+    lora = dict(finetuning_type="lora", lora_rank=4, lora_target="all", learning_rate=1e-2)
+    result, output = _run(tmp_path, assets, "lora-tp2", 2, 4, tensor_model_parallel_size=2,
+                          gradient_accumulation_steps=4, **lora)
+    ok(result, output)
+    result, output = _run(tmp_path, assets, "lora-pp2", 2, 4, resume=tmp_path / "lora-tp2" / "checkpoint-2",
+                          pipeline_model_parallel_size=2, gradient_accumulation_steps=4, **lora)
+    ok(result, output)
+    assert "under another layout (tensor_model_parallel_size 2 -> 1, pipeline_model_parallel_size 1 -> 2)" in output
+    _same_losses(losses(tmp_path / "lora-tp2"), losses(tmp_path / "lora-pp2"), (3, 4))
+
+
+@pytest.mark.parametrize("overrides,fragments", [
+    (dict(stage="dpo"), ("was written by a stage='sft' run and this run has stage='dpo'",
+                         "set model_name_or_path: ")),
+    (dict(finetuning_type="lora"), ("was written by a finetuning_type='full' run and this run has "
+                                    "finetuning_type='lora'",)),
+    ("qwen3_moe", ("it was written for qwen3 (", "and this run trains qwen3_moe (")),
+], ids=["stage", "full-to-lora", "model"])
+def test_what_would_not_continue_the_same_run_is_one_line(overrides, fragments, assets, reference, tmp_path):
+    if overrides == "qwen3_moe":
+        overrides = dict(model_name_or_path=assets["models"]["qwen3_moe"])
+    if overrides.get("stage") == "dpo":
+        overrides["dataset_dir"] = assets["dpo"]
+    config = recipe(assets, tmp_path / "out", max_steps=4, resume_from_checkpoint=str(reference[0] / "checkpoint-2"),
+                    **overrides)
+    result, output = train(tmp_path, config, world=1)
+    message = one_error(result, output, "cannot resume from", *fragments)
+    assert result.seconds < 60, message  # the launcher's check: no worker started
+    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
+
+
+def test_an_earlier_versions_checkpoint_under_another_layout_names_the_change(assets, reference, tmp_path):
+    """Checkpoints written before the bucket map reload under their own layout only: one line says so."""
+    import shutil
+
+    old = tmp_path / "old" / "checkpoint-2"
+    shutil.copytree(reference[0] / "checkpoint-2", old)
+    common = old / "dist_ckpt" / "common.pt"
+    state = torch.load(common, weights_only=False)
+    for key in ("bucket_map", "optimizer_format"):
+        state["trainer"].pop(key)
+    torch.save(state, common)
+    config = recipe(assets, tmp_path / "out", max_steps=4, resume_from_checkpoint=str(old), **DIST,
+                    tensor_model_parallel_size=2)
+    result, output = train(tmp_path, config, world=2)
+    one_error(result, output, f"{old} was written by an earlier llamafactory_mca",
+              "this run changes it (tensor_model_parallel_size 1 -> 2, pipeline_model_parallel_size 2 -> 1)",
+              f"model_name_or_path: {old}")
