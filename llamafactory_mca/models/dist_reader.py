@@ -22,25 +22,40 @@ Format assumptions (checked with megatron-core 0.16.1 and torch 2.14; DCP's form
 - Keys starting with ``optimizer.`` are optimizer states, possibly in the distributed optimizer's flattened layout;
   they are listed only when asked for. ShardedObjects (``_extra_state``, RNG states) are not read; ``common``
   reads the non-sharded rest of the state (``common.pt``).
+- Every stored item, tensor or object, is one ``torch.save`` zip archive at an offset of a ``.distcp`` file, each
+  of its records with a CRC-32 that torch does not check. ``find_corrupt_record`` checks an item's structure (its
+  directory, every record's header) and the CRC-32 of its small records (the pickled part), not its large tensors.
+
+A corrupt file is named. torch DCP's own errors name none: it wraps the failure of ``torch.load`` (whose message
+advises retrying with ``weights_only=False``) in a ``CheckpointException``, a BaseException that prints both
+tracebacks. Reads here go one file at a time, so a failure carries its file; a failed Megatron load (a resume)
+asks ``describe_load_failure``, which finds the file by its structure.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import math
 import operator
 import os
+import re
 import warnings
+import zipfile
 from bisect import bisect_left
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.futures import Future
 
 from ..errors import UserError
 
@@ -53,8 +68,17 @@ COMMON_FILE = "common.pt"
 OPTIMIZER_PREFIX = "optimizer."
 
 
+class UnreadableFile(Exception):
+    """A data file torch could not read (``path``), with torch's error (``error``)."""
+
+    def __init__(self, path: str, error: BaseException) -> None:
+        super().__init__(path, error)
+        self.path, self.error = path, error
+
+
 class _CachedMetadataReader(dcp.FileSystemReader):
-    """``dcp.load`` re-reads ``.metadata`` on every call; a merge makes thousands of calls, so read it once."""
+    """``dcp.load`` re-reads ``.metadata`` on every call; a merge makes thousands of calls, so read it once. Reads
+    one data file at a time, so that a failure says which (``UnreadableFile``)."""
 
     def __init__(self, path: str, metadata: Metadata) -> None:
         super().__init__(path)
@@ -62,6 +86,54 @@ class _CachedMetadataReader(dcp.FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self._metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        by_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in by_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except Exception as err:
+                raise UnreadableFile(os.path.join(self.path, name), err) from err
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+
+def root_cause(err: BaseException) -> BaseException:
+    """The exception behind torch DCP's ``CheckpointException`` (one per failed rank, with its stack), or ``err``."""
+    for _ in range(8):  # a wrapped failure may itself be wrapped
+        failures = getattr(err, "failures", None)
+        if not isinstance(failures, dict) or not failures:
+            break
+        inner = next(iter(failures.values()))
+        err = inner[0] if isinstance(inner, tuple) else inner
+    return err
+
+
+_TORCH_DOCS = "\n\nCheck the documentation of torch.load"
+
+
+def describe_error(err: BaseException) -> str:
+    """One short line for a failed read: the exception's type and first sentence, without the advice torch adds
+    (to retry with ``weights_only=False``, which does not help a corrupt file; what a miniz error may mean)."""
+    err = root_cause(err)
+    if isinstance(err, UnreadableFile):
+        err = err.error
+    text = str(err).strip()
+    if text.startswith("Weights only load failed"):  # the unpickler's own error follows torch's advice
+        text = text.split(_TORCH_DOCS)[0]
+        if "WeightsUnpickler error:" in text:
+            text = text.rsplit("WeightsUnpickler error:", 1)[1]
+        elif "\n\n" in text:
+            text = text.rsplit("\n\n", 1)[1]
+        else:
+            text = text[len("Weights only load failed."):]
+        text = text.strip()
+    line = text.splitlines()[0].strip() if text else ""
+    line = re.split(r"\.\s", line, maxsplit=1)[0].rstrip(".")[:200]
+    return f"{type(err).__name__}: {line}" if line else type(err).__name__
 
 
 class _ItemsPlanner(DefaultLoadPlanner):
@@ -118,9 +190,62 @@ def _describe_folder(path: str) -> str:
 
 
 def _load(state: dict, items: list[ReadItem], reader: dcp.FileSystemReader) -> None:
+    """``dcp.load`` of exactly ``items``; its CheckpointException (a BaseException) comes back as the exception
+    inside it, so that ``except Exception`` sees it."""
     with warnings.catch_warnings():  # "torch.distributed is disabled ...": a plain process is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is")
-        dcp.load(state, storage_reader=reader, planner=_ItemsPlanner(items), no_dist=True)
+        try:
+            dcp.load(state, storage_reader=reader, planner=_ItemsPlanner(items), no_dist=True)
+        except CheckpointException as err:
+            cause = root_cause(err)
+            if isinstance(cause, Exception):
+                raise cause from None
+            raise
+
+
+class _Slice(io.RawIOBase):
+    """Bytes ``[start, start + length)`` of an open file, as a seekable file of their own (one stored item)."""
+
+    def __init__(self, file: io.BufferedReader, start: int, length: int) -> None:
+        super().__init__()
+        self._file, self._start, self._length, self._pos = file, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, min(base + offset, self._length))
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        count = min(len(buffer), self._length - self._pos)
+        if count <= 0:
+            return 0
+        self._file.seek(self._start + self._pos)
+        data = self._file.read(count)
+        buffer[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+_SMALL_RECORD = 1 << 16  # a record this small (the pickle, torch's version markers) is read to check its CRC-32
+
+
+def _check_record(file: io.BufferedReader, start: int, length: int) -> None:
+    """Raise if the ``torch.save`` archive at ``start`` is broken: its directory, every record's local header, and
+    the CRC-32 of its small records (the pickled structure); a large tensor's bytes are not read."""
+    with zipfile.ZipFile(_Slice(file, start, length)) as archive:
+        for info in archive.infolist():
+            with archive.open(info) as record:  # checks the local header against the directory
+                if info.file_size <= _SMALL_RECORD and info.CRC:
+                    record.read()  # zipfile compares the CRC-32 at the end
 
 
 class DistCheckpointReader:
@@ -139,7 +264,8 @@ class DistCheckpointReader:
                 raise TypeError(f"it holds a {type(metadata).__name__}")
         except Exception as e:
             raise UserError(f"{self.path} is not a readable Megatron dist checkpoint: its {DCP_METADATA_FILE} "
-                             f"file is truncated or corrupt ({type(e).__name__}: {e}).") from e
+                            f"file {os.path.join(self.path, DCP_METADATA_FILE)} is truncated or corrupt "
+                            f"({describe_error(e)}).") from e
         self._check_data_files(metadata)
         self.metadata = metadata
         self._storage = _CachedMetadataReader(self.path, metadata)
@@ -167,7 +293,26 @@ class DistCheckpointReader:
             try:
                 self.common(weights_only=False)
             except Exception as e:
-                raise UserError(f"{path} is truncated or corrupt ({type(e).__name__}: {e}).") from e
+                raise UserError(f"{path} is truncated or corrupt ({describe_error(e)}).") from e
+
+    def find_corrupt_record(self) -> tuple[str, str] | None:
+        """The first data file holding a stored item whose archive is broken, and why; None if all are sound.
+
+        Reads each item's directory, headers and small records, not its large tensors: a few small reads per item
+        (0.2 ms each on a local disk), for a failure path that must name the file (Megatron's load, like torch DCP's,
+        does not)."""
+        by_file: dict[str, list[tuple[int, int]]] = {}
+        for info in self.metadata.storage_data.values():
+            by_file.setdefault(info.relative_path, []).append((info.offset, info.length))
+        for name in sorted(by_file):
+            path = os.path.join(self.path, name)
+            with open(path, "rb") as file:
+                for offset, length in sorted(set(by_file[name])):
+                    try:
+                        _check_record(file, offset, length)
+                    except Exception as err:
+                        return path, describe_error(err)
+        return None
 
     def _read_config(self) -> dict:
         if not os.path.isdir(self.path):
@@ -233,8 +378,11 @@ class DistCheckpointReader:
                 _load({key: buffer}, items, self._storage)
             except Exception as e:
                 files = sorted({self.metadata.storage_data[item.storage_index].relative_path for item in items})
-                raise UserError(f"reading {key} from {', '.join(os.path.join(self.path, f) for f in files)} failed: "
-                                f"the file is corrupt ({type(e).__name__}: {e}).") from e
+                file = e.path if isinstance(e, UnreadableFile) else \
+                    ", ".join(os.path.join(self.path, f) for f in files)
+                raise UserError(f"{file} is corrupt: reading {key} from it failed ({describe_error(e)}), so the "
+                                f"dist checkpoint {self.path} cannot be read. Use another checkpoint, or copy this "
+                                "one again from where it was saved.") from e
         return buffer.view(kept)
 
     def _near(self, key: str, md: TensorStorageMetadata, offsets: list[int], sizes: list[int]
@@ -274,3 +422,29 @@ class DistCheckpointReader:
         """The non-sharded state in ``common.pt``; ``weights_only=False`` (trusted files) allows e.g. saved args."""
         path = os.path.join(self.path, COMMON_FILE)
         return torch.load(path, map_location="cpu", weights_only=weights_only) if os.path.isfile(path) else {}
+
+
+def describe_load_failure(err: BaseException, directory: str) -> str:
+    """One line for a failed load of the dist checkpoint at ``directory`` (Megatron's, torch DCP's): the corrupt
+    file and why, where its structure shows one; otherwise the error itself, without torch's advice."""
+    try:
+        found = DistCheckpointReader(directory).find_corrupt_record()
+    except UserError as checked:  # its metadata or a data file's size tells already
+        return str(checked).rstrip(".")
+    except Exception:
+        found = None
+    return f"{found[0]} is corrupt: {found[1]}" if found else describe_error(err)
+
+
+@contextlib.contextmanager
+def named_load_errors(directory: str) -> Iterator[None]:
+    """Around a Megatron load of the dist checkpoint at ``directory``: its failure (torch DCP's BaseException
+    included) becomes one UserError naming the corrupt file where one is found."""
+    try:
+        yield
+    except UserError:
+        raise
+    except (Exception, CheckpointException) as err:
+        raise UserError(f"loading the dist checkpoint {directory} failed ({describe_load_failure(err, directory)}): "
+                        "its files are corrupt or were written by an incompatible version. Use another checkpoint, "
+                        "or copy this one again from where it was saved.") from err

@@ -41,7 +41,7 @@ from ..checkpoints import (
 )
 from ..errors import UserError
 from ..models.auto import check_finite
-from ..models.dist_reader import DistCheckpointReader
+from ..models.dist_reader import DistCheckpointReader, describe_load_failure
 from . import reshard
 from .faults import maybe_crash
 from .optim import inner_optimizers, step_counter, use_fused_adam
@@ -186,8 +186,8 @@ def load_checkpoint(path: str, model: Any, optimizer: Any | None, layout: Any) -
         loaded = dist_checkpointing.load(state, directory, sharded_strategy=strategy)
     except (Exception, CheckpointException) as err:  # torch DCP's is a BaseException
         instead = newest_intact(os.path.dirname(os.path.abspath(path)), besides=path)
-        raise UserError(f"loading the checkpoint {path} failed ({_root_cause(err)}): its files are corrupt or were "
-                        "written by an incompatible version."
+        raise UserError(f"loading the checkpoint {path} failed ({_root_cause(err, directory)}): its files are corrupt "
+                        "or were written by an incompatible version."
                         + (f" Resume from {instead} instead (resume_from_checkpoint: {instead})." if instead else "")
                         ) from err
     for i, chunk in enumerate(model.chunks):
@@ -221,11 +221,7 @@ def load_checkpoint(path: str, model: Any, optimizer: Any | None, layout: Any) -
     return saved
 
 
-def _root_cause(err: BaseException) -> str:
-    """One line for what went wrong (torch DCP wraps each rank's failure, traceback and all, in its message)."""
-    failures = getattr(err, "failures", None)
-    if isinstance(failures, dict) and failures:
-        err = next(iter(failures.values()))
-        err = err[0] if isinstance(err, tuple) else err  # (exception, stack summary)
-    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    return f"{type(err).__name__}: {text[:200]}" if text else type(err).__name__
+def _root_cause(err: BaseException, directory: str) -> str:
+    """One line for what went wrong: the corrupt file where its structure shows one (torch DCP wraps each rank's
+    failure, traceback and all, and names no file), else the error without torch's advice."""
+    return describe_load_failure(err, directory)
