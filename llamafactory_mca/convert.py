@@ -41,6 +41,7 @@ def main(argv: list[str]) -> int:
     from .hub import resolve_model
     from .models.auto import AutoConfig
     from .parallel import ParallelLayout, check_layout, min_world_size
+    from .preflight import check_model_files
     from .quiet import quiet_third_party
 
     quiet_third_party()
@@ -59,8 +60,9 @@ def main(argv: list[str]) -> int:
                                 margs.context_parallel_size, margs.expert_model_parallel_size,
                                 margs.expert_tensor_parallel_size or 1)
         world = int(os.environ.get("WORLD_SIZE", needed))
-        hf_path = resolve_model(known.hf_path)
+        hf_path = resolve_model(known.hf_path, field="--hf_path")
         config = AutoConfig.from_pretrained(hf_path, margs)
+        check_model_files(hf_path)
         check_layout(config, ParallelLayout.from_args(margs, world_size=world),
                      margs.pipeline_model_parallel_layout is not None)
         if "WORLD_SIZE" in os.environ or needed == 1:

@@ -6,6 +6,10 @@ recipe as the workers will (LLaMA-Factory's parser with our argument classes), t
 would only find later: the model (a hub id is downloaded here, once per node), the layout against the model
 and the world size, the datasets, the resume point. It also takes the output_dir lock and hands the workers
 what it resolved through the environment.
+
+Files are checked as far as that is cheap: each safetensors file's header against its length, a checkpoint of ours
+(to resume, or as model_name_or_path) by its metadata against its data files. Tensors are read by the workers, which
+name a corrupt file or NaN weights themselves.
 """
 
 from __future__ import annotations
@@ -58,6 +62,35 @@ def read_recipe(argv: list[str]) -> dict[str, Any] | list[str]:
         sys.argv = saved
 
 
+def _given_keys(recipe: dict[str, Any] | list[str]) -> list[str]:
+    if isinstance(recipe, dict):
+        return list(recipe)
+    return [a[2:].split("=", 1)[0] for a in recipe if a.startswith("--")]
+
+
+def check_output_dir_given(recipe: dict[str, Any] | list[str], where: str) -> None:
+    """A recipe without output_dir would train into transformers' default, ./trainer_output, without a word (as
+    LLaMA-Factory's default path does); a run's checkpoints and weights belong where the user says."""
+    given = recipe.get("output_dir") not in (None, "") if isinstance(recipe, dict) else \
+        "output_dir" in _given_keys(recipe)
+    if not given:
+        raise UserError(f"output_dir is not set in {where}: the run would write its checkpoints and weights into "
+                        f"transformers' default, {os.path.abspath('trainer_output')}. Set output_dir (e.g. "
+                        "output_dir: saves/qwen3/full/sft), or output_dir: trainer_output to keep that folder.")
+
+
+def check_model_files(path: str) -> None:
+    """The model's files as far as that is cheap: a checkpoint of ours verifies (its metadata against its data
+    files); a Hugging Face folder's safetensors headers parse and match their files' lengths."""
+    from .checkpoints import is_ours, verify_checkpoint
+    from .models.hf_io import check_safetensors_files
+
+    if is_ours(path):
+        verify_checkpoint(path)
+    else:
+        check_safetensors_files(path)
+
+
 def _valid_keys() -> set[str]:
     from llamafactory.hparams import parser
 
@@ -70,12 +103,8 @@ def check_keys(recipe: dict[str, Any] | list[str], where: str) -> None:
 
     if is_env_enabled("ALLOW_EXTRA_ARGS"):
         return
-    if isinstance(recipe, dict):
-        keys = list(recipe)
-    else:
-        keys = [a[2:].split("=", 1)[0] for a in recipe if a.startswith("--")]
     valid = _valid_keys()
-    unknown = [k for k in keys if k not in valid]
+    unknown = [k for k in _given_keys(recipe) if k not in valid]
     if not unknown:
         return
     parts = []
@@ -173,6 +202,7 @@ def preflight(argv: list[str]) -> Plan:
 
     recipe = read_recipe(argv)
     check_keys(recipe, _recipe_name(argv))
+    check_output_dir_given(recipe, _recipe_name(argv))
     model_args, data_args, training_args, finetuning_args, _ = parse(recipe)
     world = planned_world_size(min_world_size(
         training_args.tensor_model_parallel_size, training_args.pipeline_model_parallel_size,
@@ -183,11 +213,12 @@ def preflight(argv: list[str]) -> Plan:
     model_path = resolve_model(model_args.model_name_or_path, model_args)
     config = plan_mtp(AutoConfig.from_pretrained(model_path, training_args, model_args.trust_remote_code),
                       finetuning_args.stage, finetuning_args, training_args)
+    check_model_files(model_path)
     custom = training_args.pipeline_model_parallel_layout is not None
     check_layout(config, layout, custom)
     check_model_fits(config, cutoff_len, finetuning_args.stage, layout, custom)
     if getattr(finetuning_args, "ref_model", None):
-        resolve_model(finetuning_args.ref_model, model_args)
+        check_model_files(resolve_model(finetuning_args.ref_model, model_args, field="ref_model"))
     if finetuning_args.finetuning_type == "lora":
         from .models.lora_io import check_lora_plan
 
@@ -195,7 +226,8 @@ def preflight(argv: list[str]) -> Plan:
         for path in model_args.adapter_name_or_path or []:
             if os.path.isabs(os.path.expanduser(path)) and not os.path.isdir(os.path.expanduser(path)):
                 raise UserError(f"adapter_name_or_path={path!r} is not a peft adapter folder (it does not exist).")
-            adapters.append(resolve_model(path, model_args))
+            adapters.append(resolve_model(path, model_args, field="adapter_name_or_path"))
+            check_model_files(adapters[-1])
         check_lora_plan(config, finetuning_args, adapters, layout.etp, layout.tp)
     check_datasets(data_args)
     resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)

@@ -3,6 +3,10 @@
 Two runs writing checkpoints into one folder corrupt each other's resume point. The launcher takes the lock
 before any worker starts (``torchrun`` started by hand: global rank 0 takes it); a second run is refused
 with the holder's PID. A lock whose process is gone (killed, machine rebooted) is stale and taken over.
+
+Taking the lock creates output_dir where it does not exist yet, so releasing it removes what it created if the
+run left it empty (a run that failed before writing anything leaves no empty folder behind); a folder that was
+there before, or that holds anything, stays.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ def _read(path: str) -> dict | None:
 class RunLock:
     path: str
     pid: int
+    created: tuple[str, ...] = ()  # the folders acquire made, deepest first
 
     def release(self) -> None:
         holder = _read(self.path)
@@ -56,11 +61,27 @@ class RunLock:
                 os.remove(self.path)
             except FileNotFoundError:
                 pass
+        for folder in self.created:
+            try:
+                os.rmdir(folder)  # only ever an empty folder
+            except OSError:
+                break  # something is in it (or it is gone): it and its parents stay
+
+
+def _make_folders(output_dir: str) -> tuple[str, ...]:
+    """``os.makedirs(output_dir)``; returns the folders it created, deepest first."""
+    missing = []
+    folder = os.path.abspath(output_dir)
+    while not os.path.exists(folder):
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    os.makedirs(output_dir, exist_ok=True)
+    return tuple(missing)
 
 
 def acquire(output_dir: str) -> RunLock:
     """Take the lock of ``output_dir`` for this process, or raise a UserError naming the live holder."""
-    os.makedirs(output_dir, exist_ok=True)
+    created = _make_folders(output_dir)
     path = os.path.join(output_dir, LOCK_NAME)
     me = {"pid": os.getpid(), "host": socket.gethostname(), "started": _started(os.getpid()),
           "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
@@ -84,5 +105,5 @@ def acquire(output_dir: str) -> RunLock:
             continue
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(me, f)
-        return RunLock(path, me["pid"])
+        return RunLock(path, me["pid"], created)
     raise UserError(f"could not take the lock {path}: other processes keep creating it.")

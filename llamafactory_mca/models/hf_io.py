@@ -28,6 +28,58 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
               "video_preprocessor_config.json")
 
 
+MAX_HEADER_BYTES = 100_000_000  # safetensors refuses larger headers
+
+
+def check_safetensors_files(path: str) -> None:
+    """Every safetensors file in the folder ``path`` is whole: its header parses and the file is exactly as long as
+    the header says; the files ``model.safetensors.index.json`` lists exist. Reads headers only (cheap: the
+    launcher runs it before any worker starts)."""
+    names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    index = os.path.join(path, INDEX_NAME)
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                listed = set(json.load(f)["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise UserError(f"{index} is corrupt ({type(err).__name__}: {err}); download or save the model "
+                            "again.") from err
+        missing = sorted(listed - set(names))
+        if missing:
+            raise UserError(f"{os.path.join(path, missing[0])} is listed in {INDEX_NAME} but missing"
+                            f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}: the model is "
+                            "incomplete; download or save it again.")
+    for name in names:
+        check_safetensors_header(os.path.join(path, name))
+
+
+def check_safetensors_header(file: str) -> None:
+    """``file``'s header parses and describes exactly the file's length (a download or copy cut short, or garbage)."""
+    size = os.path.getsize(file)
+    fix = "Download or save the model again."
+    with open(file, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else None
+        if length is None or length > size - 8:
+            raise UserError(f"{file} is truncated: {size:,} bytes, less than its safetensors header needs "
+                            f"({8 + (length or 0):,}). {fix}")
+        if length > MAX_HEADER_BYTES:
+            raise UserError(f"{file} is corrupt: its safetensors header claims {length:,} bytes. {fix}")
+        try:
+            header = json.loads(f.read(length))
+            end = max((int(entry["data_offsets"][1]) for key, entry in header.items() if key != "__metadata__"),
+                      default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
+            raise UserError(f"{file} is corrupt: its safetensors header does not parse ({type(err).__name__}). "
+                            f"{fix}") from err
+    needed = 8 + length + end
+    if size < needed:
+        raise UserError(f"{file} is truncated: {size:,} bytes, but its safetensors header describes {needed:,}. "
+                        f"{fix}")
+    if size > needed:
+        raise UserError(f"{file} is corrupt: {size:,} bytes, but its safetensors header describes {needed:,}. {fix}")
+
+
 class SafetensorsSource:
     """HF tensors by name from a folder of safetensors files; counts what it reads (tests use that)."""
 
