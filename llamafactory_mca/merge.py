@@ -55,8 +55,8 @@ def _merge_adapter_checkpoint(checkpoint: str, output: str, dtype: torch.dtype |
 
     start = time.perf_counter()
     if not merge_lora:
-        export_adapter(checkpoint, output, dtype)
-        return {"bytes": _folder_bytes(output), "seconds": time.perf_counter() - start, "side_files": [],
+        copied = export_adapter(checkpoint, output, dtype)["side_files"]
+        return {"bytes": _folder_bytes(output), "seconds": time.perf_counter() - start, "side_files": copied,
                 "adapter": True}
     base = base_model or read_adapter_config(checkpoint).get("base_model_name_or_path")
     if not base or not os.path.isdir(base):
@@ -64,11 +64,12 @@ def _merge_adapter_checkpoint(checkpoint: str, output: str, dtype: torch.dtype |
 
         if not base:
             raise UserError(f"{checkpoint} is a LoRA checkpoint whose base model is not recorded; give --base_model.")
-        base = resolve_model(base, None)
+        base = resolve_model(base, None, field="--base_model" if base_model else "base_model_name_or_path")
     with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(output)) or ".") as adapter:
         export_adapter(checkpoint, adapter)
-        merge_adapter(adapter, base, output, dtype)
-    return {"bytes": _folder_bytes(output), "seconds": time.perf_counter() - start, "side_files": []}
+        copied = merge_adapter(adapter, base, output, dtype)
+    return {"bytes": _folder_bytes(output), "seconds": time.perf_counter() - start, "side_files": copied,
+            "merged_lora": True}
 
 
 def _folder_bytes(path: str) -> int:
@@ -120,7 +121,8 @@ def main(argv: list[str] | None = None, prog: str = "llamafactory-mca merge") ->
         result = merge(checkpoint, output, dtype, int(args.max_shard_size_gb * 1024**3), args.convert_model_max_length,
                        args.merge_lora, args.base_model)
     size, seconds = result["bytes"] / 2**20, result["seconds"]
-    what = "A peft LoRA adapter" if result.get("adapter") else "Hugging Face weights"
+    what = "A peft LoRA adapter" if result.get("adapter") else \
+        "Hugging Face weights with the LoRA adapter merged in" if result.get("merged_lora") else "Hugging Face weights"
     print(f"{what} written to {output} ({size:,.1f} MiB in {seconds:.1f} s; "
           f"{', '.join(result['side_files']) or 'no tokenizer files'})")
     return 0

@@ -163,11 +163,11 @@ def export_adapter(checkpoint: str, output: str, dtype: torch.dtype | None = Non
         save_file(tensors, os.path.join(staging, ADAPTER_WEIGHTS), metadata={"format": "pt"})
         with open(os.path.join(staging, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
             json.dump(adapter_config, f, indent=2, sort_keys=True)
-        copy_side_files(checkpoint, staging)  # tokenizer files; no config.json: peft reads the base model's
+        copied = copy_side_files(checkpoint, staging)  # tokenizer files; no config.json: peft reads the base's
         _move_into(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return {"tensors": len(tensors)}
+    return {"tensors": len(tensors), "side_files": copied}
 
 
 def _read_adapter_tensors(path: str) -> dict[str, torch.Tensor]:
@@ -274,8 +274,9 @@ def setup_lora(model: Any, finetuning_args: Any, adapters: list[str], base_model
     return peft_config(settings, run.targets, base_model)
 
 
-def merge_adapter(adapter: str, base_model: str, output: str, dtype: torch.dtype | None = None) -> None:
-    """Base model + peft adapter → full HF weights (peft's own merge, in fp32), written into ``output``."""
+def merge_adapter(adapter: str, base_model: str, output: str, dtype: torch.dtype | None = None) -> list[str]:
+    """Base model + peft adapter → full HF weights (peft's own merge, in fp32), written into ``output``; returns
+    the tokenizer and other side files copied from the adapter's folder."""
     import transformers
     from peft import PeftModel
 
@@ -290,7 +291,8 @@ def merge_adapter(adapter: str, base_model: str, output: str, dtype: torch.dtype
     staging = f"{os.path.abspath(output)}.tmp-{os.getpid()}"
     try:
         merged.to(dtype or getattr(config, "dtype", None) or torch.float32).save_pretrained(staging)
-        copy_side_files(adapter, staging)
+        copied = copy_side_files(adapter, staging)
         _move_into(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    return copied
