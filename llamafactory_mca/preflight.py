@@ -194,7 +194,7 @@ def _data_hint(names: list[str], directory: Any) -> str:
 
 def preflight(argv: list[str]) -> Plan:
     """All checks, in the order a user would fix them. Raises UserError."""
-    from .checkpoints import resolve_resume
+    from .checkpoints import resolve_resume, run_record
     from .hub import resolve_model
     from .models.auto import AutoConfig
     from .parallel import check_layout, min_world_size
@@ -230,7 +230,8 @@ def preflight(argv: list[str]) -> Plan:
             check_model_files(adapters[-1])
         check_lora_plan(config, finetuning_args, adapters, layout.etp, layout.tp)
     check_datasets(data_args)
-    resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
+    resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir,
+                   run_record(finetuning_args.stage, finetuning_args.finetuning_type, config))
     return Plan(world_size=world, layout=layout, model_path=model_path, output_dir=training_args.output_dir)
 
 

@@ -48,6 +48,15 @@ def _read(path: str) -> dict | None:
         return None
 
 
+_HELD: list[RunLock] = []  # taken by this process and not yet released
+
+
+def release_held() -> None:
+    """Release every lock this process still holds (a worker's way out, whatever ended its run)."""
+    for lock in list(_HELD):
+        lock.release()
+
+
 @dataclass
 class RunLock:
     path: str
@@ -55,6 +64,8 @@ class RunLock:
     created: tuple[str, ...] = ()  # the folders acquire made, deepest first
 
     def release(self) -> None:
+        if self in _HELD:
+            _HELD.remove(self)
         holder = _read(self.path)
         if holder is not None and holder.get("pid") == self.pid and holder.get("host") == socket.gethostname():
             try:
@@ -105,5 +116,6 @@ def acquire(output_dir: str) -> RunLock:
             continue
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(me, f)
-        return RunLock(path, me["pid"], created)
+        _HELD.append(RunLock(path, me["pid"], created))
+        return _HELD[-1]
     raise UserError(f"could not take the lock {path}: other processes keep creating it.")

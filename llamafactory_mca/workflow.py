@@ -202,6 +202,7 @@ def _load_rows(stage: str, template: Any, model_args: Any, data_args: Any, train
 
 def _run(stage: str, model_args, data_args, training_args, finetuning_args, callbacks=None) -> None:
     """A worker's run: a user error is one message (see errors.py), Ctrl-C a quiet exit."""
+    from . import run_lock
     from .errors import debug_enabled, user_errors
     from .parallel import end_worker, lost_peer
 
@@ -216,6 +217,8 @@ def _run(stage: str, model_args, data_args, training_args, finetuning_args, call
         # another rank died (killed, out of memory, crashed): its failure is the news, which the launcher reports;
         # this rank's traceback from inside a collective would only bury it
         raise SystemExit(1) from None
+    finally:
+        run_lock.release_held()  # torchrun started by hand: rank 0 took the lock (see _train)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker; an in-process caller keeps its interpreter
         end_worker()
 
@@ -264,9 +267,8 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
     layout = training_args.resolve_layout(world_size, seq_length=cutoff_len)
     parallel.init_distributed(training_args.ddp_timeout)
     watchdog.start(training_args.ddp_timeout, torch.distributed.get_rank())
-    lock = None
     if not os.environ.get(run_lock.HELD_ENV) and torch.distributed.get_rank() == 0:  # torchrun started by hand
-        lock = run_lock.acquire(training_args.output_dir)
+        run_lock.acquire(training_args.output_dir)  # released by _run, however the run ends
     _resolve_model_once_per_node(model_args, finetuning_args)
     config = AutoConfig.from_pretrained(model_args.model_name_or_path, training_args, model_args.trust_remote_code)
     config = plan_mtp(config, stage, finetuning_args, training_args, say=torch.distributed.get_rank() == 0)
@@ -361,6 +363,4 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
     if trainer.is_world_process_zero() and finetuning_args.plot_loss:
         keys = ["loss"] + (["eval_loss"] if eval_plan is not None else [])
         plot_loss(training_args.output_dir, keys=keys + (["rewards/accuracies"] if stage == "dpo" else []))
-    if lock is not None:
-        lock.release()
     parallel.destroy()
