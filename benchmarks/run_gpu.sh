@@ -35,8 +35,19 @@ first_hour() {  # a new user's first hour on a GPU pair: the demo (and which pro
     ddp_timeout=20 max_steps=8 > "$out/hang.log" 2>&1
   echo "== hung collective over NCCL: exit $? after $((SECONDS - start)) s"; tail -n 3 "$out/hang.log"
 }
+two_gpus() {  # two GPUs: benchmarks/two_gpus.py's parts (PARTS, default all), then e2e's scaling rows
+  python3 benchmarks/two_gpus.py --out "$out/two_gpus" --work "$work/two_gpus" --parts "${PARTS:-fidelity,resume,faults,paths}" \
+    > "$out/two_gpus.log" 2>&1; echo "== two_gpus: exit $?"; grep -E "^(ok|FAIL)" "$out/two_gpus.log" | cut -c1-200
+}
 case $phase in
   check) check ;;
+  two_gpus) two_gpus ;;  # fidelity (~6 min on 2 H100), then resume + faults (~8 min), then paths: PARTS=... per call
+  two_scaling)  # two GPUs: tokens/s/GPU of DP2, TP2 + SP, PP2 (dense), EP2 (MoE), CP2 (32k) against one GPU, and
+    # LLaMA-Factory's DDP on the same pair; two calls' worth (see the README of results/)
+    bench 0,1 g2 --workloads layouts --gpus 2 --paths ours
+    bench 0,1 g2 --workloads dp2,moe_ep2 --gpus 2
+    bench 0 g2 --workloads moe --runs ours --gpus 1
+    bench 0,1 g3 --workloads long --runs ours,ours_cp2 --gpus 2 --steps 8 ;;
   first_hour) first_hour; check_tests 0,1 ;;
   single)  # check, then one GPU each: dense and MoE side by side
     check

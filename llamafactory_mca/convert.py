@@ -64,7 +64,7 @@ def main(argv: list[str]) -> int:
         config = AutoConfig.from_pretrained(hf_path, margs)
         check_model_files(hf_path)
         check_layout(config, ParallelLayout.from_args(margs, world_size=world),
-                     margs.pipeline_model_parallel_layout is not None)
+                     margs.pipeline_model_parallel_layout is not None, margs.sequence_parallel)
         if "WORLD_SIZE" in os.environ or needed == 1:
             return convert_rank(hf_path, known.output_path, margs)
     command = [sys.executable, "-m", "llamafactory_mca.launch", "--nproc_per_node", str(needed), "-m",

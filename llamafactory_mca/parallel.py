@@ -113,8 +113,10 @@ def _world_words(world_size: int) -> str:
     return "processes in this launch"
 
 
-def check_layout(config: Any, layout: ParallelLayout, custom_pipeline_layout: bool = False) -> None:
-    """The model against the layout (``config``: a models.McaConfig), before any process group exists.
+def check_layout(config: Any, layout: ParallelLayout, custom_pipeline_layout: bool = False,
+                 sequence_parallel: bool | None = None) -> None:
+    """The model against the layout (``config``: a models.McaConfig), before any process group exists;
+    ``sequence_parallel``: the recipe's, where it is known.
 
     Each problem names the size, the model dimension it must divide, and the sizes that fit the model, so the
     fix is one edit (the world size is checked in ``ParallelLayout.from_args``).
@@ -155,6 +157,9 @@ def check_layout(config: Any, layout: ParallelLayout, custom_pipeline_layout: bo
         if moe_ffn % etp:
             problems.append(f"expert_tensor_parallel_size={etp} does not divide moe_ffn_hidden_size={moe_ffn} "
                             f"(sizes that fit: {_listing(d for d in _divisors(moe_ffn) if d <= 64)})")
+        if tp > 1 and sequence_parallel is False:
+            problems.append(f"tensor_model_parallel_size={tp} on a model with experts needs sequence_parallel: true "
+                            "(Megatron-Core refuses MoE layers under tensor parallelism without it)")
     layers, stages = t["num_layers"], pp * vpp
     if not custom_pipeline_layout and (stages > layers or layers % stages):
         pp_fits = _listing(d // vpp for d in _divisors(layers) if d % vpp == 0)

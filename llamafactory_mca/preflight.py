@@ -215,7 +215,7 @@ def preflight(argv: list[str]) -> Plan:
                       finetuning_args.stage, finetuning_args, training_args)
     check_model_files(model_path)
     custom = training_args.pipeline_model_parallel_layout is not None
-    check_layout(config, layout, custom)
+    check_layout(config, layout, custom, training_args.sequence_parallel)
     check_model_fits(config, cutoff_len, finetuning_args.stage, layout, custom)
     if getattr(finetuning_args, "ref_model", None):
         check_model_files(resolve_model(finetuning_args.ref_model, model_args, field="ref_model"))

@@ -107,17 +107,27 @@ class Watchdog:
             if now - since <= self.timeout_s:
                 continue
             call = waiting_in(frame)
+            others = self._others()
             if call is None and self._gpu and frame is not None:
+                at = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
+                ahead = [o for o in others if self.step is not None and (o.get("step") or 0) > self.step]
+                if others and all((o.get("waiting") or o in ahead) and _alive(o["pid"]) for o in others):
+                    # every other rank of this node is past this one's step or waits in a collective (for this one):
+                    # this is the rank that stopped
+                    report(f"{self._where()} has not moved for {now - since:.0f} s at {at} while "
+                           f"{', '.join(o['where'] for o in others)} wait for it in collectives, longer than "
+                           f"ddp_timeout={self.timeout_s:g} s: this rank is stuck (a GPU kernel that does not finish, "
+                           "a deadlock, a lost GPU). Stopping the run.")
+                    os._exit(1)
                 # NCCL collectives are asynchronous: a hung one shows as a host sync (.item(), .cpu()) that never
                 # returns, in whatever frame asked for the result.
-                call = (f"a GPU synchronisation at {os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} "
-                        f"({frame.f_code.co_name}), behind a collective")
+                call = f"a GPU synchronisation at {at}, behind a collective"
             if call is None:
                 continue  # computing, not waiting for another rank
+            culprits = _culprits(others, self.poll_s) or "another rank stopped, crashed or is stuck"
             report(f"{self._where()} waited {now - since:.0f} s in {call}, longer than ddp_timeout="
-                   f"{self.timeout_s:g} s: {self._culprits() or 'another rank stopped, crashed or is stuck'}. "
-                   "Stopping the run. (Raise ddp_timeout if a rank legitimately needs longer, e.g. to tokenize a "
-                   "large dataset.)")
+                   f"{self.timeout_s:g} s: {culprits}. Stopping the run. (Raise ddp_timeout if a rank legitimately "
+                   "needs longer, e.g. to tokenize a large dataset.)")
             os._exit(1)
 
     # ---- where every rank of this node stands ----------------------------------------------------------------------
@@ -126,9 +136,9 @@ class Watchdog:
         folder = os.environ.get(STATUS_DIR_ENV)
         if not folder or frame is None:
             return
-        status = {"rank": self.rank, "pid": os.getpid(), "where": self._where(), "time": time.time(),
-                  "waiting": waiting_in(frame), "at": f"{os.path.basename(frame.f_code.co_filename)}:"
-                                                     f"{frame.f_lineno} ({frame.f_code.co_name})"}
+        at = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
+        status = {"rank": self.rank, "pid": os.getpid(), "where": self._where(), "step": self.step,
+                  "time": time.time(), "waiting": waiting_in(frame), "at": at}
         path = os.path.join(folder, f"rank-{self.rank}.json")
         try:
             with open(path + ".tmp", "w") as f:
@@ -137,11 +147,11 @@ class Watchdog:
         except OSError:
             pass
 
-    def _culprits(self) -> str | None:
-        """The ranks on this node that are not waiting for others: gone, frozen, or busy outside any collective."""
+    def _others(self) -> list[dict]:
+        """Where the other ranks of this node last said they stand (empty without the launcher's status folder)."""
         folder = os.environ.get(STATUS_DIR_ENV)
         if not folder or not os.path.isdir(folder):
-            return None
+            return []
         found = []
         for name in sorted(os.listdir(folder)):
             if not (name.startswith("rank-") and name.endswith(".json")):
@@ -151,15 +161,9 @@ class Watchdog:
                     status = json.load(f)
             except (OSError, ValueError):
                 continue
-            if status.get("rank") == self.rank:
-                continue
-            if not _alive(status["pid"]):
-                found.append(f"{status['where']} is gone (pid {status['pid']})")
-            elif time.time() - status["time"] > 5 * self.poll_s + 5:
-                found.append(f"{status['where']} stopped responding at {status['at']}")
-            elif not status.get("waiting"):
-                found.append(f"{status['where']} is not in a collective: it stands at {status['at']}")
-        return "; ".join(found) or None
+            if status.get("rank") != self.rank:
+                found.append(status)
+        return found
 
     def _check_writers(self, frame: types.FrameType | None) -> None:
         """Megatron's checkpoint save waits for the writer processes it forked with no timeout: one killed mid-save
@@ -174,6 +178,19 @@ class Watchdog:
                        "tmp- folder is ignored on resume). Stopping the run; resume from the newest complete "
                        "checkpoint. (Out of host memory? The writers hold each rank's tensors while writing.)")
                 os._exit(1)
+
+
+def _culprits(others: list[dict], poll_s: float) -> str | None:
+    """The other ranks that are not waiting for anyone: gone, frozen, or busy outside any collective."""
+    found = []
+    for status in others:
+        if not _alive(status["pid"]):
+            found.append(f"{status['where']} is gone (pid {status['pid']})")
+        elif time.time() - status["time"] > 5 * poll_s + 5:
+            found.append(f"{status['where']} stopped responding at {status['at']}")
+        elif not status.get("waiting"):
+            found.append(f"{status['where']} is not in a collective: it stands at {status['at']}")
+    return "; ".join(found) or None
 
 
 def _stack(frame: types.FrameType | None):

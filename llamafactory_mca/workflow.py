@@ -274,7 +274,7 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
     config = plan_mtp(config, stage, finetuning_args, training_args, say=torch.distributed.get_rank() == 0)
     config, balancing = resolve_load_balancing(config, training_args, model_args.moe_aux_loss_coef)
     custom = training_args.pipeline_model_parallel_layout is not None
-    check_layout(config, layout, custom)
+    check_layout(config, layout, custom, training_args.sequence_parallel)
     check_model_fits(config, cutoff_len, stage, layout, custom)
 
     watchdog.beat(phase="loading data and model")

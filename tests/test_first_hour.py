@@ -346,7 +346,8 @@ def test_killed_launchers_stop_their_workers_and_one_live_run_per_output_dir(ass
 def test_a_collective_waiting_past_ddp_timeout_aborts_naming_rank_step_and_call(assets, tmp_path):
     config = recipe(assets, tmp_path / "out", max_steps=4, gradient_accumulation_steps=2, ddp_timeout=5)
     result, output = train(tmp_path, config, world=2, env={"LLAMAFACTORY_MCA_FAULT": "hang:2@1"})
-    message = one_error(result, output, "rank 0 (step 2) waited", "longer than ddp_timeout=5 s")
+    message = one_error(result, output, "rank 0 (step 2) waited", "longer than ddp_timeout=5 s",
+                        "rank 1 (step 1) is not in a collective: it stands at faults.py")  # the rank that stopped
     assert "called from" in message, message
     assert result.seconds < 120
 

@@ -107,8 +107,8 @@ def test_moe_resumes_from_ep2_to_ep1_and_to_tp2_with_expert_tensor_parallelism(a
     assert "(expert_model_parallel_size 2 -> 1, data_parallel_size 2 -> 1)" in output
     _same_losses(expected, losses(tmp_path / "ep1"), (3, 4))
     result, output = _run(tmp_path, assets, "etp2", 2, 6, resume=tmp_path / "ep1" / "checkpoint-4",
-                          tensor_model_parallel_size=2, expert_tensor_parallel_size=2, gradient_accumulation_steps=4,
-                          **moe)
+                          tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=2,
+                          gradient_accumulation_steps=4, **moe)
     ok(result, output)
     assert "tensor_model_parallel_size 1 -> 2, expert_tensor_parallel_size 1 -> 2" in output
     _same_losses(expected, losses(tmp_path / "etp2"), (5, 6))
