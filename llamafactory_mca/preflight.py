@@ -57,7 +57,10 @@ def read_recipe(argv: list[str]) -> dict[str, Any] | list[str]:
     try:
         return read_args()
     except Exception as err:  # YAML syntax and the like
-        raise UserError(f"cannot read {_recipe_name(argv)}: {err}") from err
+        mark = getattr(err, "problem_mark", None)  # YAML's own errors span lines: where, then what
+        what = (f"line {mark.line + 1}, column {mark.column + 1}: {err.problem}" if mark is not None
+                and getattr(err, "problem", None) else " ".join(str(err).split()))
+        raise UserError(f"cannot read {_recipe_name(argv)}: {what}") from err
     finally:
         sys.argv = saved
 

@@ -27,6 +27,7 @@ class _McaTrainingMixin:
             )
         if self.bf16 and self.fp16:
             raise UserError("bf16=True and fp16=True: choose one precision.")
+        self._check_training_keys()
         if self.bf16 and not self.accumulate_allreduce_grads_in_fp32:
             self.accumulate_allreduce_grads_in_fp32 = True
         from .cpu_mode import cpu_mode_needed
@@ -34,6 +35,20 @@ class _McaTrainingMixin:
         if cpu_mode_needed():
             self.use_cpu = True  # no GPU: gloo, and Hugging Face's bf16-needs-a-GPU check stays quiet
         hf_cls.__post_init__(self)
+
+    def _check_training_keys(self) -> None:
+        """Hugging Face's keys that would otherwise fail inside the workers (a traceback per rank) or train nothing."""
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise UserError(f"{name}={getattr(self, name)!r} must be a positive integer.")
+        if self.learning_rate < 0:
+            raise UserError(f"learning_rate={self.learning_rate} must not be negative.")
+        if str(getattr(self.save_strategy, "value", self.save_strategy)) == "steps" and self.save_steps <= 0:
+            raise UserError(f"save_strategy=steps with save_steps={self.save_steps}: give a positive save_steps "
+                            "(or save_strategy: no).")
+        if self.do_train and self.max_steps <= 0 and self.num_train_epochs <= 0:
+            raise UserError(f"max_steps={self.max_steps} and num_train_epochs={self.num_train_epochs}: nothing to "
+                            "train. Set num_train_epochs (or max_steps) to a positive number.")
 
     def resolve_layout(self, world_size: int | None = None, seq_length: int | None = None):
         """The second check, once the world size is known: see ``parallel.ParallelLayout``."""

@@ -8,6 +8,7 @@ before process groups, GPUs or data are touched.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 from typing import Any
@@ -54,6 +55,16 @@ def check_request(stage: str, model_args: Any, data_args: Any, training_args: An
                          "and train the merged model.")
     if getattr(model_args, "quantization_bit", None):
         raise UserError(f"quantization_bit={model_args.quantization_bit} is not supported with USE_MCA=1.")
+    if data_args.cutoff_len is not None and data_args.cutoff_len < 1:
+        raise UserError(f"cutoff_len={data_args.cutoff_len} must be a positive number of tokens.")
+    if data_args.template is not None:
+        from llamafactory.data.template import TEMPLATES
+
+        if data_args.template not in TEMPLATES:
+            close = difflib.get_close_matches(data_args.template, list(TEMPLATES), n=3)
+            raise UserError(f"template={data_args.template!r} is not one of LLaMA-Factory's templates"
+                            + (f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else "")
+                            + "; see llamafactory/data/template.py for the list.")
     if data_args.streaming:
         raise UserError("streaming=True is not supported with USE_MCA=1: micro-batches are planned over the whole "
                          "tokenized dataset (deterministic, resumable packing). Set streaming: false.")

@@ -1,5 +1,8 @@
-"""Broken and missing files, through the real commands: each is one line that names the file, says it is corrupt or
-missing and what to do, and the command leaves nothing behind.
+"""The fault matrix, through the real commands: bad inputs, broken and missing files, killed processes. Each ends in
+one line that names what is wrong (the key, the file, the rank) and what to do, printed once, last on screen, with no
+traceback, and leaves nothing behind (or names the partial state it left).
+
+Bad inputs that the launcher can judge stop before any worker starts, in seconds. For files:
 
 A corrupt file of the right size is the case a size check cannot see: only reading it tells, and torch's own
 errors (wrapped by its checkpoint loader, advising ``weights_only=False``) name no file. A missing folder must not be
@@ -11,11 +14,16 @@ the run stops before any worker starts, in seconds.
 import os
 import pickle
 import shutil
+import subprocess
 import sys
+import time
+from pathlib import Path
 
+import psutil
 import pytest
 
-from tests._cli import ok, one_error, recipe, run, train
+from tests._cli import cli_env, ok, one_error, recipe, run, train
+from tests._dist import one_job_at_a_time
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -285,3 +293,147 @@ def test_a_lora_merge_names_the_tokenizer_files_it_wrote(assets, tmp_path):
         assert written and all(n in last for n in written), (last, sorted(os.listdir(target)))
     assert "LoRA adapter merged in" in last
 
+
+
+# ---- bad inputs, judged by the launcher before any worker starts ------------------------------------------------
+
+def _moe(assets) -> dict:
+    return {"model_name_or_path": assets["models"]["qwen3_moe"]}
+
+
+# (name, recipe overrides (a callable of the assets where it needs them), processes, fragments of the one line)
+BAD_INPUTS = [
+    ("micro-batch 0", {"per_device_train_batch_size": 0}, 1, ["per_device_train_batch_size=0 must be a positive"]),
+    ("accumulation 0", {"gradient_accumulation_steps": 0}, 1, ["gradient_accumulation_steps=0 must be a positive"]),
+    ("negative lr", {"learning_rate": -1.0}, 1, ["learning_rate=-1.0 must not be negative"]),
+    ("nothing to train", {"max_steps": -1, "num_train_epochs": 0}, 1, ["nothing to train"]),
+    ("save_steps 0", {"save_strategy": "steps", "save_steps": 0}, 1, ["save_steps=0", "positive save_steps"]),
+    ("cutoff_len 0", {"cutoff_len": 0}, 1, ["cutoff_len=0 must be a positive number of tokens"]),
+    ("unknown template", {"template": "qwen3_nothinking"}, 1, ["template='qwen3_nothinking' is not one of",
+                                                               "did you mean 'qwen3_nothink'"]),
+    ("unknown dataset", {"dataset": "no_such_set"}, 1, ["dataset=no_such_set", "Undefined dataset"]),
+    ("unsupported stage", {"stage": "kto"}, 1, ["stage='kto' is not supported with USE_MCA=1"]),
+    ("unsupported dpo loss", lambda a: {"stage": "dpo", "pref_loss": "kto_pair", "dataset_dir": a["dpo"]}, 1,
+     ["pref_loss='kto_pair' is not supported"]),
+    ("streaming", {"streaming": True}, 1, ["streaming=True is not supported", "streaming: false"]),
+    ("DoRA", {"finetuning_type": "lora", "use_dora": True}, 1, ["use_dora=True (DoRA) is not supported"]),
+    ("unknown LoRA target", {"finetuning_type": "lora", "lora_target": "no_such_module"}, 1,
+     ["lora_target ['no_such_module'] names modules", "q_proj"]),
+    ("two precisions", {"bf16": True, "fp16": True}, 1, ["bf16=True and fp16=True: choose one precision"]),
+    ("deepspeed", {"deepspeed": "ds_z3_config.json"}, 1, ["deepspeed='ds_z3_config.json' cannot be combined"]),
+    ("recompute", {"recompute_granularity": "sometimes"}, 1, ["recompute_granularity='sometimes' is not one of"]),
+    ("dispatcher", {"moe_token_dispatcher_type": "teleport"}, 1, ["moe_token_dispatcher_type='teleport'"]),
+    ("VPP without PP", {"virtual_pipeline_model_parallel_size": 2}, 1,
+     ["virtual_pipeline_model_parallel_size=2 needs pipeline_model_parallel_size > 1"]),
+    ("PP beyond the world", {"pipeline_model_parallel_size": 3}, 2, ["= 3 does not divide the world size 2"]),
+    ("CP beyond the world", {"context_parallel_size": 3}, 2, ["= 3 does not divide the world size 2"]),
+    ("EP not dividing the experts", lambda a: {**_moe(a), "expert_model_parallel_size": 3}, 3,
+     ["expert_model_parallel_size=3 does not divide num_experts"]),
+    ("MoE under TP without SP", lambda a: {**_moe(a), "tensor_model_parallel_size": 2}, 2,
+     ["tensor_model_parallel_size=2 on a model with experts needs sequence_parallel: true"]),
+    ("resume from nowhere", {"resume_from_checkpoint": "/nonexistent/checkpoint-2"}, 1,
+     ["resume_from_checkpoint='/nonexistent/checkpoint-2' is not a llamafactory_mca checkpoint"]),
+]
+
+
+@pytest.mark.parametrize("name,overrides,world,fragments", BAD_INPUTS, ids=[case[0] for case in BAD_INPUTS])
+def test_a_bad_input_is_one_line_before_any_worker(name, overrides, world, fragments, assets, tmp_path):
+    overrides = overrides(assets) if callable(overrides) else overrides
+    result, output = train(tmp_path, recipe(assets, tmp_path / "out", **overrides), world=world)
+    one_error(result, output, *fragments)
+    assert "Initializing" not in output  # LLaMA-Factory's launcher never got to start torchrun
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_recipe_that_is_not_there_or_not_yaml_is_one_line(tmp_path):
+    result, output = run(["llamafactory-cli", "train", str(tmp_path / "missing.yaml")], env=cli_env(1))
+    one_error(result, output, f"recipe '{tmp_path / 'missing.yaml'}' does not exist")
+    (tmp_path / "broken.yaml").write_text("model_name_or_path: [unclosed\n")
+    result, output = run(["llamafactory-cli", "train", str(tmp_path / "broken.yaml")], env=cli_env(1))
+    one_error(result, output, "cannot read", "broken.yaml")
+
+
+def test_a_bad_process_count_is_one_line(assets, tmp_path):
+    result, output = train(tmp_path, recipe(assets, tmp_path / "out"), world=None, env={"NPROC_PER_NODE": "two"})
+    one_error(result, output, "NPROC_PER_NODE='two' must be a positive number of processes per node")
+
+
+# ---- killed processes: nothing outlives a run --------------------------------------------------------------------
+
+def _start(tmp_path, config, name: str) -> tuple[subprocess.Popen, Path]:
+    import yaml
+
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = tmp_path / f"{name}.log"
+    with open(log, "w") as f:
+        process = subprocess.Popen(["llamafactory-cli", "train", str(path)], env=cli_env(2), stdout=f,
+                                   stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
+    return process, log
+
+
+def _wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _family(pid: int) -> list:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def _alive(processes: list) -> list:
+    return [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _ranks(processes: list) -> list:
+    """The workers: the children of our torchrun (what they fork has the same command line)."""
+    launch = [p for p in processes if "llamafactory_mca.launch" in " ".join(p.cmdline())]
+    return launch[0].children() if launch else []
+
+
+def _saved(out) -> bool:
+    return out.is_dir() and any(n.startswith("checkpoint-") for n in os.listdir(out))
+
+
+def test_a_rank_killed_with_sigkill_takes_everything_of_the_run_with_it(assets, tmp_path):
+    """What the out-of-memory killer does: after the first save each worker has forked the checkpoint writer's
+    helper, which used to live on, orphaned, at ~0.6 GB each."""
+    out = tmp_path / "out"
+    config = recipe(assets, out, max_steps=100000, save_strategy="steps", save_steps=2, save_total_limit=1,
+                    gradient_accumulation_steps=2, use_distributed_optimizer=True)
+    with one_job_at_a_time():
+        process, log = _start(tmp_path, config, "run")
+        try:
+            assert _wait_for(lambda: _saved(out), 120), log.read_text()[-3000:]
+            everything = _family(process.pid)
+            assert len(everything) > 4  # the launchers, two ranks and what they forked
+            _ranks(everything)[-1].kill()
+            assert process.wait(timeout=120) != 0
+            assert _wait_for(lambda: not _alive(everything), 30), [p.cmdline() for p in _alive(everything)]
+        finally:
+            for p in _alive(_family(process.pid)) if psutil.pid_exists(process.pid) else []:
+                p.kill()
+    output = log.read_text()
+    one_error(subprocess.CompletedProcess([], 1), output, "training failed: rank 1 killed by SIGKILL",
+              "Rank 0 was stopped with it", "A signal leaves no traceback")
+
+
+def test_a_killed_checkpoint_helper_is_replaced_and_the_run_finishes(assets, tmp_path):
+    """kill -9 of the helper process a worker forked for the checkpoint writer's results: the next save starts a new
+    one (it used to fail with a BrokenPipeError traceback)."""
+    out = tmp_path / "out"
+    config = recipe(assets, out, max_steps=12, save_strategy="steps", save_steps=4, gradient_accumulation_steps=2,
+                    use_distributed_optimizer=True)
+    with one_job_at_a_time():
+        process, log = _start(tmp_path, config, "run")
+        assert _wait_for(lambda: _saved(out), 120), log.read_text()[-3000:]
+        helpers = [child for rank in _ranks(_family(process.pid)) for child in rank.children()]
+        assert helpers
+        helpers[0].kill()
+        assert process.wait(timeout=180) == 0, log.read_text()[-3000:]
+    assert (out / "checkpoint-12").is_dir() and "Traceback" not in log.read_text()
