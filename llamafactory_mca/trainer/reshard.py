@@ -72,7 +72,8 @@ def pieces(meta: ShardedTensor | ShardedTensorFactory, shape: torch.Size) -> lis
     not a strided pattern of the parameter's data."""
     index = torch.arange(math.prod(shape)).view(shape)
     if isinstance(meta, ShardedTensorFactory):
-        built = list(nested_values(meta.build_fn(meta.key, index, meta.replica_id, None)))
+        built = meta.build_fn(meta.key, index, meta.replica_id, None)  # one ShardedTensor, or a nest of them
+        built = [built] if isinstance(built, ShardedTensor) else list(nested_values(built))
     else:
         built = [replace(meta, data=index, dtype=index.dtype)]
     found = []
