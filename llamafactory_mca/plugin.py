@@ -67,7 +67,7 @@ def _guard_train_args(module: types.ModuleType) -> None:
         if os.environ.get("LOCAL_RANK") is not None:  # a worker: our process group first, see _join_process_group
             _join_process_group(module.read_args(args))
         parsed = parse(args)
-        from .workflow import check_request
+        from .plan import check_request
 
         model_args, data_args, training_args, finetuning_args = parsed[:4]
         check_request(finetuning_args.stage, model_args, data_args, training_args, finetuning_args)

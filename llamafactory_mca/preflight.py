@@ -2,10 +2,10 @@
 
 ``llamafactory-cli train x.yaml`` under USE_MCA=1 (and ``llamafactory-mca train``) runs :func:`preflight`
 first: a mistake costs seconds and prints one message, not a minute and a traceback per rank. It parses the
-recipe as the workers will (LLaMA-Factory's parser with our argument classes), then checks what the workers
-would only find later: the model (a hub id is downloaded here, once per node), the layout against the model
-and the world size, the datasets, the resume point. It also takes the output_dir lock and hands the workers
-what it resolved through the environment.
+recipe as the workers will (LLaMA-Factory's parser with our argument classes) and makes the run's plan as the workers
+will (``plan.plan_run``: the model, a hub id downloaded here once per node, the layout against the model and the world
+size), then checks what only it checks: the recipe's keys, the files, the datasets, the resume point. It also takes
+the output_dir lock and hands the workers what it resolved through the environment.
 
 Files are checked as far as that is cheap: each safetensors file's header against its length, a checkpoint of ours
 (to resume, or as model_name_or_path) by its metadata against its data files. Tensors are read by the workers, which
@@ -20,7 +20,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any
 
 from .errors import UserError, user_errors
@@ -28,16 +28,6 @@ from .errors import UserError, user_errors
 # LLaMA-Factory's demo sets: in its repository's data/ folder, not in the pip package.
 LLAMAFACTORY_DATA = ("identity", "alpaca_en_demo", "alpaca_zh_demo", "dpo_en_demo", "dpo_zh_demo", "kto_en_demo",
                      "glaive_toolcall_en_demo", "glaive_toolcall_zh_demo", "mllm_demo", "c4_demo", "wiki_demo")
-
-
-@dataclass
-class Plan:
-    """What the preflight found, for the launcher and (through the environment) the workers."""
-
-    world_size: int
-    layout: Any
-    model_path: str
-    output_dir: str
 
 
 def _recipe_name(argv: list[str]) -> str:
@@ -195,13 +185,13 @@ def _data_hint(names: list[str], directory: Any) -> str:
             f"and set dataset_dir to LLaMA-Factory/data (dataset_dir is now {where}).")
 
 
-def preflight(argv: list[str]) -> Plan:
-    """All checks, in the order a user would fix them. Raises UserError."""
-    from .checkpoints import resolve_resume, run_record
-    from .hub import resolve_model
-    from .models.auto import AutoConfig
-    from .parallel import check_layout, min_world_size
-    from .workflow import check_model_fits, packing_request, plan_mtp
+def preflight(argv: list[str]) -> tuple[Any, str]:
+    """The run's plan (``plan.plan_run``: every check that needs no process group) and what only the launcher checks:
+    the recipe's keys, the model's files, the datasets, the resume point. Returns the plan and the output_dir.
+    Raises UserError."""
+    from .checkpoints import resolve_resume
+    from .parallel import min_world_size
+    from .plan import plan_run
 
     recipe = read_recipe(argv)
     check_keys(recipe, _recipe_name(argv))
@@ -211,34 +201,15 @@ def preflight(argv: list[str]) -> Plan:
         training_args.tensor_model_parallel_size, training_args.pipeline_model_parallel_size,
         training_args.context_parallel_size, training_args.expert_model_parallel_size,
         training_args.expert_tensor_parallel_size or 1))
-    _, cutoff_len = packing_request(data_args, training_args, recipe)
-    layout = training_args.resolve_layout(world, seq_length=cutoff_len)
-    model_path = resolve_model(model_args.model_name_or_path, model_args)
-    config = plan_mtp(AutoConfig.from_pretrained(model_path, training_args, model_args.trust_remote_code),
-                      finetuning_args.stage, finetuning_args, training_args)
-    check_model_files(model_path)
-    custom = training_args.pipeline_model_parallel_layout is not None
-    check_layout(config, layout, custom, training_args.sequence_parallel)
-    check_model_fits(config, cutoff_len, finetuning_args.stage, layout, custom)
-    if getattr(finetuning_args, "ref_model", None):
-        check_model_files(resolve_model(finetuning_args.ref_model, model_args, field="ref_model"))
-    if finetuning_args.finetuning_type == "lora":
-        from .models.lora_io import check_lora_plan
-
-        adapters = []
-        for path in model_args.adapter_name_or_path or []:
-            if os.path.isabs(os.path.expanduser(path)) and not os.path.isdir(os.path.expanduser(path)):
-                raise UserError(f"adapter_name_or_path={path!r} is not a peft adapter folder (it does not exist).")
-            adapters.append(resolve_model(path, model_args, field="adapter_name_or_path"))
-            check_model_files(adapters[-1])
-        check_lora_plan(config, finetuning_args, adapters, layout.etp, layout.tp)
+    plan = plan_run(finetuning_args.stage, model_args, data_args, training_args, finetuning_args, world, recipe)
+    for path in (plan.model_path, *plan.adapters, *([plan.reference[0]] if plan.reference else [])):
+        check_model_files(path)
     check_datasets(data_args)
-    resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir,
-                   run_record(finetuning_args.stage, finetuning_args.finetuning_type, config))
-    return Plan(world_size=world, layout=layout, model_path=model_path, output_dir=training_args.output_dir)
+    resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir, plan.record)
+    return plan, training_args.output_dir
 
 
-def run_preflight(argv: list[str]) -> Plan:
+def run_preflight(argv: list[str]) -> Any:
     """The launcher's entry: help, checks (one message and exit 1 on a user error), the output_dir lock."""
     import atexit
 
@@ -250,9 +221,9 @@ def run_preflight(argv: list[str]) -> Plan:
         raise SystemExit(0)
     quiet_third_party()
     with user_errors(also=(ValueError,)):
-        plan = preflight(argv)
+        plan, output_dir = preflight(argv)
         if os.environ.get("NODE_RANK", "0") == "0":
-            lock = acquire(plan.output_dir)
+            lock = acquire(output_dir)
             atexit.register(lock.release)
             os.environ[HELD_ENV] = lock.path
     return plan

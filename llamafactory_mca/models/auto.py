@@ -74,22 +74,20 @@ def _drop_missing_mtp(config: McaConfig, path: str) -> McaConfig:
 _SAID_NO_MTP: set[str] = set()
 
 
-def mtp_apart_from_features(config: McaConfig, args: Any) -> str | None:
+def mtp_apart_from_features(config: McaConfig, pipeline: int) -> str | None:
     """Why a vision-language model's multi-token-prediction layer cannot train in this layout, or None: it takes the
     image features (``multimodal.VisionLanguageModel._shifted_inputs``), which stay on the first pipeline stage, and
     sits on the last."""
-    pipeline = getattr(args, "pipeline_model_parallel_size", 1) or 1
     if config.mtp_num_layers and pipeline > 1 and config.transformer.get("mrope_section"):
         return (f"{config.hf_model_type}: the multi-token-prediction layer takes the image features, which stay on "
                 f"the first pipeline stage, but sits on the last (pipeline_model_parallel_size={pipeline})")
     return None
 
 
-def resolve_mtp(config: McaConfig, args: Any) -> McaConfig:
-    """The model's multi-token-prediction layers as the run wants them: the recipe's ``mtp_num_layers`` (unset: the
-    model's, unless the layout cannot train them; 0: leave them out, as LoRA and DPO runs do)."""
-    asked = getattr(args, "mtp_num_layers", None)
-    apart = mtp_apart_from_features(config, args)
+def resolve_mtp(config: McaConfig, asked: int | None, pipeline: int = 1) -> McaConfig:
+    """The model's multi-token-prediction layers as asked (``mtp_num_layers``; None: the model's, unless the layout
+    cannot train them; 0: leave them out)."""
+    apart = mtp_apart_from_features(config, pipeline)
     if apart and asked:
         raise UserError(f"{apart}. Set pipeline_model_parallel_size: 1 to train it, or mtp_num_layers: 0.")
     if apart:
@@ -330,30 +328,16 @@ def _mask_vocab_padding(chunk: torch.nn.Module, vocab_size: int) -> None:
     chunk.output_layer.register_forward_hook(hook)
 
 
-def _current_layout():
-    from megatron.core import parallel_state as ps
-
-    from ..parallel import ParallelLayout
-
-    return ParallelLayout(
-        world_size=torch.distributed.get_world_size(), tp=ps.get_tensor_model_parallel_world_size(),
-        pp=ps.get_pipeline_model_parallel_world_size(), vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
-        cp=ps.get_context_parallel_world_size(), ep=ps.get_expert_model_parallel_world_size(),
-        etp=ps.get_expert_tensor_parallel_world_size(), dp=ps.get_data_parallel_world_size(),
-        expert_dp=ps.get_expert_data_parallel_world_size(), micro_batch_size=1, grad_accum=1)
-
-
 class AutoModel:
     @staticmethod
     def from_config(config: McaConfig, args: Any = None) -> McaModel:
-        """Build this rank's chunks with random weights (process groups must exist)."""
+        """Build this rank's chunks with random weights (process groups must exist, in a layout the model fits:
+        ``parallel.check_layout``, which the run's plan and convert make). ``config`` as the run trains it (its
+        multi-token prediction resolved: ``plan.plan_mtp``, or ``resolve_mtp``)."""
         from megatron.core import parallel_state as ps
 
-        from ..parallel import check_layout
         from . import spec
 
-        config = resolve_mtp(config, args)
-        check_layout(config, _current_layout(), getattr(args, "pipeline_model_parallel_layout", None) is not None)
         tc = build_transformer_config(config, args)
         tp = ps.get_tensor_model_parallel_world_size()
         vpp = ps.get_virtual_pipeline_model_parallel_world_size()
@@ -385,10 +369,13 @@ class AutoModel:
     @staticmethod
     def from_pretrained(path: str, args: Any = None, trust_remote_code: bool = False,
                         config: McaConfig | None = None) -> McaModel:
-        """``config``: the run's plan of the model at ``path`` (``resolve_mtp``, ``resolve_load_balancing``), if made
-        already; read from ``path`` otherwise."""
+        """``config``: the run's plan of the model at ``path`` (``plan.RunPlan.config``), if made already; otherwise
+        read from ``path`` with the multi-token prediction ``args`` asks for."""
         start = time.perf_counter()
-        config = config or AutoConfig.from_pretrained(path, args, trust_remote_code)
+        if config is None:
+            config = resolve_mtp(AutoConfig.from_pretrained(path, args, trust_remote_code),
+                                 getattr(args, "mtp_num_layers", None),
+                                 getattr(args, "pipeline_model_parallel_size", 1) or 1)
         model = AutoModel.from_config(config, args)
         dist = checkpoints.dist_checkpoint_dir(path) if checkpoints.is_ours(path) else None
         if dist is not None:

@@ -408,6 +408,13 @@ def refuse_split_pieces(targets: list[TargetLinear], tensor_parallel: int) -> No
                         "adapter. Leave them out of lora_target, or use tensor_model_parallel_size: 1.")
 
 
+def refuse_split_experts(settings: LoraSettings, expert_tensor_parallel: int) -> None:
+    """Expert adapters are laid out per whole expert: each expert's weights must sit whole on one rank."""
+    if settings.experts and expert_tensor_parallel > 1:
+        raise UserError(f"LoRA on the experts needs expert_tensor_parallel_size: 1 (each expert whole on its rank); "
+                        f"it is {expert_tensor_parallel}. Set expert_tensor_parallel_size: 1.")
+
+
 class LoraGroupedExpertsMixin:
     """Per-expert adapters inside NativeGroupedMLP's grouped GEMMs: fc1 (gate_up_proj) and fc2 (down_proj)."""
 
@@ -415,8 +422,6 @@ class LoraGroupedExpertsMixin:
 
     def init_lora(self, targets: list[TargetLinear], global_prefix: str, settings: LoraSettings,
                   first_expert: int) -> None:
-        if self.tp_group.size() > 1:
-            raise UserError("LoRA on the experts needs expert_tensor_parallel_size: 1 (whole experts on a rank).")
         self.lora_scaling, self.lora_name, self.lora_first_expert = settings.scaling, global_prefix, first_expert
         self.lora_targets = targets
         self.lora_A, self.lora_B = torch.nn.ParameterDict(), torch.nn.ParameterDict()
@@ -593,9 +598,7 @@ def apply_lora(model: Any, settings: LoraSettings, freeze_vision_tower: bool = T
     table = get_family(config.hf_model_type).weight_table(config)
     targets = plan_targets(config.hf_config, table, settings, freeze_vision_tower)
     refuse_split_pieces(targets, ps.get_tensor_model_parallel_world_size())
-    if settings.experts and ps.get_expert_tensor_parallel_world_size() > 1:
-        raise UserError(f"LoRA on the experts needs expert_tensor_parallel_size: 1 (it is "
-                        f"{ps.get_expert_tensor_parallel_world_size()}).")
+    refuse_split_experts(settings, ps.get_expert_tensor_parallel_world_size())
     unknown = [m for m in settings.additional if m not in EXTRA_MODULES]
     if unknown:
         raise UserError(f"additional_target {unknown} is not supported with USE_MCA=1; choose from "

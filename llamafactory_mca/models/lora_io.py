@@ -19,7 +19,7 @@ import torch
 from ..checkpoints import ADAPTER_CONFIG_NAME as ADAPTER_CONFIG
 from ..errors import UserError
 from .lora import (EXPERT_PIECES, LoraSettings, TargetLinear, apply_lora, lora_modules, merge_lora, plan_targets,
-                   refuse_split_pieces)
+                   refuse_split_experts, refuse_split_pieces)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -115,9 +115,7 @@ def check_lora_plan(config: Any, finetuning_args: Any, adapters: list[str], expe
     settings = LoraSettings.from_peft(read_adapter_config(resume)) if resume else \
         LoraSettings.from_args(finetuning_args)
     refuse_split_pieces(_targets(config, settings, finetuning_args.freeze_vision_tower), tensor_parallel)
-    if settings.experts and expert_tensor_parallel > 1:
-        raise UserError(f"LoRA on the experts needs expert_tensor_parallel_size: 1 (each expert whole on its rank); "
-                        f"it is {expert_tensor_parallel}. Set expert_tensor_parallel_size: 1.")
+    refuse_split_experts(settings, expert_tensor_parallel)
 
 
 def export_adapter(checkpoint: str, output: str, dtype: torch.dtype | None = None) -> dict:

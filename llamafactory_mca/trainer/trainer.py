@@ -83,14 +83,14 @@ def _drop_kept_graphs(chunks: list) -> None:
 class McaTrainer:
     def __init__(self, model: Any, args: Any, layout: Any, train_data: Any, eval_data: Any = None,
                  tokenizer: Any = None, processor: Any = None, callbacks: list | None = None,
-                 preference: PreferenceConfig | None = None, reference_model: str | None = None,
+                 preference: PreferenceConfig | None = None, reference: tuple[str, Any] | None = None,
                  side_files: SideFiles | None = None) -> None:
         self.model, self.args, self.layout = model, args, layout
         self.train_data, self.eval_data = train_data, eval_data
         self.train_feed = StepFeeder(train_data, layout)
         self.eval_feed = StepFeeder(eval_data, layout) if eval_data is not None else None
         self.tokenizer, self.processor = tokenizer, processor
-        self.preference, self.reference_model = preference, reference_model
+        self.preference, self.reference = preference, reference  # DPO's ref_model: (folder, its planned config)
         self.side_files = side_files or SideFiles(model.config, layout, tokenizer=tokenizer, processor=processor)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
@@ -408,14 +408,15 @@ class McaTrainer:
     # ---- DPO reference log-probs ---------------------------------------------------------------------------
     def _attach_reference_logps(self) -> None:
         """DPO's reference log-probs, computed once before training (and before a resume loads later weights) by
-        the initial model or ``reference_model``; kept beside each plan, which hands them to its micro-batches."""
+        the initial model or ``ref_model``; kept beside each plan, which hands them to its micro-batches."""
         if self.preference is None or not self.preference.needs_reference or self.train_data.reference is not None:
             return
         reference = None
-        if self.reference_model:
+        if self.reference:
             from ..models.auto import AutoModel
 
-            reference = AutoModel.from_pretrained(self.reference_model, self.args)
+            path, config = self.reference
+            reference = AutoModel.from_pretrained(path, self.args, config=config)
         elif self.model.lora is not None:  # LoRA's reference is the frozen base, as peft's disable_adapter gives it
             from ..models.lora import set_lora_enabled
 

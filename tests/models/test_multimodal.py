@@ -135,7 +135,7 @@ def test_what_vision_language_training_cannot_do_yet_is_refused(tmp_path):
 
     from llamafactory_mca.errors import UserError
     from llamafactory_mca.models.auto import AutoConfig
-    from llamafactory_mca.workflow import check_model_fits, plan_mtp
+    from llamafactory_mca.plan import check_model_fits, plan_mtp
 
     config = AutoConfig.from_pretrained(save_tiny_model("qwen2_vl", str(tmp_path / "hf")))
     layout = SimpleNamespace(cp=1, pp=1, vpp=None)
@@ -154,14 +154,16 @@ def test_what_vision_language_training_cannot_do_yet_is_refused(tmp_path):
     check_model_fits(config, 64, "sft", SimpleNamespace(cp=1, pp=2, vpp=2), custom_pipeline_layout=True)
     # Qwen3.5's MTP layer takes the image features: trained without pipelining, left out with it (refused if asked)
     config = AutoConfig.from_pretrained(save_tiny_model("qwen3_5", str(tmp_path / "hf35")))
-    full = SimpleNamespace(finetuning_type="full")
     run = lambda pp, mtp=None: SimpleNamespace(pipeline_model_parallel_size=pp, mtp_num_layers=mtp)  # noqa: E731
-    assert plan_mtp(config, "sft", full, run(1)).mtp_num_layers == 1
-    assert plan_mtp(config, "sft", full, run(2)).mtp_num_layers == 0
-    assert plan_mtp(config, "sft", full, run(2, 0)).mtp_num_layers == 0
+    assert plan_mtp(config, "sft", "full", run(1)) == (config, None)
+    planned, note = plan_mtp(config, "sft", "full", run(2))
+    assert planned.mtp_num_layers == 0 and "pipeline_model_parallel_size: 1 trains it" in note
+    assert plan_mtp(config, "sft", "full", run(2, 0))[0].mtp_num_layers == 0
+    planned, note = plan_mtp(config, "dpo", "full", run(1))
+    assert planned.mtp_num_layers == 0 and "not trained in a dpo run" in note
     with pytest.raises(UserError, match=r"qwen3_5: the multi-token-prediction layer takes the image features, .* "
                                         r"\(pipeline_model_parallel_size=2\)\. Set pipeline_model_parallel_size: 1"):
-        plan_mtp(config, "sft", full, run(2, 1))
+        plan_mtp(config, "sft", "full", run(2, 1))
 
 
 def _lora_logits(model_dir: str, adapter: str, inputs: dict, positions: torch.Tensor, layouts: list) -> dict:

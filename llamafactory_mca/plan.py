@@ -1,0 +1,226 @@
+"""The run, planned once per process: what a run decides before it touches a process group, a GPU or the data.
+
+``plan_run`` turns the parsed recipe into decisions — the world and the layout, packing and the cutoff, the model
+folder and its config (multi-token prediction and the load-balancing weight resolved), the LoRA adapters, the DPO
+reference — and makes each check once. The launcher's preflight is this plan plus the dataset and resume checks; each
+worker builds its run from the same plan. Nothing here changes the parsed arguments: a decision is a field of the
+plan, and what a decision leaves out is a note the worker says once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+from llamafactory.data.template import TEMPLATES
+from llamafactory.hparams.parser import read_args
+
+from .checkpoints import run_record
+from .errors import UserError
+from .hub import resolve_model
+from .models.auto import AutoConfig, mtp_apart_from_features, resolve_load_balancing, resolve_mtp
+from .models.config import McaConfig
+from .models.lora import check_lora_request
+from .models.lora_io import check_lora_plan
+from .models.multimodal import deepstack_layers
+from .parallel import ParallelLayout, check_layout
+
+SUPPORTED_STAGES = ("pt", "sft", "dpo")
+SUPPORTED_FINETUNING = ("full", "freeze", "lora")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """Everything decided about a run before it starts; made by ``plan_run`` only."""
+
+    stage: str
+    finetuning_type: str
+    layout: ParallelLayout
+    packing: bool
+    cutoff_len: int  # the user's: positions per row
+    model_path: str  # a local folder (hub ids resolved)
+    config: McaConfig  # multi-token prediction and the load-balancing weight as this run trains them
+    balancing: str  # where the load-balancing weight came from (the summary says)
+    custom_pipeline_layout: bool
+    adapters: tuple[str, ...] = ()  # LoRA: adapter folders to merge or continue, in order
+    reference: tuple[str, McaConfig] | None = None  # DPO's ref_model: its folder and config
+    notes: tuple[str, ...] = ()  # what the plan left out and why, said once by rank 0
+
+    @property
+    def record(self) -> dict[str, Any]:
+        """What its checkpoints record of the run, and what a resume must match."""
+        return run_record(self.stage, self.finetuning_type, self.config)
+
+    @property
+    def vision(self) -> bool:
+        return bool(self.config.transformer.get("mrope_section"))
+
+
+Resolver = Callable[..., str]  # hub.resolve_model's signature: (name, model_args, field=...) -> a local folder
+
+
+def plan_run(stage: str, model_args: Any, data_args: Any, training_args: Any, finetuning_args: Any, world_size: int,
+             recipe: dict | list | None = None, resolve: Resolver = resolve_model) -> RunPlan:
+    """The plan, with every check that needs no process group, in the order a user would fix them. ``recipe``: as
+    LLaMA-Factory's ``read_args`` returns it (None: the command line); ``resolve``: how a hub id becomes a folder
+    (the launcher downloads; a bare torchrun's ranks take turns per node)."""
+    check_request(stage, model_args, data_args, training_args, finetuning_args)
+    packing, cutoff_len = packing_request(data_args, training_args, recipe)
+    layout = training_args.resolve_layout(world_size, seq_length=cutoff_len)
+    model_path = resolve(model_args.model_name_or_path, model_args, field="model_name_or_path")
+    tuning = finetuning_args.finetuning_type
+    config, mtp_note = plan_mtp(AutoConfig.from_pretrained(model_path, training_args, model_args.trust_remote_code),
+                                stage, tuning, training_args)
+    config, balancing = resolve_load_balancing(config, training_args, model_args.moe_aux_loss_coef)
+    custom = training_args.pipeline_model_parallel_layout is not None
+    check_layout(config, layout, custom, training_args.sequence_parallel)
+    check_model_fits(config, cutoff_len, stage, layout, custom)
+    reference = None
+    if stage == "dpo" and getattr(finetuning_args, "ref_model", None):
+        ref_path = resolve(finetuning_args.ref_model, model_args, field="ref_model")
+        ref_config, _ = plan_mtp(AutoConfig.from_pretrained(ref_path, training_args, model_args.trust_remote_code),
+                                 stage, tuning, training_args)
+        reference = (ref_path, ref_config)
+    adapters: tuple[str, ...] = ()
+    if tuning == "lora":
+        for path in model_args.adapter_name_or_path or []:
+            if os.path.isabs(os.path.expanduser(path)) and not os.path.isdir(os.path.expanduser(path)):
+                raise UserError(f"adapter_name_or_path={path!r} is not a peft adapter folder (it does not exist).")
+            adapters += (resolve(path, model_args, field="adapter_name_or_path"),)
+        check_lora_plan(config, finetuning_args, list(adapters), layout.etp, layout.tp)
+    return RunPlan(stage=stage, finetuning_type=tuning, layout=layout, packing=packing, cutoff_len=cutoff_len,
+                   model_path=model_path, config=config, balancing=balancing, custom_pipeline_layout=custom,
+                   adapters=adapters, reference=reference, notes=(mtp_note,) if mtp_note else ())
+
+
+def check_request(stage: str, model_args: Any, data_args: Any, training_args: Any, finetuning_args: Any) -> None:
+    """Refuse what the Megatron path does not do, naming the key and the fix."""
+    if stage not in SUPPORTED_STAGES:
+        raise UserError(f"stage={stage!r} is not supported with USE_MCA=1; supported: {', '.join(SUPPORTED_STAGES)}. "
+                         "Unset USE_MCA to run it with LLaMA-Factory's default trainer.")
+    if finetuning_args.finetuning_type not in SUPPORTED_FINETUNING:
+        raise UserError(f"finetuning_type={finetuning_args.finetuning_type!r} is not supported with USE_MCA=1; "
+                         f"supported: {', '.join(SUPPORTED_FINETUNING)}. Use one of those, or unset USE_MCA for "
+                         "OFT with LLaMA-Factory's default trainer.")
+    if finetuning_args.finetuning_type == "lora":
+        check_lora_request(finetuning_args)
+    elif getattr(model_args, "adapter_name_or_path", None):
+        raise UserError(f"adapter_name_or_path is set but finetuning_type={finetuning_args.finetuning_type!r}: "
+                         "continue an adapter with finetuning_type: lora, or merge it first (llamafactory-cli export) "
+                         "and train the merged model.")
+    if getattr(model_args, "quantization_bit", None):
+        raise UserError(f"quantization_bit={model_args.quantization_bit} is not supported with USE_MCA=1.")
+    if data_args.cutoff_len is not None and data_args.cutoff_len < 1:
+        raise UserError(f"cutoff_len={data_args.cutoff_len} must be a positive number of tokens.")
+    if data_args.template is not None:
+        if data_args.template not in TEMPLATES:
+            close = difflib.get_close_matches(data_args.template, list(TEMPLATES), n=3)
+            raise UserError(f"template={data_args.template!r} is not one of LLaMA-Factory's templates"
+                            + (f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else "")
+                            + "; see llamafactory/data/template.py for the list.")
+    if data_args.streaming:
+        raise UserError("streaming=True is not supported with USE_MCA=1: micro-batches are planned over the whole "
+                         "tokenized dataset (deterministic, resumable packing). Set streaming: false.")
+    if stage == "dpo" and finetuning_args.pref_loss not in ("sigmoid", "hinge", "ipo", "orpo", "simpo"):
+        raise UserError(f"pref_loss={finetuning_args.pref_loss!r} is not supported with USE_MCA=1; supported: "
+                         "sigmoid, hinge, ipo, orpo, simpo.")
+    if stage == "dpo" and getattr(finetuning_args, "ld_alpha", None):
+        raise UserError("ld_alpha is not supported with USE_MCA=1.")
+    _check_output_dir(training_args.output_dir)
+
+
+
+def plan_mtp(config: McaConfig, stage: str, finetuning_type: str, args: Any) -> tuple[McaConfig, str | None]:
+    """The model's multi-token-prediction layers for this run, and a note when they are left out unasked: trained in
+    full pt and sft; left out in LoRA runs (a peft adapter has no place for them, and the base model keeps its own),
+    freeze runs (they train chosen decoder layers only) and dpo runs (their loss is next-token prediction, not a
+    preference), unless the recipe sets ``mtp_num_layers``. A vision-language model's MTP layer needs the image
+    features, which live on the first pipeline stage, and sits on the last: under pipelining it is left out
+    (``resolve_mtp``)."""
+    asked = getattr(args, "mtp_num_layers", None)
+    pipeline = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    apart = mtp_apart_from_features(config, pipeline)
+    if apart and asked is None:
+        return resolve_mtp(config, asked, pipeline), (
+            f"{apart}: it is not trained in this run, and the exported model has none, like LLaMA-Factory's default "
+            "path's. pipeline_model_parallel_size: 1 trains it.")
+    if config.mtp_num_layers and asked is None and (stage == "dpo" or finetuning_type != "full"):
+        why = "dpo" if stage == "dpo" and finetuning_type == "full" else \
+            "LoRA" if finetuning_type == "lora" else finetuning_type
+        exported = ("the base model keeps them" if why == "LoRA" else
+                    "the exported model has none, like LLaMA-Factory's default path's")
+        return resolve_mtp(config, 0, pipeline), (
+            f"{config.hf_model_type}: the checkpoint's {config.mtp_num_layers} multi-token-prediction layer(s) are "
+            f"not trained in a {why} run ({exported}).")
+    return resolve_mtp(config, asked, pipeline), None
+
+
+def _check_output_dir(output_dir: str) -> None:
+    """Try a write where the folder will be created (permission bits alone say nothing for root)."""
+    probe = os.path.abspath(output_dir)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    try:
+        if not os.path.isdir(probe):
+            raise NotADirectoryError(f"{probe} is a file")
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as err:
+        raise UserError(f"output_dir={output_dir!r} is not writable ({err}). Choose a folder you can write "
+                         "to.") from err
+
+
+def check_model_fits(config: Any, cutoff_len: int, stage: str, layout: Any, custom_pipeline_layout: bool = False
+                     ) -> None:
+    """Refuse a model this run would train wrongly.
+    ``custom_pipeline_layout``: a pipeline_model_parallel_layout places the layers, not the even split (the model
+    build then checks where the deepstack layers went)."""
+    if config.transformer.get("mrope_section"):
+        if stage == "dpo":
+            raise UserError(f"{config.hf_model_type}: DPO on vision-language models is not supported with USE_MCA=1 "
+                            "yet; sft and pt are. Unset USE_MCA to run it with LLaMA-Factory's default trainer.")
+        if layout.cp > 1:
+            raise UserError(f"context_parallel_size={layout.cp} is not supported for the vision-language model "
+                            f"{config.hf_model_type} yet (its image features would have to follow the token split); "
+                            "use context_parallel_size: 1.")
+        deepstack, stages = deepstack_layers(config.hf_config), layout.pp * (layout.vpp or 1)
+        first_chunk = config.num_layers // stages
+        if deepstack > first_chunk and not custom_pipeline_layout:
+            raise UserError(f"{config.hf_model_type}: the first {deepstack} decoder layers take the vision tower's "
+                            f"deepstack features and must share its pipeline stage, but pipeline_model_parallel_size="
+                            f"{layout.pp}" + (f" x virtual_pipeline_model_parallel_size={layout.vpp}" if layout.vpp
+                                              else "") + f" puts {first_chunk} layers there. Use fewer stages (at "
+                            f"most {config.num_layers // deepstack}) or a pipeline_model_parallel_layout whose first "
+                            f"stage holds {deepstack} layers.")
+    if config.sliding_window is not None and cutoff_len > config.sliding_window:
+        raise UserError(f"{config.hf_model_type}: the model uses sliding-window attention (window "
+                         f"{config.sliding_window}), which llamafactory_mca does not implement; it matches full "
+                         f"attention only when sequences fit in the window. Set cutoff_len <= "
+                         f"{config.sliding_window}.")
+
+
+def packing_request(data_args: Any, training_args: Any, recipe: dict | list | None = None) -> tuple[bool, int]:
+    """(pack?, the user's cutoff_len).
+
+    LLaMA-Factory's DataArguments lowers cutoff_len by one in ``__post_init__`` when the recipe sets packing or
+    neat_packing; for pt its parser turns packing on later without lowering it. Which one happened is read
+    from the recipe itself (``recipe``: as ``read_args`` returns it; None reads the command line).
+    """
+    packing = bool(training_args.sequence_packing or data_args.packing or data_args.neat_packing)
+    try:
+        if recipe is None:
+            recipe = read_args()
+        if isinstance(recipe, dict):
+            lowered = bool(recipe.get("packing") or recipe.get("neat_packing"))
+        else:
+            lowered = any(a.split("=")[0] in ("--packing", "--neat_packing") for a in recipe) and \
+                bool(data_args.packing)
+    except Exception:  # called without a recipe on the command line
+        lowered = bool(data_args.neat_packing)
+    return packing, data_args.cutoff_len + (1 if lowered else 0)
+
+
