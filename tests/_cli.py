@@ -4,6 +4,7 @@ Used by the training tests, the first-hour tests and ``benchmarks/scale_out.py``
 recipe needs without a download: tiny Qwen3 and Qwen3-MoE models, a tokenizer, sft / dpo / pt datasets.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -63,15 +64,16 @@ def cli_env(world: int | None = 1, env: dict | None = None, gpu: bool = False) -
     return full
 
 
-def train(tmp_path, config, world=1, env=None, name="run", gpu=False, timeout=300, args=()):
-    """``USE_MCA=1 llamafactory-cli train`` with ``world`` processes (CPU processes unless ``gpu``)."""
+def train(tmp_path, config, world=1, env=None, name="run", gpu=False, timeout=300, args=(), alone=True):
+    """``USE_MCA=1 llamafactory-cli train`` with ``world`` processes (CPU processes unless ``gpu``). ``alone=False``
+    for a run the launcher refuses before any worker starts: one process, which need not wait its turn."""
     tmp_path = Path(tmp_path)
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     log = tmp_path / f"{name}.log"
     with open(log, "w") as f:  # a file, not a pipe: a killed run's leftovers cannot hold it open
         result = _run_alone(["llamafactory-cli", "train", str(path), *args], env=cli_env(world, env, gpu),
-                            stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=tmp_path)
+                            stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=tmp_path, alone=alone)
     return result, log.read_text()
 
 
@@ -105,15 +107,16 @@ def one_error(result, output: str, *fragments: str) -> str:
     return message
 
 
-def run(args, env=None, timeout=120, cwd=None):
-    result = _run_alone(args, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+def run(args, env=None, timeout=120, cwd=None, alone=True):
+    """A command; ``alone=False`` for one that stays a single process (a merge, a refused recipe, --help)."""
+    result = _run_alone(args, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd, alone=alone)
     return result, result.stdout + result.stderr
 
 
-def _run_alone(args, **kwargs) -> subprocess.CompletedProcess:
-    """``subprocess.run`` as the only multi-process job (``one_job_at_a_time``); ``result.seconds``: the command's
-    own time, not the wait for its turn."""
-    with one_job_at_a_time():
+def _run_alone(args, alone: bool = True, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run`` as the only multi-process job (``one_job_at_a_time``) unless not ``alone``;
+    ``result.seconds``: the command's own time, not the wait for its turn."""
+    with one_job_at_a_time() if alone else contextlib.nullcontext():
         start = time.perf_counter()
         result = subprocess.run(args, **kwargs)
         result.seconds = time.perf_counter() - start

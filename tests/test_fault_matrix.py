@@ -113,7 +113,8 @@ def test_merge_of_a_corrupt_checkpoint_names_the_file_and_leaves_nothing(checkpo
     shutil.copytree(source / "checkpoint-4", checkpoint)
     broken = _break(checkpoint, what)
     command = [sys.executable, MERGE] if what.startswith("common") else ["llamafactory-mca", "merge"]
-    result, output = run([*command, "--checkpoint_path", str(checkpoint), "--output_path", str(tmp_path / "hf")])
+    result, output = run([*command, "--checkpoint_path", str(checkpoint), "--output_path", str(tmp_path / "hf")],
+                         alone=False)
     one_error(result, output, broken, "corrupt")
     _no_torch_advice(output)
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-4"]  # no output folder, no temporary one
@@ -155,7 +156,7 @@ def test_a_truncated_checkpoint_as_model_name_or_path_is_refused_before_any_work
     shutil.copytree(source / "checkpoint-4", model)
     broken = _data_file(model)
     os.truncate(broken, 100)
-    result, output = train(tmp_path, recipe(assets, tmp_path / "out", model_name_or_path=str(model)))
+    result, output = train(tmp_path, recipe(assets, tmp_path / "out", model_name_or_path=str(model)), alone=False)
     one_error(result, output, f"{broken} is truncated")
     assert "Initializing" not in output  # LLaMA-Factory's launcher never started torchrun
     assert not (tmp_path / "out").exists()
@@ -179,7 +180,7 @@ def test_a_broken_safetensors_file_is_named_before_any_worker(assets, tmp_path, 
     else:
         broken = _model_with(assets, tmp_path, lambda p: _zero_start(p, 8))
     out = tmp_path / "new" / "out"
-    result, output = train(tmp_path, recipe(assets, out, model_name_or_path=os.path.dirname(broken)))
+    result, output = train(tmp_path, recipe(assets, out, model_name_or_path=os.path.dirname(broken)), alone=False)
     one_error(result, output, f"{broken} {said}", "Download or save the model again")
     assert "Initializing" not in output
     assert not (tmp_path / "new").exists()
@@ -188,7 +189,7 @@ def test_a_broken_safetensors_file_is_named_before_any_worker(assets, tmp_path, 
 def test_convert_names_a_broken_safetensors_file_and_writes_nothing(assets, tmp_path):
     broken = _model_with(assets, tmp_path, lambda p: os.truncate(p, os.path.getsize(p) // 2))
     result, output = run(["llamafactory-mca", "convert", "--hf_path", os.path.dirname(broken), "--output_path",
-                          str(tmp_path / "converted")])
+                          str(tmp_path / "converted")], alone=False)
     one_error(result, output, f"{broken} is truncated")
     assert sorted(os.listdir(tmp_path)) == ["model"]
 
@@ -199,7 +200,7 @@ def test_convert_names_a_broken_safetensors_file_and_writes_nothing(assets, tmp_
 @pytest.mark.parametrize("name", ["absolute", "./relative"])
 def test_a_missing_model_folder_says_the_folder_does_not_exist(assets, tmp_path, name):
     value = str(tmp_path / "absent" / "model") if name == "absolute" else "./absent/model"
-    result, output = train(tmp_path, recipe(assets, tmp_path / "out", model_name_or_path=value))
+    result, output = train(tmp_path, recipe(assets, tmp_path / "out", model_name_or_path=value), alone=False)
     one_error(result, output, f"model_name_or_path={value!r}", f"the folder {tmp_path / 'absent' / 'model'} does "
               f"not exist (the nearest existing folder is {tmp_path})")
     assert "Repo id" not in output
@@ -208,7 +209,7 @@ def test_a_missing_model_folder_says_the_folder_does_not_exist(assets, tmp_path,
 
 def test_convert_of_a_missing_folder_names_the_flag(tmp_path):
     result, output = run(["llamafactory-mca", "convert", "--hf_path", "./missing", "--output_path", "out"],
-                         cwd=tmp_path)
+                         cwd=tmp_path, alone=False)
     one_error(result, output, "--hf_path='./missing'", f"the folder {tmp_path / 'missing'} does not exist")
     assert "Repo id" not in output and os.listdir(tmp_path) == []
 
@@ -216,7 +217,7 @@ def test_convert_of_a_missing_folder_names_the_flag(tmp_path):
 def test_a_hub_id_says_where_it_was_looked_for(tmp_path):
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
     result, output = run(["llamafactory-mca", "convert", "--hf_path", "tiny-org/absent", "--output_path", "out"],
-                         env=env, cwd=tmp_path)
+                         env=env, cwd=tmp_path, alone=False)
     one_error(result, output, "--hf_path='tiny-org/absent'",
               f"neither a local folder ({tmp_path / 'tiny-org' / 'absent'} does not exist)",
               f"nor in the Hugging Face cache ({tmp_path / 'cache'})", "HF_HUB_OFFLINE=1 forbids downloading it")
@@ -229,7 +230,7 @@ def test_a_hub_id_says_where_it_was_looked_for(tmp_path):
 def test_a_recipe_without_output_dir_is_refused(assets, tmp_path):
     config = recipe(assets, tmp_path / "unused")
     del config["output_dir"]
-    result, output = train(tmp_path, config)
+    result, output = train(tmp_path, config, alone=False)
     one_error(result, output, "output_dir is not set in", str(tmp_path / "trainer_output"),
               "output_dir: trainer_output to keep that folder")
     assert not (tmp_path / "trainer_output").exists()
@@ -284,7 +285,7 @@ def test_a_lora_merge_names_the_tokenizer_files_it_wrote(assets, tmp_path):
     for name, flags in (("adapter", []), ("merged", ["--merge_lora"])):
         target = tmp_path / name
         result, output = run(["llamafactory-mca", "merge", "--checkpoint_path", str(checkpoint), "--output_path",
-                              str(target), *flags], timeout=300)
+                              str(target), *flags], timeout=300, alone=False)
         assert result.returncode == 0, output[-4000:]
         last = [line for line in result.stdout.splitlines() if line.strip()][-1]  # stderr: a progress bar
         assert "no tokenizer files" not in last, last
@@ -293,6 +294,46 @@ def test_a_lora_merge_names_the_tokenizer_files_it_wrote(assets, tmp_path):
         assert written and all(n in last for n in written), (last, sorted(os.listdir(target)))
     assert "LoRA adapter merged in" in last
 
+
+
+# ---- truncated or wholly garbled checkpoints -----------------------------------------------------------------
+
+def test_resume_from_a_truncated_checkpoint_names_the_file_and_the_one_to_use(checkpoints, tmp_path):
+    source, config = checkpoints
+    out = tmp_path / "out"
+    shutil.copytree(source, out)
+    broken = _data_file(out / "checkpoint-4")
+    with open(broken, "r+b") as f:
+        f.truncate(os.path.getsize(broken) // 2)
+    # LLaMA-Factory resumes from the newest checkpoint by itself when output_dir is kept
+    result, output = train(tmp_path, {**config, "output_dir": str(out), "overwrite_output_dir": False})
+    one_error(result, output, f"{broken} is truncated", f"resume_from_checkpoint: {out / 'checkpoint-2'}")
+
+
+def test_resume_from_a_wholly_garbled_data_file_names_the_checkpoint_and_the_one_to_use(checkpoints, tmp_path):
+    source, config = checkpoints
+    out = tmp_path / "out"
+    shutil.copytree(source, out)
+    broken = _data_file(out / "checkpoint-4")
+    size = os.path.getsize(broken)
+    with open(broken, "r+b") as f:  # same size, garbage inside: only reading it tells
+        f.write(os.urandom(size))
+    result, output = train(tmp_path, {**config, "output_dir": str(out), "overwrite_output_dir": False})
+    one_error(result, output, f"loading the checkpoint {out / 'checkpoint-4'} failed",
+              f"resume_from_checkpoint: {out / 'checkpoint-2'}")
+
+
+def test_merge_of_a_truncated_checkpoint_names_the_file_and_leaves_nothing(checkpoints, tmp_path):
+    source, _ = checkpoints
+    checkpoint = tmp_path / "checkpoint-4"
+    shutil.copytree(source / "checkpoint-4", checkpoint)
+    broken = _data_file(checkpoint)
+    with open(broken, "r+b") as f:
+        f.truncate(100)
+    result, output = run([sys.executable, MERGE, "--checkpoint_path", str(checkpoint), "--output_path",
+                           str(tmp_path / "hf")], alone=False)
+    one_error(result, output, f"{broken} is truncated")
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-4"]  # no output folder, no temporary one
 
 
 # ---- bad inputs, judged by the launcher before any worker starts ------------------------------------------------
@@ -339,22 +380,23 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("name,overrides,world,fragments", BAD_INPUTS, ids=[case[0] for case in BAD_INPUTS])
 def test_a_bad_input_is_one_line_before_any_worker(name, overrides, world, fragments, assets, tmp_path):
     overrides = overrides(assets) if callable(overrides) else overrides
-    result, output = train(tmp_path, recipe(assets, tmp_path / "out", **overrides), world=world)
+    result, output = train(tmp_path, recipe(assets, tmp_path / "out", **overrides), world=world, alone=False)
     one_error(result, output, *fragments)
     assert "Initializing" not in output  # LLaMA-Factory's launcher never got to start torchrun
     assert not (tmp_path / "out").exists()
 
 
 def test_a_recipe_that_is_not_there_or_not_yaml_is_one_line(tmp_path):
-    result, output = run(["llamafactory-cli", "train", str(tmp_path / "missing.yaml")], env=cli_env(1))
+    result, output = run(["llamafactory-cli", "train", str(tmp_path / "missing.yaml")], env=cli_env(1), alone=False)
     one_error(result, output, f"recipe '{tmp_path / 'missing.yaml'}' does not exist")
     (tmp_path / "broken.yaml").write_text("model_name_or_path: [unclosed\n")
-    result, output = run(["llamafactory-cli", "train", str(tmp_path / "broken.yaml")], env=cli_env(1))
+    result, output = run(["llamafactory-cli", "train", str(tmp_path / "broken.yaml")], env=cli_env(1), alone=False)
     one_error(result, output, "cannot read", "broken.yaml")
 
 
 def test_a_bad_process_count_is_one_line(assets, tmp_path):
-    result, output = train(tmp_path, recipe(assets, tmp_path / "out"), world=None, env={"NPROC_PER_NODE": "two"})
+    result, output = train(tmp_path, recipe(assets, tmp_path / "out"), world=None, env={"NPROC_PER_NODE": "two"},
+                           alone=False)
     one_error(result, output, "NPROC_PER_NODE='two' must be a positive number of processes per node")
 
 

@@ -2,11 +2,12 @@
 and a chain of runs, each resuming the previous one's checkpoint under another layout, must train the same steps with
 the same losses (fp32 on CPU, the same padded rows in every layout: equal to 1e-4).
 
-The chain changes, one link at a time: PP2 -> TP2, TP2 -> TP2 x DP2, TP2 x DP2 -> PP2, PP2 -> PP2 x VPP2,
-PP2 x VPP2 -> PP2, the distributed optimizer off (its buckets read back in model space), CP2 with it back on (model
-space into buckets). The MoE model: EP2 -> EP1 -> TP2 x ETP2. LoRA: TP2 -> PP2 (the adapters' optimizer state).
-What cannot continue the same run (another stage, LoRA <-> full, another model) is one line before any worker starts,
-and a checkpoint of an earlier version under another layout names the change and the way out.
+The chain changes, one link at a time: PP2 (the plain optimizer) -> TP2 (the distributed optimizer: model space into
+its buckets), TP2 -> TP2 x DP2, TP2 x DP2 -> PP2, PP2 -> PP2 x VPP2, PP2 x VPP2 -> PP2, PP2 -> CP2 with the plain
+optimizer again (the buckets read back in model space). The MoE model: EP2 -> EP1 -> TP2 x ETP2. LoRA: TP2 -> PP2
+(the adapters' optimizer state). What cannot continue the same run (another stage, LoRA <-> full, another model) is
+one line before any worker starts, and a checkpoint of an earlier version under another layout names the change and
+the way out.
 """
 
 import json
@@ -39,15 +40,17 @@ def _same_losses(reference: dict, got: dict, steps) -> None:
 
 @pytest.fixture(scope="module")
 def reference(assets, tmp_path_factory):
-    """The uninterrupted run (PP2, distributed optimizer): 16 steps, a checkpoint every 2."""
+    """The uninterrupted run: PP2 with the plain optimizer (its state in model space), 14 steps, a checkpoint
+    every 2."""
     tmp_path = tmp_path_factory.mktemp("reference")
-    result, output = _run(tmp_path, assets, "ref", 2, 16, pipeline_model_parallel_size=2,
-                          gradient_accumulation_steps=4)
+    result, output = _run(tmp_path, assets, "ref", 2, 14, pipeline_model_parallel_size=2,
+                          gradient_accumulation_steps=4, use_distributed_optimizer=False)
     ok(result, output)
     return tmp_path / "ref", losses(tmp_path / "ref")
 
 
-# (name, resumes from (link or "ref"), at step, world, layout keys, the change the resume line names)
+# (name, resumes from (link or "ref"), at step, world, layout keys, the change the resume line names); the
+# distributed optimizer is on from the first link (model space into its buckets) to the last (out of them)
 CHAIN = [
     ("tp2", "ref", 2, 2, dict(tensor_model_parallel_size=2, gradient_accumulation_steps=4),
      "tensor_model_parallel_size 1 -> 2, pipeline_model_parallel_size 2 -> 1"),
@@ -60,10 +63,9 @@ CHAIN = [
      "virtual_pipeline_model_parallel_size 1 -> 2"),
     ("pp2-again", "vpp2", 10, 2, dict(pipeline_model_parallel_size=2, gradient_accumulation_steps=4),
      "virtual_pipeline_model_parallel_size 2 -> 1"),
-    ("plain-optimizer", "pp2-again", 12, 1, dict(use_distributed_optimizer=False, gradient_accumulation_steps=4),
-     "pipeline_model_parallel_size 2 -> 1"),
-    ("cp2", "plain-optimizer", 14, 2, dict(context_parallel_size=2, gradient_accumulation_steps=4),
-     "context_parallel_size 1 -> 2"),
+    ("cp2-plain-optimizer", "pp2-again", 12, 2, dict(context_parallel_size=2, gradient_accumulation_steps=4,
+                                                     use_distributed_optimizer=False),
+     "pipeline_model_parallel_size 2 -> 1, context_parallel_size 1 -> 2"),
 ]
 
 
@@ -141,26 +143,27 @@ def test_what_would_not_continue_the_same_run_is_one_line(overrides, fragments, 
         overrides["dataset_dir"] = assets["dpo"]
     config = recipe(assets, tmp_path / "out", max_steps=4, resume_from_checkpoint=str(reference[0] / "checkpoint-2"),
                     **overrides)
-    result, output = train(tmp_path, config, world=1)
+    result, output = train(tmp_path, config, world=1, alone=False)
     message = one_error(result, output, "cannot resume from", *fragments)
     assert result.seconds < 60, message  # the launcher's check: no worker started
     assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
 
 
-def test_an_earlier_versions_checkpoint_under_another_layout_names_the_change(assets, reference, tmp_path):
-    """Checkpoints written before the bucket map reload under their own layout only: one line says so."""
+def test_an_earlier_versions_checkpoint_under_another_layout_names_the_change(assets, chain, tmp_path):
+    """Distributed-optimizer checkpoints written before the bucket map reload under their own layout only: one line
+    says so."""
     import shutil
 
-    old = tmp_path / "old" / "checkpoint-2"
-    shutil.copytree(reference[0] / "checkpoint-2", old)
+    old = tmp_path / "old" / "checkpoint-4"
+    shutil.copytree(chain[0]["tp2"] / "checkpoint-4", old)  # TP2, the distributed optimizer
     common = old / "dist_ckpt" / "common.pt"
     state = torch.load(common, weights_only=False)
     for key in ("bucket_map", "optimizer_format"):
         state["trainer"].pop(key)
     torch.save(state, common)
-    config = recipe(assets, tmp_path / "out", max_steps=4, resume_from_checkpoint=str(old), **DIST,
-                    tensor_model_parallel_size=2)
+    config = recipe(assets, tmp_path / "out", max_steps=6, resume_from_checkpoint=str(old), **DIST,
+                    pipeline_model_parallel_size=2)
     result, output = train(tmp_path, config, world=2)
     one_error(result, output, f"{old} was written by an earlier llamafactory_mca",
-              "this run changes it (tensor_model_parallel_size 1 -> 2, pipeline_model_parallel_size 2 -> 1)",
+              "this run changes it (tensor_model_parallel_size 2 -> 1, pipeline_model_parallel_size 1 -> 2)",
               f"model_name_or_path: {old}")

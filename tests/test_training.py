@@ -163,7 +163,7 @@ def test_bad_input_fails_clearly_and_writes_nothing(overrides, message, assets, 
     if overrides.get("resume_from_checkpoint"):
         (tmp_path / "plain").mkdir()
         overrides = {"resume_from_checkpoint": str(tmp_path / "plain")}
-    result, output = train(tmp_path, recipe(assets, tmp_path / "out", **overrides))
+    result, output = train(tmp_path, recipe(assets, tmp_path / "out", **overrides), alone=False)
     one_error(result, output, message)
     out = tmp_path / "out"
     assert not out.exists() or not any(n.startswith("checkpoint") for n in os.listdir(out))
