@@ -372,8 +372,3 @@ class _HostCompatArguments:
     profiler_with_stack: bool = field(default=True, metadata={"help": "Record stacks."})
     profile_modules: str | None = field(default=None, metadata={"help": "Module patterns to time."})
     fp8_enable_fsdp_float8_all_gather: bool = field(default=False, metadata={"help": "Unused under MCA."})
-
-
-def megatron_args_dict(args: MegatronArguments) -> dict[str, Any]:
-    """Only our own fields, e.g. for logging or saving beside a checkpoint."""
-    return {f.name: getattr(args, f.name) for f in fields(MegatronArguments)}

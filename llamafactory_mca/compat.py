@@ -1,7 +1,10 @@
-"""Version workarounds for Megatron-Core, gated on what is installed; nothing else patches upstream.
+"""Version workarounds for Megatron-Core, gated on what is installed.
 
 Each fix names the version it was seen in and the condition it is applied under, so it can be
-dropped when that version is no longer supported.
+dropped when that version is no longer supported. Upstream behaviour is changed elsewhere only where it is that
+module's subject: ``cpu_mode.py`` (CUDA's questions answered on a machine without GPUs), ``plugin.py`` (LLaMA-Factory's
+parser and launcher under USE_MCA=1), ``checkpoints.py`` (the checkpoint writer's results queue) and
+``models/lora.py`` (adapter classes mixed into Megatron's linears).
 """
 
 from __future__ import annotations
@@ -9,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 from functools import cache, partial
 
-from packaging.version import Version
 
 
 @cache
@@ -26,12 +28,6 @@ def has_transformer_engine() -> bool:
 
 def has_flash_attn() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
-
-
-def megatron_version() -> Version:
-    from megatron.core.package_info import __version__
-
-    return Version(__version__)
 
 
 _APPLIED = False

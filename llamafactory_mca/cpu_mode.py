@@ -3,8 +3,8 @@
 Megatron-Core's training step is written for GPUs, but nothing in its math needs one. On a machine
 without CUDA (CI, laptops) we answer the handful of CUDA calls it makes so that the whole path —
 model build, pipeline schedule, DDP, distributed optimizer, dist checkpointing, MoE dispatch — runs
-on CPU over gloo. Applied once per process, only when ``torch.cuda.is_available()`` is false
-(design.md §3). Everything here is process-global by nature; keep it small and in one place.
+on CPU over gloo. Applied once per process, only when ``torch.cuda.is_available()`` is false.
+Everything here is process-global by nature; keep it small and in one place.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from .models.lora import check_lora_request
 from .models.lora_io import check_lora_plan
 from .models.multimodal import deepstack_layers
 from .parallel import ParallelLayout, check_layout
+from .trainer.loss import PreferenceConfig
 
 SUPPORTED_STAGES = ("pt", "sft", "dpo")
 SUPPORTED_FINETUNING = ("full", "freeze", "lora")
@@ -125,9 +126,9 @@ def check_request(stage: str, model_args: Any, data_args: Any, training_args: An
     if data_args.streaming:
         raise UserError("streaming=True is not supported with USE_MCA=1: micro-batches are planned over the whole "
                          "tokenized dataset (deterministic, resumable packing). Set streaming: false.")
-    if stage == "dpo" and finetuning_args.pref_loss not in ("sigmoid", "hinge", "ipo", "orpo", "simpo"):
+    if stage == "dpo" and finetuning_args.pref_loss not in PreferenceConfig.SUPPORTED:
         raise UserError(f"pref_loss={finetuning_args.pref_loss!r} is not supported with USE_MCA=1; supported: "
-                         "sigmoid, hinge, ipo, orpo, simpo.")
+                         f"{', '.join(PreferenceConfig.SUPPORTED)}.")
     if stage == "dpo" and getattr(finetuning_args, "ld_alpha", None):
         raise UserError("ld_alpha is not supported with USE_MCA=1.")
     _check_output_dir(training_args.output_dir)

@@ -1,4 +1,4 @@
-"""Megatron's training step on CPU (design.md §3): DDP + distributed optimizer with both overlaps, gloo DP2."""
+"""Megatron's training step on CPU: DDP + distributed optimizer with both overlaps, gloo DP2."""
 
 import torch
 

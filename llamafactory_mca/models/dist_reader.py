@@ -1,6 +1,6 @@
 """Read a Megatron dist checkpoint one region at a time, in a plain process (no torchrun, no process group).
 
-The merge (design.md §4) turns a checkpoint of any saved layout into HF weights on one CPU host, even for a model
+The merge turns a checkpoint of any saved layout into HF weights on one CPU host, even for a model
 larger than its memory. A Megatron ``torch_dist`` checkpoint stores *global* tensors whatever TP/PP/EP wrote it, so
 this reader needs no model and no layout: it asks torch DCP's metadata which stored chunks overlap the requested
 region and reads only those (``torch.distributed.checkpoint.load(..., no_dist=True)`` with a region planner).

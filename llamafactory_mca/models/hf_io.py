@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable
 
 import torch
 from safetensors import safe_open
@@ -165,10 +164,6 @@ class ShardedWriter:
         self._pending[name] = tensor.contiguous()
         self._pending_bytes += size
         self.total_bytes += size
-
-    def add_all(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        for name, tensor in tensors:
-            self.add(name, tensor)
 
     def _flush(self) -> None:
         part = f"part-{len(self._files):05d}.safetensors"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -56,7 +57,7 @@ _OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "chained_opt
 
 def _rng_object(layout_key: tuple[int, int]) -> ShardedObject:
     """Per (pp, tp) rank RNG states, replicated over data parallel (Megatron-LM's convention)."""
-    state = {"random": __import__("random").getstate(), "torch": torch.get_rng_state(),
+    state = {"random": random.getstate(), "torch": torch.get_rng_state(),
              "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
@@ -204,7 +205,7 @@ def load_checkpoint(path: str, model: Any, optimizer: Any | None, layout: Any) -
         _restore_step_count(optimizer, saved.get("optimizer_step"))
     if same_rng and "rng_state" in loaded:
         rng = loaded["rng_state"]
-        __import__("random").setstate(rng["random"])
+        random.setstate(rng["random"])
         torch.set_rng_state(rng["torch"])
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
