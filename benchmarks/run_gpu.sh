@@ -29,7 +29,11 @@ first_hour() {  # a new user's first hour on a GPU pair: the demo (and which pro
   llamafactory-mca demo --output_dir "$work/demo" > "$out/demo.log" 2>&1; echo "== demo: exit $?"; tail -n 6 "$out/demo.log"
   kill $smi 2>/dev/null; echo "== processes that held GPU memory during the demo (pid, memory):"; sort -u "$out/gpu_apps.log"
   llamafactory-mca version > "$out/version.log" 2>&1; echo "== version: exit $?"; cat "$out/version.log"
+  first_hour_hang
+}
+first_hour_hang() {  # a rank stuck before step 3 over NCCL: the run stops after ddp_timeout, naming it
   [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "== one GPU: no NCCL hang test"; return; }
+  [ -f "$work/demo/demo_sft.yaml" ] || llamafactory-mca demo --output_dir "$work/demo" > "$out/demo.log" 2>&1
   local start=$SECONDS
   LLAMAFACTORY_MCA_FAULT=hang:3@1 USE_MCA=1 llamafactory-cli train "$work/demo/demo_sft.yaml" output_dir="$work/hang" \
     ddp_timeout=20 max_steps=8 > "$out/hang.log" 2>&1
@@ -42,12 +46,17 @@ two_gpus() {  # two GPUs: benchmarks/two_gpus.py's parts (PARTS, default all), t
 case $phase in
   check) check ;;
   two_gpus) two_gpus ;;  # fidelity (~6 min on 2 H100), then resume + faults (~8 min), then paths: PARTS=... per call
-  two_scaling)  # two GPUs: tokens/s/GPU of DP2, TP2 + SP, PP2 (dense), EP2 (MoE), CP2 (32k) against one GPU, and
-    # LLaMA-Factory's DDP on the same pair; two calls' worth (see the README of results/)
-    bench 0,1 g2 --workloads layouts --gpus 2 --paths ours
-    bench 0,1 g2 --workloads dp2,moe_ep2 --gpus 2
-    bench 0 g2 --workloads moe --runs ours --gpus 1
-    bench 0,1 g3 --workloads long --runs ours,ours_cp2 --gpus 2 --steps 8 ;;
+  two_dense)  # two GPUs, dense: one GPU, DP2, TP2 + SP and PP2 of ours, LLaMA-Factory on one GPU and its DDP on two
+    bench 0 g2 --workloads dense --runs lf,ours --gpus 1
+    bench 0,1 g2 --workloads dp2,layouts --gpus 2 ;;
+  two_moe_long)  # two GPUs: MoE on one GPU and EP2 (LLaMA-Factory's one GPU and DDP beside), then 32k at CP2
+    bench 0 g2 --workloads moe --runs lf,ours --gpus 1
+    bench 0,1 g2 --workloads moe_ep2 --gpus 2
+    bench 0,1 g2 --workloads long --runs ours,ours_cp2 --gpus 2 --steps 8 ;;
+  two_again)  # two GPUs: the headline ratio (DP2 against one GPU, ours) again, then the VL / LoRA paths and the hang
+    bench 0 g2b --workloads dense --runs ours --gpus 1
+    bench 0,1 g2b --workloads dp2 --runs ours --gpus 2
+    PARTS=paths two_gpus; first_hour_hang ;;
   first_hour) first_hour; check_tests 0,1 ;;
   single)  # check, then one GPU each: dense and MoE side by side
     check
