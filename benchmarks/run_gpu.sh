@@ -57,6 +57,14 @@ case $phase in
     bench 0 g2b --workloads dense --runs ours --gpus 1
     bench 0,1 g2b --workloads dp2 --runs ours --gpus 2
     PARTS=paths two_gpus; first_hour_hang ;;
+  two_profile)  # two GPUs: a dense step under the profiler on one GPU, at TP2 + SP and at PP2 (a report per rank)
+    python3 benchmarks/profile_step.py --out "$out/profile" >> "$out/profile.log" 2>&1
+    echo "== profile 1 GPU: exit $?"
+    for layout in "--tp 2" "--pp 2"; do
+      torchrun --nproc-per-node 2 benchmarks/profile_step.py $layout --out "$out/profile" >> "$out/profile.log" 2>&1
+      echo "== profile $layout: exit $?"
+    done
+    grep -E "^(# One|- (step|GPU|MFU|per step))" "$out/profile.log" ;;
   first_hour) first_hour; check_tests 0,1 ;;
   single)  # check, then one GPU each: dense and MoE side by side
     check
