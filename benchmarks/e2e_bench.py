@@ -717,7 +717,7 @@ def run_workload(w: Workload, args, info: dict, save) -> dict:
         elif record.get("steps_done", 0) < steps:
             status = "incomplete"
         record.update(status=status, wall_s=round(seconds, 1),
-                      log=os.path.relpath(os.path.join(run_dir, "log.txt"), ROOT))
+                      log=os.path.relpath(os.path.join(run_dir, "log.txt"), args.work))  # under --work
         runs[run.name] = record
         print(f"[e2e] {w.name}/{run.name}: {_one_line(record)} ({seconds:.0f} s)", flush=True)
         save(result | {"finished": time.strftime("%Y-%m-%d %H:%M:%S")})

@@ -5,7 +5,7 @@
     python benchmarks/profile_step.py --next --layers 3 --out DIR  # Qwen3-Next-80B-A3B shape
     python benchmarks/profile_step.py --baseline --out DIR # megatron-core's own fallbacks instead of ours (below)
     python benchmarks/profile_step.py --smoke --out DIR    # tiny shape, CPU
-    torchrun --nproc-per-node 2 benchmarks/profile_step.py --tp 2 --out DIR  # TP2 + SP (or --pp 2): one report per rank
+    torchrun --nproc-per-node 2 benchmarks/profile_step.py --tp 2 --out DIR  # TP2 + SP (--pp 2; --moe --ep 2): a report per rank
 
 Random weights, one GPU (or a TP / PP layout under torchrun), bf16, the native layer spec, Megatron DDP + distributed optimizer, the same forward
 step and loss as McaTrainer. Writes ``profile_<shape>_<variant>.md``: step time, GPU busy share, MFU, kernel
@@ -42,6 +42,7 @@ def main() -> None:
                                                            "delta-rule layers, every 3rd full attention)")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size (with sequence parallel)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    parser.add_argument("--ep", type=int, default=1, help="expert parallel size (with --moe or --next)")
     parser.add_argument("--baseline", action="store_true", help="megatron-core's fallbacks instead of ours")
     parser.add_argument("--off", default="", help="comma-separated recipe keys of ours set to false (one change "
                                                   "left out at a time: native_cross_entropy, ...)")
@@ -94,7 +95,7 @@ def main() -> None:
     targs = TrainingArguments(output_dir=args.out, bf16=gpu, use_distributed_optimizer=True, overlap_grad_reduce=True,
                               learning_rate=1e-5, report_to="none", moe_grouped_gemm=(args.moe or args.next) or None,
                               tensor_model_parallel_size=args.tp, sequence_parallel=args.tp > 1,
-                              pipeline_model_parallel_size=args.pp, **variant)
+                              pipeline_model_parallel_size=args.pp, expert_model_parallel_size=args.ep, **variant)
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     if gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -162,8 +163,9 @@ def main() -> None:
 
     flops = flops_per_sequence_set(config.transformer, config.vocab_size, [length] * seqs * micro)
     peak = peak_flops()
+    sharing = args.tp * args.pp  # GPUs that share one micro-batch; under EP the others are data parallel
     name = f"{'next' if args.next else 'moe' if args.moe else 'dense'}_{'baseline' if args.baseline else 'ours'}"
-    name += (f"_tp{args.tp}" if args.tp > 1 else "") + (f"_pp{args.pp}" if args.pp > 1 else "")
+    name += "".join(f"_{k}{n}" for k, n in (("tp", args.tp), ("pp", args.pp), ("ep", args.ep)) if n > 1)
     name += f"_rank{rank}" if world > 1 else ""
     name += "".join(f"_no_{k}" for k in off) + "".join(f"_with_{k}" for k in on)
     lines = [f"# One optimizer step of our path, {name} ({'GPU ' + torch.cuda.get_device_name() if gpu else 'CPU'})",
@@ -171,10 +173,10 @@ def main() -> None:
              f"each), bf16; torch {torch.__version__}"
              + ("; megatron-core's fallbacks (--baseline)" if args.baseline else "")
              + "".join(f"; {k}: false" for k in off) + "".join(f"; {k}: true" for k in on),
-             "", f"- step time {seconds * 1e3:.1f} ms; {micro * tokens / seconds / world:,.0f} tokens/s/GPU",
+             "", f"- step time {seconds * 1e3:.1f} ms; {micro * tokens / seconds / sharing:,.0f} tokens/s/GPU",
              f"- GPU kernel time {kernel_us / 1e3:.1f} ms per step = {kernel_us / 1e6 / seconds:.0%} of the step"
              if gpu else "- (CPU run)",
-             f"- MFU {flops / seconds / peak / world:.1%}" if peak else "",
+             f"- MFU {flops / seconds / peak / sharing:.1%}" if peak else "",
              f"- per step: {launches:,.0f} kernel launches, {syncs:,.0f} host synchronisations (stream/device/event), "
              f"{copies:,.0f} cudaMemcpyAsync (each from or to pageable host memory waits for the stream)",
              "", "## Top operations by self device time", "",

@@ -65,6 +65,11 @@ case $phase in
       echo "== profile $layout: exit $?"
     done
     grep -E "^(# One|- (step|GPU|MFU|per step))" "$out/profile.log" ;;
+  two_profile_moe)  # two GPUs: an MoE step (8 layers) under the profiler at EP2 (a report per rank), then on one GPU
+    torchrun --nproc-per-node 2 benchmarks/profile_step.py --moe --layers 8 --ep 2 --out "$out/profile" \
+      >> "$out/profile.log" 2>&1; echo "== profile --moe --ep 2: exit $?"
+    python3 benchmarks/profile_step.py --moe --layers 8 --out "$out/profile" >> "$out/profile.log" 2>&1
+    echo "== profile --moe: exit $?"; grep -E "^(# One|- (step|GPU|MFU|per step))" "$out/profile.log" ;;
   first_hour) first_hour; check_tests 0,1 ;;
   single)  # check, then one GPU each: dense and MoE side by side
     check
