@@ -5,7 +5,7 @@ value and the fix. Every entry point (the launcher's preflight, the workers, ``c
 runs inside :func:`user_errors`, which prints it as one block on stderr and exits non-zero. Anything else
 is a bug and keeps its traceback. ``LLAMAFACTORY_MCA_DEBUG=1`` shows tracebacks for user errors too.
 
-Workers started by our torchrun wrapper (``launch.py``) do not print: the first rank to fail writes its
+Workers started by our torchrun wrapper (``launch/torchrun.py``) do not print: the first rank to fail writes its
 message to ``LLAMAFACTORY_MCA_ERROR_FILE`` and the wrapper prints it after torchrun has finished, so it is
 the last thing on screen and appears once however many ranks hit it.
 """

@@ -24,8 +24,8 @@ from .errors import UserError
 from .hub import resolve_model
 from .models.auto import AutoConfig, mtp_apart_from_features, resolve_load_balancing, resolve_mtp
 from .models.config import McaConfig
-from .models.lora import check_lora_request
-from .models.lora_io import check_lora_plan
+from .models.lora.layers import check_lora_request
+from .models.lora.peft_io import check_lora_plan
 from .models.multimodal import deepstack_layers
 from .parallel import ParallelLayout, check_layout
 from .trainer.loss import PreferenceConfig

@@ -30,7 +30,7 @@ from .log import setup_logging
 from .models import spec
 from .models.auto import AutoModel, describe_load_balancing
 from .models.freeze import apply_freeze, apply_multimodal_freeze
-from .models.lora_io import setup_lora
+from .models.lora.peft_io import setup_lora
 from .plan import RunPlan, plan_run
 from .quiet import quiet_transformers
 from .trainer.loss import PreferenceConfig

@@ -15,6 +15,6 @@ from llamafactory_mca.quiet import quiet_third_party
 
 if __name__ == "__main__":
     quiet_third_party()  # before Megatron's import-time warnings
-    from llamafactory_mca.merge import main
+    from llamafactory_mca.tools.merge import main
 
     sys.exit(main(prog="megatron_merge.py"))

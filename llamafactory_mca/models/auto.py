@@ -241,7 +241,7 @@ class McaModel:
         # prediction's); megatron-core's other modules fill it in themselves
         states = [chunk.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None)) for chunk in self.chunks]
         if self.lora is not None:
-            from .lora import adapter_state
+            from .lora.layers import adapter_state
 
             states = [adapter_state(state, self.lora.settings.additional) for state in states]
         if len(states) == 1:

@@ -138,7 +138,7 @@ def export_hf(checkpoint: str, output: str, dtype: torch.dtype | None = None,
 def export_checkpoint(checkpoint: str, output: str, dtype: torch.dtype | None = None) -> dict:
     """What a checkpoint exports to: Hugging Face weights, or for a LoRA run's its peft adapter."""
     if is_adapter_checkpoint(checkpoint):
-        from .lora_io import export_adapter
+        from .lora.peft_io import export_adapter
 
         return export_adapter(checkpoint, output, dtype)
     return export_hf(checkpoint, output, dtype)

@@ -418,7 +418,7 @@ class McaTrainer:
             path, config = self.reference
             reference = AutoModel.from_pretrained(path, self.args, config=config)
         elif self.model.lora is not None:  # LoRA's reference is the frozen base, as peft's disable_adapter gives it
-            from ..models.lora import set_lora_enabled
+            from ..models.lora.layers import set_lora_enabled
 
             set_lora_enabled(self.model, False)
         for plan in (self.train_data, self.eval_data):

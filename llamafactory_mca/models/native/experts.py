@@ -67,7 +67,7 @@ class NativeGroupedMLP(GroupedMLP):
         return out, None
 
     def fc1(self, x: torch.Tensor, w1: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The first grouped GEMM (a LoRA subclass adds its adapters' here, ``models/lora.py``)."""
+        """The first grouped GEMM (a LoRA subclass adds its adapters' here, ``models/lora/layers.py``)."""
         return grouped_mm(x, w1, counts)
 
     def fc2(self, x: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

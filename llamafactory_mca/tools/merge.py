@@ -12,8 +12,8 @@ import os
 
 import torch
 
-from .checkpoints import LAYOUT_KEYS, read_layout
-from .errors import UserError, user_errors
+from ..checkpoints import LAYOUT_KEYS, read_layout
+from ..errors import UserError, user_errors
 
 
 def _check_flags_against_checkpoint(args: argparse.Namespace, checkpoint: str) -> None:
@@ -30,8 +30,8 @@ def merge(checkpoint: str, output: str, dtype: torch.dtype | None = None, max_sh
     """Write ``output`` (HF safetensors, config.json, tokenizer files) from ``checkpoint``; returns bytes, seconds
     and the side files copied. Nothing is written unless the checkpoint verifies, and ``output`` appears whole.
     A LoRA run's checkpoint gives its peft adapter, or with ``merge_lora`` the base model with it merged in."""
-    from .checkpoints import is_adapter_checkpoint
-    from .models.export import export_hf
+    from ..checkpoints import is_adapter_checkpoint
+    from ..models.export import export_hf
 
     if is_adapter_checkpoint(checkpoint):
         return _merge_adapter_checkpoint(checkpoint, output, dtype, merge_lora, base_model)
@@ -51,7 +51,7 @@ def _merge_adapter_checkpoint(checkpoint: str, output: str, dtype: torch.dtype |
     import tempfile
     import time
 
-    from .models.lora_io import export_adapter, merge_adapter, read_adapter_config
+    from ..models.lora.peft_io import export_adapter, merge_adapter, read_adapter_config
 
     start = time.perf_counter()
     if not merge_lora:
@@ -60,7 +60,7 @@ def _merge_adapter_checkpoint(checkpoint: str, output: str, dtype: torch.dtype |
                 "adapter": True}
     base = base_model or read_adapter_config(checkpoint).get("base_model_name_or_path")
     if not base or not os.path.isdir(base):
-        from .hub import resolve_model
+        from ..hub import resolve_model
 
         if not base:
             raise UserError(f"{checkpoint} is a LoRA checkpoint whose base model is not recorded; give --base_model.")
@@ -104,8 +104,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, prog: str = "llamafactory-mca merge") -> int:
-    from .log import setup_logging
-    from .quiet import quiet_third_party
+    from ..log import setup_logging
+    from ..quiet import quiet_third_party
 
     setup_logging()
     quiet_third_party()

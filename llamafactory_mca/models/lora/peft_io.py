@@ -1,7 +1,7 @@
 """LoRA adapters in peft's format: written from our dist checkpoints, read into a model, merged into full weights.
 
 peft names an adapter by the HF module it sits on (``base_model.model.<module>.lora_A.weight``); our adapter tensors
-already hold exactly those tensors (``lora.py``), so dense adapters move as they are. Experts are peft's
+already hold exactly those tensors (``layers.py``), so dense adapters move as they are. Experts are peft's
 ``target_parameters`` on transformers' fused ``experts.gate_up_proj`` [E, out, in] / ``experts.down_proj``: peft keeps
 one [r·E, out] / [in, r·E] pair per parameter, whose roles are our B and A transposed (``experts_to_peft``), and
 nests the second-wrapped parameter's pair under ``base_layer.``.
@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from ..checkpoints import ADAPTER_CONFIG_NAME as ADAPTER_CONFIG
-from ..errors import UserError
-from .lora import (EXPERT_PIECES, LoraSettings, TargetLinear, apply_lora, lora_modules, merge_lora, plan_targets,
-                   refuse_split_experts, refuse_split_pieces)
+from ...checkpoints import ADAPTER_CONFIG_NAME as ADAPTER_CONFIG
+from ...errors import UserError
+from .layers import (EXPERT_PIECES, LoraSettings, TargetLinear, apply_lora, lora_modules, merge_lora, plan_targets,
+                     refuse_split_experts, refuse_split_pieces)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -88,8 +88,8 @@ def _in_memory_name(hf_name: str, names: set[str]) -> str:
 
 
 def _additional_ops(config: Any, settings: LoraSettings) -> list:
-    from .families import get_family
-    from .freeze import EXTRA_MODULES
+    from ..families import get_family
+    from ..freeze import EXTRA_MODULES
 
     prefixes = tuple(EXTRA_MODULES[m] for m in settings.additional)
     table = get_family(config.hf_model_type).weight_table(config)
@@ -97,7 +97,7 @@ def _additional_ops(config: Any, settings: LoraSettings) -> list:
 
 
 def _targets(config: Any, settings: LoraSettings, freeze_vision_tower: bool = True) -> list[TargetLinear]:
-    from .families import get_family
+    from ..families import get_family
 
     return plan_targets(config.hf_config, get_family(config.hf_model_type).weight_table(config), settings,
                         freeze_vision_tower)
@@ -122,12 +122,12 @@ def export_adapter(checkpoint: str, output: str, dtype: torch.dtype | None = Non
     """A checkpoint of a LoRA run → ``output``/adapter_model.safetensors + adapter_config.json (+ tokenizer)."""
     from safetensors.torch import save_file
 
-    from ..checkpoints import dist_checkpoint_dir, read_config, verify_checkpoint
-    from .dist_reader import DistCheckpointReader
-    from .export import _move_into, _read
-    from .hf_io import copy_side_files
-    from .loading import dims_for
-    from .lora import meta_hf_model
+    from ...checkpoints import dist_checkpoint_dir, read_config, verify_checkpoint
+    from ..dist_reader import DistCheckpointReader
+    from ..export import _move_into, _read
+    from ..hf_io import copy_side_files
+    from ..loading import dims_for
+    from .layers import meta_hf_model
 
     verify_checkpoint(checkpoint)
     config = read_config(checkpoint)
@@ -184,7 +184,7 @@ def _read_adapter_tensors(path: str) -> dict[str, torch.Tensor]:
 def load_adapter(model: Any, path: str) -> None:
     """A peft adapter's tensors into the adapters ``apply_lora`` put on this rank's chunks (each rank takes its
     slices), and its ``modules_to_save`` into the base."""
-    from .lora import LoraGroupedExpertsMixin
+    from .layers import LoraGroupedExpertsMixin
 
     tensors = _read_adapter_tensors(path)
     used: set[str] = set()
@@ -232,9 +232,9 @@ def _load_additional(model: Any, tensors: dict[str, torch.Tensor], used: set[str
     """``modules_to_save`` tensors (embed_tokens, lm_head, norm) into the base parameters they replace."""
     from megatron.core import parallel_state as ps
 
-    from .families import get_family
-    from .loading import dims_for, local_targets
-    from .mapping import DictSource
+    from ..families import get_family
+    from ..loading import dims_for, local_targets
+    from ..mapping import DictSource
 
     extra = {k[len(PEFT_PREFIX):]: v for k, v in tensors.items() if k not in used and ".lora_" not in k}
     if not extra:
@@ -278,8 +278,8 @@ def merge_adapter(adapter: str, base_model: str, output: str, dtype: torch.dtype
     import transformers
     from peft import PeftModel
 
-    from .export import _move_into
-    from .hf_io import copy_side_files
+    from ..export import _move_into
+    from ..hf_io import copy_side_files
 
     config = transformers.AutoConfig.from_pretrained(base_model)
     auto = transformers.AutoModelForImageTextToText if hasattr(config, "vision_config") else \

@@ -11,12 +11,12 @@ import subprocess
 import sys
 from typing import Any
 
-from .checkpoints import DIST_DIR, LAYOUT_KEYS, MCA_CONFIG_NAME
-from .errors import UserError, user_errors
+from ..checkpoints import DIST_DIR, LAYOUT_KEYS, MCA_CONFIG_NAME
+from ..errors import UserError, user_errors
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .args import MegatronArguments
+    from ..args import MegatronArguments
 
     parser = argparse.ArgumentParser(
         prog="llamafactory-mca convert", description="Pre-shard a Hugging Face model into a Megatron dist checkpoint "
@@ -37,12 +37,12 @@ def main(argv: list[str]) -> int:
     """``llamafactory-mca convert --hf_path DIR --output_path DIR [layout flags]``."""
     from transformers import HfArgumentParser
 
-    from .args import MegatronArguments
-    from .hub import resolve_model
-    from .models.auto import AutoConfig
-    from .parallel import ParallelLayout, check_layout, min_world_size
-    from .preflight import check_model_files
-    from .quiet import quiet_third_party
+    from ..args import MegatronArguments
+    from ..hub import resolve_model
+    from ..models.auto import AutoConfig
+    from ..parallel import ParallelLayout, check_layout, min_world_size
+    from ..launch.preflight import check_model_files
+    from ..quiet import quiet_third_party
 
     quiet_third_party()
     known, rest = _parser().parse_known_args(argv)
@@ -67,8 +67,8 @@ def main(argv: list[str]) -> int:
                      margs.pipeline_model_parallel_layout is not None, margs.sequence_parallel)
         if "WORLD_SIZE" in os.environ or needed == 1:
             return convert_rank(hf_path, known.output_path, margs)
-    command = [sys.executable, "-m", "llamafactory_mca.launch", "--nproc_per_node", str(needed), "-m",
-               "llamafactory_mca.cli", "convert", *argv]
+    command = [sys.executable, "-m", "llamafactory_mca.launch.torchrun", "--nproc_per_node", str(needed), "-m",
+               "llamafactory_mca.launch.cli", "convert", *argv]
     return subprocess.run(command, check=False).returncode
 
 
@@ -76,9 +76,9 @@ def convert_rank(hf_path: str, output: str, margs: Any) -> int:
     """One rank's part: build this rank's chunks from the HF weights and write them as a folder of ours."""
     import torch
 
-    from . import parallel
-    from .checkpoints import SideFiles, write_folder
-    from .models.auto import AutoModel
+    from .. import parallel
+    from ..checkpoints import SideFiles, write_folder
+    from ..models.auto import AutoModel
 
     layout = parallel.ParallelLayout.from_args(margs)
     parallel.initialize(layout)

@@ -128,7 +128,7 @@ def save_tiny_model(name: str, directory: str, seed: int = 0, dtype: torch.dtype
 
 def _mtp_layers(config: Any) -> int:
     """How many multi-token-prediction layers the config declares, under its family's key."""
-    from .models.families import get_family
+    from ..models.families import get_family
 
     mtp = getattr(get_family(config.model_type), "mtp", None)
     return (getattr(config.get_text_config(), mtp.count, 0) or 0) if mtp else 0
@@ -165,7 +165,7 @@ def add_mtp_layers(config: Any, directory: str, dtype: torch.dtype, device: str 
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from .models.families import get_family
+    from ..models.families import get_family
 
     index_path, single = os.path.join(directory, "model.safetensors.index.json"), "model.safetensors"
     if os.path.isfile(index_path):

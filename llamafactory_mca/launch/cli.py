@@ -45,7 +45,7 @@ def train(argv: list[str]) -> int:
 
 def version(argv: list[str]) -> int:
     from .health import check_installation, versions
-    from .quiet import quiet_third_party
+    from ..quiet import quiet_third_party
 
     quiet_third_party()
     for name, value in versions().items():
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv else "help"
     if command in ("train", "demo") and not any(a in ("-h", "--help") for a in argv):
-        from .errors import user_errors
+        from ..errors import user_errors
         from .plugin import refuse_when_disabled
 
         with user_errors():
@@ -70,15 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     if command == "version":
         return version(argv)
     if command == "merge":
-        from .merge import main as merge_main
+        from ..tools.merge import main as merge_main
 
         return merge_main(argv)
     if command == "convert":
-        from .convert import main as convert_main
+        from ..tools.convert import main as convert_main
 
         return convert_main(argv)
     if command == "demo":
-        from .demo import demo_main
+        from ..tools.demo import demo_main
 
         return demo_main(argv)
     if command in ("help", "-h", "--help"):

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import fields
 from typing import Any
 
-from .errors import UserError, user_errors
+from ..errors import UserError, user_errors
 
 # LLaMA-Factory's demo sets: in its repository's data/ folder, not in the pip package.
 LLAMAFACTORY_DATA = ("identity", "alpaca_en_demo", "alpaca_zh_demo", "dpo_en_demo", "dpo_zh_demo", "kto_en_demo",
@@ -75,8 +75,8 @@ def check_output_dir_given(recipe: dict[str, Any] | list[str], where: str) -> No
 def check_model_files(path: str) -> None:
     """The model's files as far as that is cheap: a checkpoint of ours verifies (its metadata against its data
     files); a Hugging Face folder's safetensors headers parse and match their files' lengths."""
-    from .checkpoints import is_ours, verify_checkpoint
-    from .models.hf_io import check_safetensors_files
+    from ..checkpoints import is_ours, verify_checkpoint
+    from ..models.hf_io import check_safetensors_files
 
     if is_ours(path):
         verify_checkpoint(path)
@@ -189,9 +189,9 @@ def preflight(argv: list[str]) -> tuple[Any, str]:
     """The run's plan (``plan.plan_run``: every check that needs no process group) and what only the launcher checks:
     the recipe's keys, the model's files, the datasets, the resume point. Returns the plan and the output_dir.
     Raises UserError."""
-    from .checkpoints import resolve_resume
-    from .parallel import min_world_size
-    from .plan import plan_run
+    from ..checkpoints import resolve_resume
+    from ..parallel import min_world_size
+    from ..plan import plan_run
 
     recipe = read_recipe(argv)
     check_keys(recipe, _recipe_name(argv))
@@ -213,8 +213,8 @@ def run_preflight(argv: list[str]) -> Any:
     """The launcher's entry: help, checks (one message and exit 1 on a user error), the output_dir lock."""
     import atexit
 
-    from .quiet import quiet_third_party
-    from .run_lock import HELD_ENV, acquire
+    from ..quiet import quiet_third_party
+    from ..run_lock import HELD_ENV, acquire
 
     if not argv or any(a in ("-h", "--help") for a in argv):
         print(train_help())
@@ -241,7 +241,7 @@ Processes: NPROC_PER_NODE x NNODES (GPUs by default; without GPUs, as many CPU p
 
 def train_help() -> str:
     """The Megatron keys with their help, grouped; imports nothing heavy (answers in well under a second)."""
-    from .args import DistributingParallelArguments, MegatronArguments
+    from ..args import DistributingParallelArguments, MegatronArguments
 
     groups = {
         "layout": ("tensor_model_parallel_size", "pipeline_model_parallel_size",

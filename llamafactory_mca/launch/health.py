@@ -100,8 +100,8 @@ def check_installation() -> list[str]:
 def versions() -> dict[str, str]:
     import torch
 
-    from . import __version__
-    from .compat import has_flash_attn, has_transformer_engine
+    from .. import __version__
+    from ..compat import has_flash_attn, has_transformer_engine
 
     def show(dist: str) -> str:
         return _version(dist) or "not installed"

@@ -1,5 +1,5 @@
-"""Our torchrun: under USE_MCA=1, LLaMA-Factory's launcher starts ``python -m llamafactory_mca.launch`` where it
-would start ``torchrun``, with the same arguments (plugin.py swaps the command).
+"""Our torchrun: under USE_MCA=1, LLaMA-Factory's launcher starts ``python -m llamafactory_mca.launch.torchrun``
+where it would start ``torchrun``, with the same arguments (plugin.py swaps the command).
 
 It runs torch's own elastic launcher in this process and adds what a user needs from it:
 
@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 
-from .errors import ERROR_FILE_ENV, PREFIX, STATUS_DIR_ENV
+from ..errors import ERROR_FILE_ENV, PREFIX, STATUS_DIR_ENV
 
 
 def _watch_parent(parent: int) -> None:
@@ -70,8 +70,8 @@ def _failure_line(err) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from .errors import debug_enabled
-    from .quiet import quiet_third_party
+    from ..errors import debug_enabled
+    from ..quiet import quiet_third_party
 
     quiet_third_party()
     if "OMP_NUM_THREADS" not in os.environ:

@@ -67,7 +67,7 @@ def _guard_train_args(module: types.ModuleType) -> None:
         if os.environ.get("LOCAL_RANK") is not None:  # a worker: our process group first, see _join_process_group
             _join_process_group(module.read_args(args))
         parsed = parse(args)
-        from .plan import check_request
+        from ..plan import check_request
 
         model_args, data_args, training_args, finetuning_args = parsed[:4]
         check_request(finetuning_args.stage, model_args, data_args, training_args, finetuning_args)
@@ -79,7 +79,7 @@ def _guard_train_args(module: types.ModuleType) -> None:
 def _join_process_group(recipe) -> None:
     """Create the process group before Hugging Face's TrainingArguments does (it would, with ddp_timeout as the
     group's timeout): ours is a minute longer, so the watchdog's message (rank, step, operation) comes first."""
-    from .parallel import init_distributed
+    from ..parallel import init_distributed
 
     timeout = 1800.0
     if isinstance(recipe, dict):
@@ -92,7 +92,7 @@ def _join_process_group(recipe) -> None:
 
 
 class _Torchrun:
-    """``subprocess`` for LLaMA-Factory's launcher: its ``torchrun ...`` command runs our torchrun (launch.py)
+    """``subprocess`` for LLaMA-Factory's launcher: its ``torchrun ...`` command runs our torchrun (torchrun.py)
     with the same arguments; everything else is the real module."""
 
     def __init__(self, real: types.ModuleType) -> None:
@@ -100,8 +100,8 @@ class _Torchrun:
 
     def run(self, command, *args, **kwargs):
         if command and command[0] == "torchrun":
-            command = [sys.executable, "-m", "llamafactory_mca.launch", *command[1:]]
-            kwargs["check"] = False  # a failed run is reported by launch.py, not by a CalledProcessError traceback
+            command = [sys.executable, "-m", "llamafactory_mca.launch.torchrun", *command[1:]]
+            kwargs["check"] = False  # a failed run is reported by torchrun.py, not by a CalledProcessError traceback
         return self._real.run(command, *args, **kwargs)
 
     def __getattr__(self, name: str):
@@ -198,7 +198,7 @@ def install() -> None:
     sys.meta_path.insert(0, McaFinder())
     _quiet_worker()
     if _should_announce():
-        from . import __version__
+        from .. import __version__
 
         line = f"[llamafactory_mca] USE_MCA=1: Megatron-Core backend llamafactory_mca {__version__} is active"
         if other:
@@ -209,7 +209,7 @@ def install() -> None:
 def _quiet_worker() -> None:
     """In a worker (torchrun sets RANK): only rank 0 speaks through LLaMA-Factory's logger, as it does through
     ours; warnings from every rank stay. Set before LLaMA-Factory's logging reads the variable."""
-    from .quiet import quiet_third_party
+    from ..quiet import quiet_third_party
 
     quiet_third_party()
     if os.environ.get("RANK", "0") != "0":
@@ -232,7 +232,7 @@ def refuse_when_disabled(command: str) -> None:
     """Our own commands (``llamafactory-mca train``, ``demo``) are the Megatron-Core backend; with the off switch set
     they would start LLaMA-Factory's default path under our name."""
     if env_enabled(DISABLE_ENV):
-        from .errors import UserError
+        from ..errors import UserError
 
         raise UserError(f"{DISABLE_ENV}={os.environ[DISABLE_ENV]} turns the Megatron-Core backend off, and "
                         f"`llamafactory-mca {command}` is that backend: unset {DISABLE_ENV}, or use "
