@@ -71,7 +71,7 @@ def main() -> None:
                      num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False)
     if args.next:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from e2e_bench import QWEN3_NEXT_80B
+        from e2e_workloads import QWEN3_NEXT_80B
 
         shape = {k: v for k, v in QWEN3_NEXT_80B.items() if k != "model_type"}
         shape.update(num_hidden_layers=args.layers, layer_types=[

@@ -1,0 +1,245 @@
+"""The results of the end-to-end bench: ``e2e.json`` merged across invocations, the targets judged on it, and the
+``e2e.md`` table drawn from it.
+
+One workload per invocation builds one table, and a target may compare workloads run in separate invocations (DP2
+against 1 GPU), so targets are judged on the merged file, never on one invocation's runs alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from e2e_workloads import workloads
+
+
+def _ok(run: dict | None) -> bool:
+    return bool(run) and run.get("status") in ("ok", "timeout", "incomplete") and \
+        bool(run.get("tokens_per_second_per_gpu"))
+
+
+def _tail_loss(run: dict) -> float | None:
+    losses = [x for x in run.get("losses", []) if x is not None]
+    return float(np.mean(losses[-3:])) if losses else None
+
+
+def _fastest(runs: dict, path: str) -> str | None:
+    """The fastest finished run of a path among its plain runs and their micro-batch variants (``lf``, ``lf_mb2``,
+    ``lf_liger``; ``ours``, ``ours_mb2``): the same training at the same global batch."""
+    names = [n for n, r in runs.items() if _ok(r) and (n == path or n.startswith((f"{path}_mb", f"{path}_liger")))]
+    return max(names, key=lambda n: runs[n]["tokens_per_second_per_gpu"], default=None)
+
+
+def _ratio_target(label: str, num: dict | None, den: dict | None, goal: float | None, why_missing: str,
+                  percent: bool = False) -> dict:
+    """num / den of tokens/s/GPU against ``goal`` (None: shown for reference, no verdict)."""
+    if not (_ok(num) and _ok(den)):
+        return {"target": label, "measured": why_missing, "met": None}
+    ratio = num["tokens_per_second_per_gpu"] / den["tokens_per_second_per_gpu"]
+    return {"target": label, "measured": f"{ratio:.0%}" if percent else f"{ratio:.2f}x",
+            "met": None if goal is None else ratio >= goal, "value": round(ratio, 4)}
+
+
+def _loss_target(name_a: str, a: dict | None, name_b: str, b: dict | None, tol: float) -> dict | None:
+    if not (a and b and _tail_loss(a) is not None and _tail_loss(b) is not None):
+        return None
+    la, lb = _tail_loss(a), _tail_loss(b)
+    gap = abs(la - lb) / max(abs(la), 1e-9)
+    return {"target": f"same training: loss of the last 3 steps within {tol:.0%} ({name_a} vs {name_b})",
+            "measured": f"{la:.3f} vs {lb:.3f} ({gap:.1%})", "met": gap <= tol, "value": round(gap, 4)}
+
+
+def _memory_target(name: str, ours: dict | None, lf: dict) -> dict | None:
+    if ours is None:
+        return None
+    met, measured = None, "n/a (CPU or a run failed)"
+    if ours.get("peak_memory_gib") and lf.get("peak_memory_gib"):
+        met = ours["peak_memory_gib"] <= lf["peak_memory_gib"]
+        measured = f"{ours['peak_memory_gib']:.1f} vs {lf['peak_memory_gib']:.1f} GiB"
+    elif ours.get("peak_memory_gib") and lf.get("status") == "OOM":
+        met, measured = True, f"{ours['peak_memory_gib']:.1f} GiB vs LLaMA-Factory OOM"
+    return {"target": f"peak memory per GPU: {name} <= LLaMA-Factory (same micro-batch)", "measured": measured,
+            "met": met}
+
+
+def _curve_target(name_a: str, a: dict | None, name_b: str, b: dict | None, tol: float = 0.02) -> dict | None:
+    """Step-by-step loss curves of two layouts agree within bf16 tolerance."""
+    la, lb = (a or {}).get("losses") or [], (b or {}).get("losses") or []
+    pairs = [(x, y) for x, y in zip(la, lb) if x is not None and y is not None]
+    if not pairs:
+        return None
+    gap = max(abs(x - y) / max(abs(y), 1e-9) for x, y in pairs)
+    return {"target": f"loss curve {name_a} = {name_b} within {tol:.0%} at every step",
+            "measured": f"max gap {gap:.2%} over {len(pairs)} steps", "met": gap <= tol, "value": round(gap, 4)}
+
+
+# tokens/s against LLaMA-Factory (dense, MoE, LoRA, ...) and MFU of our plain run
+GOALS = {"dense": 3.0, "moe": 5.0, "lora_dense": 1.5, "lora_moe": 3.0, "glm_moe": 3.0, "glm_mtp": 3.0,
+         "moonlight": 3.0}
+MFU_GOALS = {"dense": 0.40, "moe": 0.25, "glm_moe": None, "glm_mtp": None, "moonlight": None}
+
+
+def targets(name: str, data: dict, everything: dict, tol: float) -> list[dict]:
+    runs = data["runs"]
+    found: list[dict | None] = []
+
+    def other(workload: str, run: str) -> tuple[dict | None, str]:
+        ref = everything.get(workload)
+        if not ref:
+            return None, f"run `--workloads {workload}` for the 1-GPU reference"
+        if ref["settings"]["comparable"] != data["settings"]["comparable"]:
+            return None, f"`{workload}` was run with other shapes/steps; rerun it with the same flags"
+        return ref["runs"].get(run), f"`{workload}/{run}` has no throughput"
+
+    if name in GOALS:
+        goal = GOALS[name]
+        found.append(_ratio_target(f"tokens/s: ours >= {goal:g}x LLaMA-Factory", runs.get("ours"), runs.get("lf"),
+                                   goal, "needs both runs"))
+        best, best_lf = _fastest(runs, "ours"), _fastest(runs, "lf")
+        if (best, best_lf) != ("ours", "lf") and best and best_lf:  # LF's Liger row, other micro-batch sizes
+            found.append(_ratio_target(f"tokens/s: the faster of ours ({best}) >= {goal:g}x the faster of "
+                                       f"LLaMA-Factory ({best_lf})", runs[best], runs[best_lf], goal, ""))
+        if name.startswith("lora"):  # LLaMA-Factory recomputes by default: like for like is ours with recompute
+            found.append(_memory_target("ours_recompute", runs.get("ours_recompute"), runs.get("lf") or {}))
+        elif MFU_GOALS[name] is not None:
+            mfu, goal = (runs.get("ours") or {}).get("mfu"), MFU_GOALS[name]
+            found.append({"target": f"MFU (ours) >= {goal:.0%}", "measured": f"{mfu:.1%}" if mfu is not None else
+                          "n/a", "met": (mfu >= goal) if mfu is not None else None})
+        if name == "moe":
+            for run in ("ours", "ours_recompute"):
+                found.append(_memory_target(run, runs.get(run), runs.get("lf") or {}))
+        found.append(_loss_target("ours", runs.get("ours"), "LF", runs.get("lf"), tol))
+    elif name in ("dp2", "moe_ep2"):
+        base, layout = ("dense", "DP2") if name == "dp2" else ("moe", "EP2")
+        ref, why = other(base, "ours")
+        found.append(_ratio_target(f"tokens/s/GPU: ours {layout} >= 90% of ours on 1 GPU", runs.get("ours"), ref, 0.9,
+                                   why, percent=True))
+        ref, why = other(base, "lf")
+        found.append(_ratio_target("(for reference) LLaMA-Factory DDP2 per GPU vs its 1 GPU", runs.get("lf"), ref,
+                                   None, why, percent=True))
+        if name == "moe_ep2":
+            found.append(_memory_target("ours EP2", runs.get("ours"), runs.get("lf") or {}))
+        found.append(_loss_target("ours", runs.get("ours"), "LF", runs.get("lf"), tol))
+    elif name == "long":
+        found.append(_ratio_target("tokens/s/GPU: ours CP2 >= 90% of ours on 1 GPU", runs.get("ours_cp2"),
+                                   runs.get("ours"), 0.9, "needs both runs", percent=True))
+        lf = runs.get("lf") or {}
+        best_lf = _fastest(runs, "lf")
+        found.append(_ratio_target(f"tokens/s: ours 1 GPU >= 2.5x LLaMA-Factory's fastest that fits ({best_lf})",
+                                   runs.get("ours"), runs.get(best_lf) if best_lf else None, 2.5,
+                                   f"LLaMA-Factory: {lf.get('status', 'not run')}"))
+        found.append(_loss_target("ours", runs.get("ours"), "LF", lf, tol))
+        found.append(_loss_target("ours CP2", runs.get("ours_cp2"), "ours", runs.get("ours"), tol))
+    elif name == "layouts":
+        for run in ("ours_tp2", "ours_pp2"):
+            found.append(_curve_target(run, runs.get(run), "ours (1 GPU)", runs.get("ours")))
+    elif name == "qwen3_next":
+        for mode in ("pack", "nopack"):
+            found.append(_ratio_target(f"tokens/s: ours >= 3x LLaMA-Factory ({mode.replace('no', 'not ')}ed)",
+                                       runs.get(f"ours_{mode}"), runs.get(f"lf_{mode}"), 3.0, "needs both runs"))
+            found.append(_loss_target(f"ours {mode}", runs.get(f"ours_{mode}"), f"LF {mode}", runs.get(f"lf_{mode}"),
+                                      tol))
+    elif name == "qwen3_5":  # measured, no target set: ours trains the MTP layer as well, unless told not to
+        for run in ("ours_nopack", "ours_nopack_no_mtp", "ours_pack"):
+            found.append(_ratio_target(f"(for reference) tokens/s: {run} vs LLaMA-Factory padded", runs.get(run),
+                                       runs.get("lf_nopack"), None, "needs both runs"))
+        found.append(_loss_target("ours padded, no MTP", runs.get("ours_nopack_no_mtp"), "LF padded",
+                                  runs.get("lf_nopack"), tol))
+    elif name.startswith("varlen"):
+        found.append(_ratio_target("effective tokens/s: ours packed >= 1.5x ours padded", runs.get("ours_pack"),
+                                   runs.get("ours_nopack"), 1.5, "needs both runs"))
+        found.append(_ratio_target("effective tokens/s: ours packed >= 1.5x LLaMA-Factory packed (neat_packing)",
+                                   runs.get("ours_pack"), runs.get("lf_pack"), 1.5, "needs both runs"))
+        found.append(_ratio_target("(for reference) LLaMA-Factory packed vs padded", runs.get("lf_pack"),
+                                   runs.get("lf_nopack"), None, "needs both runs"))
+        found.append(_loss_target("ours packed", runs.get("ours_pack"), "LF packed", runs.get("lf_pack"), tol))
+        found.append(_loss_target("ours padded", runs.get("ours_nopack"), "LF padded", runs.get("lf_nopack"), tol))
+    return [t for t in found if t]
+
+
+def _cell(value: Any, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def markdown(results: dict) -> str:
+    lines = ["# End-to-end: LLaMA-Factory's default path vs llamafactory_mca", "",
+             ("Same model shape, data, cutoff, global batch, learning rate and steps per workload. tokens/s/GPU: real "
+              "(non-pad) tokens per second per GPU over the steps after warm-up, step end to step end (data loading "
+              "included). MFU: model FLOPs (`flops_per_sequence_set`: dense, MoE active parameters, causal attention; "
+              "padded rows at their padded length) / time / GPUs / bf16 peak. Peak memory: "
+              "`torch.cuda.max_memory_allocated()` during training, max over ranks. First step: launch to the end of "
+              "step 1 (imports, tokenization, model load included). Loss: step 1 -> last step. See "
+              "benchmarks/README.md."), ""]
+    for name, data in results["workloads"].items():
+        s, m, v = data["settings"], data["machine"], data["versions"]
+        peak = f", bf16 peak {s['peak_flops'] / 1e12:.0f} TFLOPS" if s["peak_flops"] else ""
+        lines += [f"## {name}: {s['model']}, {s['layers']} layers; {s['about']}", "",
+                  (f"{m['device']}{peak}; {s['precision']}; {s['steps']} steps ({s['warmup']} warm-up), lr "
+                   f"{s['lr']:g} constant; torch {v['torch']} (CUDA {v['cuda']}), transformers {v['transformers']}, "
+                   f"megatron-core {v['megatron-core']}, llamafactory {v['llamafactory']}, llamafactory-mca "
+                   f"{v['llamafactory-mca']}; {data['finished']}"), "",
+                  ("| run | path | layout | packing | micro-batch x accum | tokens/s/GPU | MFU | peak mem (GiB) "
+                   "| first step (s) | loss first -> last | status |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for run_name, r in data["runs"].items():
+            path = "LLaMA-Factory (HF Trainer, sdpa)" if r["path"] == "lf" else "llamafactory_mca"
+            packing = ("neat_packing" if r["path"] == "lf" else "sequence_packing") if r["packing"] else "padded"
+            losses = [x for x in r.get("losses", []) if x is not None]
+            loss = f"{losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "-"
+            tps = r.get("tokens_per_second_per_gpu")
+            lines.append(f"| {run_name} | {path} | {r['layout']} | {packing} | {r['micro_batch']} x {r['grad_accum']} "
+                         f"| {_cell(tps, ',.0f' if tps and tps >= 100 else ',.1f')} | {_cell(r.get('mfu'), '.1%')} "
+                         f"| {_cell(r.get('peak_memory_gib'), '.1f')} | {_cell(r.get('first_step_s'), '.1f')} "
+                         f"| {loss} | {r['status']} |")
+        found = data.get("targets") or []
+        if found:
+            lines += ["", "| target | measured | |", "|---|---|---|"]
+            for t in found:
+                mark = "met" if t["met"] else "n/a" if t["met"] is None else "**missed**"
+                lines.append(f"| {t['target']} | {t['measured']} | {mark} |")
+        errors = [(n, r["error"]) for n, r in data["runs"].items() if r.get("error")]
+        for run_name, error in errors:
+            lines.append(f"\n`{run_name}`: {error}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_results(out: str, new: dict, tol: float) -> dict:
+    """Merges ``new`` into ``out``'s e2e.json and redraws e2e.md; judges every workload again, since a new 1-GPU
+    result changes the verdicts of the 2-GPU ones."""
+    path = os.path.join(out, "e2e.json")
+    results = {"workloads": {}}
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            results = json.load(f)
+    for name, data in new.items():
+        before = results["workloads"].get(name)
+        if before and before["settings"]["comparable"] == data["settings"]["comparable"]:
+            # same shapes and steps: keep earlier runs this invocation did not redo (--paths, fewer GPUs)
+            runs = dict(before["runs"])
+            runs.update({k: r for k, r in data["runs"].items()
+                         if not (r["status"].startswith("skipped") and k in runs)})
+            data = data | {"runs": runs}
+        results["workloads"][name] = data
+    order = list(workloads(False))
+    results["workloads"] = dict(sorted(results["workloads"].items(),
+                                       key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
+    for name, data in results["workloads"].items():
+        data["targets"] = targets(name, data, results["workloads"], tol)
+    os.makedirs(out, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(out, "e2e.md"), "w", encoding="utf-8") as f:
+        f.write(markdown(results))
+    return results
+
+
+def merge(paths: list[str], out: str, tol: float) -> dict:
+    """Other invocations' ``e2e.json`` into ``out``, later ones winning."""
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            results = write_results(out, json.load(f)["workloads"], tol)
+    return results

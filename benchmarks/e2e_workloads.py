@@ -1,0 +1,447 @@
+"""What the end-to-end bench trains: model shapes, the workloads and their runs, and the random-weight model and
+synthetic data each one needs (built once, cached under ``--work``).
+
+The runner and the report read these declarations; nothing here launches a run. torch, transformers and
+llamafactory_mca are imported inside the builders (about 1.5 s), so ``--help`` and ``--merge`` do not wait for them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+# Real shapes (random weights): Qwen3-1.7B and Qwen3-30B-A3B (layers set per run).
+QWEN3_1_7B = dict(model_type="qwen3", hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, intermediate_size=6144, vocab_size=151936,
+                  max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)
+QWEN3_30B_A3B = dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                     num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+                     num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                     mlp_only_layers=[], router_aux_loss_coef=0.001, vocab_size=151936, max_position_embeddings=40960,
+                     rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+QWEN3_8B = dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936,
+                max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+# GLM-4.5-Air (zai-org/GLM-4.5-Air config.json): layer 0 dense, then 128 routed experts (top 8, sigmoid routing with a
+# correction bias) + 1 shared; q/k/v biases, RoPE on half of each head; layers set per run.
+GLM_4_5_AIR = dict(model_type="glm4_moe", hidden_size=4096, num_hidden_layers=46, num_attention_heads=96,
+                   num_key_value_heads=8, head_dim=128, intermediate_size=10944, moe_intermediate_size=1408,
+                   n_routed_experts=128, n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=1,
+                   n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True, attention_bias=True,
+                   use_qk_norm=False, partial_rotary_factor=0.5, vocab_size=151552, max_position_embeddings=131072,
+                   rope_theta=1e6, rms_norm_eps=1e-5, tie_word_embeddings=False)
+# Moonlight-16B-A3B (moonshotai/Moonlight-16B-A3B config.json), DeepSeek-V3's architecture: multi-latent attention
+# (no q low rank, kv rank 512, q/k heads 128 + 64 RoPE, values 128), layer 0 dense, 64 routed experts (top 6, one
+# group) + 2 shared; layers set per run.
+MOONLIGHT = dict(model_type="deepseek_v3", hidden_size=2048, num_hidden_layers=27, num_attention_heads=16,
+                 num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                 v_head_dim=128, intermediate_size=11264, moe_intermediate_size=1408, n_routed_experts=64,
+                 n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, n_group=1, topk_group=1,
+                 routed_scaling_factor=2.446, norm_topk_prob=True, vocab_size=163840, max_position_embeddings=8192,
+                 rope_theta=50000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+# Qwen3-Next-80B-A3B (Qwen/Qwen3-Next-80B-A3B-Instruct config.json): gated delta-rule layers (16 key / 32 value heads
+# of 128) with every 4th layer gated full attention (16 heads of 256, 2 kv heads, RoPE on a quarter), 512 routed
+# experts (top 10) + a gated shared expert in every layer; layers and their kinds set per run (``layer_pattern``).
+QWEN3_NEXT_80B = dict(model_type="qwen3_next", hidden_size=2048, num_hidden_layers=48, num_attention_heads=16,
+                      num_key_value_heads=2, head_dim=256, intermediate_size=5120, moe_intermediate_size=512,
+                      shared_expert_intermediate_size=512, num_experts=512, num_experts_per_tok=10,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
+                      linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                      linear_value_head_dim=128, linear_conv_kernel_dim=4, partial_rotary_factor=0.25,
+                      vocab_size=151936, max_position_embeddings=262144, rope_theta=1e7, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False)
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            intermediate_size=128, vocab_size=512, max_position_embeddings=2048)
+SMOKE_SHAPES = {"dense": {**QWEN3_1_7B, **TINY}, "dense8b": {**QWEN3_8B, **TINY},
+                "moe": {**QWEN3_30B_A3B, **TINY, "num_experts": 8, "num_experts_per_tok": 2,
+                        "moe_intermediate_size": 32},
+                "glm": {**GLM_4_5_AIR, **TINY, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                        "moe_intermediate_size": 32},
+                "moonlight": {**MOONLIGHT, **TINY, "num_key_value_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+                              "qk_rope_head_dim": 8, "head_dim": 8, "v_head_dim": 8, "n_routed_experts": 8,
+                              "num_experts_per_tok": 2,
+                              "moe_intermediate_size": 32},
+                "next": {**QWEN3_NEXT_80B, **TINY, "num_experts": 8, "num_experts_per_tok": 2,
+                         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "linear_num_key_heads": 2,
+                         "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16}}
+# Vision-language shapes, each with its real vision tower (frozen, as LLaMA-Factory's default) and layers set per run:
+# Qwen2.5-VL-7B (32-block windowed tower) and Qwen3-VL-30B-A3B (27-block tower with deepstack, 128 experts).
+QWEN2_5_VL_7B = dict(model_type="qwen2_5_vl",
+                     text_config=dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                                      num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
+                                      max_position_embeddings=128000, rms_norm_eps=1e-6,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                       "mrope_section": [16, 24, 24]}),
+                     vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                                        out_hidden_size=3584, patch_size=14, spatial_merge_size=2,
+                                        temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
+                                        hidden_act="silu"),
+                     tie_word_embeddings=False)
+QWEN3_VL_30B_A3B = dict(model_type="qwen3_vl_moe",
+                        text_config=dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                                         num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                                         moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                         decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
+                                         vocab_size=151936, max_position_embeddings=262144, rms_norm_eps=1e-6,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                                          "mrope_section": [24, 20, 20], "mrope_interleaved": True}),
+                        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                                           out_hidden_size=2048, patch_size=16, spatial_merge_size=2,
+                                           temporal_patch_size=2, num_position_embeddings=2304,
+                                           deepstack_visual_indexes=[8, 16, 24], hidden_act="gelu_pytorch_tanh"),
+                        tie_word_embeddings=False)
+# Qwen3.5-35B-A3B (transformers' Qwen3_5MoeConfig defaults are its shape; the tower's output width set to the text
+# width, the hub's rotary base and 3-D sections): Qwen3-Next's hybrid decoder with 256 experts (top 8) and a gated
+# shared expert in every layer, Qwen3-VL's 27-block tower without deepstack, and its multi-token-prediction layer
+QWEN3_5_35B_A3B = dict(model_type="qwen3_5_moe",
+                       text_config=dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                                        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                                        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256,
+                                        num_experts_per_tok=8, moe_intermediate_size=512,
+                                        shared_expert_intermediate_size=512, router_aux_loss_coef=0.001,
+                                        vocab_size=248320, max_position_embeddings=262144, rms_norm_eps=1e-6,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                                                         "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                                                         "mrope_interleaved": True},
+                                        mtp_num_hidden_layers=1),
+                       vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                                          out_hidden_size=2048, patch_size=16, spatial_merge_size=2,
+                                          temporal_patch_size=2, num_position_embeddings=2304,
+                                          hidden_act="gelu_pytorch_tanh"),
+                       tie_word_embeddings=False)
+VL = {"vl": QWEN2_5_VL_7B, "vl_moe": QWEN3_VL_30B_A3B, "vl_next": QWEN3_5_35B_A3B}
+VL_TEMPLATE = {"qwen2_5_vl": "qwen2_vl", "qwen3_vl_moe": "qwen3_vl_nothink", "qwen3_5_moe": "qwen3_5_nothink"}
+SMOKE_SHAPES |= {kind: dict(model_type=shape["model_type"]) for kind, shape in VL.items()}  # tiny.py's shapes
+# GLM-4.5-Air as released, with its multi-token-prediction layer (an MoE layer): ours trains it, LLaMA-Factory's
+# default path drops it (transformers has no MTP)
+SMOKE_SHAPES["glm_mtp"] = {**SMOKE_SHAPES["glm"], "num_nextn_predict_layers": 1}
+SHAPES = {"dense": QWEN3_1_7B, "dense8b": QWEN3_8B, "moe": QWEN3_30B_A3B, "glm": GLM_4_5_AIR,
+          "glm_mtp": {**GLM_4_5_AIR, "num_nextn_predict_layers": 1}, "moonlight": MOONLIGHT, "next": QWEN3_NEXT_80B,
+          **VL}
+LABELS = {"dense": "Qwen3-1.7B shape", "dense8b": "Qwen3-8B shape", "moe": "Qwen3-30B-A3B shape",
+          "glm": "GLM-4.5-Air shape", "glm_mtp": "GLM-4.5-Air shape with its MTP layer",
+          "moonlight": "Moonlight-16B-A3B shape (DeepSeek-V3 architecture)",
+          "next": "Qwen3-Next-80B-A3B shape",
+          "vl": "Qwen2.5-VL-7B shape",
+          "vl_moe": "Qwen3-VL-30B-A3B shape",
+          "vl_next": "Qwen3.5-35B-A3B shape"}
+MOE_KINDS = ("moe", "vl_moe", "vl_next", "glm", "glm_mtp", "moonlight", "next")
+
+
+def image_side(kind: str, smoke: bool) -> int:
+    """Pixels per image side: 32 x 32 patches (256 tokens after the 2 x 2 merge); smoke: tiny.py's 32 pixels."""
+    return 32 if smoke else 32 * VL[kind]["vision_config"]["patch_size"]
+
+
+@dataclass
+class Run:
+    name: str
+    path: str  # "lf" (LLaMA-Factory's HF Trainer) or "ours" (USE_MCA=1)
+    gpus: int
+    packing: bool
+    micro_batch: int
+    grad_accum: int
+    layout: str
+    extra: dict = field(default_factory=dict)  # the run's own recipe keys (parallel sizes, recompute; Liger for LF)
+
+
+@dataclass
+class Workload:
+    name: str
+    model: str  # "dense" or "moe"
+    cutoff: int
+    lengths: tuple  # ("uniform" | "loguniform", low, high) in tokens per row
+    runs: list
+    steps: int = 12
+    warmup: int = 4
+    about: str = ""
+    layers: int | None = None  # all of the shape's layers (default: as many as --layers / the GPU allow)
+    tuning: dict = field(default_factory=dict)  # recipe keys for both paths (LoRA)
+
+
+def _pair(gpus: int, grad_accum: int, layout: str, ours_extra: dict | None = None, lf_layout: str = "",
+          packing: bool = True, micro_batch: int = 1, suffix: str = "") -> list:
+    return [Run("lf" + suffix, "lf", gpus, packing, micro_batch, grad_accum, lf_layout or layout),
+            Run("ours" + suffix, "ours", gpus, packing, micro_batch, grad_accum, layout, ours_extra or {})]
+
+
+def workloads(smoke: bool) -> dict[str, Workload]:
+    k = 16 if smoke else 1  # smoke: 16x shorter sequences
+    cut, long_cut = 4096 // k, 32768 // 32 if smoke else 32768
+    packed = ("uniform", 256 // k, 2048 // k)
+    varlen = ("loguniform", max(32 // k, 4), cut)
+    recompute = {"recompute_granularity": "full"}
+    # LLaMA-Factory's fastest option a user can pick here: Liger kernels, gradient checkpointing off where it fits
+    liger_gc = dict(enable_liger_kernel=True)
+    liger = dict(liger_gc, disable_gradient_checkpointing=True)
+    varlen_runs = (_pair(1, 4, "1 GPU, padded", packing=False, micro_batch=2, suffix="_nopack")
+                   + _pair(1, 8, "1 GPU, packed", suffix="_pack"))
+    found = [
+        Workload("dense", "dense", cut, packed,
+                 _pair(1, 8, "1 GPU")
+                 + [Run("lf_liger", "lf", 1, True, 1, 8, "1 GPU, Liger, no checkpointing", liger)],
+                 about=f"{cut}-token packed micro-batches, global batch 8; `lf_liger`: LLaMA-Factory with "
+                       "`enable_liger_kernel` and gradient checkpointing off"),
+        Workload("dp2", "dense", cut, packed, _pair(2, 4, "DP2", lf_layout="DDP, 2 GPUs"),
+                 about=f"{cut}-token packed micro-batches, global batch 8 (dp 2 x grad accum 4)"),
+        Workload("moe", "moe", cut, packed,
+                 _pair(1, 8, "1 GPU") + [Run("ours_recompute", "ours", 1, True, 1, 8, "1 GPU, recompute full",
+                                             recompute),
+                                         Run("lf_liger", "lf", 1, True, 1, 8, "1 GPU, Liger, checkpointing",
+                                             liger_gc)],
+                 about=f"{cut}-token packed micro-batches, global batch 8; LLaMA-Factory recomputes by default "
+                       "(gradient checkpointing), so `ours_recompute` is the like-for-like memory comparison; "
+                       "`lf_liger`: LLaMA-Factory with `enable_liger_kernel`"),
+        Workload("moe_ep2", "moe", cut, packed, _pair(2, 4, "EP2", {"expert_model_parallel_size": 2},
+                                                      lf_layout="DDP, 2 GPUs"),
+                 about=f"{cut}-token packed micro-batches, global batch 8 (dp 2 x grad accum 4)"),
+        Workload("long", "dense", long_cut, ("uniform", int(long_cut * 0.9), long_cut),
+                 [Run("lf", "lf", 1, False, 1, 2, "1 GPU, gradient checkpointing (LF default)"),
+                  Run("lf_liger", "lf", 1, False, 1, 2, "1 GPU, Liger, gradient checkpointing", liger_gc),
+                  Run("ours", "ours", 1, True, 1, 2, "1 GPU, recompute full", recompute),
+                  Run("ours_cp2", "ours", 2, True, 1, 2, "CP2, recompute full",
+                      {"context_parallel_size": 2, **recompute})],
+                 steps=8, warmup=3, about=f"one {long_cut}-token sequence per micro-batch, global batch 2"),
+        Workload("layouts", "dense", cut, packed,
+                 [Run("ours", "ours", 1, True, 1, 8, "1 GPU"),
+                  Run("ours_tp2", "ours", 2, True, 1, 8, "TP2 + SP", {"tensor_model_parallel_size": 2,
+                                                                       "sequence_parallel": True}),
+                  Run("ours_pp2", "ours", 2, True, 1, 8, "PP2", {"pipeline_model_parallel_size": 2})],
+                 about=f"our path only: the same {cut}-token packed steps on 1 GPU, TP2 and PP2 (global batch 8)"),
+        Workload("varlen", "dense", cut, varlen, varlen_runs,
+                 about=f"SFT rows log-uniform {varlen[1]}..{cut} tokens; padded: 2 rows x 4, packed: 1 pack x 8"),
+        Workload("varlen_moe", "moe", cut, varlen, [Run(**vars(r)) for r in varlen_runs],
+                 about=f"SFT rows log-uniform {varlen[1]}..{cut} tokens; padded: 2 rows x 4, packed: 1 pack x 8"),
+    ] + [
+        Workload(kind, kind, cut, ("loguniform", max(32 // k, 4), cut // 2),
+                 _pair(1, 4, "1 GPU, padded", packing=False, micro_batch=2, suffix="_nopack")
+                 + [Run("ours_pack", "ours", 1, True, 1, 8, "1 GPU, packed")],
+                 about=f"{LABELS[kind]} sft: one {image_side(kind, smoke)}-pixel image per row (256 tokens; the tower "
+                       f"frozen, LLaMA-Factory's default) and log-uniform {max(32 // k, 4)}..{cut // 2} text tokens; "
+                       "padded: 2 rows x 4, packed: 1 pack x 8. MFU: the language model only")
+        for kind in VL if kind != "vl_next"
+    ]
+    lora = dict(finetuning_type="lora", lora_rank=16, lora_alpha=32, lora_target="all")
+    lora_about = ("LoRA rank 16 on `lora_target: all` (LLaMA-Factory's expansion: every attention and MLP projection "
+                  "of the dense model; on Qwen3-MoE the attention projections, experts never), {cut}-token packed "
+                  "micro-batches, global batch 8. MFU counts full fine-tuning's 6N FLOPs; LoRA skips the frozen "
+                  "base's weight gradients (about a third of that work), so it overstates the work done by up to 1.5x")
+    found += [
+        Workload("lora_moe", "moe", cut, packed,
+                 [Run("lf", "lf", 1, True, 1, 8, "1 GPU, gradient checkpointing (LF default)"),
+                  Run("ours", "ours", 1, True, 1, 8, "1 GPU"),
+                  Run("ours_recompute", "ours", 1, True, 1, 8, "1 GPU, recompute full", recompute),
+                  Run("ours_experts", "ours", 1, True, 1, 8, "1 GPU, + experts", dict(lora_target="all,experts")),
+                  Run("lf_mb2", "lf", 1, True, 2, 4, "1 GPU, gradient checkpointing (LF default)"),
+                  Run("ours_mb2", "ours", 1, True, 2, 4, "1 GPU")],
+                 steps=6, warmup=2, layers=None if smoke else 48, tuning=lora,
+                 about=lora_about.format(cut=cut) + "; `ours_experts` also adapts every expert (not possible in "
+                       "LLaMA-Factory's default path); `*_mb2`: 2 packs of 4096 tokens per micro-batch x 4 (the same "
+                       "global batch)"),
+        Workload("glm_moe", "glm", cut, packed, _pair(1, 8, "1 GPU"), steps=10, warmup=3, layers=2 if smoke else 3,
+                 about=f"full fine-tuning of the first 3 layers (1 dense, 2 MoE: as many as fit one H200 with Adam "
+                       f"states), {cut}-token packed micro-batches, global batch 8"),
+        Workload("glm_mtp", "glm_mtp", cut, packed,
+                 _pair(1, 8, "1 GPU") + [Run("ours_no_mtp", "ours", 1, True, 1, 8, "1 GPU, mtp_num_layers: 0",
+                                             dict(mtp_num_layers=0))],
+                 steps=10, warmup=3, layers=2,
+                 about=f"full fine-tuning of the first 2 layers (1 dense, 1 MoE) and the multi-token-prediction layer "
+                       f"(MoE; ours trains it, LLaMA-Factory's default path drops it; `ours_no_mtp` leaves it out "
+                       f"too, like for like), {cut}-token packed micro-batches, global batch 8"),
+        Workload("moonlight", "moonlight", cut, packed, _pair(1, 8, "1 GPU"), steps=10, warmup=3,
+                 layers=2 if smoke else 8,
+                 about=f"full fine-tuning of the first 8 layers (1 dense, 7 MoE: about what fits one H200 with Adam "
+                       f"states), {cut}-token packed micro-batches, global batch 8"),
+        Workload("qwen3_next", "next", cut, varlen, [Run(**vars(r)) for r in varlen_runs]
+                 + [Run("ours_nopack_padded", "ours", 1, False, 2, 4, "1 GPU, padded BSHD", {"padding_free": False})],
+                 steps=8, warmup=3, layers=2 if smoke else 3,
+                 about=f"full fine-tuning of 3 layers (2 gated delta-rule, 1 gated full attention; every layer 512 "
+                       f"experts: what fits one H200 with Adam states), SFT rows log-uniform {varlen[1]}..{cut} "
+                       "tokens; padded: 2 rows x 4 (ours runs the rows without their padding, `padding_free`, the "
+                       "default; `ours_nopack_padded`: padded rows), packed: 1 pack x 8 (LLaMA-Factory: "
+                       "neat_packing)"),
+        Workload("qwen3_5", "vl_next", cut, ("loguniform", max(32 // k, 4), cut // 2),
+                 _pair(1, 4, "1 GPU, padded", packing=False, micro_batch=2, suffix="_nopack")
+                 + [Run("ours_nopack_no_mtp", "ours", 1, False, 2, 4, "1 GPU, padded, mtp_num_layers: 0",
+                        dict(mtp_num_layers=0)),
+                    Run("ours_pack", "ours", 1, True, 1, 8, "1 GPU, packed")],
+                 steps=8, warmup=3, layers=2 if smoke else 4,
+                 about=f"full fine-tuning of 4 layers (3 gated delta-rule, 1 gated full attention, every one 256 "
+                       f"experts) and the multi-token-prediction layer (ours trains it on the image features; "
+                       f"LLaMA-Factory's default path drops it; `ours_nopack_no_mtp` leaves it out too, like for "
+                       f"like), sft: one {image_side('vl_next', smoke)}-pixel image per row (256 tokens; the tower "
+                       f"frozen, LLaMA-Factory's default) and log-uniform {max(32 // k, 4)}..{cut // 2} text tokens; "
+                       "padded: 2 rows x 4 (ours without their padding, `padding_free`), packed: 1 pack x 8. MFU: the "
+                       "language model only"),
+        Workload("lora_dense", "dense8b", cut, packed,
+                 _pair(1, 8, "1 GPU", lf_layout="1 GPU, gradient checkpointing (LF default)")
+                 + [Run("ours_recompute", "ours", 1, True, 1, 8, "1 GPU, recompute full", recompute)],
+                 steps=8, warmup=2, layers=None if smoke else 36, tuning=lora, about=lora_about.format(cut=cut)),
+    ]
+    if smoke:
+        for w in found:
+            w.steps, w.warmup = 4, 1
+    return {w.name: w for w in found}
+
+
+# ---- assets: tokenizer, random-weight model, synthetic SFT data (cached under --work) -----------------------------
+WORDS = {"smoke": 200, "real": 8000}
+
+
+def _words(smoke: bool) -> list[str]:
+    return [f"w{i}" for i in range(WORDS["smoke" if smoke else "real"])]
+
+
+def digest(obj: Any) -> str:
+    """Names a cached model or data set, and tells results measured alike from the rest."""
+    return hashlib.sha1(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def model_config(kind: str, layers: int, smoke: bool) -> dict:
+    shape = (SMOKE_SHAPES if smoke else SHAPES)[kind]
+    if kind in VL:
+        text = {**shape.get("text_config", {}), "num_hidden_layers": layers}
+        if kind == "vl_next":  # every 4th layer full attention, the last one too in a short cut
+            text["layer_types"] = _hybrid_pattern(layers)
+        return {**shape, "text_config": text, "num_hidden_layers": layers}
+    if kind == "next":  # Qwen3-Next's pattern (every 4th layer full attention), the last layer full in a short cut
+        shape = {**shape, "layer_types": _hybrid_pattern(layers)}
+    return {**shape, "num_hidden_layers": layers}
+
+
+def _hybrid_pattern(layers: int) -> list[str]:
+    return ["full_attention" if (i + 1) % 4 == 0 or i == layers - 1 else "linear_attention" for i in range(layers)]
+
+
+def prepare_model(config: dict, smoke: bool, cache: str) -> str:
+    """A random-weight HF model (bf16; fp32 in smoke) with a word-level tokenizer, saved once per shape."""
+    from llamafactory_mca.tools.tiny import corpus, save_tiny_tokenizer
+
+    name = f"model-{config['model_type']}-{config['num_hidden_layers']}l-{digest([config, smoke])}"
+    path = os.path.join(cache, name)
+    if os.path.isfile(os.path.join(path, ".complete")):
+        return path
+    spec = os.path.join(cache, f"{os.path.basename(path)}.json")
+    os.makedirs(cache, exist_ok=True)
+    with open(spec, "w", encoding="utf-8") as f:
+        json.dump({"config": config, "dtype": "float32" if smoke else "bfloat16", "dir": path}, f)
+    print(f"[e2e] building {os.path.basename(path)} ...", flush=True)
+    subprocess.run([sys.executable, os.path.abspath(__file__), spec], check=True,
+                   env={**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if smoke else {})})
+    if "text_config" not in config and config["model_type"] not in VL_TEMPLATE:  # VL: saved with its processor
+        save_tiny_tokenizer(path, texts=[" ".join(_words(smoke))] + corpus())
+    open(os.path.join(path, ".complete"), "w").close()
+    return path
+
+
+def _make_model(spec_path: str) -> None:
+    """Subprocess: build on the GPU when there is one (fast init), save, exit (frees the GPU)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with open(spec_path, encoding="utf-8") as f:
+        spec = json.load(f)
+    if spec["config"]["model_type"] in VL_TEMPLATE:
+        from llamafactory_mca.tools.tiny import corpus, save_tiny_vl_model
+
+        words = [f"w{i}" for i in range(WORDS["smoke" if spec["dtype"] == "float32" else "real"])]
+        save_tiny_vl_model(spec["config"]["model_type"], spec["dir"], texts=[" ".join(words)] + corpus(),
+                           dtype=getattr(torch, spec["dtype"]), text_config=spec["config"].get("text_config"),
+                           vision_config=spec["config"].get("vision_config"))
+        return
+    config = AutoConfig.for_model(**spec["config"])
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec["dtype"]))
+    model.save_pretrained(spec["dir"])
+    if getattr(config, "num_nextn_predict_layers", 0):
+        from llamafactory_mca.tools.tiny import add_mtp_layers
+
+        del model
+        add_mtp_layers(config, spec["dir"], getattr(torch, spec["dtype"]),
+                       device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def row_lengths(lengths: tuple, n: int, rng: np.random.Generator) -> np.ndarray:
+    kind, low, high = lengths
+    if kind == "loguniform":
+        return np.exp(rng.uniform(np.log(low), np.log(high), n)).astype(int)
+    return rng.integers(low, high + 1, n)
+
+
+def mean_length(lengths: tuple) -> float:
+    kind, low, high = lengths
+    return (high - low) / math.log(high / low) if kind == "loguniform" else (low + high) / 2
+
+
+TEMPLATE_MARGIN = 24  # the chat template's tokens around prompt and answer stay inside cutoff_len
+
+
+def prepare_dataset(w: Workload, steps: int, smoke: bool, cache: str) -> str:
+    """Alpaca rows of words w0..wN: Zipf-distributed with a deterministic-bigram half, so the loss falls."""
+    from llamafactory_mca.tools.tiny import write_alpaca_dataset
+
+    high = min(w.lengths[2], w.cutoff - TEMPLATE_MARGIN)
+    lengths = (w.lengths[0], min(w.lengths[1], high), high)
+    per_step = max(r.gpus * r.grad_accum * (r.micro_batch * w.cutoff / mean_length(lengths) if r.packing
+                                            else r.micro_batch) for r in w.runs)
+    n_rows = max(16, int(1.3 * per_step * steps) + 8)
+    path = os.path.join(cache, f"data-{w.name}-{digest([lengths, n_rows, w.cutoff, smoke])}")
+    if os.path.isfile(os.path.join(path, ".complete")):
+        return os.path.join(path, "data")
+    rng = np.random.default_rng(1234)
+    words = np.array(_words(smoke))
+    vocab = len(words)
+    probs = 1.0 / (np.arange(vocab) + 10.0)
+    probs /= probs.sum()
+    rows = []
+    for length in row_lengths(lengths, n_rows, rng):
+        ids = rng.choice(vocab, size=int(length), p=probs)
+        follow = rng.random(int(length)) < 0.5
+        for i in np.flatnonzero(follow[1:]) + 1:
+            ids[i] = (ids[i - 1] * 31 + 7) % vocab
+        prompt = max(1, int(length) // 4)
+        rows.append({"instruction": " ".join(words[ids[:prompt]]), "input": "",
+                     "output": " ".join(words[ids[prompt:]])})
+    if w.model in VL:
+        _with_images(path, rows, image_side(w.model, smoke), rng)
+    else:
+        write_alpaca_dataset(path, 0, name="e2e", rows=rows)
+    open(os.path.join(path, ".complete"), "w").close()
+    return os.path.join(path, "data")
+
+
+def _with_images(path: str, rows: list[dict], side: int, rng: np.random.Generator) -> None:
+    """The rows as sharegpt conversations, each asking about one random side x side image."""
+    from PIL import Image  # Pillow: the VL workloads' need alone
+
+    data = os.path.join(path, "data")
+    os.makedirs(data, exist_ok=True)
+    out = []
+    for i, row in enumerate(rows):
+        image = os.path.join(data, f"{i}.png")
+        Image.fromarray(rng.integers(0, 255, (side, side, 3), dtype=np.uint8)).save(image)
+        out.append({"messages": [{"role": "user", "content": "<image>" + row["instruction"]},
+                                 {"role": "assistant", "content": row["output"]}], "images": [image]})
+    with open(os.path.join(data, "e2e.json"), "w", encoding="utf-8") as f:
+        json.dump(out, f)
+    info = {"e2e": {"file_name": "e2e.json", "formatting": "sharegpt",
+                    "columns": {"messages": "messages", "images": "images"},
+                    "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                             "assistant_tag": "assistant"}}}
+    with open(os.path.join(data, "dataset_info.json"), "w", encoding="utf-8") as f:
+        json.dump(info, f)
+
+
+if __name__ == "__main__":  # prepare_model's subprocess
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    _make_model(sys.argv[1])
