@@ -151,7 +151,7 @@ def _callback(recorder: _Recorder):
 
 def main() -> None:
     if OURS:  # the .pth startup hook has done this already when the package is installed; install() is idempotent
-        from llamafactory_mca import plugin
+        from llamafactory_mca.launch import plugin
 
         plugin.install()
     recorder = _Recorder()

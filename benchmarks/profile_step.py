@@ -5,14 +5,14 @@
     python benchmarks/profile_step.py --next --layers 3 --out DIR  # Qwen3-Next-80B-A3B shape
     python benchmarks/profile_step.py --baseline --out DIR # megatron-core's own fallbacks instead of ours (below)
     python benchmarks/profile_step.py --smoke --out DIR    # tiny shape, CPU
-    torchrun --nproc-per-node 2 benchmarks/profile_step.py --tp 2 --out DIR  # TP2 + SP (--pp 2; --moe --ep 2): a report per rank
+    torchrun --nproc-per-node 2 benchmarks/profile_step.py --tp 2 --out DIR  # TP2 + SP; --pp 2; --moe --ep 2
 
-Random weights, one GPU (or a TP / PP layout under torchrun), bf16, the native layer spec, Megatron DDP + distributed optimizer, the same forward
-step and loss as McaTrainer. Writes ``profile_<shape>_<variant>.md``: step time, GPU busy share, MFU, kernel
-launches and host synchronisations per step, top kernels and top CPU ops. ``--baseline`` runs the step on
-megatron-core's own paths instead of our replacements: its THD RoPE and apex-less grad norm, its MoE dispatcher
-(moe_local_dispatch: false), SwiGLU unfused (bias_activation_fusion: false), Megatron's fp32 cross-entropy
-(native_cross_entropy: false).
+Random weights, one GPU (or a TP / PP / EP layout under torchrun, a report per rank), bf16, the native layer spec,
+Megatron DDP + distributed optimizer, the same forward step and loss as McaTrainer. Writes
+``profile_<shape>_<variant>.md``: step time, GPU busy share, MFU, kernel launches and host synchronisations per step,
+top kernels and top CPU ops. ``--baseline`` runs the step on megatron-core's own paths instead of our replacements:
+its THD RoPE and apex-less grad norm, its MoE dispatcher (moe_local_dispatch: false), SwiGLU unfused
+(bias_activation_fusion: false), Megatron's fp32 cross-entropy (native_cross_entropy: false).
 """
 
 from __future__ import annotations
@@ -100,12 +100,12 @@ def main() -> None:
     if gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     parallel.initialize(targs.resolve_layout(world_size=world))
-    if args.baseline:
-        _megatron_fallbacks()
     family, hf = (("qwen3_next", Qwen3NextConfig(**shape)) if args.next else ("qwen3_moe", Qwen3MoeConfig(**shape))
                   if args.moe else ("qwen3", Qwen3Config(**shape)))
     config = get_family(family).config_from_hf(hf)
     model = AutoModel.from_config(config, targs)
+    if args.baseline:  # after the build, which installs ours
+        _megatron_fallbacks()
     wrapped = wrap_ddp(model.chunks, model.transformer_config, targs)
     optimizer = build_optimizer(wrapped, model.transformer_config, targs)
     device = torch.device("cuda") if gpu else torch.device("cpu")
@@ -191,7 +191,8 @@ def main() -> None:
 
 
 def _megatron_fallbacks() -> None:
-    """Undo compat.apply_megatron_fixes' speed replacements (its correctness fixes stay)."""
+    """Undo the speed replacements of compat.apply_megatron_fixes and models.native.install (correctness fixes
+    stay)."""
     from megatron.core import utils
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.optimizer import clip_grads

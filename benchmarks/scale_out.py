@@ -94,7 +94,7 @@ def run_one(name: str, work: str, assets: dict, gpu: bool) -> dict:
 def make_assets(root: str) -> dict:
     from transformers import AutoTokenizer
 
-    from llamafactory_mca.tiny import alpaca_rows, save_tiny_model, save_tiny_tokenizer, write_alpaca_dataset
+    from llamafactory_mca.tools.tiny import alpaca_rows, save_tiny_model, save_tiny_tokenizer, write_alpaca_dataset
 
     tokenizer = save_tiny_tokenizer(os.path.join(root, "tokenizer"))
     vocab = len(AutoTokenizer.from_pretrained(tokenizer)) + 5

@@ -33,7 +33,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from llamafactory_mca.tiny import (  # noqa: E402
+from llamafactory_mca.tools.tiny import (  # noqa: E402
     alpaca_rows,
     save_tiny_model,
     save_tiny_tokenizer,
@@ -226,7 +226,7 @@ def _kill_test(assets: dict, work: str, smoke: bool, name: str, victim: str) -> 
                                                                    os.listdir(out))):
         time.sleep(0.5)
     everything = _processes_of(proc.pid)
-    launch = [p for p in everything if "llamafactory_mca.launch" in " ".join(_cmdline(p))]
+    launch = [p for p in everything if "llamafactory_mca.launch.torchrun" in " ".join(_cmdline(p))]
     ranks = launch[0].children() if launch else []  # the workers themselves, not what they forked
     target = proc.pid if victim == "launcher" else (ranks[-1].pid if ranks else proc.pid)
     os.kill(target, signal.SIGKILL)

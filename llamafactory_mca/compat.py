@@ -59,15 +59,6 @@ def apply_megatron_fixes() -> None:
     if clip_grads.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
         clip_grads.multi_tensor_scale_impl = foreach_scale
 
-    # megatron-core 0.16.x: the unfused RoPE for packed (THD) batches reads cu_seqlens on the host, four syncs per
-    # layer and micro-batch; `models/native/rope.py` computes the same on the device.
-    from megatron.core.models.common.embeddings import rope_utils
-
-    from .models.native.rope import MEGATRON_THD_ROPE, apply_rotary_pos_emb_thd
-
-    if rope_utils._apply_rotary_pos_emb_thd is MEGATRON_THD_ROPE:
-        rope_utils._apply_rotary_pos_emb_thd = apply_rotary_pos_emb_thd
-
     # megatron-core 0.16.x without TE: multi_latent_attention.py imports TE's wrappers from a module that stubs them
     # with MagicMocks when TE is missing, so its HAVE_TE is True and `isinstance(x, TELinear)` raises a TypeError.
     from megatron.core.transformer import multi_latent_attention
@@ -90,16 +81,6 @@ def apply_megatron_fixes() -> None:
     layer = mtp.MultiTokenPredictionLayer
     if not getattr(layer._checkpointed_forward, "binds_non_tensors", False):
         layer._checkpointed_forward = _bind_non_tensors(layer._checkpointed_forward)
-
-    # megatron-core 0.16.x without apex: `gradient_accumulation_fusion` needs apex's fused_weight_gradient_mlp_cuda;
-    # torch's addmm with out_dtype is the same GEMM (`models/native/wgrad.py`).
-    from megatron.core.tensor_parallel import layers
-
-    from .models.native import wgrad
-
-    if not layers._grad_accum_fusion_available and wgrad.available():
-        layers.fused_weight_gradient_mlp_cuda = wgrad
-        layers._grad_accum_fusion_available = True
 
 
 def _bind_non_tensors(checkpointed_forward):

@@ -19,11 +19,12 @@ from typing import Any
 from llamafactory.data.template import TEMPLATES
 from llamafactory.hparams.parser import read_args
 
-from .checkpoints import run_record
+from .checkpoints import is_ours, run_record, verify_checkpoint
 from .errors import UserError
 from .hub import resolve_model
 from .models.auto import AutoConfig, mtp_apart_from_features, resolve_load_balancing, resolve_mtp
 from .models.config import McaConfig
+from .models.hf_io import check_safetensors_files
 from .models.lora.layers import check_lora_request
 from .models.lora.peft_io import check_lora_plan
 from .models.multimodal import deepstack_layers
@@ -225,3 +226,10 @@ def packing_request(data_args: Any, training_args: Any, recipe: dict | list | No
     return packing, data_args.cutoff_len + (1 if lowered else 0)
 
 
+def check_model_files(path: str) -> None:
+    """The model's files as far as that is cheap: a checkpoint of ours verifies (its metadata against its data
+    files); a Hugging Face folder's safetensors headers parse and match their files' lengths."""
+    if is_ours(path):
+        verify_checkpoint(path)
+    else:
+        check_safetensors_files(path)

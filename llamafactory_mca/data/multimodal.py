@@ -27,9 +27,7 @@ def _rope_index(hf_config: dict[str, Any]):
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
-    from ..models.config import hf_config_object
-
-    config = hf_config_object(hf_config)
+    config = transformers.AutoConfig.for_model(**hf_config)  # model_type first, the rest as keywords
     model_class = getattr(transformers, MODEL_MAPPING_NAMES[config.model_type])
     holder = model_class.__new__(model_class)
     object.__setattr__(holder, "config", config)

@@ -72,18 +72,6 @@ def check_output_dir_given(recipe: dict[str, Any] | list[str], where: str) -> No
                         "output_dir: saves/qwen3/full/sft), or output_dir: trainer_output to keep that folder.")
 
 
-def check_model_files(path: str) -> None:
-    """The model's files as far as that is cheap: a checkpoint of ours verifies (its metadata against its data
-    files); a Hugging Face folder's safetensors headers parse and match their files' lengths."""
-    from ..checkpoints import is_ours, verify_checkpoint
-    from ..models.hf_io import check_safetensors_files
-
-    if is_ours(path):
-        verify_checkpoint(path)
-    else:
-        check_safetensors_files(path)
-
-
 def _valid_keys() -> set[str]:
     from llamafactory.hparams import parser
 
@@ -191,7 +179,7 @@ def preflight(argv: list[str]) -> tuple[Any, str]:
     Raises UserError."""
     from ..checkpoints import resolve_resume
     from ..parallel import min_world_size
-    from ..plan import plan_run
+    from ..plan import check_model_files, plan_run
 
     recipe = read_recipe(argv)
     check_keys(recipe, _recipe_name(argv))

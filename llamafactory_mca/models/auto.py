@@ -17,10 +17,16 @@ from typing import Any
 import torch
 
 from .. import checkpoints
+from ..compat import has_transformer_engine
+from ..cpu_mode import cpu_mode_needed
 from ..errors import UserError
+from . import spec
 from .config import McaConfig, rope_inv_freq
+from .export import export_hf
 from .families import get_family
 from .hf_io import SafetensorsSource
+from .loading import dims_for, load_hf_weights
+from .lora.layers import adapter_state
 
 
 logger = logging.getLogger(__name__)
@@ -159,9 +165,6 @@ def describe_load_balancing(tc: Any, model_type: str, source: str) -> str:
 
 def _engine_fields(config: McaConfig, args: Any) -> dict[str, Any]:
     """TransformerConfig fields that depend on the run, not the model."""
-    from ..compat import has_transformer_engine
-    from ..cpu_mode import cpu_mode_needed
-
     bf16, fp16 = bool(getattr(args, "bf16", False)), bool(getattr(args, "fp16", False))
     dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
     fields: dict[str, Any] = dict(
@@ -241,8 +244,6 @@ class McaModel:
         # prediction's); megatron-core's other modules fill it in themselves
         states = [chunk.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None)) for chunk in self.chunks]
         if self.lora is not None:
-            from .lora.layers import adapter_state
-
             states = [adapter_state(state, self.lora.settings.additional) for state in states]
         if len(states) == 1:
             return {"model": states[0]}
@@ -250,8 +251,6 @@ class McaModel:
 
     def load_hf_weights(self, path: str) -> SafetensorsSource:
         from megatron.core import parallel_state as ps
-
-        from .loading import dims_for, load_hf_weights
 
         src = SafetensorsSource(path)
         table = get_family(self.config.hf_model_type).weight_table(self.config)
@@ -280,8 +279,6 @@ class McaModel:
         ``llamafactory-mca merge``, so both exports cannot disagree.
         """
         import shutil
-
-        from .export import export_hf
 
         staging = directory.rstrip("/") + ".dist_tmp"
         checkpoints.write_folder(staging, self.sharded_state_dict(), checkpoints.SideFiles(self.config))
@@ -335,8 +332,6 @@ class AutoModel:
         ``parallel.check_layout``, which the run's plan and convert make). ``config`` as the run trains it (its
         multi-token prediction resolved: ``plan.plan_mtp``, or ``resolve_mtp``)."""
         from megatron.core import parallel_state as ps
-
-        from . import spec
 
         tc = build_transformer_config(config, args)
         tp = ps.get_tensor_model_parallel_world_size()

@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import UserError
+from .mapping import in_linear_attention_layers, in_moe_layers, is_linear_attention_layer, is_moe_layer
+from .spec import NATIVE_OPTIONS, prepare_config
 
 
 # Activation names stored in JSON; TransformerConfig wants callables.
@@ -34,24 +36,6 @@ def attention_shape(transformer: dict[str, Any]) -> AttentionShape:
     heads = transformer["num_attention_heads"]
     return AttentionShape(heads, transformer.get("num_query_groups") or heads,
                           transformer.get("kv_channels") or transformer["hidden_size"] // heads)
-
-
-def is_moe_layer(num_experts: int | None, moe_layer_freq: int | list[int], layer: int) -> bool:
-    """Whether global decoder layer ``layer`` (from 0) is an MoE layer, by Megatron's ``moe_layer_freq``: an int N
-    makes every N-th layer from layer 0 sparse, a list marks each layer 1 (MoE) or 0 (dense). A multi-token-
-    prediction layer (``layer`` past the list) is of the last decoder layer's kind, as its spec is
-    (``spec.get_mtp_block_spec``)."""
-    if not num_experts:
-        return False
-    if isinstance(moe_layer_freq, list):
-        return bool(moe_layer_freq[min(layer, len(moe_layer_freq) - 1)])
-    return layer % moe_layer_freq == 0
-
-
-def is_linear_attention_layer(linear_attention_freq: list[int] | None, layer: int) -> bool:
-    """Whether global decoder layer ``layer`` is a gated delta-rule layer (hybrid models mark each layer 1 / 0 in
-    ``linear_attention_freq``); any other model's layers, and a multi-token-prediction layer, are full attention."""
-    return bool(linear_attention_freq) and layer < len(linear_attention_freq) and bool(linear_attention_freq[layer])
 
 
 @dataclass
@@ -112,8 +96,6 @@ class McaConfig:
     def holds(self, pattern: str, layer: int) -> bool:
         """Whether decoder layer ``layer`` has the canonical tensor ``pattern`` (models mixing dense and MoE layers,
         or linear- and full-attention layers, have some tensors in some layers only)."""
-        from .mapping import in_linear_attention_layers, in_moe_layers
-
         moe, linear = in_moe_layers(pattern), in_linear_attention_layers(pattern)
         return ((moe is None or self.is_moe_layer(layer) == moe)
                 and (linear is None or self.is_linear_attention_layer(layer) == linear))
@@ -136,8 +118,6 @@ class McaConfig:
         kwargs["activation_func"] = _ACTIVATIONS[activation]
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
         kwargs.update(engine)
-        from .spec import NATIVE_OPTIONS, prepare_config
-
         prepare_config(kwargs)  # before construction: some requests (fused RoPE without TE) fail inside it
         native = {k: kwargs.pop(k) for k in NATIVE_OPTIONS if k in kwargs}
         # multi-latent attention (DeepSeek-V3) has its own config class, with the latent ranks and YaRN fields

@@ -16,12 +16,12 @@ from collections.abc import Iterator
 
 import torch
 
-from ..checkpoints import dist_checkpoint_dir, is_adapter_checkpoint, read_config, verify_checkpoint
+from ..checkpoints import dist_checkpoint_dir, read_config, verify_checkpoint
 from ..errors import UserError
 from .config import McaConfig
 from .dist_reader import DistCheckpointReader
 from .families import get_family
-from .hf_io import INDEX_NAME, ShardedWriter, copy_side_files, write_hf_config
+from .hf_io import ShardedWriter, copy_side_files, move_into, write_hf_config
 from .loading import dims_for
 from .mapping import fill, is_mtp_only, split_expert, stored_mtp_name, te_norm_name
 
@@ -74,7 +74,7 @@ def iter_hf_tensors(reader: DistCheckpointReader, config: McaConfig, dtype: torc
                 order += [(op, idx) for idx in _index_ranges(op.mca, config, reader) if idx[0] == layer]
     stacking: dict[str, list[torch.Tensor]] = {}  # HF tensors that stack a layer's experts, until complete
     for op, index in order:
-        tensor = _read(reader, op.mca, index, config)
+        tensor = read_tensor(reader, op.mca, index, config)
         for pattern, hf_tensor in zip(op.hf, op.to_hf(tensor, dims)):
             name = fill(pattern, index[: pattern.count("*")])
             hf_tensor = hf_tensor if dtype is None else hf_tensor.to(dtype)
@@ -87,7 +87,7 @@ def iter_hf_tensors(reader: DistCheckpointReader, config: McaConfig, dtype: torc
                 yield table.stored(base), torch.stack(stacking.pop(base))
 
 
-def _read(reader: DistCheckpointReader, pattern: str, index: tuple[int, ...], config: McaConfig) -> torch.Tensor:
+def read_tensor(reader: DistCheckpointReader, pattern: str, index: tuple[int, ...], config: McaConfig) -> torch.Tensor:
     """One canonical tensor (a layer's, an expert's) from wherever the checkpoint stored it."""
     if index and pattern.startswith(_LAYERS) and index[0] >= config.num_layers:  # a multi-token-prediction layer
         layer = stored_mtp_name(pattern.replace("*", str(index[0]), 1), config.num_layers)
@@ -129,29 +129,7 @@ def export_hf(checkpoint: str, output: str, dtype: torch.dtype | None = None,
         writer.finish()
         write_hf_config(config.hf_config, staging, dtype or stored_dtype)
         copied = copy_side_files(checkpoint, staging)
-        _move_into(staging, output)
+        move_into(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return {"bytes": writer.total_bytes, "seconds": time.perf_counter() - start, "side_files": copied}
-
-
-def export_checkpoint(checkpoint: str, output: str, dtype: torch.dtype | None = None) -> dict:
-    """What a checkpoint exports to: Hugging Face weights, or for a LoRA run's its peft adapter."""
-    if is_adapter_checkpoint(checkpoint):
-        from .lora.peft_io import export_adapter
-
-        return export_adapter(checkpoint, output, dtype)
-    return export_hf(checkpoint, output, dtype)
-
-
-def _move_into(staging: str, output: str) -> None:
-    """``staging`` becomes ``output``; into an existing folder (a run's output_dir), its files replace the old
-    weights, whose shard names may differ."""
-    if not os.path.exists(output):
-        os.replace(staging, output)
-        return
-    for name in os.listdir(output):
-        if name.endswith(".safetensors") or name == INDEX_NAME:
-            os.remove(os.path.join(output, name))
-    for name in os.listdir(staging):
-        os.replace(os.path.join(staging, name), os.path.join(output, name))

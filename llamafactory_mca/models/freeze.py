@@ -6,6 +6,7 @@ import re
 from typing import Any
 
 from ..errors import UserError
+from .families import get_family
 
 # LLaMA-Factory names the HF modules of a decoder layer and of the model; these are their Megatron names.
 LAYER_MODULES = {"self_attn": "self_attention", "linear_attn": "self_attention", "mlp": "mlp",
@@ -59,8 +60,6 @@ def apply_multimodal_freeze(model: Any, finetuning_args: Any) -> int:
     default path applies them, by its own table of each VL model's module names (``COMPOSITE_MODELS``); our tower
     parameters ``vision.X`` are the checkpoint's ``<tower prefix>X``. Returns the number of parameters frozen here."""
     from llamafactory.model.model_utils.visual import COMPOSITE_MODELS
-
-    from .families import get_family
 
     names = COMPOSITE_MODELS.get(model.config.hf_model_type)
     if names is None:

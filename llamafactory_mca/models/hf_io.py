@@ -206,3 +206,16 @@ def write_hf_config(hf_config: dict, directory: str, dtype: torch.dtype | None) 
         config["dtype"] = name
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2, sort_keys=True)
+
+
+def move_into(staging: str, output: str) -> None:
+    """``staging`` becomes ``output``; into an existing folder (a run's output_dir), its files replace the old
+    weights, whose shard names may differ."""
+    if not os.path.exists(output):
+        os.replace(staging, output)
+        return
+    for name in os.listdir(output):
+        if name.endswith(".safetensors") or name == INDEX_NAME:
+            os.remove(os.path.join(output, name))
+    for name in os.listdir(staging):
+        os.replace(os.path.join(staging, name), os.path.join(output, name))

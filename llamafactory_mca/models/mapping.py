@@ -22,6 +22,24 @@ from typing import NamedTuple, Protocol
 import torch
 
 
+def is_moe_layer(num_experts: int | None, moe_layer_freq: int | list[int], layer: int) -> bool:
+    """Whether global decoder layer ``layer`` (from 0) is an MoE layer, by Megatron's ``moe_layer_freq``: an int N
+    makes every N-th layer from layer 0 sparse, a list marks each layer 1 (MoE) or 0 (dense). A multi-token-
+    prediction layer (``layer`` past the list) is of the last decoder layer's kind, as its spec is
+    (``spec.get_mtp_block_spec``)."""
+    if not num_experts:
+        return False
+    if isinstance(moe_layer_freq, list):
+        return bool(moe_layer_freq[min(layer, len(moe_layer_freq) - 1)])
+    return layer % moe_layer_freq == 0
+
+
+def is_linear_attention_layer(linear_attention_freq: list[int] | None, layer: int) -> bool:
+    """Whether global decoder layer ``layer`` is a gated delta-rule layer (hybrid models mark each layer 1 / 0 in
+    ``linear_attention_freq``); any other model's layers, and a multi-token-prediction layer, are full attention."""
+    return bool(linear_attention_freq) and layer < len(linear_attention_freq) and bool(linear_attention_freq[layer])
+
+
 class Shard(NamedTuple):
     """This rank's part of a canonical tensor: ``size`` equal pieces along ``dim``, piece ``rank``."""
 

@@ -40,15 +40,15 @@ from megatron.core.transformer.transformer_layer import TransformerLayerSubmodul
 
 from ..compat import has_transformer_engine
 from ..errors import UserError
-from .config import is_linear_attention_layer, is_moe_layer
+from .mapping import NORM_ALIASES, is_linear_attention_layer, is_moe_layer
+from . import native
+from .native import wgrad
 from .native.attention import NativeDotProductAttention, check_supported
 from .native.dispatch import LocalDispatchLayer, local_dispatch_applies
 from .native.experts import NativeGroupedMLP, describe_experts
 from .native.gated_delta import NativeGatedDeltaNet
 from .native.gated_delta import describe_kernel as describe_delta_rule
 from .native.kernels import varlen_attn_available
-from .mapping import NORM_ALIASES
-from .native import wgrad
 from .native.norm import NativeNorm
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ def prepare_config(config: TransformerConfig | dict[str, Any]) -> TransformerCon
     requests fail inside ``TransformerConfig.__post_init__`` already (``apply_rope_fusion=True`` without TE
     raises there), so the bridge should pass the dict first. Each change logs one line saying why.
     """
+    native.install()
     get, put = (config.get, config.__setitem__) if isinstance(config, dict) else (
         lambda k, d=None: getattr(config, k, d), lambda k, v: setattr(config, k, v))
     te = has_transformer_engine()

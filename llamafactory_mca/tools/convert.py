@@ -11,13 +11,18 @@ import subprocess
 import sys
 from typing import Any
 
-from ..checkpoints import DIST_DIR, LAYOUT_KEYS, MCA_CONFIG_NAME
+from .. import parallel
+from ..args import MegatronArguments
+from ..checkpoints import DIST_DIR, LAYOUT_KEYS, MCA_CONFIG_NAME, SideFiles, write_folder
 from ..errors import UserError, user_errors
+from ..hub import resolve_model
+from ..models.auto import AutoConfig, AutoModel
+from ..parallel import ParallelLayout, check_layout, min_world_size
+from ..plan import check_model_files
+from ..quiet import quiet_third_party
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ..args import MegatronArguments
-
     parser = argparse.ArgumentParser(
         prog="llamafactory-mca convert", description="Pre-shard a Hugging Face model into a Megatron dist checkpoint "
         "that training loads directly (model_name_or_path: OUTPUT_PATH), in the layout given. Starts the processes "
@@ -36,13 +41,6 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     """``llamafactory-mca convert --hf_path DIR --output_path DIR [layout flags]``."""
     from transformers import HfArgumentParser
-
-    from ..args import MegatronArguments
-    from ..hub import resolve_model
-    from ..models.auto import AutoConfig
-    from ..parallel import ParallelLayout, check_layout, min_world_size
-    from ..launch.preflight import check_model_files
-    from ..quiet import quiet_third_party
 
     quiet_third_party()
     known, rest = _parser().parse_known_args(argv)
@@ -75,10 +73,6 @@ def main(argv: list[str]) -> int:
 def convert_rank(hf_path: str, output: str, margs: Any) -> int:
     """One rank's part: build this rank's chunks from the HF weights and write them as a folder of ours."""
     import torch
-
-    from .. import parallel
-    from ..checkpoints import SideFiles, write_folder
-    from ..models.auto import AutoModel
 
     layout = parallel.ParallelLayout.from_args(margs)
     parallel.initialize(layout)

@@ -15,6 +15,9 @@ import subprocess
 
 import yaml
 
+from .merge import main as merge_main
+from .tiny import save_tiny_model, save_tiny_tokenizer
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA_DIR = os.path.join(ROOT, "examples", "data")
@@ -29,9 +32,6 @@ def demo_main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
-
-    from .merge import main as merge_main
-    from .tiny import save_tiny_model, save_tiny_tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--output_dir", default="demo_output")

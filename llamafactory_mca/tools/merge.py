@@ -12,8 +12,13 @@ import os
 
 import torch
 
-from ..checkpoints import LAYOUT_KEYS, read_layout
+from ..checkpoints import LAYOUT_KEYS, is_adapter_checkpoint, read_layout
 from ..errors import UserError, user_errors
+from ..hub import resolve_model
+from ..log import setup_logging
+from ..models.export import export_hf
+from ..models.lora.peft_io import export_adapter, merge_adapter, read_adapter_config
+from ..quiet import quiet_third_party
 
 
 def _check_flags_against_checkpoint(args: argparse.Namespace, checkpoint: str) -> None:
@@ -30,9 +35,6 @@ def merge(checkpoint: str, output: str, dtype: torch.dtype | None = None, max_sh
     """Write ``output`` (HF safetensors, config.json, tokenizer files) from ``checkpoint``; returns bytes, seconds
     and the side files copied. Nothing is written unless the checkpoint verifies, and ``output`` appears whole.
     A LoRA run's checkpoint gives its peft adapter, or with ``merge_lora`` the base model with it merged in."""
-    from ..checkpoints import is_adapter_checkpoint
-    from ..models.export import export_hf
-
     if is_adapter_checkpoint(checkpoint):
         return _merge_adapter_checkpoint(checkpoint, output, dtype, merge_lora, base_model)
     result = export_hf(checkpoint, output, dtype=dtype, max_shard_bytes=max_shard_bytes)
@@ -51,8 +53,6 @@ def _merge_adapter_checkpoint(checkpoint: str, output: str, dtype: torch.dtype |
     import tempfile
     import time
 
-    from ..models.lora.peft_io import export_adapter, merge_adapter, read_adapter_config
-
     start = time.perf_counter()
     if not merge_lora:
         copied = export_adapter(checkpoint, output, dtype)["side_files"]
@@ -60,8 +60,6 @@ def _merge_adapter_checkpoint(checkpoint: str, output: str, dtype: torch.dtype |
                 "adapter": True}
     base = base_model or read_adapter_config(checkpoint).get("base_model_name_or_path")
     if not base or not os.path.isdir(base):
-        from ..hub import resolve_model
-
         if not base:
             raise UserError(f"{checkpoint} is a LoRA checkpoint whose base model is not recorded; give --base_model.")
         base = resolve_model(base, None, field="--base_model" if base_model else "base_model_name_or_path")
@@ -104,9 +102,6 @@ def _parser(prog: str) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, prog: str = "llamafactory-mca merge") -> int:
-    from ..log import setup_logging
-    from ..quiet import quiet_third_party
-
     setup_logging()
     quiet_third_party()
     parser = _parser(prog)

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ..models.families import get_family
+
 
 BASE = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -128,8 +130,6 @@ def save_tiny_model(name: str, directory: str, seed: int = 0, dtype: torch.dtype
 
 def _mtp_layers(config: Any) -> int:
     """How many multi-token-prediction layers the config declares, under its family's key."""
-    from ..models.families import get_family
-
     mtp = getattr(get_family(config.model_type), "mtp", None)
     return (getattr(config.get_text_config(), mtp.count, 0) or 0) if mtp else 0
 
@@ -164,8 +164,6 @@ def add_mtp_layers(config: Any, directory: str, dtype: torch.dtype, device: str 
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    from ..models.families import get_family
 
     index_path, single = os.path.join(directory, "model.safetensors.index.json"), "model.safetensors"
     if os.path.isfile(index_path):

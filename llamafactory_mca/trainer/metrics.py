@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..models.config import attention_shape, is_moe_layer
+from ..models.config import attention_shape
+from ..models.mapping import is_moe_layer
 
 
 # Dense bf16 peak (no sparsity) by device name; MFU is reported only where the peak is known.

@@ -27,14 +27,17 @@ from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metrics, save_state
 from transformers.trainer_utils import TrainOutput
 
-from .. import memory_report, watchdog
-from ..errors import UserError
-from .. import checkpoints
-from ..checkpoints import SideFiles, checkpoint_path, resolve_resume
+from .. import checkpoints, memory_report, watchdog
+from ..checkpoints import SideFiles, checkpoint_path, is_adapter_checkpoint, resolve_resume
 from ..data.loader import nothing_left
+from ..errors import UserError
+from ..models.auto import AutoModel
+from ..models.export import export_hf
+from ..models.lora.layers import set_lora_enabled
+from ..models.lora.peft_io import export_adapter
 from . import checkpoint as ckpt
-from .feeder import StepFeeder
 from .faults import maybe_crash, maybe_hang, nan_loss
+from .feeder import StepFeeder
 from .loss import PreferenceConfig, collect_pair_logps, dpo_loss, lm_loss
 from .metrics import flops_per_sequence_set, gpu_memory_gib, peak_flops
 from .optim import LRSchedule, build_optimizer, wrap_ddp
@@ -413,12 +416,9 @@ class McaTrainer:
             return
         reference = None
         if self.reference:
-            from ..models.auto import AutoModel
-
             path, config = self.reference
             reference = AutoModel.from_pretrained(path, self.args, config=config)
         elif self.model.lora is not None:  # LoRA's reference is the frozen base, as peft's disable_adapter gives it
-            from ..models.lora.layers import set_lora_enabled
 
             set_lora_enabled(self.model, False)
         for plan in (self.train_data, self.eval_data):
@@ -465,10 +465,8 @@ class McaTrainer:
 
     def _export(self, checkpoint: str, target: str) -> None:
         """Hugging Face weights, config, tokenizer and processor files from a folder just written (collective)."""
-        if self.is_world_process_zero():
-            from ..models.export import export_checkpoint
-
-            export_checkpoint(checkpoint, target)
+        if self.is_world_process_zero():  # a LoRA run's checkpoint exports its peft adapter
+            (export_adapter if is_adapter_checkpoint(checkpoint) else export_hf)(checkpoint, target)
         torch.distributed.barrier()
 
     def save_model(self, output_dir: str | None = None) -> None:

@@ -128,7 +128,8 @@ def _packed_suite() -> dict:
 
 def _wgrad_suite() -> dict:
     """Megatron's ColumnParallelLinear with gradient_accumulation_fusion through models/native/wgrad.py (installed by
-    compat in apex's place): main_grad gets dy^T x in fp32, no bf16 .grad is made, twice in a row accumulates."""
+    models.native.install in apex's place): main_grad gets dy^T x in fp32, no bf16 .grad is made, twice in a row
+    accumulates."""
     from megatron.core.tensor_parallel import layers
 
     from llamafactory_mca import parallel

@@ -15,6 +15,8 @@ from typing import Any, NoReturn
 from ..config import AttentionShape, McaConfig, attention_shape, check_rope, rope_settings
 from ..mapping import (HF_LAYER, LAYER, GroupedRows, Op, Rename, WeightTable, dense_layer, embeddings, gated_mlp,
                        mtp_module_names, mtp_ops, stacked_experts)
+from ..multimodal import VisionLanguageModel, vision_ops
+from ..native.cross_entropy import LanguageModel
 
 
 def refuse(model_type: str, what: str, fix: str) -> NoReturn:
@@ -48,8 +50,6 @@ class Family:
 
     def build_chunk(self, mca: McaConfig, **gpt_kwargs: Any) -> Any:
         """One model chunk (a pipeline stage's part of the model) from GPTModel's arguments."""
-        from ..native.cross_entropy import LanguageModel
-
         return LanguageModel(**gpt_kwargs)
 
 
@@ -291,8 +291,6 @@ class Vision(Part):
         return {"mrope_section": list(_rope_dict(hf)["mrope_section"])}
 
     def weights(self, config: McaConfig) -> list[Op]:
-        from ..multimodal import vision_ops
-
         return vision_ops(config.hf_config, self.tower_prefix)
 
     def text_ops(self, ops: list[Op]) -> list[Op]:
@@ -425,6 +423,5 @@ class DecoderFamily(Family):
         """With a vision tower, our VisionLanguageModel (GPTModel + the tower on the first stage)."""
         if self.vision is None:
             return super().build_chunk(mca, **gpt_kwargs)
-        from ..multimodal import VisionLanguageModel
 
         return VisionLanguageModel(hf_config=mca.hf_config, vision=self.vision, **gpt_kwargs)

@@ -37,8 +37,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ...compat import has_transformer_engine
 from ...errors import UserError
+from ..families import get_family
+from ..freeze import EXTRA_MODULES
+from ..loading import _global_layer_names, dims_for
 from ..mapping import DictSource, Dims, GroupedRows, Op, WeightTable
+from ..native.experts import NativeGroupedMLP, grouped_mm
 
 EXPERTS_WORD = "experts"  # lora_target word for the routed experts (peft target_parameters)
 EXPERT_PIECES = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
@@ -445,8 +450,6 @@ class LoraGroupedExpertsMixin:
         return out, bias
 
     def _lora(self, linear: str, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
-        from ..native.experts import grouped_mm
-
         if not self.lora_enabled or linear not in self.lora_A:
             return None
         h = grouped_mm(x, self.lora_A[linear].transpose(1, 2).contiguous(), counts)
@@ -550,8 +553,6 @@ def is_adapter_key(name: str) -> bool:
 
 def adapter_state(state: dict, additional: tuple[str, ...] = ()) -> dict:
     """The adapters' (and ``additional_target`` modules') entries of a model's sharded state dict."""
-    from ..freeze import EXTRA_MODULES
-
     prefixes = tuple(EXTRA_MODULES[m] for m in additional)
     return {k: v for k, v in state.items() if is_adapter_key(k) or (prefixes and k.startswith(prefixes))}
 
@@ -588,11 +589,6 @@ def apply_lora(model: Any, settings: LoraSettings, freeze_vision_tower: bool = T
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
-
-    from ..families import get_family
-    from ..freeze import EXTRA_MODULES
-    from ..loading import _global_layer_names, dims_for
-    from ..native.experts import NativeGroupedMLP
 
     config = model.config
     table = get_family(config.hf_model_type).weight_table(config)
@@ -642,8 +638,6 @@ def apply_lora(model: Any, settings: LoraSettings, freeze_vision_tower: bool = T
                 module.init_lora(target, glob, settings, dims)
                 placed += 1
     if layers and not placed:
-        from ...compat import has_transformer_engine
-
         raise UserError("LoRA found none of its target linears in this model's layers"
                         + (": Transformer Engine's fused linears do not take adapters yet; run LoRA in an environment "
                            "without transformer_engine (the native layer spec)." if has_transformer_engine() else "."))

@@ -16,10 +16,17 @@ from typing import Any
 
 import torch
 
-from ...checkpoints import ADAPTER_CONFIG_NAME as ADAPTER_CONFIG
+from ...checkpoints import ADAPTER_CONFIG_NAME as ADAPTER_CONFIG, dist_checkpoint_dir, read_config, verify_checkpoint
 from ...errors import UserError
-from .layers import (EXPERT_PIECES, LoraSettings, TargetLinear, apply_lora, lora_modules, merge_lora, plan_targets,
-                     refuse_split_experts, refuse_split_pieces)
+from ..dist_reader import DistCheckpointReader
+from ..export import read_tensor
+from ..families import get_family
+from ..freeze import EXTRA_MODULES
+from ..hf_io import copy_side_files, move_into
+from ..loading import dims_for, local_targets
+from ..mapping import DictSource
+from .layers import (EXPERT_PIECES, LoraGroupedExpertsMixin, LoraSettings, TargetLinear, apply_lora, lora_modules,
+                     merge_lora, meta_hf_model, plan_targets, refuse_split_experts, refuse_split_pieces)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -88,17 +95,12 @@ def _in_memory_name(hf_name: str, names: set[str]) -> str:
 
 
 def _additional_ops(config: Any, settings: LoraSettings) -> list:
-    from ..families import get_family
-    from ..freeze import EXTRA_MODULES
-
     prefixes = tuple(EXTRA_MODULES[m] for m in settings.additional)
     table = get_family(config.hf_model_type).weight_table(config)
     return [op for op in table.ops if prefixes and op.mca.startswith(prefixes) and op.export]
 
 
 def _targets(config: Any, settings: LoraSettings, freeze_vision_tower: bool = True) -> list[TargetLinear]:
-    from ..families import get_family
-
     return plan_targets(config.hf_config, get_family(config.hf_model_type).weight_table(config), settings,
                         freeze_vision_tower)
 
@@ -122,13 +124,6 @@ def export_adapter(checkpoint: str, output: str, dtype: torch.dtype | None = Non
     """A checkpoint of a LoRA run → ``output``/adapter_model.safetensors + adapter_config.json (+ tokenizer)."""
     from safetensors.torch import save_file
 
-    from ...checkpoints import dist_checkpoint_dir, read_config, verify_checkpoint
-    from ..dist_reader import DistCheckpointReader
-    from ..export import _move_into, _read
-    from ..hf_io import copy_side_files
-    from ..loading import dims_for
-    from .layers import meta_hf_model
-
     verify_checkpoint(checkpoint)
     config = read_config(checkpoint)
     adapter_config = read_adapter_config(checkpoint)
@@ -144,16 +139,17 @@ def export_adapter(checkpoint: str, output: str, dtype: torch.dtype | None = Non
                 if target.experts:
                     linear = target.mca.rsplit(".", 1)[-1]
                     pattern = f"decoder.layers.*.mlp.experts.local_experts.*.{linear}.lora_%s.{piece.name}"
-                    pair = experts_to_peft(_read(reader, pattern % "A", (layer,), config),
-                                           _read(reader, pattern % "B", (layer,), config))
+                    pair = experts_to_peft(read_tensor(reader, pattern % "A", (layer,), config),
+                                           read_tensor(reader, pattern % "B", (layer,), config))
                 else:
-                    pair = tuple(_read(reader, f"{target.mca}.lora_{w}.{piece.name}", (layer,), config) for w in "AB")
+                    pair = tuple(read_tensor(reader, f"{target.mca}.lora_{w}.{piece.name}", (layer,), config)
+                                 for w in "AB")
                 for which, tensor in zip("AB", pair):
                     tensors[peft_key(target, piece.name, layer, which)] = cast(tensor).contiguous()
     names = {n for n, _ in meta_hf_model(config.hf_config).named_parameters()}
     dims = dims_for(config, 1)
     for op in _additional_ops(config, settings):
-        for hf_name, tensor in zip(op.hf, op.to_hf(_read(reader, op.mca, (), config), dims)):
+        for hf_name, tensor in zip(op.hf, op.to_hf(read_tensor(reader, op.mca, (), config), dims)):
             tensors[PEFT_PREFIX + _in_memory_name(hf_name, names)] = cast(tensor).contiguous()
     staging = f"{os.path.abspath(output)}.tmp-{os.getpid()}"
     try:
@@ -162,7 +158,7 @@ def export_adapter(checkpoint: str, output: str, dtype: torch.dtype | None = Non
         with open(os.path.join(staging, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
             json.dump(adapter_config, f, indent=2, sort_keys=True)
         copied = copy_side_files(checkpoint, staging)  # tokenizer files; no config.json: peft reads the base's
-        _move_into(staging, output)
+        move_into(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return {"tensors": len(tensors), "side_files": copied}
@@ -184,8 +180,6 @@ def _read_adapter_tensors(path: str) -> dict[str, torch.Tensor]:
 def load_adapter(model: Any, path: str) -> None:
     """A peft adapter's tensors into the adapters ``apply_lora`` put on this rank's chunks (each rank takes its
     slices), and its ``modules_to_save`` into the base."""
-    from .layers import LoraGroupedExpertsMixin
-
     tensors = _read_adapter_tensors(path)
     used: set[str] = set()
 
@@ -232,10 +226,6 @@ def _load_additional(model: Any, tensors: dict[str, torch.Tensor], used: set[str
     """``modules_to_save`` tensors (embed_tokens, lm_head, norm) into the base parameters they replace."""
     from megatron.core import parallel_state as ps
 
-    from ..families import get_family
-    from ..loading import dims_for, local_targets
-    from ..mapping import DictSource
-
     extra = {k[len(PEFT_PREFIX):]: v for k, v in tensors.items() if k not in used and ".lora_" not in k}
     if not extra:
         return
@@ -278,9 +268,6 @@ def merge_adapter(adapter: str, base_model: str, output: str, dtype: torch.dtype
     import transformers
     from peft import PeftModel
 
-    from ..export import _move_into
-    from ..hf_io import copy_side_files
-
     config = transformers.AutoConfig.from_pretrained(base_model)
     auto = transformers.AutoModelForImageTextToText if hasattr(config, "vision_config") else \
         transformers.AutoModelForCausalLM
@@ -290,7 +277,7 @@ def merge_adapter(adapter: str, base_model: str, output: str, dtype: torch.dtype
     try:
         merged.to(dtype or getattr(config, "dtype", None) or torch.float32).save_pretrained(staging)
         copied = copy_side_files(adapter, staging)
-        _move_into(staging, output)
+        move_into(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return copied

@@ -9,3 +9,23 @@
 - ``cross_entropy.py``: the language-model loss from bf16 logits (no fp32 copy), and GPTModel with it
 - ``wgrad.py``: weight-gradient accumulation into fp32 main_grad without apex (torch's addmm with out_dtype)
 """
+
+
+def install() -> None:
+    """Put our kernels where megatron-core 0.16 calls its slow fallbacks; idempotent, before a model is built.
+
+    - Its unfused RoPE for packed (THD) batches reads cu_seqlens on the host, four syncs per layer and micro-batch;
+      ``rope.py`` computes the same on the device.
+    - Without apex, ``gradient_accumulation_fusion`` needs apex's fused_weight_gradient_mlp_cuda; torch's addmm
+      with out_dtype is the same GEMM (``wgrad.py``).
+    """
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.tensor_parallel import layers
+
+    from . import rope, wgrad
+
+    if rope_utils._apply_rotary_pos_emb_thd is rope.MEGATRON_THD_ROPE:
+        rope_utils._apply_rotary_pos_emb_thd = rope.apply_rotary_pos_emb_thd
+    if not layers._grad_accum_fusion_available and wgrad.available():
+        layers.fused_weight_gradient_mlp_cuda = wgrad
+        layers._grad_accum_fusion_available = True

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 
-MEGATRON_THD_ROPE = rope_utils._apply_rotary_pos_emb_thd  # what compat.apply_megatron_fixes replaces (tests compare)
+MEGATRON_THD_ROPE = rope_utils._apply_rotary_pos_emb_thd  # what native.install() replaces (tests compare)
 
 
 def thd_positions(cu_seqlens: torch.Tensor, local_tokens: int, cp_size: int, cp_rank: int,

@@ -5,7 +5,7 @@ into the fp32 ``main_grad`` buffer with apex's ``fused_weight_gradient_mlp_cuda.
 GEMM with beta = 1), instead of producing a bf16 gradient that DDP's hook then adds to ``main_grad`` (a second
 pass over the weight). torch's ``addmm(..., out_dtype=torch.float32)`` is the same GEMM (bf16 inputs, fp32
 output and accumulation) on CUDA: perf-notes measured fc1 362 -> 287 us and qkv 218 -> 102 us on an H100 per
-micro-batch. ``compat.apply_megatron_fixes`` installs this module in apex's place when apex is missing.
+micro-batch. ``models.native.install`` puts this module in apex's place when apex is missing.
 
 On CPU there is no ``out_dtype`` addmm; the fallback upcasts and accumulates with ``addmm_`` (CPU runs keep the
 fusion off anyway: Megatron's linear allocates its placeholder gradient with ``torch.cuda.current_device()``).
