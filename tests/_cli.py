@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from llamafactory_mca.tiny import alpaca_rows, save_tiny_model, save_tiny_tokenizer, write_alpaca_dataset
+from llamafactory_mca.tools.tiny import alpaca_rows, save_tiny_model, save_tiny_tokenizer, write_alpaca_dataset
 from tests._dist import one_job_at_a_time
 
 

@@ -18,16 +18,8 @@ import shutil
 import pytest
 import yaml
 
-from llamafactory_mca.tiny import (
-    GLM_TOKENS,
-    TINY_VL,
-    SENTENCES,
-    TOPICS,
-    save_tiny_model,
-    save_tiny_tokenizer,
-    save_tiny_vl_model,
-    write_image_dataset,
-)
+from llamafactory_mca.tools.tiny import (GLM_TOKENS, TINY_VL, SENTENCES, TOPICS, save_tiny_model, save_tiny_tokenizer,
+                                         save_tiny_vl_model, write_image_dataset)
 from tests._cli import cli_env, fake_hub_cache, losses, ok, run
 
 

@@ -238,7 +238,7 @@ def test_a_recipe_without_output_dir_is_refused(assets, tmp_path):
 
 def test_an_explicit_output_dir_passes_the_check():
     from llamafactory_mca.errors import UserError
-    from llamafactory_mca.preflight import check_output_dir_given
+    from llamafactory_mca.launch.preflight import check_output_dir_given
 
     check_output_dir_given({"output_dir": "trainer_output"}, "x.yaml")
     check_output_dir_given(["--output_dir", "trainer_output"], "the command line")
@@ -434,7 +434,7 @@ def _alive(processes: list) -> list:
 
 def _ranks(processes: list) -> list:
     """The workers: the children of our torchrun (what they fork has the same command line)."""
-    launch = [p for p in processes if "llamafactory_mca.launch" in " ".join(p.cmdline())]
+    launch = [p for p in processes if "llamafactory_mca.launch.torchrun" in " ".join(p.cmdline())]
     return launch[0].children() if launch else []
 
 

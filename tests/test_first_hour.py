@@ -26,7 +26,8 @@ MERGE = os.path.join(ROOT, "scripts", "megatron_merge.py")
 
 
 def test_installed_torch_set_agrees_with_itself_and_the_pins():
-    from llamafactory_mca.health import TORCH_SET, _module_version, check_installation, pinned, torch_set_problems
+    from llamafactory_mca.launch.health import (TORCH_SET, _module_version, check_installation, pinned,
+                                                torch_set_problems)
 
     installed = {name: _module_version(name) for name in TORCH_SET}
     assert torch_set_problems(installed) == [], installed
@@ -37,7 +38,7 @@ def test_installed_torch_set_agrees_with_itself_and_the_pins():
 
 
 def test_a_broken_torch_set_is_one_line_naming_packages_versions_and_fix():
-    from llamafactory_mca.health import torch_set_problems
+    from llamafactory_mca.launch.health import torch_set_problems
 
     problems = torch_set_problems({"torch": "2.15.0+cu132", "torchvision": "0.29.2+cu132",
                                    "torchaudio": "2.11.0+cu130"})
@@ -75,7 +76,7 @@ def test_convert_and_merge_help_explain_every_flag():
     for flag in ("--tensor_model_parallel_size", "--pipeline_model_parallel_size", "--expert_model_parallel_size",
                  "--hf_path", "--output_path"):
         assert flag in output
-    from llamafactory_mca.merge import _parser
+    from llamafactory_mca.tools.merge import _parser
 
     for action in _parser("megatron_merge.py")._actions:
         assert action.help, f"{action.option_strings or action.dest} has no help text"
@@ -240,7 +241,7 @@ def _workers(launcher: psutil.Process) -> list[psutil.Process]:
     found = []
     for p in launcher.children(recursive=True):
         command = " ".join(p.cmdline())
-        if "llamafactory/launcher.py" in command and "llamafactory_mca.launch" not in command:
+        if "llamafactory/launcher.py" in command and "llamafactory_mca.launch.torchrun" not in command:
             found.append(p)
     return found
 
@@ -266,7 +267,7 @@ def test_killed_launchers_stop_their_workers_and_one_live_run_per_output_dir(ass
         result, output = train(tmp_path, config, world=2, name="second")
         one_error(result, output, f"output_dir='{out}' is in use by another run: pid {first.pid}")
         # torchrun killed outright: its workers notice and stop
-        torchrun = next(p for p in launcher.children() if "llamafactory_mca.launch" in " ".join(p.cmdline()))
+        torchrun = next(p for p in launcher.children() if "llamafactory_mca.launch.torchrun" in " ".join(p.cmdline()))
         torchrun.kill()
         _wait_for(lambda: not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers), 30,
                   "the workers to stop")
@@ -305,7 +306,7 @@ def test_a_collective_waiting_past_ddp_timeout_aborts_naming_rank_step_and_call(
 
 def test_the_known_pipeline_hang_trains(assets, tmp_path):
     """Two identical short rows, PP2 x VPP2, two micro-batches of one row, one step: it used to wait forever."""
-    from llamafactory_mca.tiny import write_alpaca_dataset
+    from llamafactory_mca.tools.tiny import write_alpaca_dataset
 
     row = {"instruction": "Tell me something about cats please .", "input": "", "output": "Sure , cats ."}
     data = write_alpaca_dataset(str(tmp_path), 0, rows=[row, row])

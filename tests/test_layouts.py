@@ -26,9 +26,9 @@ import os
 import pytest
 import torch
 
-from llamafactory_mca.tiny import save_tiny_model
+from llamafactory_mca.tools.tiny import save_tiny_model
 from tests._dist import run_distributed
-from tests.models.test_lora import make_peft_adapter
+from tests.models._lora import make_peft_adapter
 
 
 pytestmark = pytest.mark.slow
@@ -183,8 +183,8 @@ def _walk(models: dict, out_dir: str, cases: list, epoch_cases: list, lora_cases
         parallel.initialize(layout, seed=0)
         model = AutoModel.from_pretrained(models[model_name], args)
         if adapter is not None:
-            from llamafactory_mca.models.lora import LoraSettings, apply_lora
-            from llamafactory_mca.models.lora_io import load_adapter, read_adapter_config
+            from llamafactory_mca.models.lora.layers import LoraSettings, apply_lora
+            from llamafactory_mca.models.lora.peft_io import load_adapter, read_adapter_config
 
             apply_lora(model, LoraSettings.from_peft(read_adapter_config(adapter)))
             load_adapter(model, adapter)

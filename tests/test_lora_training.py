@@ -13,6 +13,7 @@ import torch
 import yaml
 
 from tests._cli import cli_env, losses, ok, one_error, recipe, run, train
+from tests.models._bridge import INPUT
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,8 +51,6 @@ def lora_run(assets, tmp_path_factory):
 def test_lora_sft_checkpoints_resume_merge(assets, lora_run):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-
-    from tests.models.test_bridge import INPUT
 
     tmp_path, config, output = lora_run
     out = tmp_path / "out"
@@ -134,7 +133,7 @@ def test_expert_adapters_refuse_dropout():
     from types import SimpleNamespace
 
     from llamafactory_mca.errors import UserError
-    from llamafactory_mca.models.lora import check_lora_request
+    from llamafactory_mca.models.lora.layers import check_lora_request
 
     args = SimpleNamespace(lora_rank=8, lora_target=["all", "experts"], lora_dropout=0.1)
     with pytest.raises(UserError, match="lora_dropout=0.1 with lora_target 'experts'"):
@@ -147,7 +146,7 @@ def test_lora_on_qwen3_next_trains_through_the_real_command(assets, tmp_path):
     holds every module kind. (peft's logits from such adapters and their export: tests/models/test_lora.py.)"""
     from safetensors.torch import load_file
 
-    from llamafactory_mca.tiny import save_tiny_model, save_tiny_tokenizer
+    from llamafactory_mca.tools.tiny import save_tiny_model, save_tiny_tokenizer
 
     model = save_tiny_model("qwen3_next", str(tmp_path / "qwen3_next"), vocab_size=assets["vocab"])
     save_tiny_tokenizer(model)

@@ -10,8 +10,9 @@ import pytest
 import torch
 import yaml
 
-from llamafactory_mca.tiny import save_tiny_vl_model, write_image_dataset
+from llamafactory_mca.tools.tiny import save_tiny_vl_model, write_image_dataset
 from tests._cli import cli_env, losses, ok, recipe, run, train
+from tests.models._bridge import hf_tensors
 
 pytestmark = pytest.mark.slow
 
@@ -27,8 +28,6 @@ TP2_SP = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
 def test_vision_language_sft_matches_llamafactory_and_keeps_the_tower_frozen(tmp_path, family, template, video_every,
                                                                             packing, layout):
     from transformers import AutoModelForImageTextToText
-
-    from tests.models.test_bridge import _hf_tensors
 
     model = save_tiny_vl_model(family, str(tmp_path / "model"))
     # one or two images a row, two image sizes; for Qwen3-VL every third row also has a two-frame video
@@ -56,7 +55,7 @@ def test_vision_language_sft_matches_llamafactory_and_keeps_the_tower_frozen(tmp
     assert ours[1] == pytest.approx(theirs, rel=1e-6), theirs  # the next-token loss (MTP's is logged apart)
     assert ours[3] < ours[2] < ours[1], ours
 
-    before, after = _hf_tensors(model), _hf_tensors(tmp_path / "ours")
+    before, after = hf_tensors(model), hf_tensors(tmp_path / "ours")
     assert sorted(before) == sorted(after)
     tower = [k for k in before if "visual." in k]
     assert tower and all(torch.equal(before[k], after[k]) for k in tower)  # freeze_vision_tower (and projector)

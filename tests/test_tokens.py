@@ -8,7 +8,7 @@ import os
 import pytest
 import yaml
 
-from llamafactory_mca.tiny import SENTENCES, TOPICS
+from llamafactory_mca.tools.tiny import SENTENCES, TOPICS
 from tests._cli import cli_env, losses, ok, recipe, run, train
 
 

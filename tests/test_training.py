@@ -15,6 +15,7 @@ import torch
 
 from tests._cli import losses, ok, one_error, recipe, train
 from tests._dist import run_distributed
+from tests.models._bridge import INPUT, pipeline_logits
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,8 +56,6 @@ def _check_checkpoint_hf(checkpoint, merged) -> None:
     checkpoint's logits."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tests.models.test_bridge import INPUT
-
     tokenizer = AutoTokenizer.from_pretrained(checkpoint / "hf")
     assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
     merge = [sys.executable, os.path.join(ROOT, "scripts", "megatron_merge.py"), "--checkpoint_path", str(checkpoint),
@@ -92,7 +91,6 @@ def test_freeze_and_evaluation(assets, tmp_path):
 def _megatron_logits(checkpoint: str) -> torch.Tensor:
     from llamafactory_mca import parallel
     from llamafactory_mca.models.auto import AutoModel
-    from tests.models.test_bridge import INPUT, pipeline_logits
 
     parallel.initialize(parallel.ParallelLayout(1, 1, 1, None, 1, 1, 1, 1, 1, 1, 1))
     model = AutoModel.from_pretrained(checkpoint)
@@ -105,8 +103,6 @@ def test_crash_resume_merge(assets, tmp_path):
     from the newest complete checkpoint with the uninterrupted run's losses; the merge gives a model
     transformers loads with the trained Megatron model's logits."""
     from transformers import AutoModelForCausalLM
-
-    from tests.models.test_bridge import INPUT
 
     # 25 micro-batches per epoch, 4 per step at DP2: the epoch's last step (7) has one, step 8 starts epoch 2
     config = dict(max_steps=8, save_steps=4, save_strategy="steps", gradient_accumulation_steps=2,
@@ -172,7 +168,7 @@ def test_bad_input_fails_clearly_and_writes_nothing(overrides, message, assets, 
 def test_a_dataset_of_empty_rows_is_refused(assets, tmp_path):
     """Alpaca rows whose fields are all empty would train on the template's end-of-turn token alone: one line, before
     the model loads (the counting itself, for sft, dpo and pt: tests/data/test_content.py)."""
-    from llamafactory_mca.tiny import write_alpaca_dataset
+    from llamafactory_mca.tools.tiny import write_alpaca_dataset
 
     rows = [{"instruction": "", "input": "", "output": ""}] * 8
     config = recipe(assets, tmp_path / "out", dataset_dir=write_alpaca_dataset(str(tmp_path / "empty"), 0, rows=rows))
@@ -188,7 +184,7 @@ def _sft_against_default(family: str, assets, tmp_path, **overrides) -> tuple[di
     matter). Returns (our losses, the default path's step-1 loss, our log, the model's folder, the merged one)."""
     import yaml
 
-    from llamafactory_mca.tiny import save_tiny_model, save_tiny_tokenizer
+    from llamafactory_mca.tools.tiny import save_tiny_model, save_tiny_tokenizer
     from tests._cli import cli_env, run
 
     model = save_tiny_model(family, str(tmp_path / family), vocab_size=assets["vocab"])
@@ -270,7 +266,7 @@ def test_moe_load_balancing_loss_is_named_trained_and_logged_apart(assets, tmp_p
     weights and rows, so the same logged loss: the language-model loss, the load-balancing loss apart (the progress
     line, trainer_state.json; trainer_log.jsonl keeps LLaMA-Factory's keys). Step 2 differs: the term trained the
     first run's routers."""
-    from llamafactory_mca.tiny import save_tiny_model, save_tiny_tokenizer
+    from llamafactory_mca.tools.tiny import save_tiny_model, save_tiny_tokenizer
 
     model = save_tiny_model("qwen3_moe", str(tmp_path / "model"), vocab_size=assets["vocab"], router_aux_loss_coef=0.5)
     save_tiny_tokenizer(model)
@@ -311,7 +307,7 @@ def test_deepseek_style_moe_dpo_trains(family, assets, tmp_path):
     beside the expert bias: logged apart, so step 1's loss is still ln 2."""
     from transformers import AutoModelForCausalLM
 
-    from llamafactory_mca.tiny import save_tiny_model, save_tiny_tokenizer
+    from llamafactory_mca.tools.tiny import save_tiny_model, save_tiny_tokenizer
 
     model = save_tiny_model(family, str(tmp_path / "tiny"), vocab_size=assets["vocab"])
     if family == "glm4_moe":

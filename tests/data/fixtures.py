@@ -1,6 +1,6 @@
 """Offline stand-ins for a real tokenizer and dataset: LLaMA-Factory's own processing runs on them in tests.
 
-The tokenizer and dataset builders live in ``llamafactory_mca.tiny`` (the demo and benchmarks use them too).
+The tokenizer and dataset builders live in ``llamafactory_mca.tools.tiny`` (the demo and benchmarks use them too).
 ``tokenized_dataset`` runs LLaMA-Factory's ``get_template_and_fix_tokenizer`` + ``get_dataset`` on both.
 ``sft_row`` / ``pair_row`` build synthetic tokenized rows whose token values name their row and position.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from llamafactory_mca.tiny import save_tiny_tokenizer, write_alpaca_dataset
+from llamafactory_mca.tools.tiny import save_tiny_tokenizer, write_alpaca_dataset
 
 
 IGNORE_INDEX = -100

@@ -6,7 +6,7 @@ import pytest
 
 from llamafactory_mca.data import BatchingConfig, DataPlan, check_trainable, empty_rows_warning, format_stats
 from llamafactory_mca.errors import UserError
-from llamafactory_mca.tiny import alpaca_rows
+from llamafactory_mca.tools.tiny import alpaca_rows
 from tests.data.fixtures import sft_row, tokenized_with_frame
 
 EMPTY = {"instruction": "", "input": "", "output": ""}

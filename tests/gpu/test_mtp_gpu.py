@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
 def test_mtp_trains_packed_in_bf16(family, assets, tmp_path):
-    from llamafactory_mca.tiny import save_tiny_model, save_tiny_tokenizer
+    from llamafactory_mca.tools.tiny import save_tiny_model, save_tiny_tokenizer
 
     model = save_tiny_model(family, str(tmp_path / family), vocab_size=assets["vocab"])
     save_tiny_tokenizer(model)

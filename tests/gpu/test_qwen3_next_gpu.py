@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tests._cli import losses, ok, recipe, train
-from tests.models.test_bridge import _hf_tensors
+from tests.models._bridge import hf_tensors
+from tests.models._delta_rule import transformers_rule_per_sequence
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 LENGTHS = (1, 37, 64, 200, 3, 130)  # a single token, chunk-sized, ragged
@@ -37,7 +38,6 @@ def _inputs(nk=2, nv=4, dk=64, dv=96):
 def test_delta_rule_on_the_gpu_equals_the_torch_rule_per_sequence():
     """Whichever kernel this GPU runs (fla where it is correct, else our torch rule, delta_rule.py)."""
     from llamafactory_mca.models.native.gated_delta import delta_rule
-    from tests.models.test_gated_delta import transformers_rule_per_sequence
 
     q, k, v, decay, beta, cu = _inputs()
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
@@ -56,7 +56,7 @@ def test_delta_rule_on_the_gpu_equals_the_torch_rule_per_sequence():
 
 
 def test_qwen3_next_trains_packed_in_bf16_with_the_optimizer_on_the_cpu(assets, tmp_path):
-    from llamafactory_mca.tiny import save_tiny_model, save_tiny_tokenizer
+    from llamafactory_mca.tools.tiny import save_tiny_model, save_tiny_tokenizer
 
     model = save_tiny_model("qwen3_next", str(tmp_path / "qwen3_next"), vocab_size=assets["vocab"])
     save_tiny_tokenizer(model)
@@ -73,7 +73,7 @@ def test_qwen3_next_trains_packed_in_bf16_with_the_optimizer_on_the_cpu(assets, 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
 def test_qwen3_5_trains_packed_with_images_in_bf16(family, tmp_path):
-    from llamafactory_mca.tiny import save_tiny_vl_model, write_image_dataset
+    from llamafactory_mca.tools.tiny import save_tiny_vl_model, write_image_dataset
 
     model = save_tiny_vl_model(family, str(tmp_path / "model"))
     data = write_image_dataset(str(tmp_path), 12, video_every=3)
@@ -88,7 +88,7 @@ def test_qwen3_5_trains_packed_with_images_in_bf16(family, tmp_path):
     with open(tmp_path / "out" / "checkpoint-6" / "trainer_state.json") as f:  # the MTP layer, on image features
         mtp = [entry["mtp_loss"] for entry in json.load(f)["log_history"] if "mtp_loss" in entry]
     assert len(mtp) == 6 and all(map(math.isfinite, mtp)) and mtp[-1] < mtp[0], mtp
-    before, after = _hf_tensors(model), _hf_tensors(tmp_path / "out")
+    before, after = hf_tensors(model), hf_tensors(tmp_path / "out")
     tower = [k for k in before if "visual." in k]  # frozen; the export is in the run's dtype (bf16)
     assert tower and all(torch.equal(before[k].to(after[k].dtype), after[k]) for k in tower)
     assert not torch.equal(before["mtp.fc.weight"].to(after["mtp.fc.weight"].dtype), after["mtp.fc.weight"])

@@ -6,14 +6,13 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from llamafactory_mca.tiny import TINY, save_tiny_model
+from llamafactory_mca.tools.tiny import TINY, save_tiny_model
 from tests._dist import run_distributed
+from tests.models._bridge import INPUT, hf_tensors, pipeline_logits
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-INPUT = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(0))
 
 
 def _hf_logits(model_dir: str) -> torch.Tensor:
@@ -22,41 +21,6 @@ def _hf_logits(model_dir: str) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(INPUT).logits
-
-
-def _hf_tensors(model_dir: str) -> dict[str, torch.Tensor]:
-    files = [f for f in os.listdir(model_dir) if f.endswith(".safetensors")]
-    tensors = {}
-    for name in files:
-        tensors.update(load_file(os.path.join(model_dir, name)))
-    return tensors
-
-
-def pipeline_logits(model, ids: torch.Tensor):
-    """Full-vocabulary logits through Megatron's schedule (any PP/VPP/TP); None on ranks without the output."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    chunks = model.chunks
-    # the interleaved schedule needs at least pp micro-batches: one row each
-    micro = list(ids.split(1)) if len(chunks) > 1 else [ids]
-    positions = torch.arange(ids.shape[1]).expand_as(micro[0])
-
-    def step(iterator, chunk):
-        tokens = next(iterator)
-        return chunk(tokens, positions, None), lambda out, non_loss_data=True: out
-
-    iterators = [iter(micro) for _ in chunks]
-    with torch.no_grad():
-        out = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
-            model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(micro), seq_length=ids.shape[1],
-            micro_batch_size=micro[0].shape[0], forward_only=True, collect_non_loss_data=True)
-    if not ps.is_pipeline_last_stage():
-        return None
-    logits = gather_from_tensor_model_parallel_region(torch.cat(out))
-    return logits.clone() if ps.get_tensor_model_parallel_rank() == 0 else None  # padded vocabulary included
 
 
 def _run_layouts(plan: list[tuple[str, dict, list[tuple[str, str, str]]]]) -> dict:
@@ -172,7 +136,7 @@ def test_layout_logits_equal_single_rank(layout, name, layouts, single_rank):
 
 
 def _assert_same_weights(exported_dir: str, source_dir: str) -> None:
-    exported, source = _hf_tensors(exported_dir), _hf_tensors(source_dir)
+    exported, source = hf_tensors(exported_dir), hf_tensors(source_dir)
     assert set(exported) == set(source), (set(exported) ^ set(source))
     for key, tensor in source.items():
         assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), key
@@ -199,14 +163,14 @@ def test_round_trip_is_bit_identical(layout, name, layouts, tiny_models):
 @pytest.mark.slow
 def test_each_rank_reads_only_its_slices(layouts, tiny_models):
     """TP2: each rank reads about half of the weights (norms and the router are replicated)."""
-    total = sum(t.numel() * t.element_size() for t in _hf_tensors(tiny_models["qwen3"]).values())
+    total = sum(t.numel() * t.element_size() for t in hf_tensors(tiny_models["qwen3"]).values())
     per_rank = layouts[("tp2", "qwen3")]["bytes"]
     for read in per_rank:
         assert read < 0.56 * total, (read, total)
     assert total <= sum(per_rank) < 1.1 * total
     # PP2: a stage opens the file but reads only its own layers
     pp = layouts[("pp2", "qwen3_moe")]["bytes"]
-    moe_total = sum(t.numel() * t.element_size() for t in _hf_tensors(tiny_models["qwen3_moe"]).values())
+    moe_total = sum(t.numel() * t.element_size() for t in hf_tensors(tiny_models["qwen3_moe"]).values())
     assert all(read < 0.75 * moe_total for read in pp), (pp, moe_total)
 
 
@@ -249,7 +213,7 @@ def test_lora_on_hybrid_models_passes_the_preflight_and_refuses_dropout_on_the_s
 
     from llamafactory_mca.errors import UserError
     from llamafactory_mca.models.auto import AutoConfig
-    from llamafactory_mca.models.lora_io import check_lora_plan
+    from llamafactory_mca.models.lora.peft_io import check_lora_plan
 
     config = AutoConfig.from_pretrained(tiny_models["qwen3_next"])
     check_lora_plan(config, FinetuningArguments(finetuning_type="lora", lora_target="all"), [], 1, 2)
@@ -274,7 +238,7 @@ def test_unsupported_models_fail_with_the_supported_list(tmp_path):
     with pytest.raises(ValueError, match="attention_bias=True"):
         AutoConfig.from_pretrained(str(tmp_path / "bias"))
     # sigmoid routing Megatron cannot reproduce
-    from llamafactory_mca.tiny import tiny_hf_config
+    from llamafactory_mca.tools.tiny import tiny_hf_config
 
     for overrides, message in (({"norm_topk_prob": False}, "norm_topk_prob=False with sigmoid routing"),
                                ({"n_group": 2, "topk_group": 2}, "num_experts_per_tok = 2 x topk_group")):
@@ -350,7 +314,7 @@ def test_every_hf_key_maps_exactly_once(tiny_models):
             for index in _index_ranges(op.mca, config):
                 covered += [table.stored(fill(p, index[: p.count("*")])) for p in op.hf if op.export]
         assert len(covered) == len(set(covered)), name
-        assert set(covered) == set(_hf_tensors(path)), (name, set(covered) ^ set(_hf_tensors(path)))
+        assert set(covered) == set(hf_tensors(path)), (name, set(covered) ^ set(hf_tensors(path)))
 
 
 def test_parameter_count_is_the_hf_models(tiny_models):
@@ -367,6 +331,6 @@ def test_parameter_count_is_the_hf_models(tiny_models):
         # tensors counted from the file, less its copies of the embedding and output layer and its correction bias
         layer, not_counted = (f"model.layers.{hf.config.num_hidden_layers}.", "mtp."), (
             "embed_tokens.weight", "shared_head.head.weight", "e_score_correction_bias")
-        mtp = sum(t.numel() for key, t in _hf_tensors(path).items()
+        mtp = sum(t.numel() for key, t in hf_tensors(path).items()
                   if key.startswith(layer) and not key.endswith(not_counted))
         assert model_parameter_count(AutoConfig.from_pretrained(path)) == hf.num_parameters() + mtp, name

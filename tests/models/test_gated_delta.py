@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests._dist import run_distributed
+from tests.models._delta_rule import transformers_rule_per_sequence
 
 HIDDEN, NK, NV, DK, DV, KERNEL = 64, 2, 4, 8, 12, 4
 LENGTHS = (10, 18, 2, 12)  # one sequence shorter than the convolution
@@ -105,17 +106,6 @@ def test_native_gated_delta_net_is_transformers_over_tp2():
         assert torch.allclose(ours["A_log_grad"], own, atol=1e-4, rtol=1e-4)
     # the state restarts: one forward over the whole pack (transformers does not restart) differs
     assert not torch.allclose(whole, per_sequence, atol=1e-3)
-
-
-def transformers_rule_per_sequence(q, k, v, g, beta, bounds: list[int]) -> torch.Tensor:
-    """The reference for our rule and the GPU kernel: transformers' ``torch_chunk_gated_delta_rule`` (fp32, q and k
-    l2-normed in the kernel) on each sequence of the packed row alone, the key heads repeated for the value heads."""
-    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
-
-    q, k = (t.repeat_interleave(v.shape[2] // t.shape[2], dim=2) for t in (q, k))
-    return torch.cat([torch_chunk_gated_delta_rule(*(t[:, s:e].float() for t in (q, k, v, g, beta)),
-                                                   use_qk_l2norm_in_kernel=True)[0]
-                      for s, e in zip(bounds[:-1], bounds[1:])], dim=1)
 
 
 @pytest.mark.parametrize("rows,lengths", [(2, (150, 150)), (1, (1, 64, 65, 130, 3, 70)), (3, (7, 7, 7))],

@@ -8,7 +8,7 @@ from llamafactory_mca.args import MegatronArguments
 from llamafactory_mca.errors import UserError
 from llamafactory_mca.models.auto import build_transformer_config, describe_load_balancing, resolve_load_balancing
 from llamafactory_mca.models.families import get_family
-from llamafactory_mca.tiny import tiny_hf_config
+from llamafactory_mca.tools.tiny import tiny_hf_config
 
 
 def planned(name: str, coef: float | None, checkpoint: float = 0.001, **recipe):

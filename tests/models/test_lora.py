@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llamafactory_mca.tiny import save_tiny_model
+from llamafactory_mca.tools.tiny import save_tiny_model
 from tests._dist import run_distributed
-from tests.models.test_bridge import INPUT, pipeline_logits
+from tests.models._bridge import INPUT, pipeline_logits
+from tests.models._lora import EXPERT_PARAMS, hf_causal_lm, make_peft_adapter, model_with_adapter
 
-EXPERT_PARAMS = ["experts.gate_up_proj", "experts.down_proj"]
 # family: (lora_target as peft sees it, experts too, modules_to_save = LLaMA-Factory's additional_target)
 ADAPTERS = {"qwen3": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False,
                       ["lm_head"]),
@@ -34,50 +34,12 @@ LAYOUTS = [("dp2", {}), ("tp2-sp", {"tensor_model_parallel_size": 2, "sequence_p
 pytestmark = pytest.mark.filterwarnings("ignore:Unsupported layer type")
 
 
-def _hf(model_dir: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-def make_peft_adapter(model_dir: str, out_dir: str, targets: list[str], experts: bool,
-                      modules_to_save: list[str] | None = None, seed: int = 1) -> str:
-    """A peft LoRA adapter with random A *and* B (so it changes the logits), saved as peft saves it; modules to save
-    are changed too."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False,
-                        target_parameters=EXPERT_PARAMS if experts else None, modules_to_save=modules_to_save)
-    model = get_peft_model(_hf(model_dir), config)
-    with torch.no_grad():  # peft's non-default init is large; keep the logits in a sane range
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.mul_(0.3)
-            elif "modules_to_save" in name:
-                param.mul_(1.5)
-    model.save_pretrained(out_dir)
-    return out_dir
-
-
 def peft_logits(model_dir: str, adapter: str) -> torch.Tensor:
     from peft import PeftModel
 
-    model = PeftModel.from_pretrained(_hf(model_dir), adapter).eval()
+    model = PeftModel.from_pretrained(hf_causal_lm(model_dir), adapter).eval()
     with torch.no_grad():
         return model(INPUT).logits
-
-
-def model_with_adapter(model_dir: str, adapter: str, args):
-    """Our model of ``model_dir`` in the current layout with peft's ``adapter`` on it, as a LoRA run resumes one."""
-    from llamafactory_mca.models.auto import AutoModel
-    from llamafactory_mca.models.lora import LoraSettings, apply_lora
-    from llamafactory_mca.models.lora_io import load_adapter, read_adapter_config
-
-    model = AutoModel.from_pretrained(model_dir, args)
-    run = apply_lora(model, LoraSettings.from_peft(read_adapter_config(adapter)))
-    load_adapter(model, adapter)
-    return model, run
 
 
 def _in_layouts(models: dict, adapters: dict, layouts: list, work: str) -> dict:
@@ -85,7 +47,7 @@ def _in_layouts(models: dict, adapters: dict, layouts: list, work: str) -> dict:
     from llamafactory_mca import parallel
     from llamafactory_mca.args import MegatronArguments
     from llamafactory_mca.checkpoints import SideFiles, write_folder
-    from llamafactory_mca.models.lora_io import export_adapter, peft_config
+    from llamafactory_mca.models.lora.peft_io import export_adapter, peft_config
 
     results = {}
     for layout_name, sizes in layouts:
@@ -140,7 +102,7 @@ def test_peft_adapter_gives_peft_logits_and_exports_back(layout, name, setup):
     assert sorted(written) == sorted(original)
     for key, tensor in original.items():
         assert torch.equal(written[key], tensor), key
-    model = PeftModel.from_pretrained(_hf(models[name]), exported).eval()
+    model = PeftModel.from_pretrained(hf_causal_lm(models[name]), exported).eval()
     with torch.no_grad():
         assert (model(INPUT).logits - reference).abs().max().item() <= 1e-5
 
@@ -149,7 +111,7 @@ def _count(models: dict, cases: list) -> list[int]:
     from llamafactory_mca import parallel
     from llamafactory_mca.args import MegatronArguments
     from llamafactory_mca.models.auto import AutoModel
-    from llamafactory_mca.models.lora import LoraSettings, apply_lora
+    from llamafactory_mca.models.lora.layers import LoraSettings, apply_lora
 
     args = MegatronArguments()
     parallel.initialize(parallel.ParallelLayout.from_args(args))
@@ -173,7 +135,7 @@ def test_trainable_parameters_are_peft_s(tmp_path):
     models = {name: save_tiny_model(name, str(tmp_path / name)) for name in {n for n, _ in cases}}
     (ours,) = run_distributed(_count, 1, models, cases)
     for (name, targets), count in zip(cases, ours):
-        hf = _hf(models[name])
+        hf = hf_causal_lm(models[name])
         modules = [t for t in targets if t not in ("all", "experts")]
         if "all" in targets:
             modules += find_all_linear_modules(hf, True)

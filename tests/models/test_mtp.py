@@ -8,8 +8,10 @@ test_multimodal_training."""
 import pytest
 import torch
 
-from llamafactory_mca.tiny import TINY, TINY_VL, save_tiny_model
+from llamafactory_mca.tools.tiny import TINY, TINY_VL, save_tiny_model
 from tests._dist import run_distributed
+from tests.models._bridge import hf_tensors
+from tests.models._vision import image_and_video_row
 
 FAMILIES = ["deepseek_v3", "glm4_moe", "qwen3_next"]
 VL_FAMILIES = ["qwen3_5", "qwen3_5_moe"]
@@ -33,10 +35,8 @@ def _vl_inputs(model_dir: str) -> dict:
     """test_multimodal's row (text, two images, a video) with its 3-D positions, as our model takes them."""
     from transformers import AutoConfig as HfConfig
 
-    from tests.models.test_multimodal import _inputs
-
     config = HfConfig.from_pretrained(model_dir)
-    inputs = _inputs(config)
+    inputs = image_and_video_row(config)
     positions, _ = _hf_vl(model_dir).model.get_rope_index(
         inputs["input_ids"], inputs["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"],
         video_grid_thw=inputs["video_grid_thw"])
@@ -102,7 +102,6 @@ def _reference(model_dir: str) -> tuple[float, float]:
 
     from llamafactory_mca.models.auto import AutoConfig
     from llamafactory_mca.models.families import get_family
-    from tests.models.test_bridge import _hf_tensors
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     layers = model.config.num_hidden_layers
@@ -113,7 +112,7 @@ def _reference(model_dir: str) -> tuple[float, float]:
                    "key_mapping": {r"^mtp\.layers\.0\.": prefix}}
     deeper = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa",
                                                   **deeper).eval()
-    weights = {k: v.float() for k, v in _hf_tensors(model_dir).items()}
+    weights = {k: v.float() for k, v in hf_tensors(model_dir).items()}
     stored = get_family(model.config.model_type).weight_table(AutoConfig.from_pretrained(model_dir)).stored
     norm = type(model.model.norm)
 
@@ -147,8 +146,6 @@ def _reference_vl(model_dir: str) -> tuple[float, float]:
     layer class, loaded from the checkpoint's ``mtp.layers.0.``."""
     import copy
 
-    from tests.models.test_bridge import _hf_tensors
-
     model = _hf_vl(model_dir)
     inputs = _vl_inputs(model_dir)
     ids, positions = inputs.pop("input_ids"), inputs.pop("positions")
@@ -156,7 +153,7 @@ def _reference_vl(model_dir: str) -> tuple[float, float]:
     seen = {}
     lm.register_forward_pre_hook(lambda module, args, kwargs: seen.update(embeds=kwargs["inputs_embeds"]),
                                  with_kwargs=True)
-    weights = {k: v.float() for k, v in _hf_tensors(model_dir).items()}
+    weights = {k: v.float() for k, v in hf_tensors(model_dir).items()}
     deeper = copy.deepcopy(text)
     deeper.num_hidden_layers, deeper.layer_types = text.num_hidden_layers + 1, [*text.layer_types, "full_attention"]
     layer = type(lm.layers[text.layer_types.index("full_attention")])(deeper, text.num_hidden_layers).eval()

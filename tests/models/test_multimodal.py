@@ -7,32 +7,13 @@ tests/test_multimodal_training.py.)"""
 import pytest
 import torch
 
-from llamafactory_mca.tiny import save_tiny_model
+from llamafactory_mca.tools.tiny import save_tiny_model
 from tests._dist import run_distributed
+from tests.models._bridge import hf_tensors
+from tests.models._lora import model_with_adapter
+from tests.models._vision import image_and_video_row
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
-IMAGE_GRID = torch.tensor([[1, 4, 4], [1, 4, 8]])  # two images: 4 and 8 tokens after the 2 x 2 merge
-VIDEO_GRID = torch.tensor([[2, 4, 4]])  # a video of two temporal patches: 8 tokens
-
-
-def _inputs(config) -> dict:
-    """One row: text, an image, text, a video of two frames, text, a second image, text; pixel values for all."""
-    g = torch.Generator().manual_seed(0)
-    text = lambda n: torch.randint(0, 190, (n,), generator=g)  # noqa: E731
-    tokens = lambda n, token: torch.full((n,), token)  # noqa: E731
-    merged = (IMAGE_GRID.prod(-1) // 4).tolist()
-    frame = tokens(int(VIDEO_GRID[0, 1:].prod()) // 4, config.video_token_id)
-    # Qwen3-VL writes a timestamp before each frame, so a video's frames are apart; Qwen2-VL's are one block
-    video = [frame, text(2), frame] if config.model_type.startswith("qwen3") else [frame, frame]
-    ids = torch.cat([text(5), tokens(merged[0], config.image_token_id), text(3), *video, text(4),
-                     tokens(merged[1], config.image_token_id), text(4)]).view(1, -1)  # even: TP2 + SP
-    v = config.vision_config
-    width = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
-    types = (ids == config.image_token_id).int() + 2 * (ids == config.video_token_id).int()
-    return {"input_ids": ids, "pixel_values": torch.randn(int(IMAGE_GRID.prod(-1).sum()), width, generator=g),
-            "image_grid_thw": IMAGE_GRID,
-            "pixel_values_videos": torch.randn(int(VIDEO_GRID.prod()), width, generator=g),
-            "video_grid_thw": VIDEO_GRID, "mm_token_type_ids": types}
 
 
 def _hf(model_dir: str) -> tuple[dict, torch.Tensor, torch.Tensor]:
@@ -40,7 +21,7 @@ def _hf(model_dir: str) -> tuple[dict, torch.Tensor, torch.Tensor]:
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    inputs = _inputs(model.config)
+    inputs = image_and_video_row(model.config)
     positions, _ = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
                                               image_grid_thw=inputs["image_grid_thw"],
                                               video_grid_thw=inputs["video_grid_thw"])
@@ -104,8 +85,6 @@ def _ours(jobs: dict, layouts: list) -> dict:
 def test_vision_language_logits_and_round_trip_match_transformers(tmp_path):
     """Every family, at DP2 (each rank the whole model), TP2 + SP and PP2 (the tower on the first stage only), in
     one two-process run."""
-    from tests.models.test_bridge import _hf_tensors
-
     jobs, expected = {}, {}
     for name in FAMILIES:
         model_dir = save_tiny_model(name, str(tmp_path / name))
@@ -119,7 +98,7 @@ def test_vision_language_logits_and_round_trip_match_transformers(tmp_path):
         logits = logits[..., : expected[name].shape[-1]]
         assert torch.allclose(logits, expected[name], atol=1e-4), (name, layout, (logits - expected[name]).abs().max())
     for name, (model_dir, _, _, back_dir) in jobs.items():
-        original, back = _hf_tensors(model_dir), _hf_tensors(back_dir)
+        original, back = hf_tensors(model_dir), hf_tensors(back_dir)
         assert sorted(original) == sorted(back) and any("visual." in k for k in back)
         assert any(k.startswith("mtp.") for k in back) == name.startswith("qwen3_5"), name  # Qwen3.5's MTP layer
         for key in original:
@@ -169,7 +148,6 @@ def test_what_vision_language_training_cannot_do_yet_is_refused(tmp_path):
 def _lora_logits(model_dir: str, adapter: str, inputs: dict, positions: torch.Tensor, layouts: list) -> dict:
     from llamafactory_mca import parallel
     from llamafactory_mca.args import MegatronArguments
-    from tests.models.test_lora import model_with_adapter
 
     found = {}
     for layout, sizes in layouts:
@@ -222,7 +200,7 @@ def test_qwen3_5_lora_gives_peft_logits_with_images(tmp_path):
 
     from llamafactory_mca.errors import UserError
     from llamafactory_mca.models.auto import AutoConfig
-    from llamafactory_mca.models.lora_io import check_lora_plan
+    from llamafactory_mca.models.lora.peft_io import check_lora_plan
 
     config = AutoConfig.from_pretrained(model_dir)
     everything = FinetuningArguments(finetuning_type="lora", lora_target="all")
