@@ -38,7 +38,7 @@ from .trainer.metrics import count_parameters, memory_estimate_gib, model_parame
 from .trainer.trainer import McaTrainer
 
 
-logger = logging.getLogger("llamafactory_mca")
+logger = logging.getLogger(__name__)
 
 def run_pt(model_args, data_args, training_args, finetuning_args, callbacks=None):
     _run("pt", model_args, data_args, training_args, finetuning_args, callbacks)

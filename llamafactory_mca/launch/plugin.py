@@ -15,13 +15,9 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import logging
 import os
 import sys
 import types
-
-
-logger = logging.getLogger("llamafactory_mca")
 
 ADAPTER_NAME = "mcore_adapter"
 WORKFLOW_NAME = "llamafactory.train.mca"

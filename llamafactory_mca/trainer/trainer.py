@@ -44,7 +44,7 @@ from .optim import LRSchedule, build_optimizer, wrap_ddp
 from .progress import ProgressCallback, forget_logs_after
 
 
-logger = logging.getLogger("llamafactory_mca")
+logger = logging.getLogger(__name__)
 
 
 def _reduce_logged(outputs: list[dict], device) -> dict[str, float]:
