@@ -20,11 +20,11 @@ from llamafactory.data.template import TEMPLATES
 from llamafactory.hparams.parser import read_args
 
 from .checkpoints import is_ours, run_record, verify_checkpoint
+from .checkpoints.hf_io import check_safetensors_files
 from .errors import UserError
 from .hub import resolve_model
 from .models.auto import AutoConfig, mtp_apart_from_features, resolve_load_balancing, resolve_mtp
 from .models.config import McaConfig
-from .models.hf_io import check_safetensors_files
 from .models.lora.layers import check_lora_request
 from .models.lora.peft_io import check_lora_plan
 from .models.multimodal import deepstack_layers

@@ -32,7 +32,7 @@ def _default_path(tmp_path, config: dict, name: str) -> None:
 
 
 def _stored_keys(checkpoint) -> list[str]:
-    from llamafactory_mca.models.dist_reader import DistCheckpointReader
+    from llamafactory_mca.checkpoints.dist_reader import DistCheckpointReader
 
     return [k for k in DistCheckpointReader(str(checkpoint / "dist_ckpt")).keys() if not k.startswith("optimizer.")]
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .. import checkpoints
+from ..checkpoints.hf_io import SafetensorsSource
 from ..compat import has_transformer_engine
 from ..cpu_mode import cpu_mode_needed
 from ..errors import UserError
@@ -24,7 +25,6 @@ from . import spec
 from .config import McaConfig, rope_inv_freq
 from .export import export_hf
 from .families import get_family
-from .hf_io import SafetensorsSource
 from .loading import dims_for, load_hf_weights
 from .lora.layers import adapter_state
 
@@ -42,7 +42,7 @@ class AutoConfig:
                             f"({os.path.join(path, 'hf')} with save_hf_model, or llamafactory-mca merge "
                             f"--checkpoint_path {path} --output_path ADAPTER_DIR).")
         if checkpoints.is_ours(path):
-            config = checkpoints.read_config(path)
+            config = McaConfig.read(path)
             get_family(config.hf_model_type)  # fails clearly for an unknown type
             return config
         if not os.path.isfile(os.path.join(path, "config.json")):
@@ -262,7 +262,7 @@ class McaModel:
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.validation import StrictHandling
 
-        from .dist_reader import named_load_errors  # with megatron's: torch DCP is not needed to plan a run
+        from ..checkpoints.dist_reader import named_load_errors  # with megatron's: no torch DCP to plan a run
 
         with named_load_errors(directory):
             state = dist_checkpointing.load(self.sharded_state_dict(), directory,

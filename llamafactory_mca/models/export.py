@@ -16,12 +16,12 @@ from collections.abc import Iterator
 
 import torch
 
-from ..checkpoints import dist_checkpoint_dir, read_config, verify_checkpoint
+from ..checkpoints import dist_checkpoint_dir, verify_checkpoint
+from ..checkpoints.dist_reader import DistCheckpointReader
+from ..checkpoints.hf_io import ShardedWriter, copy_side_files, move_into, write_hf_config
 from ..errors import UserError
 from .config import McaConfig
-from .dist_reader import DistCheckpointReader
 from .families import get_family
-from .hf_io import ShardedWriter, copy_side_files, move_into, write_hf_config
 from .loading import dims_for
 from .mapping import fill, is_mtp_only, split_expert, stored_mtp_name, te_norm_name
 
@@ -117,7 +117,7 @@ def export_hf(checkpoint: str, output: str, dtype: torch.dtype | None = None,
     """
     start = time.perf_counter()
     verify_checkpoint(checkpoint)
-    config = read_config(checkpoint)
+    config = McaConfig.read(checkpoint)
     reader = DistCheckpointReader(dist_checkpoint_dir(checkpoint))
     staging = f"{os.path.abspath(output)}.tmp-{os.getpid()}"
     try:

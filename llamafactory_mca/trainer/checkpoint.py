@@ -40,9 +40,9 @@ from ..checkpoints import (
     read_layout,
     write_folder,
 )
+from ..checkpoints.dist_reader import DistCheckpointReader, describe_load_failure
 from ..errors import UserError
 from ..models.auto import check_finite
-from ..models.dist_reader import DistCheckpointReader, describe_load_failure
 from . import reshard
 from .faults import maybe_crash
 from .optim import inner_optimizers, step_counter, use_fused_adam

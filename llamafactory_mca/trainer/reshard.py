@@ -32,8 +32,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from ..checkpoints.dist_reader import DistCheckpointReader
 from ..errors import UserError
-from ..models.dist_reader import DistCheckpointReader
 
 STATES = ("param", "exp_avg", "exp_avg_sq")  # fp32 main parameter and Adam's moments
 

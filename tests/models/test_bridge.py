@@ -251,7 +251,7 @@ def test_missing_and_truncated_safetensors_are_named(tiny_models, tmp_path):
     import json
     import shutil
 
-    from llamafactory_mca.models.hf_io import SafetensorsSource
+    from llamafactory_mca.checkpoints.hf_io import SafetensorsSource
 
     with pytest.raises(ValueError, match="holds no Hugging Face safetensors"):
         SafetensorsSource(str(tmp_path))

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from llamafactory_mca.models.dist_reader import DistCheckpointReader
+from llamafactory_mca.checkpoints.dist_reader import DistCheckpointReader
 from tests._dist import run_distributed
 
 

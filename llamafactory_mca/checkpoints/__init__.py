@@ -26,10 +26,12 @@ import shutil
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .errors import UserError
+from ..errors import UserError
+from .dist_reader import DistCheckpointReader
+from .hf_io import copy_side_files, write_hf_config
 
 if TYPE_CHECKING:
-    from .models.config import McaConfig
+    from ..models.config import McaConfig
 
 PREFIX = "checkpoint"
 TMP_PREFIX = "tmp-checkpoint"
@@ -58,12 +60,6 @@ def is_ours(path: str) -> bool:
 def is_adapter_checkpoint(path: str) -> bool:
     """A checkpoint of a LoRA run: adapters only, the base model is its adapter_config's base_model_name_or_path."""
     return is_ours(path) and os.path.isfile(os.path.join(path, ADAPTER_CONFIG_NAME))
-
-
-def read_config(path: str) -> McaConfig:
-    from .models.config import McaConfig
-
-    return McaConfig.from_json_file(os.path.join(path, MCA_CONFIG_NAME))
 
 
 def read_layout(path: str) -> dict[str, Any]:
@@ -103,8 +99,6 @@ class SideFiles:
     run: dict | None = None  # training: ``run_record``
 
     def write(self, directory: str) -> None:
-        from .models.hf_io import copy_side_files, write_hf_config
-
         os.makedirs(directory, exist_ok=True)
         _write_json(os.path.join(directory, MCA_CONFIG_NAME), dataclasses.asdict(self.config))
         if self.layout is not None:
@@ -214,8 +208,6 @@ def verify_checkpoint(path: str) -> None:
     Cheap (configs, metadata and data-file sizes; no tensor is read).
     """
     import json
-
-    from .models.dist_reader import DistCheckpointReader
 
     config_path = os.path.join(path, MCA_CONFIG_NAME)
     dist = dist_checkpoint_dir(path)
