@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed import distributed_c10d as c10d
 
 from .errors import UserError
 
@@ -269,7 +270,6 @@ def destroy_layout() -> None:
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-    from torch.distributed import distributed_c10d as c10d
 
     for rotary in (RotaryEmbedding, YarnRotaryEmbedding):
         rotary.forward.cache_clear()

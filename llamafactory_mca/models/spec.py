@@ -37,6 +37,11 @@ from megatron.core.transformer.torch_norm import L2Norm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules, get_transformer_layer_offset
+from megatron.core import parallel_state as ps
+from megatron.core.transformer.moe import grouped_gemm_util
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+from megatron.core.transformer.multi_token_prediction import (MultiTokenPredictionBlockSubmodules,
+                                                               get_mtp_layer_spec_for_backend, mtp_on_this_rank)
 
 from ..compat import has_transformer_engine
 from ..errors import UserError
@@ -150,12 +155,6 @@ def get_mtp_block_spec(config: TransformerConfig, vp_stage: int | None = None) -
     """The multi-token-prediction block of the chunk that holds it (the last pipeline stage), else None. Each MTP
     layer's transformer layer is of the last decoder layer's kind (``config.is_moe_layer``); its norms and
     projection come from the same choice as the decoder's."""
-    from megatron.core.transformer.multi_token_prediction import (
-        MultiTokenPredictionBlockSubmodules,
-        get_mtp_layer_spec_for_backend,
-        mtp_on_this_rank,
-    )
-
     if not config.mtp_num_layers or not mtp_on_this_rank(config, ignore_virtual=False, vp_stage=vp_stage):
         return None
     choice = _choice(config)
@@ -213,8 +212,6 @@ def _mla_spec() -> ModuleSpec:
     finalize_model_grads sums every ``q_layernorm`` gradient over tensor-parallel ranks by name, but MLA normalises the
     gathered latent, so that gradient is already whole on each rank (it would come out tp times too large). Under
     sequence parallelism the latent is scattered again and the norms are marked for the sum like any SP norm."""
-    from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
-
     return ModuleSpec(
         module=MLASelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
@@ -269,8 +266,6 @@ class _NativeBackend(LocalSpecProvider):
 def _expert_parallel_sizes(config: TransformerConfig) -> tuple[int, int]:
     """(ep, etp) the experts run with: the process groups' sizes once built (TransformerConfig fills an unset
     expert_tensor_parallel_size with the tensor-parallel size, but the layout's default is 1), else the config's."""
-    from megatron.core import parallel_state as ps
-
     if ps.model_parallel_is_initialized():
         return ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
     return config.expert_model_parallel_size, config.expert_tensor_parallel_size or 1
@@ -294,8 +289,6 @@ def _backend_name(value: Any) -> str:
 
 def _local_grouped_gemm(config: TransformerConfig) -> bool:
     """Megatron's local grouped experts need the ``grouped_gemm`` package; without it use SequentialMLP."""
-    from megatron.core.transformer.moe import grouped_gemm_util
-
     if config.moe_grouped_gemm and not grouped_gemm_util.grouped_gemm_is_available():
         logger.info("moe_grouped_gemm with attention_backend=local needs the grouped_gemm package: using "
                     "SequentialMLP experts (attention_backend: auto gives torch._grouped_mm experts).")

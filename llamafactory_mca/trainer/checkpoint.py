@@ -30,6 +30,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
 from torch.distributed.checkpoint.api import CheckpointException
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from ..checkpoints import (
     SideFiles,
@@ -59,7 +60,6 @@ def _rng_object(layout_key: tuple[int, int]) -> ShardedObject:
     """Per (pp, tp) rank RNG states, replicated over data parallel (Megatron-LM's convention)."""
     state = {"random": random.getstate(), "torch": torch.get_rng_state(),
              "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     state["tracker"] = get_cuda_rng_tracker().get_states()
     return ShardedObject("rng_state", state, layout_key,

@@ -26,6 +26,9 @@ from transformers import TrainerCallback, TrainerControl, TrainerState
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metrics, save_state
 from transformers.trainer_utils import TrainOutput
+from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker,
+                                                      reduce_aux_losses_tracker_across_ranks)
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from .. import checkpoints, memory_report, watchdog
 from ..checkpoints import SideFiles, checkpoint_path, is_adapter_checkpoint, resolve_resume
@@ -238,11 +241,6 @@ class McaTrainer:
         tc = self.model.transformer_config
         if not tc.num_moe_experts:
             return {}
-        from megatron.core.transformer.moe.moe_utils import (
-            clear_aux_losses_tracker,
-            get_moe_layer_wise_logging_tracker,
-            reduce_aux_losses_tracker_across_ranks,
-        )
 
         tracker = get_moe_layer_wise_logging_tracker()
         names = sorted(tracker)
@@ -266,7 +264,6 @@ class McaTrainer:
         layers = self.model.transformer_config.mtp_num_layers
         if not layers:
             return {}
-        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
         tracker = MTPLossLoggingHelper.tracker
         values = torch.zeros(layers + 1, device=self.device)
