@@ -1,0 +1,134 @@
+"""What one GPU of a run holds at its peak, from the plan alone: no weights read, no GPU touched.
+
+The terms are Megatron's: bf16 weights, an fp32 gradient buffer, the distributed optimizer's fp32 main weights and
+Adam moments sharded over the data-parallel ranks (experts over theirs), the activations a pipeline stage keeps for
+its micro-batches in flight, and the last stage's logits. Activations are counted tensor by tensor for one layer
+(what autograd saves in our native spec) and scaled by ``ACTIVATION_FIT``, fitted to the measured peaks of
+``benchmarks/results`` (``torch.cuda.max_memory_allocated``); ``benchmarks/planner_check.py`` prints the table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..models.mapping import is_moe_layer
+from ..parallel import ParallelLayout
+from ..trainer.metrics import _attention_sizes
+
+GIB = 1024**3
+ACTIVATION_FIT = 1.1  # measured / counted, per layer (norm and RoPE temporaries, the allocator's rounding)
+LOGIT_BYTES = 6  # per logit at the loss: bf16 logits, their bf16 gradient, and fp32 pieces of the loss
+ALLOCATOR = 1.05  # reserved / allocated at the peak, and the CUDA context and NCCL buffers beside it (GiB)
+CONTEXT_GIB = 1.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Training:
+    """What else of the recipe sizes the memory."""
+
+    tokens: int  # per micro-batch row: the pack length (cutoff_len) or the padded row
+    recompute: str | None = None  # recompute_granularity: None, "full" or "selective"
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = True
+    cpu_offload: bool = False
+    lora_rank: int | None = None  # LoRA on every linear of attention and dense MLP (lora_target: all)
+    lora_experts: bool = False  # and on the experts (lora_target: all,experts)
+    native_cross_entropy: bool = True
+
+
+def _shapes(config: Any) -> dict[str, int]:
+    t = config.transformer
+    h = t["hidden_size"]
+    attn_weights, q, v = _attention_sizes(t)
+    heads, groups, head_dim = config.attention
+    glu = 2 if t.get("gated_linear_unit", True) else 1
+    return dict(h=h, q=q, v=v, kv=groups * head_dim if not t.get("multi_latent_attention") else q, attn=attn_weights,
+                f=t["ffn_hidden_size"], glu=glu, experts=t.get("num_moe_experts") or 0,
+                topk=t.get("moe_router_topk") or 0,
+                fm=t.get("moe_ffn_hidden_size") or 0, fs=t.get("moe_shared_expert_intermediate_size") or 0,
+                vocab=config.vocab_size, layers=t["num_layers"], mtp=t.get("mtp_num_layers") or 0)
+
+
+def _layer_params(s: dict[str, int], moe: bool) -> tuple[int, int]:
+    """(parameters split by TP, expert parameters split by EP x ETP) of one decoder layer."""
+    mlp = (s["glu"] + 1) * s["h"] * s["fs"] + s["experts"] * s["h"] if moe else (s["glu"] + 1) * s["h"] * s["f"]
+    experts = s["experts"] * (s["glu"] + 1) * s["h"] * s["fm"] if moe else 0
+    return s["attn"] + 2 * s["h"] + mlp, experts
+
+
+def _layer_activations(s: dict[str, int], tokens: float, layout: ParallelLayout, sequence_parallel: bool, moe: bool,
+                       frozen_experts: bool) -> float:
+    """Bytes autograd keeps for one layer and one micro-batch of ``tokens`` (after the CP split)."""
+    tp, sp = layout.tp, layout.tp if sequence_parallel else 1
+    hidden = 2 * tokens * s["h"] * 4 / sp  # the inputs of both norms, of QKV and of the MLP
+    attention = 2 * tokens * (s["q"] + 2 * s["kv"] + 2 * (s["q"] + s["kv"]) + 2 * s["q"]) / tp  # qkv, norm+rope, out
+    if not moe:
+        return hidden + attention + 2 * tokens * (s["glu"] + 1) * s["f"] / tp  # fc1 out, the activation's out
+    routed = tokens / sp * s["topk"]  # the tokens this rank's experts take, in expectation
+    # permuted in (for fc1's weight gradient), the unpermute buffer, fc1 out and the activation's out (fc2's input);
+    # frozen experts keep neither linear's input
+    per_token = s["h"] + s["glu"] * s["fm"] / layout.etp if frozen_experts else \
+        2 * s["h"] + (s["glu"] + 1) * s["fm"] / layout.etp
+    experts = 2 * routed * per_token
+    shared = 2 * tokens * 2 * s["glu"] * s["fs"] / tp + 4 * tokens / sp * s["experts"]  # + fp32 router logits
+    return hidden + attention + experts + shared
+
+
+def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[str, float]:
+    """GiB per GPU at the peak, the largest pipeline stage's (the first holds the most micro-batches in flight,
+    the last the logits): each term, ``peak`` (predicted ``torch.cuda.max_memory_allocated``) and ``needs`` (with
+    the allocator's headroom and the CUDA context: what the GPU must have)."""
+    s = _shapes(config)
+    t = config.transformer
+    layers = [is_moe_layer(s["experts"], t.get("moe_layer_freq", 1), i) for i in range(s["layers"])]
+    per_stage = -(-s["layers"] // layout.pp)
+    tokens = training.tokens * layout.micro_batch_size / layout.cp
+    stages = []
+    for stage in range(layout.pp):
+        mine = layers[stage * per_stage:(stage + 1) * per_stage]
+        last = stage == layout.pp - 1
+        dense = sum(_layer_params(s, m)[0] for m in mine)
+        experts = sum(_layer_params(s, m)[1] for m in mine)
+        if stage == 0:
+            dense += s["vocab"] * s["h"]
+        if last and (not config.tie_word_embeddings or layout.pp > 1):
+            dense += s["vocab"] * s["h"]
+        if last and s["mtp"]:
+            dense += s["mtp"] * (_layer_params(s, layers[-1])[0] + 2 * s["h"] * s["h"])
+            experts += s["mtp"] * _layer_params(s, layers[-1])[1]
+        params = dense / layout.tp + experts / (layout.ep * layout.etp)
+        trainable, dp_share = params, (dense / layout.tp) / (layout.dp * layout.cp) + \
+            (experts / (layout.ep * layout.etp)) / layout.expert_dp
+        if training.lora_rank:  # frozen base: no gradient, no optimizer state; adapters on every linear
+            r = training.lora_rank  # LLaMA-Factory's "all": attention and dense MLP projections, never experts
+            attention = (s["h"] + s["q"]) * 2 + 2 * (s["h"] + s["kv"])
+            mlp = (s["glu"] + 1) * (s["h"] + s["f"])
+            experts_lora = (s["experts"] * r * (s["glu"] * (s["h"] + s["fm"]) + s["fm"] + s["h"])
+                            if training.lora_experts else 0)
+            trainable = dp_share = sum(r * (attention + (0 if m else mlp)) + (experts_lora if m else 0)
+                                       for m in mine) / layout.tp
+        states = 12 if training.distributed_optimizer else 12 * layout.dp * layout.cp
+        optimizer = 0.0 if training.cpu_offload else dp_share * states
+        # activations: 1F1B keeps (pp - stage) micro-batches in flight (interleaving: a little more)
+        in_flight = min(layout.pp - stage, layout.grad_accum)
+        if (layout.vpp or 1) > 1 and layout.pp > 1:
+            in_flight *= 1 + (layout.pp - 1) / (layout.pp * layout.vpp)
+        frozen = bool(training.lora_rank) and not training.lora_experts
+        full = [_layer_activations(s, tokens, layout, training.sequence_parallel, m, frozen) * ACTIVATION_FIT
+                for m in mine]
+        if training.recompute == "full":  # each layer keeps its input; one layer at a time is rebuilt in backward
+            sp = layout.tp if training.sequence_parallel else 1
+            activations = len(mine) * 2 * tokens * s["h"] / sp * in_flight + max(full, default=0)
+        else:
+            activations = sum(full) * in_flight
+        logits = 0.0
+        if last:
+            logits = tokens * s["vocab"] / layout.tp * (LOGIT_BYTES if training.native_cross_entropy else
+                                                         LOGIT_BYTES + 4) * (1 + s["mtp"])
+        stages.append({"weights": params * 2 / GIB, "grads": trainable * 4 / GIB, "optimizer": optimizer / GIB,
+                       "activations": activations / GIB, "logits": logits / GIB})
+    worst = max(stages, key=lambda b: sum(b.values()))
+    peak = sum(worst.values())
+    return {**{k: round(v, 2) for k, v in worst.items()}, "peak": round(peak, 2),
+            "needs": round(peak * ALLOCATOR + CONTEXT_GIB, 2)}
