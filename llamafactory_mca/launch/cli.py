@@ -1,4 +1,4 @@
-"""``llamafactory-mca``: train, merge, convert, demo, version — the front ends; the work is in the library.
+"""``llamafactory-mca``: train, plan, merge, convert, demo, version — the front ends; the work is in the library.
 
 ``train x.yaml`` is exactly ``USE_MCA=1 llamafactory-cli train x.yaml`` (LLaMA-Factory's launcher, parser and
 dispatch, with our preflight), for people who would rather not set the variable. Everything here imports
@@ -11,10 +11,12 @@ import difflib
 import os
 import sys
 
-COMMANDS = ("train", "merge", "convert", "demo", "version", "help")
+COMMANDS = ("train", "plan", "merge", "convert", "demo", "version", "help")
 USAGE = """usage: llamafactory-mca <command> [args]
 
   train RECIPE.yaml [key=value ...]  train with Megatron-Core (same as USE_MCA=1 llamafactory-cli train ...)
+  plan RECIPE.yaml [key=value ...] [--gpus N] [--gpu-memory GIB] [--json]
+                                     memory per GPU before a run; with --gpus, the layouts that fit
   merge --checkpoint_path DIR --output_path DIR [--bf16]
                                      a checkpoint (any layout) -> Hugging Face weights, on CPU
   convert --hf_path DIR --output_path DIR [--tensor_model_parallel_size N ...]
@@ -69,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         return train(argv)
     if command == "version":
         return version(argv)
+    if command == "plan":
+        from ..planner.command import main as plan_main
+
+        return plan_main(argv)
     if command == "merge":
         from ..tools.merge import main as merge_main
 

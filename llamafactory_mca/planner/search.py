@@ -1,0 +1,98 @@
+"""Which layouts of a recipe's global batch fit N GPUs, best first.
+
+Every candidate goes through the layout check the run itself makes (``parallel.check_layout``), so the search never
+proposes a layout the launcher would refuse. Speed is predicted from the model's FLOPs per token at an efficiency
+measured on one H200 (dense and MoE, benchmarks/results) and the per-GPU share each parallel dimension kept there
+against one GPU (DP2, TP2 + SP, PP2 with 8 micro-batches, EP2, CP2: ``benchmarks/results/h200x2_two_gpus``); past two
+GPUs of a kind the share is extrapolated per doubling — an ordering, not a promise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from ..errors import UserError
+from ..parallel import ParallelLayout, check_layout
+from ..trainer.metrics import flops_per_sequence_set
+from .memory import Training, estimate
+
+MFU = {"dense": 0.31, "moe": 0.18}  # ours on one H200, 4096-token packs (benchmarks/results/h200x2_two_gpus)
+SHARE = {"dp": 0.92, "tp": 0.44, "cp": 0.92, "ep": 0.81}  # per-GPU tokens/s kept per doubling, measured at 2
+PP_OVERHEAD = 0.78  # PP2's share beyond its bubble (send/receive, the last stage's logits)
+RECOMPUTE = 0.75  # full recompute: one more forward per step
+TENSOR_PARALLEL = (1, 2, 4, 8)  # within a node's NVLink domain
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    layout: ParallelLayout
+    recompute: str | None
+    memory: dict[str, float]
+    tokens_per_s: float  # predicted, per GPU
+
+    @property
+    def keys(self) -> dict[str, Any]:
+        """The recipe keys to paste."""
+        out = {"tensor_model_parallel_size": self.layout.tp, "pipeline_model_parallel_size": self.layout.pp,
+               "context_parallel_size": self.layout.cp, "expert_model_parallel_size": self.layout.ep,
+               "sequence_parallel": self.layout.tp > 1, "per_device_train_batch_size": self.layout.micro_batch_size,
+               "gradient_accumulation_steps": self.layout.grad_accum}
+        if self.recompute:
+            out["recompute_granularity"] = self.recompute
+        return out
+
+
+def predicted_tokens_per_s(config: Any, layout: ParallelLayout, tokens: int, recompute: str | None,
+                           peak_flops: float) -> float:
+    t = config.transformer
+    flops_per_token = flops_per_sequence_set(t, config.vocab_size, [tokens]) / tokens
+    share = MFU["moe" if t.get("num_moe_experts") else "dense"]
+    for name, size in (("dp", layout.dp), ("tp", layout.tp), ("cp", layout.cp), ("ep", layout.ep)):
+        share *= SHARE[name] ** math.log2(size)
+    if layout.pp > 1:
+        share *= PP_OVERHEAD / (1 + (layout.pp - 1) / layout.grad_accum)
+    if recompute == "full":
+        share *= RECOMPUTE
+    return peak_flops * share / flops_per_token
+
+
+def search(config: Any, gpus: int, global_batch: int, training: Training, gpu_memory_gib: float,
+           peak_flops: float) -> tuple[list[Candidate], dict[str, int]]:
+    """(the layouts that fit, best first; why the others do not: a count per reason)."""
+    experts = config.transformer.get("num_moe_experts") or 0
+    fits, refused = [], {}
+    for tp in (d for d in TENSOR_PARALLEL if gpus % d == 0):
+        for pp in (d for d in range(1, gpus // tp + 1) if (gpus // tp) % d == 0):
+            for cp in (d for d in (1, 2, 4, 8) if (gpus // (tp * pp)) % d == 0):
+                dp = gpus // (tp * pp * cp)
+                for ep in ([d for d in (1, 2, 4, 8, 16, 32, 64) if (tp * cp * dp) % d == 0 and d <= experts]
+                           if experts else [1]):
+                    for micro in (1, 2, 4):
+                        if global_batch % (dp * micro):
+                            continue
+                        accum = global_batch // (dp * micro)
+                        layout = ParallelLayout(world_size=gpus, tp=tp, pp=pp, vpp=None, cp=cp, ep=ep, etp=1, dp=dp,
+                                                expert_dp=gpus // (ep * pp), micro_batch_size=micro, grad_accum=accum,
+                                                seq_length=training.tokens)
+                        try:
+                            check_layout(config, layout, False, tp > 1)
+                        except UserError as err:
+                            # "family: size=N does not divide ... (sizes that fit ...)": the size-free reason
+                            reason = str(err).split(": ", 1)[-1].split(" (sizes")[0]
+                            refused[reason] = refused.get(reason, 0) + 1
+                            continue
+                        for recompute in (None, "full"):
+                            shaped = dataclasses.replace(training, recompute=recompute, sequence_parallel=tp > 1)
+                            memory = estimate(config, layout, shaped)
+                            if memory["needs"] > gpu_memory_gib:
+                                key = f"needs more than {gpu_memory_gib:g} GiB per GPU"
+                                refused[key] = refused.get(key, 0) + 1
+                                continue
+                            speed = predicted_tokens_per_s(config, layout, training.tokens, recompute, peak_flops)
+                            fits.append(Candidate(layout, recompute, memory, speed))
+    # ties (the same predicted speed): the simpler layout, then the smaller footprint
+    fits.sort(key=lambda c: (-round(c.tokens_per_s), c.layout.tp * c.layout.pp * c.layout.cp * c.layout.ep,
+                             c.memory["needs"]))
+    return fits, refused

@@ -1,0 +1,127 @@
+"""The planner: its arithmetic against numbers worked by hand, its search against the layout check the run makes,
+and ``llamafactory-mca plan`` on a recipe as a user runs it."""
+
+import json
+
+import pytest
+import yaml
+from transformers import Qwen3Config, Qwen3MoeConfig
+
+from llamafactory_mca.errors import UserError
+from llamafactory_mca.models.families import get_family
+from llamafactory_mca.parallel import ParallelLayout, check_layout
+from llamafactory_mca.planner import memory
+from llamafactory_mca.planner.memory import Training, estimate
+from llamafactory_mca.planner.search import search
+from tests._cli import make_assets, one_error, recipe, run
+
+GIB = 1024**3
+
+
+def _dense(**overrides):
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=1000, tie_word_embeddings=False)
+    return get_family("qwen3").config_from_hf(Qwen3Config(**{**shape, **overrides}))
+
+
+def _layout(world=1, tp=1, pp=1, cp=1, ep=1, micro=1, accum=1):
+    dp = world // (tp * pp * cp)
+    return ParallelLayout(world_size=world, tp=tp, pp=pp, vpp=None, cp=cp, ep=ep, etp=1, dp=dp,
+                          expert_dp=world // (ep * pp), micro_batch_size=micro, grad_accum=accum)
+
+
+def test_breakdown_by_hand(monkeypatch):
+    """h 64, 4 layers, q 64, kv 32, f 128, vocab 1000 untied, 100 tokens, one GPU: worked out term by term."""
+    monkeypatch.setattr(memory, "ACTIVATION_FIT", 1.0)
+    h, q, kv, f, vocab, tokens = 64, 64, 32, 128, 1000, 100
+    layer = h * (q + 2 * kv) + q * h + 2 * 16 + 2 * h + 3 * h * f  # qkv, o, q/k norms (head_dim), 2 norms, SwiGLU
+    params = 4 * layer + 2 * vocab * h + h  # + embedding, output layer, final norm
+    got = estimate(_dense(), _layout(), Training(tokens=tokens))
+    # the final norm and q/k norms are left out of the estimate's count: within 0.2% of the exact count
+    assert got["weights"] == pytest.approx(params * 2 / GIB, rel=2e-3, abs=0.006)
+    assert got["grads"] == pytest.approx(params * 4 / GIB, rel=2e-3, abs=0.006)
+    assert got["optimizer"] == pytest.approx(params * 12 / GIB, rel=2e-3, abs=0.006)
+    per_layer = 2 * tokens * (4 * h + (q + 2 * kv) + 2 * (q + kv) + 2 * q + 3 * f)
+    assert got["activations"] == pytest.approx(4 * per_layer / GIB, abs=0.006)
+    assert got["logits"] == pytest.approx(tokens * vocab * memory.LOGIT_BYTES / GIB, abs=0.006)
+
+
+def test_layouts_divide_what_they_should():
+    """DP shards the optimizer, TP everything, PP the layers (the first stage keeps pp micro-batches in flight),
+    full recompute keeps one input per layer, LoRA keeps no gradient or optimizer state for the frozen base."""
+    config, shaped = _dense(hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, vocab_size=32000), \
+        Training(tokens=4096)
+    one = estimate(config, _layout(), shaped)
+    dp2 = estimate(config, _layout(world=2), shaped)
+    assert dp2["optimizer"] == pytest.approx(one["optimizer"] / 2, rel=0.05)
+    assert dp2["weights"] == one["weights"] and dp2["activations"] == one["activations"]
+    tp2 = estimate(config, _layout(world=2, tp=2), Training(tokens=4096, sequence_parallel=True))
+    assert tp2["weights"] == pytest.approx(one["weights"] / 2, rel=0.05)
+    assert tp2["activations"] == pytest.approx(one["activations"] / 2, rel=0.05)
+    pp2 = estimate(config, _layout(world=2, pp=2, accum=8), shaped)
+    # the worst stage: the first (half the layers, two micro-batches in flight: all of one GPU's activations) or
+    # the last (half the layers, one in flight, and the logits with the output layer)
+    assert pp2["activations"] in (pytest.approx(one["activations"], rel=0.05),
+                                  pytest.approx(one["activations"] / 2, rel=0.05))
+    assert pp2["peak"] < one["peak"] and pp2["weights"] < one["weights"]
+    full = estimate(config, _layout(), Training(tokens=4096, recompute="full"))
+    assert full["activations"] < one["activations"] / 3
+    lora = estimate(config, _layout(), Training(tokens=4096, lora_rank=8))
+    assert lora["weights"] == one["weights"] and lora["optimizer"] < one["optimizer"] / 50
+
+
+def test_search_proposes_only_layouts_the_run_accepts():
+    """4 heads and 2 KV groups: TP 4 and 8 are refused by the layout check; every proposal passes it, keeps the
+    global batch, and fits."""
+    config = _dense(vocab_size=1024)
+    found, refused = search(config, 8, 16, Training(tokens=256), gpu_memory_gib=80.0, peak_flops=989e12)
+    assert found and refused
+    for candidate in found:
+        layout = candidate.layout
+        check_layout(config, layout, False, layout.tp > 1)
+        assert layout.dp * layout.micro_batch_size * layout.grad_accum == 16
+        assert candidate.memory["needs"] <= 80.0 and layout.tp <= 2
+    assert [c.tokens_per_s for c in found] == sorted((c.tokens_per_s for c in found), reverse=True)
+    with pytest.raises(UserError):
+        check_layout(config, _layout(world=8, tp=4), False, True)
+
+
+def test_moe_experts_split_by_expert_parallelism():
+    hf = Qwen3MoeConfig(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1000, num_experts=64,
+                        num_experts_per_tok=4)
+    config = get_family("qwen3_moe").config_from_hf(hf)
+    one = estimate(config, _layout(world=2), Training(tokens=512))
+    ep2 = estimate(config, _layout(world=2, ep=2), Training(tokens=512))
+    experts = 4 * 64 * 3 * 256 * 256  # layers x experts x SwiGLU's three matrices
+    assert one["weights"] - ep2["weights"] == pytest.approx(experts / 2 * 2 / GIB, abs=0.011)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return make_assets(tmp_path_factory.mktemp("planner"))
+
+
+def test_plan_command(tmp_path, assets):
+    """The recipe's own layout, then a search on 4 GPUs of 16 GiB; --json's last line is the whole answer."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe(assets, tmp_path / "out", pipeline_model_parallel_size=2)))
+    result, output = run(["llamafactory-mca", "plan", str(path), "cutoff_len=128", "--gpus", "4", "--gpu-memory",
+                          "16", "--json"], alone=False)
+    assert result.returncode == 0, output
+    answer = json.loads(result.stdout.strip().splitlines()[-1])
+    assert answer["fits"] is True and answer["tokens_per_row"] == 128
+    assert answer["peak_gib"] == pytest.approx(sum(answer["breakdown"].values()), abs=0.05)
+    assert "pp=2" in answer["layout"] and answer["layouts"]
+    assert all(row["needs_gib"] <= 16 for row in answer["layouts"])
+    assert "per GPU (the largest pipeline stage)" in result.stdout
+    assert not (tmp_path / "out").exists()  # a plan writes nothing
+
+
+def test_plan_bad_input(tmp_path, assets):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe(assets, tmp_path / "out", tensor_model_parallel_size=3)))
+    result, output = run(["llamafactory-mca", "plan", str(path), "--gpus", "3", "--gpu-memory", "16"], alone=False)
+    one_error(result, output, "tensor_model_parallel_size=3")
+    result, output = run(["llamafactory-mca", "plan", str(path), "--gpus", "0"], alone=False)
+    one_error(result, output, "--gpus 0")
