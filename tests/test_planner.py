@@ -2,6 +2,8 @@
 and ``llamafactory-mca plan`` on a recipe as a user runs it."""
 
 import json
+import os
+import sys
 
 import pytest
 import yaml
@@ -13,9 +15,12 @@ from llamafactory_mca.parallel import ParallelLayout, check_layout
 from llamafactory_mca.planner import memory
 from llamafactory_mca.planner.memory import Training, estimate
 from llamafactory_mca.planner.search import search
-from tests._cli import make_assets, one_error, recipe, run
+from tests._cli import cli_env, fake_hub_cache, make_assets, one_error, recipe, run
 
 GIB = 1024**3
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from e2e_workloads import SHAPES  # noqa: E402  (the benchmarks' full-size shapes: real config.json values)
 
 
 def _dense(**overrides):
@@ -125,3 +130,34 @@ def test_plan_bad_input(tmp_path, assets):
     one_error(result, output, "tensor_model_parallel_size=3")
     result, output = run(["llamafactory-mca", "plan", str(path), "--gpus", "0"], alone=False)
     one_error(result, output, "--gpus 0")
+
+
+# The recipes whose model the benchmarks declare at full size, with the hardware their header names (GPUs, GiB).
+RECIPES = {"qwen3_dense_sft.yaml": ("dense", 1, 80), "qwen3_long_context_cp2.yaml": ("dense", 2, 80),
+           "qwen3_moe_full.yaml": ("moe", 8, 80), "qwen3_moe_lora.yaml": ("moe", 1, 141),
+           "glm4_5_air_lora.yaml": ("glm", 8, 80), "moonlight_full.yaml": ("moonlight", 8, 80),
+           "qwen3_next_full.yaml": ("next", 8, 80)}
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_example_recipes_fit_their_hardware(tmp_path, name):
+    """Each recipe, planned with its model's real config.json (from the hub id, through a fake cache), fits the
+    GPUs its header names, and its weights are those of the full model (the shape is not a stand-in)."""
+    from transformers import AutoConfig
+
+    kind, gpus, memory_gib = RECIPES[name]
+    path = os.path.join(ROOT, "examples", "megatron", name)
+    with open(path) as f:
+        repo = yaml.safe_load(f)["model_name_or_path"]
+    shape = dict(SHAPES[kind])
+    model = tmp_path / "model"
+    AutoConfig.for_model(shape.pop("model_type"), **shape).save_pretrained(model)
+    fake_hub_cache(str(tmp_path / "hub"), repo, str(model))
+    result, output = run(["llamafactory-mca", "plan", path, "--gpus", str(gpus), "--gpu-memory", str(memory_gib),
+                          "--json"], env=cli_env(None, {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}),
+                         alone=False)
+    assert result.returncode == 0, output[-3000:]
+    answer = json.loads(result.stdout.strip().splitlines()[-1])
+    assert answer["fits"], answer
+    print(name, answer["layout"], answer["breakdown"], answer["needs_gib"])
+    assert answer["breakdown"]["weights"] > 0.5, answer
