@@ -32,6 +32,8 @@ from .models.auto import AutoModel, describe_load_balancing
 from .models.freeze import apply_freeze, apply_multimodal_freeze
 from .models.lora.peft_io import setup_lora
 from .plan import RunPlan, plan_run
+from .planner.check import training_of
+from .planner.memory import estimate
 from .quiet import quiet_transformers
 from .trainer.loss import PreferenceConfig
 from .trainer.metrics import count_parameters, memory_estimate_gib, model_parameter_count, startup_summary
@@ -92,7 +94,8 @@ def _describe_mtp(tc: Any) -> str:
         else ""
 
 
-def _summary(plan: RunPlan, model: Any, trainer: McaTrainer, train_plan: DataPlan, training_args: Any) -> str:
+def _summary(plan: RunPlan, model: Any, trainer: McaTrainer, train_plan: DataPlan, training_args: Any,
+             finetuning_args: Any) -> str:
     """The startup summary (rank 0)."""
     on_rank = count_parameters(model.chunks)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -104,6 +107,7 @@ def _summary(plan: RunPlan, model: Any, trainer: McaTrainer, train_plan: DataPla
         kernels=spec.describe_kernels(model.transformer_config), tokens_per_step=trainer.tokens_per_step(),
         steps=trainer.max_steps, data_stats=format_stats(train_plan.stats),
         memory=memory_estimate_gib(on_rank, training_args, plan.layout.dp, trainable),
+        planned=estimate(config, plan.layout, training_of(plan, training_args, finetuning_args)),
         tuning=f"{model.lora.describe()}: {trainable / 1e6:,.2f}M trainable parameters on this rank "
                f"({100 * trainable / max(on_rank, 1):.2f}%)" if model.lora else None,
         moe=describe_load_balancing(model.transformer_config, config.hf_model_type, plan.balancing)
@@ -216,7 +220,7 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
                              run=plan.record),
     )
     if rank == 0:
-        logger.info("\n" + _summary(plan, model, trainer, train_plan, training_args))
+        logger.info("\n" + _summary(plan, model, trainer, train_plan, training_args, finetuning_args))
 
     result = trainer.train(training_args.resume_from_checkpoint)
     trainer.save_model()

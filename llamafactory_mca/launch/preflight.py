@@ -180,6 +180,7 @@ def preflight(argv: list[str]) -> tuple[Any, str]:
     from ..checkpoints import resolve_resume
     from ..parallel import min_world_size
     from ..plan import check_model_files, plan_run
+    from ..planner.check import check_fits
 
     recipe = read_recipe(argv)
     check_keys(recipe, _recipe_name(argv))
@@ -194,6 +195,7 @@ def preflight(argv: list[str]) -> tuple[Any, str]:
         check_model_files(path)
     check_datasets(data_args)
     resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir, plan.record)
+    check_fits(plan, training_args, finetuning_args)
     return plan, training_args.output_dir
 
 

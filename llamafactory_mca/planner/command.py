@@ -13,7 +13,8 @@ import sys
 from typing import Any
 
 from ..errors import UserError, user_errors
-from .memory import Training, estimate
+from .check import TERMS, training_of
+from .memory import estimate
 from .search import predicted_tokens_per_s, search
 
 USAGE = """usage: llamafactory-mca plan RECIPE.yaml [key=value ...] [--gpus N] [--gpu-memory GIB] [--json]
@@ -22,7 +23,6 @@ What the recipe needs per GPU (weights, gradients, optimizer states, activations
 whether it fits --gpu-memory (default: the visible GPU's). With --gpus N: the layouts of the same global batch that
 fit N GPUs, best first, with the keys to paste. --json: one JSON object as the last line.
 """
-TERMS = ("weights", "grads", "optimizer", "activations", "logits")
 
 
 def _options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -49,17 +49,6 @@ def _gpu() -> tuple[float | None, float, str]:
     return None, 989e12, "no GPU visible (speed as on an H100)"
 
 
-def _training(plan: Any, training_args: Any, finetuning_args: Any) -> Training:
-    lora = plan.finetuning_type == "lora"
-    target = ",".join(getattr(finetuning_args, "lora_target", None) or [])
-    return Training(tokens=plan.cutoff_len, recompute=training_args.recompute_granularity,
-                    sequence_parallel=bool(training_args.sequence_parallel),
-                    distributed_optimizer=bool(training_args.use_distributed_optimizer),
-                    cpu_offload=bool(training_args.optimizer_cpu_offload),
-                    lora_rank=finetuning_args.lora_rank if lora else None, lora_experts=lora and "experts" in target,
-                    native_cross_entropy=training_args.native_cross_entropy is not False)
-
-
 def plan_command(argv: list[str]) -> dict[str, Any]:
     """The estimate (and the search) as a dict; prints the human-readable lines."""
     # LLaMA-Factory's parser, through the launcher's own recipe reading so that a plan reads exactly what training
@@ -77,7 +66,7 @@ def plan_command(argv: list[str]) -> dict[str, Any]:
         training_args.context_parallel_size, training_args.expert_model_parallel_size,
         training_args.expert_tensor_parallel_size or 1)
     plan = plan_run(finetuning_args.stage, model_args, data_args, training_args, finetuning_args, world, recipe)
-    training = _training(plan, training_args, finetuning_args)
+    training = training_of(plan, training_args, finetuning_args)
     memory = estimate(plan.config, plan.layout, training)
     visible, peak, gpu_name = _gpu()
     budget = options.gpu_memory or visible

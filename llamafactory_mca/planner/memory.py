@@ -35,6 +35,7 @@ class Training:
     lora_rank: int | None = None  # LoRA on every linear of attention and dense MLP (lora_target: all)
     lora_experts: bool = False  # and on the experts (lora_target: all,experts)
     native_cross_entropy: bool = True
+    half: bool = True  # bf16 / fp16 weights with fp32 main weights; False: fp32 throughout (no main copy)
 
 
 def _shapes(config: Any) -> dict[str, int]:
@@ -108,7 +109,8 @@ def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[st
                             if training.lora_experts else 0)
             trainable = dp_share = sum(r * (attention + (0 if m else mlp)) + (experts_lora if m else 0)
                                        for m in mine) / layout.tp
-        states = 12 if training.distributed_optimizer else 12 * layout.dp * layout.cp
+        states = (12 if training.half else 8) * (1 if training.distributed_optimizer else
+                                                 layout.dp * layout.cp)
         optimizer = 0.0 if training.cpu_offload else dp_share * states
         # activations: 1F1B keeps (pp - stage) micro-batches in flight (interleaving: a little more)
         in_flight = min(layout.pp - stage, layout.grad_accum)
@@ -126,7 +128,8 @@ def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[st
         if last:
             logits = tokens * s["vocab"] / layout.tp * (LOGIT_BYTES if training.native_cross_entropy else
                                                          LOGIT_BYTES + 4) * (1 + s["mtp"])
-        stages.append({"weights": params * 2 / GIB, "grads": trainable * 4 / GIB, "optimizer": optimizer / GIB,
+        stages.append({"weights": params * (2 if training.half else 4) / GIB, "grads": trainable * 4 / GIB,
+                       "optimizer": optimizer / GIB,
                        "activations": activations / GIB, "logits": logits / GIB})
     worst = max(stages, key=lambda b: sum(b.values()))
     peak = sum(worst.values())

@@ -166,7 +166,8 @@ def gpu_memory_gib() -> tuple[float, float]:
 
 def startup_summary(*, layout: Any, args: Any, model_type: str, params_total: int, params_on_rank: int,
                     kernels: str, tokens_per_step: int | None, steps: int, data_stats: str,
-                    memory: dict[str, float], tuning: str | None = None, moe: str | None = None) -> str:
+                    memory: dict[str, float], planned: dict[str, float] | None = None, tuning: str | None = None,
+                    moe: str | None = None) -> str:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (gloo)"
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     schedule = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
@@ -192,9 +193,11 @@ def startup_summary(*, layout: Any, args: Any, model_type: str, params_total: in
         f"  recompute   {args.recompute_granularity or 'off'}"
         + (f" ({args.recompute_method}, {args.recompute_num_layers} layers)" if args.recompute_granularity == "full"
            else f" ({', '.join(args.recompute_modules or ['core_attn'])})" if args.recompute_granularity else ""),
-        f"  parameters  {params_on_rank / 1e6:,.1f}M on this rank; estimated memory per GPU before activations: "
-        f"{memory['total']:.2f} GiB (weights {memory['weights']:.2f}, grads {memory['grads']:.2f}, optimizer "
-        f"{memory['optimizer']:.2f})",
+        f"  parameters  {params_on_rank / 1e6:,.1f}M on this rank: weights {memory['weights']:.2f}, grads "
+        f"{memory['grads']:.2f}, optimizer {memory['optimizer']:.2f} GiB",
+        *([f"  memory      predicted peak per GPU {planned['peak']:.2f} GiB (largest stage: activations "
+           f"{planned['activations']:.2f}, logits {planned['logits']:.2f}; {planned['needs']:.2f} GiB with the "
+           "allocator's headroom; `llamafactory-mca plan` has the breakdown)"] if planned else []),
         f"  {data_stats}",
         "=" * 100,
     ]
