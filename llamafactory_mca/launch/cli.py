@@ -8,10 +8,13 @@ lazily, so ``--help`` answers at once.
 from __future__ import annotations
 
 import difflib
+import importlib
 import os
 import sys
 
 COMMANDS = ("train", "plan", "merge", "convert", "demo", "version", "help")
+FRONT_ENDS = {"plan": ("..planner.command", "main"), "merge": ("..tools.merge", "main"),
+              "convert": ("..tools.convert", "main"), "demo": ("..tools.demo", "demo_main")}
 USAGE = """usage: llamafactory-mca <command> [args]
 
   train RECIPE.yaml [key=value ...]  train with Megatron-Core (same as USE_MCA=1 llamafactory-cli train ...)
@@ -71,22 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         return train(argv)
     if command == "version":
         return version(argv)
-    if command == "plan":
-        from ..planner.command import main as plan_main
-
-        return plan_main(argv)
-    if command == "merge":
-        from ..tools.merge import main as merge_main
-
-        return merge_main(argv)
-    if command == "convert":
-        from ..tools.convert import main as convert_main
-
-        return convert_main(argv)
-    if command == "demo":
-        from ..tools.demo import demo_main
-
-        return demo_main(argv)
+    if command in FRONT_ENDS:  # imported when asked for, so that --help and the others answer at once
+        module, function = FRONT_ENDS[command]
+        return getattr(importlib.import_module(module, __package__), function)(argv)
     if command in ("help", "-h", "--help"):
         print(USAGE)
         return 0
