@@ -56,7 +56,7 @@ def _copy_into(target: torch.Tensor) -> Callable[[torch.Tensor], None]:
     return assign
 
 
-def _global_layer_names(chunk: torch.nn.Module) -> dict[str, str]:
+def global_layer_names(chunk: torch.nn.Module) -> dict[str, str]:
     """``decoder.layers.<local>.`` → ``decoder.layers.<global>.`` for this chunk."""
     mapping = {}
     decoder = getattr(chunk, "decoder", None)
@@ -66,7 +66,7 @@ def _global_layer_names(chunk: torch.nn.Module) -> dict[str, str]:
 
 
 def local_targets(chunk: torch.nn.Module, num_experts: int | None = None) -> Iterator[Target]:
-    layer_names = _global_layer_names(chunk)
+    layer_names = global_layer_names(chunk)
     num_layers = chunk.config.num_layers
     ep_rank = ps.get_expert_model_parallel_rank()
     ep_size = ps.get_expert_model_parallel_world_size()

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..models.mapping import is_moe_layer
 from ..parallel import ParallelLayout
-from ..trainer.metrics import _attention_sizes
+from ..trainer.metrics import attention_sizes
 
 GIB = 1024**3
 ACTIVATION_FIT = 1.1  # measured / counted, per layer (norm and RoPE temporaries, the allocator's rounding)
@@ -41,7 +41,7 @@ class Training:
 def _shapes(config: Any) -> dict[str, int]:
     t = config.transformer
     h = t["hidden_size"]
-    attn_weights, q, v = _attention_sizes(t)
+    attn_weights, q, v = attention_sizes(t)
     heads, groups, head_dim = config.attention
     glu = 2 if t.get("gated_linear_unit", True) else 1
     return dict(h=h, q=q, v=v, kv=groups * head_dim if not t.get("multi_latent_attention") else q, attn=attn_weights,

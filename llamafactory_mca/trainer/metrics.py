@@ -36,7 +36,7 @@ def flops_per_sequence_set(t: dict[str, Any], vocab_size: int, seqlens: Sequence
     tokens = float(sum(seqlens))
     squares = float(sum(s * s for s in seqlens))
     h = t["hidden_size"]
-    weights, qk_width, v_width = _attention_sizes(t)
+    weights, qk_width, v_width = attention_sizes(t)
     per_layer = 2 * tokens * weights  # the projections
     per_layer += 2 * squares * (qk_width + v_width) * 0.5  # QK^T and AV, causal
     linear_layers = sum(t.get("linear_attention_freq") or [])
@@ -75,7 +75,7 @@ def _delta_rule_flops(t: dict[str, Any], tokens: float, chunk: int = 64) -> floa
     return 2 * tokens * projections + 2 * tokens * nv * (3 * dk * dv + chunk / 2 * (dk + dv))
 
 
-def _attention_sizes(t: dict[str, Any]) -> tuple[int, int, int]:
+def attention_sizes(t: dict[str, Any]) -> tuple[int, int, int]:
     """One layer's attention: (projection weights, query/key width, value width) over all heads; grouped-query or
     multi-latent (DeepSeek-V3: low-rank q and kv projections, a RoPE part shared by the keys, narrower values)."""
     h = t["hidden_size"]
@@ -109,7 +109,7 @@ def model_parameter_count(config: Any) -> int:
     heads, groups, head_dim = config.attention
     q, kv = heads * head_dim, groups * head_dim
     glu = 3 if t.get("gated_linear_unit", True) else 2
-    layer = _attention_sizes(t)[0] + 2 * h
+    layer = attention_sizes(t)[0] + 2 * h
     if t.get("add_qkv_bias"):
         layer += q + 2 * kv
     if t.get("qk_layernorm"):
@@ -126,7 +126,7 @@ def model_parameter_count(config: Any) -> int:
     linear = 0  # the gated delta-rule layers have their own weights instead of the attention's
     if t.get("linear_attention_freq"):
         projections, other, _, _ = _delta_rule_sizes(t)
-        full = _attention_sizes(t)[0] + (2 * head_dim if t.get("qk_layernorm") else 0)
+        full = attention_sizes(t)[0] + (2 * head_dim if t.get("qk_layernorm") else 0)
         linear = sum(t["linear_attention_freq"]) * (projections + other - full)
     embeddings = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
     mtp = (t.get("mtp_num_layers") or 0) * (3 * h + 2 * h * h)  # enorm, hnorm, final norm, eh_proj

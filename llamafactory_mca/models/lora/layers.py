@@ -41,7 +41,7 @@ from ...compat import has_transformer_engine
 from ...errors import UserError
 from ..families import get_family
 from ..freeze import EXTRA_MODULES
-from ..loading import _global_layer_names, dims_for
+from ..loading import global_layer_names, dims_for
 from ..mapping import DictSource, Dims, GroupedRows, Op, WeightTable
 from ..native.experts import NativeGroupedMLP, grouped_mm
 
@@ -612,7 +612,7 @@ def apply_lora(model: Any, settings: LoraSettings, freeze_vision_tower: bool = T
         layers += len(getattr(getattr(chunk, "decoder", None), "layers", []))
         if getattr(chunk, "embedding", None) is not None:
             chunk.embedding.register_forward_hook(_activations_need_grad)
-        layer_names = _global_layer_names(chunk)
+        layer_names = global_layer_names(chunk)
         for name, param in chunk.named_parameters():
             if extra and name.startswith(extra):
                 param.requires_grad_(True)
