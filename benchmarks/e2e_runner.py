@@ -240,6 +240,8 @@ def summarize(run_dir: str, run: Run, warmup: int, flops_config, peak: float | N
 
 def run_workload(w: Workload, args, info: dict, save) -> dict:
     """Every run of ``w``; ``save(partial result)`` after each, so a cut-off invocation keeps what it measured."""
+    from planner_check import predict
+
     from llamafactory_mca.models.auto import AutoConfig
 
     steps = args.steps or w.steps
@@ -287,6 +289,8 @@ def run_workload(w: Workload, args, info: dict, save) -> dict:
               f"log {os.path.relpath(os.path.join(run_dir, 'log.txt'))}", flush=True)
         status, seconds = launch(run, recipe_path, run_dir, args.timeout, args.smoke)
         record.update(summarize(run_dir, run, warmup, flops_config, peak))
+        if run.path == "ours" and run.packing and w.model in ("dense", "moe"):  # the planner's estimate beside it
+            record["predicted_peak_gib"] = predict(flops_config, w, run, w.cutoff)["peak"]
         oom, problem = _log_problem(run_dir)
         if status != "ok":
             record["error"] = problem

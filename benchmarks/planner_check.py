@@ -35,6 +35,22 @@ def mca_config(kind: str, layers: int):
     return get_family(hf.model_type).config_from_hf(hf)
 
 
+def predict(config, workload, run, cutoff: int) -> dict:
+    """The planner's estimate for one declared run of ours (``e2e_workloads.Run``) on ``config``."""
+    extra = run.extra or {}
+    sizes = {KEYS[k]: v for k, v in extra.items() if k in KEYS}
+    tp, pp, cp, ep = (sizes.get(k, 1) for k in ("tp", "pp", "cp", "ep"))
+    layout = ParallelLayout(world_size=run.gpus, tp=tp, pp=pp, vpp=sizes.get("vpp"), cp=cp, ep=ep, etp=1,
+                            dp=run.gpus // (tp * pp * cp), expert_dp=run.gpus // (ep * pp),
+                            micro_batch_size=run.micro_batch, grad_accum=run.grad_accum)
+    modules = extra.get("recompute_modules")
+    return estimate(config, layout, Training(
+        tokens=cutoff, recompute=extra.get("recompute_granularity"),
+        recompute_modules=tuple(modules.split(",")) if modules else ("core_attn",),
+        sequence_parallel=bool(extra.get("sequence_parallel")), lora_rank=workload.tuning.get("lora_rank"),
+        lora_experts="experts" in extra.get("lora_target", "")))
+
+
 def rows() -> list[dict]:
     found = []
     declared = workloads(smoke=False)
@@ -50,19 +66,8 @@ def rows() -> list[dict]:
                 decl = next((r for r in spec.runs if r.name == run_name), None)
                 if decl is None or decl.path != "ours" or not run.get("peak_memory_gib") or not decl.packing:
                     continue
-                extra = decl.extra or {}
-                sizes = {KEYS[k]: v for k, v in extra.items() if k in KEYS}
-                tp, pp, cp, ep = (sizes.get(k, 1) for k in ("tp", "pp", "cp", "ep"))
-                dp = decl.gpus // (tp * pp * cp)
-                layout = ParallelLayout(world_size=decl.gpus, tp=tp, pp=pp, vpp=sizes.get("vpp"), cp=cp, ep=ep, etp=1,
-                                        dp=dp, expert_dp=decl.gpus // (ep * pp), micro_batch_size=decl.micro_batch,
-                                        grad_accum=decl.grad_accum)
-                config = mca_config(spec.model, w["settings"]["layers"])
-                predicted = estimate(config, layout, Training(tokens=w["settings"]["cutoff_len"],
-                                                              recompute=extra.get("recompute_granularity"),
-                                                              sequence_parallel=bool(extra.get("sequence_parallel")),
-                                                               lora_rank=spec.tuning.get("lora_rank"),
-                                                               lora_experts="experts" in extra.get("lora_target", "")))
+                predicted = predict(mca_config(spec.model, w["settings"]["layers"]), spec, decl,
+                                    w["settings"]["cutoff_len"])
                 found.append({"results": os.path.relpath(path, os.path.dirname(os.path.abspath(__file__))),
                               "workload": name, "run": run_name, "layout": decl.layout,
                               "measured_gib": run["peak_memory_gib"], "predicted_gib": predicted["peak"],

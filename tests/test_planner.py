@@ -71,6 +71,9 @@ def test_layouts_divide_what_they_should():
     assert pp2["peak"] < one["peak"] and pp2["weights"] < one["weights"]
     full = estimate(config, _layout(), Training(tokens=4096, recompute="full"))
     assert full["activations"] < one["activations"] / 3
+    selective = estimate(config, _layout(), Training(tokens=4096, recompute="selective",
+                                                     recompute_modules=("core_attn", "mlp")))
+    assert full["activations"] < selective["activations"] < one["activations"]
     lora = estimate(config, _layout(), Training(tokens=4096, lora_rank=8))
     assert lora["weights"] == one["weights"] and lora["optimizer"] < one["optimizer"] / 50
 

@@ -32,6 +32,7 @@ def training_of(plan: Any, training_args: Any, finetuning_args: Any) -> Training
     lora = plan.finetuning_type == "lora"
     target = ",".join(getattr(finetuning_args, "lora_target", None) or [])
     return Training(tokens=plan.cutoff_len, recompute=training_args.recompute_granularity,
+                    recompute_modules=tuple(training_args.recompute_modules or ("core_attn",)),
                     sequence_parallel=bool(training_args.sequence_parallel),
                     distributed_optimizer=bool(training_args.use_distributed_optimizer),
                     cpu_offload=bool(training_args.optimizer_cpu_offload),

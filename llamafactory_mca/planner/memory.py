@@ -29,6 +29,7 @@ class Training:
 
     tokens: int  # per micro-batch row: the pack length (cutoff_len) or the padded row
     recompute: str | None = None  # recompute_granularity: None, "full" or "selective"
+    recompute_modules: tuple[str, ...] = ("core_attn",)  # selective: what is rebuilt (Megatron's default)
     sequence_parallel: bool = False
     distributed_optimizer: bool = True
     cpu_offload: bool = False
@@ -59,19 +60,22 @@ def _layer_params(s: dict[str, int], moe: bool) -> tuple[int, int]:
 
 
 def _layer_activations(s: dict[str, int], tokens: float, layout: ParallelLayout, sequence_parallel: bool, moe: bool,
-                       frozen_experts: bool) -> float:
-    """Bytes autograd keeps for one layer and one micro-batch of ``tokens`` (after the CP split)."""
+                       frozen_experts: bool, rebuilt: tuple[str, ...] = ()) -> float:
+    """Bytes autograd keeps for one layer and one micro-batch of ``tokens`` (after the CP split); ``rebuilt``:
+    selective recompute's modules, which keep only their inputs."""
     tp, sp = layout.tp, layout.tp if sequence_parallel else 1
     hidden = 2 * tokens * s["h"] * 4 / sp  # the inputs of both norms, of QKV and of the MLP
-    attention = 2 * tokens * (s["q"] + 2 * s["kv"] + 2 * (s["q"] + s["kv"]) + 2 * s["q"]) / tp  # qkv, norm+rope, out
+    core = 0 if "core_attn" in rebuilt else s["q"]  # the attention kernel's output (also out-projection's input)
+    attention = 2 * tokens * (s["q"] + 2 * s["kv"] + 2 * (s["q"] + s["kv"]) + s["q"] + core) / tp  # qkv, norm+rope
     if not moe:
-        return hidden + attention + 2 * tokens * (s["glu"] + 1) * s["f"] / tp  # fc1 out, the activation's out
+        mlp = 0 if "mlp" in rebuilt else 2 * tokens * (s["glu"] + 1) * s["f"] / tp  # fc1 out, the activation's out
+        return hidden + attention + mlp
     routed = tokens / sp * s["topk"]  # the tokens this rank's experts take, in expectation
     # permuted in (for fc1's weight gradient), the unpermute buffer, fc1 out and the activation's out (fc2's input);
     # frozen experts keep neither linear's input
     per_token = s["h"] + s["glu"] * s["fm"] / layout.etp if frozen_experts else \
         2 * s["h"] + (s["glu"] + 1) * s["fm"] / layout.etp
-    experts = 2 * routed * per_token
+    experts = 0 if "moe" in rebuilt else 2 * routed * per_token
     shared = 2 * tokens * 2 * s["glu"] * s["fs"] / tp + 4 * tokens / sp * s["experts"]  # + fp32 router logits
     return hidden + attention + experts + shared
 
@@ -117,7 +121,8 @@ def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[st
         if (layout.vpp or 1) > 1 and layout.pp > 1:
             in_flight *= 1 + (layout.pp - 1) / (layout.pp * layout.vpp)
         frozen = bool(training.lora_rank) and not training.lora_experts
-        full = [_layer_activations(s, tokens, layout, training.sequence_parallel, m, frozen) * ACTIVATION_FIT
+        rebuilt = training.recompute_modules if training.recompute == "selective" else ()
+        full = [_layer_activations(s, tokens, layout, training.sequence_parallel, m, frozen, rebuilt) * ACTIVATION_FIT
                 for m in mine]
         if training.recompute == "full":  # each layer keeps its input; one layer at a time is rebuilt in backward
             sp = layout.tp if training.sequence_parallel else 1
