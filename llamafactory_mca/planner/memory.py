@@ -3,8 +3,10 @@
 The terms are Megatron's: bf16 weights, an fp32 gradient buffer, the distributed optimizer's fp32 main weights and
 Adam moments sharded over the data-parallel ranks (experts over theirs), the activations a pipeline stage keeps for
 its micro-batches in flight, and the last stage's logits. Activations are counted tensor by tensor for one layer
-(what autograd saves in our native spec) and scaled by ``ACTIVATION_FIT``, fitted to the measured peaks of
-``benchmarks/results`` (``torch.cuda.max_memory_allocated``); ``benchmarks/planner_check.py`` prints the table.
+(what autograd saves in our native spec) and scaled by ``ACTIVATION_FIT``; it and ``LOGIT_BYTES`` were fitted to
+the measured peaks (``torch.cuda.max_memory_allocated``) of the two-H200 runs in ``benchmarks/results``, and
+``benchmarks/planner_check.py`` compares every measured run with its prediction. Not counted yet: a vision tower,
+and the gated delta-rule layers' own weights (they are counted as attention layers).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from ..trainer.metrics import attention_sizes
 GIB = 1024**3
 ACTIVATION_FIT = 1.1  # measured / counted, per layer (norm and RoPE temporaries, the allocator's rounding)
 LOGIT_BYTES = 6  # per logit at the loss: bf16 logits, their bf16 gradient, and fp32 pieces of the loss
-ALLOCATOR = 1.05  # reserved / allocated at the peak, and the CUDA context and NCCL buffers beside it (GiB)
-CONTEXT_GIB = 1.5
+ALLOCATOR = 1.05  # reserved / allocated at the peak
+CONTEXT_GIB = 1.5  # the CUDA context and NCCL's buffers, beside the allocator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +44,10 @@ class Training:
 def _shapes(config: Any) -> dict[str, int]:
     t = config.transformer
     h = t["hidden_size"]
-    attn_weights, q, v = attention_sizes(t)
-    heads, groups, head_dim = config.attention
+    attn_weights, q, _ = attention_sizes(t)
+    _, groups, head_dim = config.attention
     glu = 2 if t.get("gated_linear_unit", True) else 1
-    return dict(h=h, q=q, v=v, kv=groups * head_dim if not t.get("multi_latent_attention") else q, attn=attn_weights,
+    return dict(h=h, q=q, kv=groups * head_dim if not t.get("multi_latent_attention") else q, attn=attn_weights,
                 f=t["ffn_hidden_size"], glu=glu, experts=t.get("num_moe_experts") or 0,
                 topk=t.get("moe_router_topk") or 0,
                 fm=t.get("moe_ffn_hidden_size") or 0, fs=t.get("moe_shared_expert_intermediate_size") or 0,
