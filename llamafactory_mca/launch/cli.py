@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     if command == "version":
         return version(argv)
     if command in FRONT_ENDS:  # imported when asked for, so that --help and the others answer at once
+        from ..quiet import quiet_third_party
+
+        quiet_third_party()  # before Megatron-Core's import-time warnings
         module, function = FRONT_ENDS[command]
         return getattr(importlib.import_module(module, __package__), function)(argv)
     if command in ("help", "-h", "--help"):

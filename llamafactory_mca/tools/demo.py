@@ -19,7 +19,7 @@ from .merge import main as merge_main
 from .tiny import save_tiny_model, save_tiny_tokenizer
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/ -> package -> checkout
 DATA_DIR = os.path.join(ROOT, "examples", "data")
 
 
