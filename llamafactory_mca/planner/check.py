@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import UserError
 from .memory import Training, estimate
-from .search import search
+from .search import DEFAULT_PEAK, search
 
 MEMORY_ENV = "LLAMAFACTORY_MCA_GPU_MEMORY"
 SKIP_ENV = "LLAMAFACTORY_MCA_SKIP_MEMORY_CHECK"
@@ -68,7 +68,7 @@ def check_fits(plan: Any, training_args: Any, finetuning_args: Any) -> dict[str,
         return memory
     biggest = max(TERMS, key=lambda k: memory[k])
     layout = plan.layout
-    found, _ = search(plan.config, layout.world_size, layout.global_batch_size, training, budget, 989e12)
+    found, _ = search(plan.config, layout.world_size, layout.global_batch_size, training, budget, DEFAULT_PEAK)
     if found:
         keys = ", ".join(f"{k}: {v}" for k, v in found[0].keys.items())
         fix = f"On these {layout.world_size} GPU(s) this fits: {keys} (`llamafactory-mca plan` lists more)."

@@ -15,7 +15,7 @@ from typing import Any
 from ..errors import UserError, user_errors
 from .check import TERMS, training_of
 from .memory import estimate
-from .search import predicted_tokens_per_s, search
+from .search import DEFAULT_PEAK, predicted_tokens_per_s, search
 
 USAGE = """usage: llamafactory-mca plan RECIPE.yaml [key=value ...] [--gpus N] [--gpu-memory GIB] [--json]
 
@@ -45,8 +45,8 @@ def _gpu() -> tuple[float | None, float, str]:
 
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        return props.total_memory / 1024**3, peak_flops() or 989e12, props.name
-    return None, 989e12, "no GPU visible (speed as on an H100)"
+        return props.total_memory / 1024**3, peak_flops() or DEFAULT_PEAK, props.name
+    return None, DEFAULT_PEAK, "no GPU visible (speed as on an H100)"
 
 
 def plan_command(argv: list[str]) -> dict[str, Any]:

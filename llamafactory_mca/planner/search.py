@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import UserError
 from ..parallel import ParallelLayout, check_layout
-from ..trainer.metrics import flops_per_sequence_set
+from ..trainer.metrics import PEAK_BF16_FLOPS, flops_per_sequence_set
 from .memory import Training, estimate
 
 MFU = {"dense": 0.31, "moe": 0.18}  # ours on one H200, 4096-token packs (benchmarks/results/h200x2_two_gpus)
@@ -23,6 +23,7 @@ SHARE = {"dp": 0.92, "tp": 0.44, "cp": 0.92, "ep": 0.81}  # per-GPU tokens/s kep
 PP_OVERHEAD = 0.78  # PP2's share beyond its bubble (send/receive, the last stage's logits)
 RECOMPUTE = 0.75  # full recompute: one more forward per step
 TENSOR_PARALLEL = (1, 2, 4, 8)  # within a node's NVLink domain
+DEFAULT_PEAK = PEAK_BF16_FLOPS["H100"]  # where no GPU is visible: speeds as on an H100
 
 
 @dataclasses.dataclass(frozen=True)
