@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--off", default="", help="comma-separated recipe keys of ours set to false (one change "
                                                   "left out at a time: native_cross_entropy, ...)")
     parser.add_argument("--on", default="", help="comma-separated recipe keys set to true (gradient_accumulation_"
-                                                 "fusion, which is off by default)")
+                                                 "fusion, cuda_graphs: off by default)")
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29671")
@@ -99,7 +99,7 @@ def main() -> None:
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     if gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    parallel.initialize(targs.resolve_layout(world_size=world))
+    parallel.initialize(targs.resolve_layout(world_size=world), cuda_graphs=targs.run_cuda_graphs())
     family, hf = (("qwen3_next", Qwen3NextConfig(**shape)) if args.next else ("qwen3_moe", Qwen3MoeConfig(**shape))
                   if args.moe else ("qwen3", Qwen3Config(**shape)))
     config = get_family(family).config_from_hf(hf)

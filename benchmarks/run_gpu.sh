@@ -70,6 +70,17 @@ case $phase in
       >> "$out/profile.log" 2>&1; echo "== profile --moe --ep 2: exit $?"
     python3 benchmarks/profile_step.py --moe --layers 8 --out "$out/profile" >> "$out/profile.log" 2>&1
     echo "== profile --moe: exit $?"; grep -E "^(# One|- (step|GPU|MFU|per step))" "$out/profile.log" ;;
+  graphs_check)  # one GPU: CUDA-graphed layers against eager ones (tests), and a dense step profiled both ways
+    CUDA_VISIBLE_DEVICES=0 python3 -m pytest tests/gpu/test_cuda_graphs_gpu.py -x -q -p no:cacheprovider \
+      > "$out/graphs_tests.log" 2>&1; echo "== graphs tests: exit $?"; tail -n 30 "$out/graphs_tests.log"
+    for on in "" "--on cuda_graphs"; do
+      python3 benchmarks/profile_step.py $on --out "$out/profile" >> "$out/profile.log" 2>&1
+      echo "== profile $on: exit $?"
+    done
+    grep -E "^(# One|- (step|GPU|MFU|per step))" "$out/profile.log"; tail -n 20 "$out/profile.log" ;;
+  graphs)  # one GPU: dense and MoE, LLaMA-Factory beside ours eager and ours with CUDA graphs
+    bench 0 g0 --workloads dense --runs lf,lf_liger,ours,ours_graphs --gpus 1
+    bench 0 g0 --workloads moe --runs lf,ours,ours_graphs --gpus 1 ;;
   first_hour) first_hour; check_tests 0,1 ;;
   single)  # check, then one GPU each: dense and MoE side by side
     check

@@ -221,11 +221,14 @@ def lost_peer(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(text in str(err) for text in _PEER_GONE)
 
 
-def initialize(layout: ParallelLayout, seed: int = 42) -> None:
-    """Create Megatron's process groups for ``layout`` (idempotent) and seed every RNG."""
+def initialize(layout: ParallelLayout, seed: int = 42, cuda_graphs: bool = False) -> None:
+    """Create Megatron's process groups for ``layout`` (idempotent) and seed every RNG. ``cuda_graphs``: the run's
+    layers will be CUDA graphs, whose random numbers must come from a graph-safe generator."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    if cuda_graphs:  # NCCL buffer registration under graph capture faults with expandable segments (Megatron asserts)
+        os.environ.setdefault("NCCL_GRAPH_REGISTER", "0")
     init_distributed()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
@@ -243,7 +246,7 @@ def initialize(layout: ParallelLayout, seed: int = 42) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cuda_graphs, force_reset_rng=cuda_graphs)
 
 
 def destroy() -> None:

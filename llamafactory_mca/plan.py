@@ -87,6 +87,11 @@ def plan_run(stage: str, model_args: Any, data_args: Any, training_args: Any, fi
         ref_config, _ = plan_mtp(AutoConfig.from_pretrained(ref_path, training_args, model_args.trust_remote_code),
                                  stage, tuning, training_args)
         reference = (ref_path, ref_config)
+    notes = (mtp_note,) if mtp_note else ()
+    if getattr(training_args, "cuda_graphs", False):
+        check_cuda_graphs(stage, tuning, packing, config)
+        if not training_args.run_cuda_graphs():
+            notes += ("cuda_graphs: true on CPUs: the layers run eagerly, on the fixed shapes a graph would replay.",)
     adapters: tuple[str, ...] = ()
     if tuning == "lora":
         for path in model_args.adapter_name_or_path or []:
@@ -96,7 +101,7 @@ def plan_run(stage: str, model_args: Any, data_args: Any, training_args: Any, fi
         check_lora_plan(config, finetuning_args, list(adapters), layout.etp, layout.tp)
     return RunPlan(stage=stage, finetuning_type=tuning, layout=layout, packing=packing, cutoff_len=cutoff_len,
                    model_path=model_path, config=config, balancing=balancing, custom_pipeline_layout=custom,
-                   adapters=adapters, reference=reference, notes=(mtp_note,) if mtp_note else ())
+                   adapters=adapters, reference=reference, notes=notes)
 
 
 def check_request(stage: str, model_args: Any, data_args: Any, training_args: Any, finetuning_args: Any) -> None:
@@ -134,6 +139,21 @@ def check_request(stage: str, model_args: Any, data_args: Any, training_args: An
         raise UserError("ld_alpha is not supported with USE_MCA=1.")
     _check_output_dir(training_args.output_dir)
 
+
+
+def check_cuda_graphs(stage: str, finetuning_type: str, packing: bool, config: McaConfig) -> None:
+    """What per-layer CUDA graphs need beyond the layout (``MegatronArguments`` checks that): one pack size, and
+    layers that run the same way at every call."""
+    needs = [  # (what it needs, holds, why)
+        ("packing: true", packing, "packs are what get one size per micro-batch"),
+        ("stage: sft or pt", stage != "dpo", "DPO's reference pass and pairs run other shapes"),
+        ("finetuning_type: full or freeze", finetuning_type != "lora", "LoRA layers are not graphed yet"),
+        ("a text model", not config.transformer.get("mrope_section"),
+         "a vision-language model's 3-D positions cover the whole pack"),
+    ]
+    for key, holds, why in needs:
+        if not holds:
+            raise UserError(f"cuda_graphs=True needs {key} ({why}). Set cuda_graphs: false.")
 
 
 def plan_mtp(config: McaConfig, stage: str, finetuning_type: str, args: Any) -> tuple[McaConfig, str | None]:

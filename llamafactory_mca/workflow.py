@@ -185,7 +185,7 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
         logger.warning(note)
 
     watchdog.beat(phase="loading data and model")
-    parallel.initialize(plan.layout, training_args.seed)
+    parallel.initialize(plan.layout, training_args.seed, cuda_graphs=training_args.run_cuda_graphs())
     memory_report.start()
     tokenizer_module = load_tokenizer(_at(model_args, plan.model_path))
     tokenizer, processor = tokenizer_module["tokenizer"], tokenizer_module.get("processor")

@@ -128,6 +128,17 @@ class MicroBatch:
                        cu_seqlens=cu_seqlens, seqlens=seqlens, max_seqlen=max_seqlen,
                        num_tokens=self.num_tokens + extra * self.tokens.shape[0])
 
+    def with_slots(self, slots: int) -> MicroBatch:
+        """A packed micro-batch described by shapes that never change, for a CUDA graph to replay: ``cu_seqlens``
+        lengthened to ``slots`` sequences by repeating its end (empty sequences, which attention and RoPE skip), and
+        ``max_seqlen`` one past the pack's length. (Megatron sizes the rotary table by ``max_seqlen``, and a table
+        exactly as long as the pack would mean positions counted across the pack, as multimodal RoPE's are.)"""
+        if not self.packed or self.num_sequences > slots:
+            raise ValueError(f"with_slots({slots}) needs a packed micro-batch of at most {slots} sequences "
+                             f"(got {'a padded one' if not self.packed else self.num_sequences})")
+        tail = self.cu_seqlens[-1:].expand(slots - self.num_sequences)
+        return replace(self, cu_seqlens=torch.cat([self.cu_seqlens, tail]), max_seqlen=self.tokens.shape[1] + 1)
+
     def without_loss(self) -> MicroBatch:
         """The same shapes with every target masked: a stand-in micro-batch for ranks that ran out of data."""
         return replace(

@@ -149,6 +149,12 @@ class DataPlan:
         return self.config.capacity(self.table.sequences_per_row)
 
     @property
+    def max_sequences(self) -> int:
+        """The most sequences any micro-batch of any epoch holds (epochs reorder the same packs)."""
+        groups = self._packs if self._packs is not None else self.epoch_groups(0)
+        return max((len(g) for g in groups), default=1) * self.table.sequences_per_row
+
+    @property
     def num_micro_batches(self) -> int:
         """Micro-batches in every epoch."""
         if self._packs is not None:

@@ -190,6 +190,9 @@ def _engine_fields(config: McaConfig, args: Any) -> dict[str, Any]:
         # activations of one micro-batch reached another); NCCL batches them correctly.
         batch_p2p_comm=not cpu_mode_needed(),
         cuda_graph_scope=[],  # megatron-core 0.16.1's default "full" warns that it is deprecated, in every process
+        # Whole layers, forward and backward, through megatron-core's CudaGraphManager (no TE needed): recorded in
+        # the first step, captured at its end, replayed after (trainer/graphs.py).
+        cuda_graph_impl="local" if getattr(args, "run_cuda_graphs", lambda: False)() else "none",
     )
     # alltoall is the fast dispatcher, and the only one Megatron allows with variable sequence lengths
     # (it checks even for dense models).

@@ -245,7 +245,9 @@ def describe_kernels(config: TransformerConfig) -> str:
     line = f"layer spec: {choice}{absent}; attention: {attention}"
     if getattr(config, "linear_attention_freq", None):
         line += f"; gated delta rule: {describe_delta_rule()}"
-    return line + (f"; MoE experts: {experts}" if config.num_moe_experts else "")
+    line += f"; MoE experts: {experts}" if config.num_moe_experts else ""
+    return line + ("; every layer a CUDA graph (forward and backward, captured in step 1)"
+                   if getattr(config, "cuda_graph_impl", "none") == "local" else "")
 
 
 class _NativeBackend(LocalSpecProvider):

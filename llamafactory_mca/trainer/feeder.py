@@ -26,10 +26,12 @@ class StepFeeder:
     micro-batch count that is a multiple of the pipeline size under the interleaved schedule, the CP split.
     """
 
-    def __init__(self, plan: Any, layout: Any) -> None:
+    def __init__(self, plan: Any, layout: Any, fixed_shapes: bool = False) -> None:
+        """``fixed_shapes``: every packed micro-batch described by the same shapes (CUDA graphs replay them)."""
         self.plan = plan
         self.layout = layout
         self.multiple = layout.pp if layout.vpp else 1
+        self.slots = plan.max_sequences if fixed_shapes else None
 
     @property
     def micro_batches_per_epoch(self) -> int:
@@ -76,6 +78,8 @@ class StepFeeder:
             # with as many micro-batches as stages deadlocked. It also costs a host sync per transfer.
             length = max(b.tokens.shape[1] for b in batches)
             batches = [b.padded_to(length) for b in batches]
+        if self.slots:
+            batches = [b.with_slots(self.slots) for b in batches]
         cp_rank, cp_size = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
         return [for_context_parallel_rank(b, cp_rank, cp_size) for b in batches]
 

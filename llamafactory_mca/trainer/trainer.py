@@ -16,6 +16,7 @@ import os
 import shutil
 import time
 import warnings
+from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
@@ -41,6 +42,7 @@ from ..models.lora.peft_io import export_adapter
 from . import checkpoint as ckpt
 from .faults import maybe_crash, maybe_hang, nan_loss
 from .feeder import StepFeeder
+from .graphs import eager_layers
 from .loss import PreferenceConfig, collect_pair_logps, dpo_loss, lm_loss
 from .metrics import flops_per_sequence_set, gpu_memory_gib, peak_flops
 from .optim import LRSchedule, build_optimizer, wrap_ddp
@@ -93,7 +95,7 @@ class McaTrainer:
                  side_files: SideFiles | None = None) -> None:
         self.model, self.args, self.layout = model, args, layout
         self.train_data, self.eval_data = train_data, eval_data
-        self.train_feed = StepFeeder(train_data, layout)
+        self.train_feed = StepFeeder(train_data, layout, fixed_shapes=bool(getattr(args, "cuda_graphs", False)))
         self.eval_feed = StepFeeder(eval_data, layout) if eval_data is not None else None
         self.tokenizer, self.processor = tokenizer, processor
         self.preference, self.reference = preference, reference  # DPO's ref_model: (folder, its planned config)
@@ -164,13 +166,14 @@ class McaTrainer:
         iterators = [iter(micro_batches) for _ in chunks]
         # the whole sequence: Megatron divides by the context-parallel size itself (and by TP under SP)
         seq_length = max(b.tokens.shape[-1] for b in micro_batches) * ps.get_context_parallel_world_size()
-        return get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, collect_reference=collect_reference),
-            data_iterator=iterators if len(iterators) > 1 else iterators[0],
-            model=chunks if len(chunks) > 1 else chunks[0],
-            num_microbatches=len(micro_batches), seq_length=seq_length,
-            micro_batch_size=micro_batches[0].tokens.shape[0], forward_only=forward_only,
-        ) or []
+        with eager_layers(chunks) if forward_only else nullcontext():  # graphs replay training's shapes only
+            return get_forward_backward_func()(
+                forward_step_func=partial(self._forward_step, collect_reference=collect_reference),
+                data_iterator=iterators if len(iterators) > 1 else iterators[0],
+                model=chunks if len(chunks) > 1 else chunks[0],
+                num_microbatches=len(micro_batches), seq_length=seq_length,
+                micro_batch_size=micro_batches[0].tokens.shape[0], forward_only=forward_only,
+            ) or []
 
     def _grads_finite(self) -> bool:
         # A sum over each gradient buffer is NaN or inf exactly when an element is (short of an fp32 overflow

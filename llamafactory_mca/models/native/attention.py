@@ -34,7 +34,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ...errors import UserError
 from . import context_parallel as cp_utils
-from .kernels import SegmentPlan, padded_attention, sbhd_to_thd, segment_attention
+from .kernels import SegmentPlan, padded_attention, sbhd_to_thd, segment_attention, varlen_usable
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
@@ -107,6 +107,12 @@ class NativeDotProductAttention(MegatronModule):
 
     def _packed(self, query, key, value, params: PackedSeqParams) -> torch.Tensor:
         cu_seqlens = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        if self.cp_size == 1 and varlen_usable(query):
+            # The kernel takes the boundaries as they are, on the device: no host read, so nothing here stops a
+            # CUDA graph capture, and empty sequences (a graphed run's unused slots) cost nothing.
+            plan = SegmentPlan(cu_q=cu_seqlens, cu_k=cu_seqlens, max_q=params.max_seqlen_q, max_k=params.max_seqlen_kv,
+                               q_lens=(), k_lens=())
+            return segment_attention(query, key, value, plan, self.softmax_scale)
         plan = self._cached_plan(params, cu_seqlens, query)
         if self.cp_size > 1:
             key, value = self._gathered(key, value, plan)

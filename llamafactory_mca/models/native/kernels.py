@@ -104,7 +104,7 @@ def _sdpa_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) ->
 def _padded_as_segments(query, key, value, scale: float) -> torch.Tensor:
     """A padded batch as ``b`` packed sequences of length ``s`` through varlen_attn."""
     sq, b, hq, d = query.shape
-    if not _varlen_usable(query):
+    if not varlen_usable(query):
         _warn_once("no fused attention kernel for this padded batch: SDPA's math fallback materialises the scores.")
     plan = make_plan([sq] * b, [sq] * b, query.device)
     out = segment_attention(sbhd_to_thd(query), sbhd_to_thd(key), sbhd_to_thd(value), plan, scale)
@@ -120,7 +120,7 @@ def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       scale: float) -> torch.Tensor:
     """``[t_q, hq, d]`` queries against ``[t_k, hk, d]`` keys and ``[t_k, hk, dv]`` values laid out as ``plan``
     says; returns ``[t_q, hq, dv]``."""
-    if query.is_cuda and _varlen_usable(query):
+    if varlen_usable(query):
         dv = value.size(-1)
         if dv != query.size(-1):  # flash kernels want one head dim: pad the values, drop the padding after
             value = F.pad(value, (0, query.size(-1) - dv))
@@ -157,7 +157,10 @@ def _varlen_causal_kwargs(gqa: bool) -> tuple[tuple[str, object], ...]:
     return tuple(kwargs.items())
 
 
-def _varlen_usable(query: torch.Tensor) -> bool:
+def varlen_usable(query: torch.Tensor) -> bool:
+    """Whether ``varlen_attn`` runs these operands on the GPU (half precision, a head dim flash supports)."""
+    if not query.is_cuda:
+        return False
     usable = (_varlen_fn() is not None and query.dtype in (torch.float16, torch.bfloat16)
               and query.size(-1) <= 256 and query.size(-1) % 8 == 0)
     if not usable:

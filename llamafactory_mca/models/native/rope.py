@@ -43,6 +43,10 @@ def _positions_of(cu_seqlens: torch.Tensor, local_tokens: int, cp_size: int, cp_
                   absolute: bool) -> torch.Tensor:
     """``thd_positions``, computed once per micro-batch: q and k of every layer pass the same ``cu_seqlens`` object
     (held here, so its identity cannot be reused), and each computation is ~10 small kernel launches."""
+    if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+        # Inside a CUDA graph each layer computes its own: a tensor kept from another graph's capture would live in
+        # memory that graph owns.
+        return thd_positions(cu_seqlens, local_tokens, cp_size, cp_rank, absolute)
     key = (local_tokens, cp_size, cp_rank, absolute)
     if _LAST[0] is None or _LAST[0][0] is not cu_seqlens or _LAST[0][1] != key:
         _LAST[:] = [(cu_seqlens, key), thd_positions(cu_seqlens, local_tokens, cp_size, cp_rank, absolute)]

@@ -1,0 +1,34 @@
+"""Per-layer CUDA graphs (megatron-core's ``CudaGraphManager``, ``cuda_graph_impl="local"``) as the trainer runs them.
+
+The first training step runs each layer eagerly and records its call; at the step's end the schedule captures every
+layer's forward and backward graph (``create_cudagraphs``); later steps replay them, one launch per layer and
+direction instead of hundreds. A graph replays one set of shapes and megatron-core has no eager fallback once graphs
+exist, so the micro-batches of a graphed run all have one shape (``MicroBatch.with_slots``), and anything else that
+runs the layers — evaluation, whose micro-batches differ — runs them with the graphs set aside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+_MANAGER = "cudagraph_manager"  # the attribute megatron-core's layers test to route a call through their graphs
+
+
+@contextmanager
+def eager_layers(chunks: Iterable[torch.nn.Module]) -> Iterator[None]:
+    """Run the chunks' layers eagerly inside the block (a no-op for a run without graphs)."""
+    held = [(module, module._modules.pop(_MANAGER)) for chunk in chunks for module in chunk.modules()
+            if _MANAGER in module._modules]
+    try:
+        yield
+    finally:
+        for module, manager in held:
+            module._modules[_MANAGER] = manager
+
+
+def graphed_layers(chunks: Iterable[torch.nn.Module]) -> int:
+    """How many layers run as graphs (the startup summary says)."""
+    return sum(1 for chunk in chunks for module in chunk.modules() if _MANAGER in module._modules)

@@ -1,0 +1,41 @@
+"""``cuda_graphs: true`` on one CUDA GPU through the real command: every layer captured in the first step and replayed
+after trains what eager layers train (dense and MoE, bf16, packed), evaluation runs beside the graphs, and a
+checkpoint written by a graphed run resumes.
+
+Run: ``python -m pytest tests/gpu/test_cuda_graphs_gpu.py -q`` (skipped without CUDA).
+"""
+
+import pytest
+import torch
+
+from tests._cli import losses, ok, recipe, train
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe"])
+def test_graphed_layers_train_what_eager_layers_train(model, assets, tmp_path):
+    curves = {}
+    for graphs in (False, True):
+        name = f"{model}_graphs_{graphs}"
+        config = recipe(assets, tmp_path / name, model_name_or_path=assets["models"][model], bf16=True,
+                        sequence_packing=True, cuda_graphs=graphs, max_steps=6, eval_dataset="tiny_alpaca",
+                        eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=2, save_strategy="steps",
+                        save_steps=3)
+        result, output = train(tmp_path, config, gpu=True, name=name)
+        ok(result, output)
+        assert ("every layer a CUDA graph" in output) == graphs, output[-3000:]
+        assert output.count("eval loss") == 2, output[-3000:]
+        curves[graphs] = losses(tmp_path / name)
+    assert curves[True].keys() == curves[False].keys() == set(range(1, 7))
+    for step, loss in curves[False].items():
+        assert curves[True][step] == pytest.approx(loss, rel=2e-3), (step, curves)
+    # a graphed run's checkpoint continues, under graphs again, where the uninterrupted run went
+    graphed = tmp_path / f"{model}_graphs_True"
+    config = recipe(assets, tmp_path / "resumed", model_name_or_path=assets["models"][model], bf16=True,
+                    sequence_packing=True, cuda_graphs=True, max_steps=6,
+                    resume_from_checkpoint=str(graphed / "checkpoint-3"))
+    result, output = train(tmp_path, config, gpu=True, name="resumed")
+    ok(result, output)
+    resumed = losses(tmp_path / "resumed")
+    assert resumed[6] == pytest.approx(curves[True][6], rel=2e-3), (resumed, curves[True])
