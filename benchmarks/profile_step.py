@@ -115,11 +115,12 @@ def main() -> None:
 
     def batch() -> MicroBatch:
         ids = torch.randint(0, shape["vocab_size"], (1, tokens), generator=g)
-        return MicroBatch(tokens=ids, labels=ids.roll(-1, 1), loss_mask=torch.ones(1, tokens),
-                          position_ids=torch.arange(length).repeat(seqs).view(1, -1),
-                          seq_ids=torch.arange(seqs).repeat_interleave(length).view(1, -1), cu_seqlens=cu,
-                          max_seqlen=length, seqlens=[length] * seqs, num_tokens=tokens, num_real_tokens=tokens,
-                          num_loss_tokens=tokens, num_data_tokens=tokens).to(device)
+        b = MicroBatch(tokens=ids, labels=ids.roll(-1, 1), loss_mask=torch.ones(1, tokens),
+                       position_ids=torch.arange(length).repeat(seqs).view(1, -1),
+                       seq_ids=torch.arange(seqs).repeat_interleave(length).view(1, -1), cu_seqlens=cu,
+                       max_seqlen=length, seqlens=[length] * seqs, num_tokens=tokens, num_real_tokens=tokens,
+                       num_loss_tokens=tokens, num_data_tokens=tokens)
+        return (b.with_slots(seqs) if targs.cuda_graphs else b).to(device)  # as the trainer's feeder shapes them
 
     batches = [batch() for _ in range(micro)]
 

@@ -89,7 +89,7 @@ def plan_run(stage: str, model_args: Any, data_args: Any, training_args: Any, fi
         reference = (ref_path, ref_config)
     notes = (mtp_note,) if mtp_note else ()
     if getattr(training_args, "cuda_graphs", False):
-        check_cuda_graphs(stage, tuning, packing, config)
+        check_cuda_graphs(stage, tuning, packing, config, layout, training_args)
         if not training_args.run_cuda_graphs():
             notes += ("cuda_graphs: true on CPUs: the layers run eagerly, on the fixed shapes a graph would replay.",)
     adapters: tuple[str, ...] = ()
@@ -141,9 +141,10 @@ def check_request(stage: str, model_args: Any, data_args: Any, training_args: An
 
 
 
-def check_cuda_graphs(stage: str, finetuning_type: str, packing: bool, config: McaConfig) -> None:
+def check_cuda_graphs(stage: str, finetuning_type: str, packing: bool, config: McaConfig, layout: ParallelLayout,
+                      args: Any) -> None:
     """What per-layer CUDA graphs need beyond the layout (``MegatronArguments`` checks that): one pack size, and
-    layers that run the same way at every call."""
+    layers that run the same way at every call, with nothing read on the host inside them."""
     needs = [  # (what it needs, holds, why)
         ("packing: true", packing, "packs are what get one size per micro-batch"),
         ("stage: sft or pt", stage != "dpo", "DPO's reference pass and pairs run other shapes"),
@@ -151,6 +152,16 @@ def check_cuda_graphs(stage: str, finetuning_type: str, packing: bool, config: M
         ("a text model", not config.transformer.get("mrope_section"),
          "a vision-language model's 3-D positions cover the whole pack"),
     ]
+    if config.num_experts:
+        needs += [
+            ("moe_grouped_gemm: true", bool(args.moe_grouped_gemm),
+             "the sequential experts read each expert's token count on the host"),
+            ("expert_model_parallel_size: 1 (and expert_tensor_parallel_size: 1)", layout.ep == layout.etp == 1,
+             "Megatron's all-to-all copies the token counts to the host"),
+            ("moe_local_dispatch unset, without moe_expert_capacity_factor",
+             args.moe_local_dispatch is not False and args.moe_expert_capacity_factor is None,
+             "only the on-device routing has no host copy"),
+        ]
     for key, holds, why in needs:
         if not holds:
             raise UserError(f"cuda_graphs=True needs {key} ({why}). Set cuda_graphs: false.")

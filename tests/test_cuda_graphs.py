@@ -66,9 +66,14 @@ def test_fixed_shapes_train_what_the_plain_path_trains(assets, tmp_path):
     (dict(recompute_granularity="full"), "recompute_granularity: selective"),
     (dict(sequence_packing=False), "packing: true"),
     (dict(finetuning_type="lora", lora_target="all"), "finetuning_type: full or freeze"),
+    (dict(model="qwen3_moe"), "moe_grouped_gemm: true"),
+    (dict(model="qwen3_moe", moe_grouped_gemm=True, expert_model_parallel_size=2), "expert_model_parallel_size: 1"),
 ])
 def test_what_graphs_cannot_replay_is_refused_before_any_worker(overrides, fragment, assets, tmp_path):
-    config = recipe(assets, tmp_path / "out", **{"sequence_packing": True, "cuda_graphs": True, **overrides})
+    overrides = dict(overrides)
+    model = assets["models"][overrides.pop("model", "qwen3")]
+    config = recipe(assets, tmp_path / "out", model_name_or_path=model,
+                    **{"sequence_packing": True, "cuda_graphs": True, **overrides})
     result, output = train(tmp_path, config, world=2, alone=False)
     one_error(result, output, "cuda_graphs=True needs", fragment)
     assert not (tmp_path / "out").exists()
