@@ -13,14 +13,15 @@ from tests._cli import losses, ok, recipe, train
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe"])
-def test_graphed_layers_train_what_eager_layers_train(model, assets, tmp_path):
+@pytest.mark.parametrize("model, fused", [("qwen3", True), ("qwen3_moe", False)])
+def test_graphed_layers_train_what_eager_layers_train(model, fused, assets, tmp_path):
+    """``fused``: the graphed run also GEMMs weight gradients into main_grad (gradient_accumulation_fusion)."""
     curves = {}
     for graphs in (False, True):
         name = f"{model}_graphs_{graphs}"
         config = recipe(assets, tmp_path / name, model_name_or_path=assets["models"][model], bf16=True,
                         moe_grouped_gemm=model == "qwen3_moe", sequence_packing=True, cuda_graphs=graphs,
-                        max_steps=6, learning_rate=1e-4,
+                        gradient_accumulation_fusion=graphs and fused, max_steps=6, learning_rate=1e-4,
                         eval_dataset="tiny_alpaca",
                         eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=2, save_strategy="steps",
                         save_steps=3)
@@ -36,8 +37,8 @@ def test_graphed_layers_train_what_eager_layers_train(model, assets, tmp_path):
     # a graphed run's checkpoint continues, under graphs again, where the uninterrupted run went
     graphed = tmp_path / f"{model}_graphs_True"
     config = recipe(assets, tmp_path / "resumed", model_name_or_path=assets["models"][model], bf16=True,
-                    moe_grouped_gemm=model == "qwen3_moe", sequence_packing=True, cuda_graphs=True, max_steps=6,
-                    learning_rate=1e-4,
+                    moe_grouped_gemm=model == "qwen3_moe", sequence_packing=True, cuda_graphs=True,
+                    gradient_accumulation_fusion=fused, max_steps=6, learning_rate=1e-4,
                     resume_from_checkpoint=str(graphed / "checkpoint-3"))
     result, output = train(tmp_path, config, gpu=True, name="resumed")
     ok(result, output)
