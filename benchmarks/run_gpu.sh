@@ -78,6 +78,14 @@ case $phase in
       echo "== profile $on: exit $?"
     done
     grep -E "^(# One|- (step|GPU|MFU|per step))" "$out/profile.log"; tail -n 20 "$out/profile.log" ;;
+  two_profile_dp)  # two GPUs: a dense step under the profiler on one GPU and at DP2, eager and with CUDA graphs
+    for on in "" "--on cuda_graphs"; do
+      python3 benchmarks/profile_step.py $on --out "$out/profile" >> "$out/profile.log" 2>&1
+      echo "== profile 1 GPU $on: exit $?"
+      torchrun --nproc-per-node 2 benchmarks/profile_step.py $on --out "$out/profile" >> "$out/profile.log" 2>&1
+      echo "== profile DP2 $on: exit $?"
+    done
+    grep -E "^(# One|- (step|GPU|MFU|per step))" "$out/profile.log" ;;
   graphs)  # one GPU: dense and MoE, LLaMA-Factory beside ours eager and ours with CUDA graphs
     bench 0 g0 --workloads dense --runs lf,lf_liger,ours,ours_graphs --gpus 1
     bench 0 g0 --workloads moe --runs lf,ours,ours_graphs --gpus 1 ;;
