@@ -168,6 +168,10 @@ class Workload:
     tuning: dict = field(default_factory=dict)  # recipe keys for both paths (LoRA)
 
 
+# LLaMA-Factory's examples/deepspeed/ds_z3_config.json (without its fp16 block): what its users run for ZeRO-3
+ZERO3 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_z3_config.json")
+
+
 def _pair(gpus: int, grad_accum: int, layout: str, ours_extra: dict | None = None, lf_layout: str = "",
           packing: bool = True, micro_batch: int = 1, suffix: str = "") -> list:
     return [Run("lf" + suffix, "lf", gpus, packing, micro_batch, grad_accum, lf_layout or layout),
@@ -210,8 +214,10 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                        "(gradient checkpointing), so `ours_recompute` is the like-for-like memory comparison; "
                        "`lf_liger`: LLaMA-Factory with `enable_liger_kernel`"),
         Workload("moe_ep2", "moe", cut, packed, _pair(2, 4, "EP2", {"expert_model_parallel_size": 2},
-                                                      lf_layout="DDP, 2 GPUs"),
-                 about=f"{cut}-token packed micro-batches, global batch 8 (dp 2 x grad accum 4)"),
+                                                      lf_layout="DDP, 2 GPUs")
+                 + [Run("lf_zero3", "lf", 2, True, 1, 4, "DeepSpeed ZeRO-3, 2 GPUs", {"deepspeed": ZERO3})],
+                 about=f"{cut}-token packed micro-batches, global batch 8 (dp 2 x grad accum 4); `lf_zero3`: "
+                       "LLaMA-Factory with DeepSpeed ZeRO-3 (its ds_z3_config.json)"),
         Workload("long", "dense", long_cut, ("uniform", int(long_cut * 0.9), long_cut),
                  [Run("lf", "lf", 1, False, 1, 2, "1 GPU, gradient checkpointing (LF default)"),
                   Run("lf_liger", "lf", 1, False, 1, 2, "1 GPU, Liger, gradient checkpointing", liger_gc),

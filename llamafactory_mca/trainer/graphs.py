@@ -28,7 +28,3 @@ def eager_layers(chunks: Iterable[torch.nn.Module]) -> Iterator[None]:
         for module, manager in held:
             module._modules[_MANAGER] = manager
 
-
-def graphed_layers(chunks: Iterable[torch.nn.Module]) -> int:
-    """How many layers run as graphs (the startup summary says)."""
-    return sum(1 for chunk in chunks for module in chunk.modules() if _MANAGER in module._modules)
