@@ -86,9 +86,12 @@ case $phase in
       echo "== profile DP2 $on: exit $?"
     done
     grep -E "^(# One|- (step|GPU|MFU|per step))" "$out/profile.log" ;;
-  graphs)  # one GPU: dense and MoE, LLaMA-Factory beside ours eager and ours with CUDA graphs
-    bench 0 g0 --workloads dense --runs lf,lf_liger,ours,ours_graphs --gpus 1
+  graphs)  # one GPU: dense and MoE, LLaMA-Factory beside ours eager and ours with CUDA graphs (results/h200_graphs)
+    bench 0 g0 --workloads dense --runs lf,lf_liger,ours,ours_graphs,ours_graphs_fused --gpus 1
     bench 0 g0 --workloads moe --runs lf,ours,ours_graphs --gpus 1 ;;
+  two_zero3)  # two GPUs: LLaMA-Factory's DeepSpeed ZeRO-3 on the MoE shape beside ours at EP2 (needs the deepspeed
+    # wheel and its pure-Python deps carried: einops hjson msgpack ninja py-cpuinfo)
+    bench 0,1 g2 --workloads moe_ep2 --runs lf_zero3,ours --gpus 2 --steps 8 ;;
   first_hour) first_hour; check_tests 0,1 ;;
   single)  # check, then one GPU each: dense and MoE side by side
     check

@@ -151,6 +151,8 @@ def check_cuda_graphs(stage: str, finetuning_type: str, packing: bool, config: M
         ("finetuning_type: full or freeze", finetuning_type != "lora", "LoRA layers are not graphed yet"),
         ("a text model", not config.transformer.get("mrope_section"),
          "a vision-language model's 3-D positions cover the whole pack"),
+        ("a model without linear-attention layers", not config.transformer.get("linear_attention_freq"),
+         "the gated delta rule plans its chunks on the host"),
     ]
     if config.num_experts:
         needs += [
