@@ -316,7 +316,6 @@ class MegatronArguments(DistributingParallelArguments):
     def __post_init__(self) -> None:
         DistributingParallelArguments.__post_init__(self)
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
-        self._check_cuda_graphs()
         _one_of("pt_blocks", self.pt_blocks, PT_BLOCKS)
         if self.overlap_param_gather:
             _require(self.use_distributed_optimizer and self.overlap_grad_reduce,
@@ -359,22 +358,6 @@ class MegatronArguments(DistributingParallelArguments):
         from .cpu_mode import cpu_mode_needed
 
         return self.cuda_graphs and not cpu_mode_needed()
-
-    def _check_cuda_graphs(self) -> None:
-        """A layer graph replays one shape, with no host work inside the layer and one graph per layer."""
-        if not self.cuda_graphs:
-            return
-        needs = [  # (what it needs, holds, why)
-            ("pipeline_model_parallel_size: 1", (self.pipeline_model_parallel_size or 1) == 1,
-             "pipeline stages keep several micro-batches in flight, each needing its own graphs"),
-            ("context_parallel_size: 1", (self.context_parallel_size or 1) == 1,
-             "context parallelism plans its attention segments on the host"),
-            ("recompute_granularity: selective (or unset)", self.recompute_granularity != "full",
-             "a recomputed layer runs its forward again outside the graph"),
-            ("variable_seq_lengths unset", not self.variable_seq_lengths, "a graph replays one length"),
-        ]
-        for key, holds, why in needs:
-            _require(holds, f"cuda_graphs=True needs {key} ({why}). Set {key}, or cuda_graphs: false.")
 
     def allow_variable_seq_lengths(self) -> bool:
         """Whether micro-batches may differ in length: the MoE allgather dispatcher forbids it, padding

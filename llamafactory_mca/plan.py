@@ -143,9 +143,15 @@ def check_request(stage: str, model_args: Any, data_args: Any, training_args: An
 
 def check_cuda_graphs(stage: str, finetuning_type: str, packing: bool, config: McaConfig, layout: ParallelLayout,
                       args: Any) -> None:
-    """What per-layer CUDA graphs need beyond the layout (``MegatronArguments`` checks that): one pack size, and
-    layers that run the same way at every call, with nothing read on the host inside them."""
+    """What per-layer CUDA graphs need: one graph per layer, replaying one pack size, with nothing read on the host
+    inside a layer."""
     needs = [  # (what it needs, holds, why)
+        ("pipeline_model_parallel_size: 1", layout.pp == 1,
+         "pipeline stages keep several micro-batches in flight, each needing its own graphs"),
+        ("context_parallel_size: 1", layout.cp == 1, "context parallelism plans its attention segments on the host"),
+        ("recompute_granularity: selective (or unset)", args.recompute_granularity != "full",
+         "a recomputed layer runs its forward again outside the graph"),
+        ("variable_seq_lengths unset", not args.variable_seq_lengths, "a graph replays one length"),
         ("packing: true", packing, "packs are what get one size per micro-batch"),
         ("stage: sft or pt", stage != "dpo", "DPO's reference pass and pairs run other shapes"),
         ("finetuning_type: full or freeze", finetuning_type != "lora", "LoRA layers are not graphed yet"),
