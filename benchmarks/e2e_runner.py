@@ -289,8 +289,10 @@ def run_workload(w: Workload, args, info: dict, save) -> dict:
               f"log {os.path.relpath(os.path.join(run_dir, 'log.txt'))}", flush=True)
         status, seconds = launch(run, recipe_path, run_dir, args.timeout, args.smoke)
         record.update(summarize(run_dir, run, warmup, flops_config, peak))
-        if run.path == "ours" and run.packing and w.model in ("dense", "moe"):  # the planner's estimate beside it
-            record["predicted_peak_gib"] = predict(flops_config, w, run, w.cutoff)["peak"]
+        if run.path == "ours" and run.packing:  # the planner's estimate beside it
+            predicted = predict(flops_config, w, run, w.cutoff, peak)
+            record["predicted_peak_gib"] = predicted["peak"]
+            record["predicted_tokens_per_s"] = predicted.get("tokens_per_s")
         oom, problem = _log_problem(run_dir)
         if status != "ok":
             record["error"] = problem

@@ -1,5 +1,6 @@
-"""The planner's memory prediction against measured peaks: every run of our path in ``benchmarks/results`` whose
-workload this harness declares, predicted from its shape and layout alone. Writes ``planner_check.md`` (+ json).
+"""The planner's predictions against measured runs: peak memory and tokens/s per GPU of every packed run of our path
+in ``benchmarks/results`` whose workload this harness declares (and whose shape it still declares), predicted from
+its shape, layout and recipe keys alone. Writes ``planner_check.md`` (+ json).
 
     python benchmarks/planner_check.py --out benchmarks/results
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import math
 import json
 import os
 import sys
@@ -15,10 +17,19 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from e2e_workloads import model_config, workloads  # noqa: E402
+from e2e_workloads import LABELS, VL, model_config, workloads  # noqa: E402
 
 from llamafactory_mca.parallel import ParallelLayout  # noqa: E402
-from llamafactory_mca.planner.memory import Training, estimate  # noqa: E402
+from llamafactory_mca.planner.memory import IMAGE_SHARE, Training, estimate  # noqa: E402
+from llamafactory_mca.planner.search import predicted_tokens_per_s  # noqa: E402
+
+IMAGE_TOKENS = 256  # per row of the VL workloads (e2e_workloads.image_side)
+ABOUT = ("Every packed run of ours in `benchmarks/results`, predicted from its shape, layout and recipe keys by "
+         "`llamafactory_mca/planner` (`python benchmarks/planner_check.py --out benchmarks/results`). Memory: "
+         "`torch.cuda.max_memory_allocated`, max over ranks. tokens/s per GPU: the planner's model (the GPU's FLOPs "
+         "at three fitted efficiencies plus the host's launch time per layer and micro-batch, the layout shares "
+         "measured at two GPUs), fitted to the one-GPU runs of the older result folders; runs measured after the fit "
+         "are validation. The host is noisy: the same eager run measured 25.5-31.5k tokens/s in three calls.")
 
 KEYS = {"tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp", "context_parallel_size": "cp",
         "expert_model_parallel_size": "ep", "virtual_pipeline_model_parallel_size": "vpp"}
@@ -35,8 +46,16 @@ def mca_config(kind: str, layers: int):
     return get_family(hf.model_type).config_from_hf(hf)
 
 
-def predict(config, workload, run, cutoff: int) -> dict:
-    """The planner's estimate for one declared run of ours (``e2e_workloads.Run``) on ``config``."""
+def image_share(workload) -> float:
+    """The share of a VL workload's tokens that are image placeholders: 256 per row beside log-uniform text."""
+    kind, low, high = workload.lengths
+    text = (high - low) / math.log(high / low) if kind == "loguniform" else (low + high) / 2
+    return IMAGE_TOKENS / (IMAGE_TOKENS + text)
+
+
+def predict(config, workload, run, cutoff: int, peak_flops: float | None) -> dict:
+    """The planner's estimate for one declared run of ours (``e2e_workloads.Run``) on ``config``: the memory
+    breakdown, and ``tokens_per_s`` where the GPU's peak is known."""
     extra = run.extra or {}
     sizes = {KEYS[k]: v for k, v in extra.items() if k in KEYS}
     tp, pp, cp, ep = (sizes.get(k, 1) for k in ("tp", "pp", "cp", "ep"))
@@ -44,34 +63,54 @@ def predict(config, workload, run, cutoff: int) -> dict:
                             dp=run.gpus // (tp * pp * cp), expert_dp=run.gpus // (ep * pp),
                             micro_batch_size=run.micro_batch, grad_accum=run.grad_accum)
     modules = extra.get("recompute_modules")
-    return estimate(config, layout, Training(
+    lora_target = extra.get("lora_target", workload.tuning.get("lora_target", ""))
+    training = Training(
         tokens=cutoff, recompute=extra.get("recompute_granularity"),
         recompute_modules=tuple(modules.split(",")) if modules else ("core_attn",),
         sequence_parallel=bool(extra.get("sequence_parallel")), lora_rank=workload.tuning.get("lora_rank"),
-        lora_experts="experts" in extra.get("lora_target", "")))
+        lora_experts="experts" in lora_target, cuda_graphs=bool(extra.get("cuda_graphs")),
+        image_share=image_share(workload) if workload.model in VL else IMAGE_SHARE)
+    if extra.get("mtp_num_layers") == 0:
+        config = config.without_mtp()
+    out = estimate(config, layout, training)
+    if peak_flops:
+        out["tokens_per_s"] = round(predicted_tokens_per_s(config, layout, training, peak_flops))
+    return out
 
 
 def rows() -> list[dict]:
     found = []
     declared = workloads(smoke=False)
-    for path in sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "*",
-                                              "e2e*.json"))):
+    configs = {}
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "**", "*.json"),
+                                 recursive=True)):
         with open(path) as f:
             data = json.load(f)
+        if not isinstance(data, dict):
+            continue
         for name, w in data.get("workloads", {}).items():
             spec = declared.get(name)
-            if spec is None or spec.model not in ("dense", "moe"):
-                continue
+            if spec is None or w["settings"].get("smoke") or w["settings"]["model"] != LABELS[spec.model]:
+                continue  # not ours to predict, or measured on a shape since replaced
             for run_name, run in w.get("runs", {}).items():
                 decl = next((r for r in spec.runs if r.name == run_name), None)
                 if decl is None or decl.path != "ours" or not run.get("peak_memory_gib") or not decl.packing:
                     continue
-                predicted = predict(mca_config(spec.model, w["settings"]["layers"]), spec, decl,
-                                    w["settings"]["cutoff_len"])
+                key = (spec.model, w["settings"]["layers"])
+                if key not in configs:
+                    configs[key] = mca_config(*key)
+                predicted = predict(configs[key], spec, decl, w["settings"]["cutoff_len"],
+                                    w["settings"].get("peak_flops"))
+                measured_speed = run.get("tokens_per_second_per_gpu")
                 found.append({"results": os.path.relpath(path, os.path.dirname(os.path.abspath(__file__))),
+                              "gpu": (w.get("machine") or data.get("machine") or {}).get("names", ["?"])[0],
                               "workload": name, "run": run_name, "layout": decl.layout,
                               "measured_gib": run["peak_memory_gib"], "predicted_gib": predicted["peak"],
                               "error": round(predicted["peak"] / run["peak_memory_gib"] - 1, 3),
+                              "measured_tokens_per_s": measured_speed,
+                              "predicted_tokens_per_s": predicted.get("tokens_per_s"),
+                              "speed_error": round(predicted["tokens_per_s"] / measured_speed - 1, 3)
+                              if measured_speed and predicted.get("tokens_per_s") else None,
                               "breakdown": predicted})
     return found
 
@@ -81,16 +120,20 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     found = rows()
-    lines = ["| results | workload | run | layout | measured GiB | predicted GiB | error |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['results']} | {r['workload']} | {r['run']} | {r['layout']} | {r['measured_gib']:.1f} | "
-              f"{r['predicted_gib']:.1f} | {r['error']:+.1%} |" for r in found]
+    lines = ["| results | workload | run | layout | measured GiB | predicted GiB | error | measured tokens/s | "
+             "predicted tokens/s | error |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in found:
+        speed = (f"{r['measured_tokens_per_s']:,.0f} | {r['predicted_tokens_per_s']:,.0f} | {r['speed_error']:+.0%}"
+                 if r["speed_error"] is not None else "– | – | –")
+        lines.append(f"| {r['results']} | {r['workload']} | {r['run']} | {r['layout']} | {r['measured_gib']:.1f} | "
+                     f"{r['predicted_gib']:.1f} | {r['error']:+.1%} | {speed} |")
     print("\n".join(lines))
     if args.out:
         with open(os.path.join(args.out, "planner_check.json"), "w") as f:
             json.dump(found, f, indent=2)
         with open(os.path.join(args.out, "planner_check.md"), "w") as f:
-            f.write("# Planner: predicted vs measured peak memory per GPU\n\n" + "\n".join(lines) + "\n")
+            f.write("# Planner: predicted vs measured peak memory and tokens/s per GPU\n\n" + ABOUT + "\n\n"
+                    + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

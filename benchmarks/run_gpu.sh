@@ -92,6 +92,13 @@ case $phase in
   two_zero3)  # two GPUs: LLaMA-Factory's DeepSpeed ZeRO-3 on the MoE shape beside ours at EP2 (needs the deepspeed
     # wheel and its pure-Python deps carried: einops hjson msgpack ninja py-cpuinfo)
     bench 0,1 g2 --workloads moe_ep2 --runs lf_zero3,ours --gpus 2 --steps 8 ;;
+  planner)  # one GPU: the planner against shapes it was not fitted on (dense at 14 layers, MoE at 4, each eager and
+    # graphed), 32k on one GPU, and the Qwen2.5-VL-7B shape packed; every run records the planner's prediction
+    bench 0 planner_dense14 --workloads dense --runs ours,ours_graphs --gpus 1 --layers 14
+    bench 0 planner_moe4 --workloads moe --runs ours,ours_graphs --gpus 1 --layers 4
+    bench 0 planner_long --workloads long --runs ours --gpus 1 --steps 8 ;;
+  planner_vl)  # one GPU: the Qwen2.5-VL-7B shape packed, with the planner's prediction
+    bench 0 planner_vl --workloads vl --runs ours_pack --gpus 1 --steps 8 --warmup 3 ;;
   first_hour) first_hour; check_tests 0,1 ;;
   single)  # check, then one GPU each: dense and MoE side by side
     check

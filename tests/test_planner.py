@@ -1,6 +1,7 @@
 """The planner: its arithmetic against numbers worked by hand, its search against the layout check the run makes,
 and ``llamafactory-mca plan`` on a recipe as a user runs it."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -14,7 +15,7 @@ from llamafactory_mca.models.families import get_family
 from llamafactory_mca.parallel import ParallelLayout, check_layout
 from llamafactory_mca.planner import memory
 from llamafactory_mca.planner.memory import Training, estimate
-from llamafactory_mca.planner.search import search
+from llamafactory_mca.planner.search import predicted_tokens_per_s, search
 from tests._cli import cli_env, fake_hub_cache, make_assets, one_error, recipe, run
 
 GIB = 1024**3
@@ -106,6 +107,47 @@ def test_moe_experts_split_by_expert_parallelism():
     assert one["weights"] - ep2["weights"] == pytest.approx(experts / 2 * 2 / GIB, abs=0.011)
 
 
+def test_vision_tower_counted_by_its_own_class():
+    """A VL model's first stage holds the tower's bf16 weights (every parameter of transformers' own tower); frozen
+    (LLaMA-Factory's default) it adds nothing else, trained it adds its gradients, Adam states and activations."""
+    import torch
+
+    from llamafactory_mca.models.multimodal import build_vision_tower
+    from llamafactory_mca.tools.tiny import tiny_hf_config
+
+    hf = tiny_hf_config("qwen2_5_vl")
+    config = get_family("qwen2_5_vl").config_from_hf(hf)
+    tower = build_vision_tower(config.hf_config, torch.float32)
+    params = sum(p.numel() for p in tower.parameters())
+    text = dataclasses.replace(config, hf_config={k: v for k, v in config.hf_config.items() if k != "vision_config"})
+    frozen, bare = (estimate(c, _layout(), Training(tokens=256)) for c in (config, text))
+    assert frozen["weights"] - bare["weights"] == pytest.approx(params * 2 / GIB, abs=0.006)
+    assert (frozen["grads"], frozen["optimizer"], frozen["activations"]) == \
+        (bare["grads"], bare["optimizer"], bare["activations"])
+    trained = estimate(config, _layout(), Training(tokens=256, freeze_vision_tower=False, freeze_projector=False))
+    assert trained["grads"] - bare["grads"] == pytest.approx(params * 4 / GIB, abs=0.006)
+    long = Training(tokens=1 << 20)  # enough patches for the tiny tower's activations to show in GiB
+    assert estimate(config, _layout(), dataclasses.replace(long, freeze_vision_tower=False))["activations"] > \
+        estimate(text, _layout(), long)["activations"] == estimate(config, _layout(), long)["activations"]
+    assert memory.vision_tower(config, Training(tokens=256, freeze_projector=False)).trainable == \
+        sum(p.numel() for n, p in tower.named_parameters() if n.startswith("merger."))
+
+
+def test_speed_model_follows_the_work():
+    """The predicted tokens/s: graphed dense layers lose the host's launch time, LoRA's frozen base skips the weight
+    gradients, full recompute adds a forward, longer micro-batches spread the host's time, and the layout shares
+    cut a GPU's rate."""
+    config = _dense(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                    num_key_value_heads=8, head_dim=128, vocab_size=151936)
+    rate = lambda layout=_layout(), **keys: predicted_tokens_per_s(  # noqa: E731
+        config, layout, Training(tokens=4096, **keys), 989e12)
+    eager = rate()
+    assert 20e3 < eager < 35e3  # the dense benchmark measured 25.5-31.5k tokens/s eager on one H200
+    assert rate(cuda_graphs=True) > 1.2 * eager and rate(lora_rank=16) > 1.3 * eager
+    assert rate(recompute="full") < 0.8 * eager < rate(_layout(micro=2))
+    assert rate(_layout(world=2, tp=2)) < 0.5 * eager and rate(_layout(world=2)) < eager
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     return make_assets(tmp_path_factory.mktemp("planner"))
@@ -136,11 +178,24 @@ def test_plan_bad_input(tmp_path, assets):
     one_error(result, output, "--gpus 0")
 
 
-# The recipes whose model the benchmarks declare at full size, with the hardware their header names (GPUs, GiB).
+# Qwen/Qwen2-VL-7B-Instruct's config.json (the benchmarks declare Qwen2.5-VL's shape, not this one)
+QWEN2_VL_7B = dict(model_type="qwen2_vl",
+                   text_config=dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                                    num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
+                                    max_position_embeddings=32768, rms_norm_eps=1e-6,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                     "mrope_section": [16, 24, 24]}),
+                   vision_config=dict(depth=32, embed_dim=1280, hidden_size=3584, mlp_ratio=4, num_heads=16,
+                                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+                   tie_word_embeddings=False)
+# The recipes with the hardware their header names (GPUs, GiB), each planned on its model's full-size config: the
+# benchmarks' shapes, or the one above. Not here: qwen3_5_full.yaml (no config of Qwen3.5-27B's size is at hand).
 RECIPES = {"qwen3_dense_sft.yaml": ("dense", 1, 80), "qwen3_long_context_cp2.yaml": ("dense", 2, 80),
+           "qwen3_dpo.yaml": ("dense", 1, 80),
            "qwen3_moe_full.yaml": ("moe", 8, 80), "qwen3_moe_lora.yaml": ("moe", 1, 141),
            "glm4_5_air_lora.yaml": ("glm", 8, 80), "moonlight_full.yaml": ("moonlight", 8, 80),
-           "qwen3_next_full.yaml": ("next", 8, 80)}
+           "qwen3_next_full.yaml": ("next", 8, 80), "qwen2_vl_full.yaml": (QWEN2_VL_7B, 8, 80),
+           "qwen3_vl_moe_full.yaml": ("vl_moe", 8, 80), "qwen3_5_moe_full.yaml": ("vl_next", 8, 80)}
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
@@ -153,7 +208,7 @@ def test_example_recipes_fit_their_hardware(tmp_path, name):
     path = os.path.join(ROOT, "examples", "megatron", name)
     with open(path) as f:
         repo = yaml.safe_load(f)["model_name_or_path"]
-    shape = dict(SHAPES[kind])
+    shape = dict(SHAPES[kind] if isinstance(kind, str) else kind)
     model = tmp_path / "model"
     AutoConfig.for_model(shape.pop("model_type"), **shape).save_pretrained(model)
     fake_hub_cache(str(tmp_path / "hub"), repo, str(model))

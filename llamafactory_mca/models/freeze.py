@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from typing import Any
+from collections.abc import Callable
 
 from ..errors import UserError
 from .families import get_family
@@ -55,23 +56,32 @@ def apply_freeze(model: Any, finetuning_args: Any) -> int:
     return trainable
 
 
-def apply_multimodal_freeze(model: Any, finetuning_args: Any) -> int:
-    """``freeze_vision_tower``, ``freeze_multi_modal_projector`` and ``freeze_language_model`` as LLaMA-Factory's
-    default path applies them, by its own table of each VL model's module names (``COMPOSITE_MODELS``); our tower
-    parameters ``vision.X`` are the checkpoint's ``<tower prefix>X``. Returns the number of parameters frozen here."""
+def vision_frozen(model_type: str, freeze_vision_tower: bool, freeze_projector: bool) -> Callable[[str], bool]:
+    """Whether a tower parameter (by its own name, ``X`` of our ``vision.X``) is frozen: LLaMA-Factory's rule, by its
+    own table of each VL model's module names (``COMPOSITE_MODELS``), a key anywhere in the checkpoint's name."""
     from llamafactory.model.model_utils.visual import COMPOSITE_MODELS
 
-    names = COMPOSITE_MODELS.get(model.config.hf_model_type)
+    names = COMPOSITE_MODELS.get(model_type)
     if names is None:
+        return lambda name: False
+    tower_prefix = get_family(model_type).vision.tower_prefix  # "visual." or "model.visual."
+    keys = ((names.vision_model_keys if freeze_vision_tower else [])
+            + (names.projector_keys if freeze_projector else []))
+    return lambda name: any(key in tower_prefix + name for key in keys)
+
+
+def apply_multimodal_freeze(model: Any, finetuning_args: Any) -> int:
+    """``freeze_vision_tower``, ``freeze_multi_modal_projector`` and ``freeze_language_model`` as LLaMA-Factory's
+    default path applies them (``vision_frozen``). Returns the number of parameters frozen here."""
+    if not get_family(model.config.hf_model_type).vision:
         return 0
-    tower_prefix = get_family(model.config.hf_model_type).vision.tower_prefix  # "visual." or "model.visual."
-    frozen_keys = ((names.vision_model_keys if finetuning_args.freeze_vision_tower else [])
-                   + (names.projector_keys if finetuning_args.freeze_multi_modal_projector else []))
+    tower_frozen = vision_frozen(model.config.hf_model_type, finetuning_args.freeze_vision_tower,
+                                 finetuning_args.freeze_multi_modal_projector)
     frozen = 0
     for chunk in model.chunks:
         for name, param in chunk.named_parameters():
-            if name.startswith("vision."):  # LLaMA-Factory's rule: a key anywhere in the checkpoint's name
-                freeze = any(key in tower_prefix + name[len("vision."):] for key in frozen_keys)
+            if name.startswith("vision."):
+                freeze = tower_frozen(name[len("vision."):])
             else:
                 freeze = bool(finetuning_args.freeze_language_model)
             if freeze:

@@ -3,7 +3,8 @@ worker starts, naming the biggest term and the first change of the layout search
 
 The GPUs' size comes from ``nvidia-smi`` (the launcher must not open a CUDA context) or from
 ``LLAMAFACTORY_MCA_GPU_MEMORY`` (GiB; also how CPU tests exercise it); ``LLAMAFACTORY_MCA_SKIP_MEMORY_CHECK=1`` trusts
-the recipe instead, for the cases the estimate does not know (a vision tower's activations, very uneven packs).
+the recipe instead, for the cases the estimate does not know (far more image tokens than it assumes, very uneven
+packs).
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ def training_of(plan: Any, training_args: Any, finetuning_args: Any) -> Training
                     cpu_offload=bool(training_args.optimizer_cpu_offload),
                     lora_rank=finetuning_args.lora_rank if lora else None, lora_experts=lora and "experts" in target,
                     native_cross_entropy=training_args.native_cross_entropy is not False,
-                    half=bool(training_args.bf16 or training_args.fp16))
+                    half=bool(training_args.bf16 or training_args.fp16),
+                    cuda_graphs=bool(training_args.cuda_graphs),  # the recipe's, also planned on a CPU
+                    freeze_vision_tower=bool(finetuning_args.freeze_vision_tower),
+                    freeze_projector=bool(finetuning_args.freeze_multi_modal_projector))
 
 
 def visible_gpu_memory_gib() -> float | None:

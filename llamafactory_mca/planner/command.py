@@ -72,7 +72,7 @@ def plan_command(argv: list[str]) -> dict[str, Any]:
     budget = options.gpu_memory or visible
     fits = None if budget is None else memory["needs"] <= budget
     layout = plan.layout
-    speed = predicted_tokens_per_s(plan.config, layout, training.tokens, training.recompute, peak)
+    speed = predicted_tokens_per_s(plan.config, layout, training, peak)
     result: dict[str, Any] = {
         "layout": layout.describe(), "global_batch": layout.global_batch_size, "tokens_per_row": training.tokens,
         "peak_gib": memory["peak"], "needs_gib": memory["needs"], "gpu_memory_gib": budget, "fits": fits,

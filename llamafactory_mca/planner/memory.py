@@ -5,13 +5,18 @@ Adam moments sharded over the data-parallel ranks (experts over theirs), the act
 its micro-batches in flight, and the last stage's logits. Activations are counted tensor by tensor for one layer
 (what autograd saves in our native spec) and scaled by ``ACTIVATION_FIT``; it and ``LOGIT_BYTES`` were fitted to
 the measured peaks (``torch.cuda.max_memory_allocated``) of the two-H200 runs in ``benchmarks/results``, and
-``benchmarks/planner_check.py`` compares every measured run with its prediction. Not counted yet: a vision tower,
-and the gated delta-rule layers' own weights (they are counted as attention layers).
+``benchmarks/planner_check.py`` compares every measured run with its prediction. A vision tower (first stage) counts
+its bf16 weights, and where it trains its gradients, optimizer states and activations, for ``image_share`` of the
+tokens; its forward under ``no_grad``-like freezing keeps nothing past its own call. CUDA-graphed layers
+(``cuda_graphs``) keep less (``GRAPH_ACTIVATIONS``, measured on the dense benchmark) and hold a bf16 copy of the
+experts' weight gradients that megatron-core's graph replay hands back (the MoE benchmark's extra). Not counted yet:
+the gated delta-rule layers' own weights (they are counted as attention layers).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from ..models.mapping import is_moe_layer
@@ -23,6 +28,10 @@ ACTIVATION_FIT = 1.1  # measured / counted, per layer (norm and RoPE temporaries
 LOGIT_BYTES = 6  # per logit at the loss: bf16 logits, their bf16 gradient, and fp32 pieces of the loss
 ALLOCATOR = 1.05  # reserved / allocated at the peak
 CONTEXT_GIB = 1.5  # the CUDA context and NCCL's buffers, beside the allocator
+GRAPH_ACTIVATIONS = 0.4  # graphed / eager activations (the dense benchmark: 36.1-37.2 GiB measured against 41.8)
+_REPLICATED = ParallelLayout(world_size=1, tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1, dp=1, expert_dp=1, micro_batch_size=1,
+                             grad_accum=1)  # the vision tower's blocks: whole on every rank
+IMAGE_SHARE = 0.25  # where the data is not known: the share of a pack's tokens that are image placeholders
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +48,57 @@ class Training:
     lora_experts: bool = False  # and on the experts (lora_target: all,experts)
     native_cross_entropy: bool = True
     half: bool = True  # bf16 / fp16 weights with fp32 main weights; False: fp32 throughout (no main copy)
+    cuda_graphs: bool = False
+    freeze_vision_tower: bool = True  # LLaMA-Factory's defaults: the tower and its projector frozen
+    freeze_projector: bool = True
+    image_share: float = IMAGE_SHARE  # vision-language models: image placeholders per token
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionTower:
+    """The sizes of a VL model's vision tower that memory and speed depend on."""
+
+    params: int
+    trainable: int
+    hidden: int
+    ffn: int
+    glu: int
+    blocks: int
+    patches_per_token: int  # patches behind one image placeholder token (the merger's spatial_merge_size squared)
+
+
+_TOWERS: dict[str, VisionTower] = {}  # the search asks for the same tower once per candidate layout
+
+
+def vision_tower(config: Any, training: Training) -> VisionTower | None:
+    """The tower of a VL config, counted on the meta device (its own HF class, no weights), or None."""
+    vision = config.hf_config.get("vision_config")
+    if not vision:
+        return None
+    key = json.dumps([config.hf_config, training.freeze_vision_tower, training.freeze_projector], sort_keys=True,
+                     default=str)
+    if key not in _TOWERS:
+        _TOWERS[key] = _count_tower(config, vision, training)
+    return _TOWERS[key]
+
+
+def _count_tower(config: Any, vision: dict[str, Any], training: Training) -> VisionTower:
+    import torch  # the planner of a text model never needs torch
+
+    from ..models.freeze import vision_frozen
+    from ..models.multimodal import build_vision_tower
+
+    with torch.device("meta"):
+        tower = build_vision_tower(config.hf_config, torch.bfloat16)
+    frozen = vision_frozen(config.hf_model_type, training.freeze_vision_tower, training.freeze_projector)
+    params = dict(tower.named_parameters())
+    width = vision.get("embed_dim") or vision["hidden_size"]  # Qwen2-VL: embed_dim (its hidden_size is the output)
+    glu = 2 if any(".gate_proj." in name for name in params) else 1
+    return VisionTower(params=sum(p.numel() for p in params.values()),
+                       trainable=sum(p.numel() for n, p in params.items() if not frozen(n)),
+                       hidden=width, ffn=vision.get("intermediate_size") or int(vision.get("mlp_ratio", 4) * width),
+                       glu=glu, blocks=vision.get("depth") or vision.get("num_hidden_layers"),
+                       patches_per_token=vision.get("spatial_merge_size", 2) ** 2)
 
 
 def _shapes(config: Any) -> dict[str, int]:
@@ -62,15 +122,16 @@ def _layer_params(s: dict[str, int], moe: bool) -> tuple[int, int]:
 
 
 def _layer_activations(s: dict[str, int], tokens: float, layout: ParallelLayout, sequence_parallel: bool, moe: bool,
-                       frozen_experts: bool, rebuilt: tuple[str, ...] = ()) -> float:
+                       frozen_experts: bool, rebuilt: tuple[str, ...] = (), lora: bool = False) -> float:
     """Bytes autograd keeps for one layer and one micro-batch of ``tokens`` (after the CP split); ``rebuilt``:
-    selective recompute's modules, which keep only their inputs."""
+    selective recompute's modules, which keep only their inputs; ``lora``: adapters on the dense MLP, which keep
+    one more copy of fc1's output (measured: the LoRA benchmark of the Qwen3-8B shape)."""
     tp, sp = layout.tp, layout.tp if sequence_parallel else 1
     hidden = 2 * tokens * s["h"] * 4 / sp  # the inputs of both norms, of QKV and of the MLP
     core = 0 if "core_attn" in rebuilt else s["q"]  # the attention kernel's output (also out-projection's input)
     attention = 2 * tokens * (s["q"] + 2 * s["kv"] + 2 * (s["q"] + s["kv"]) + s["q"] + core) / tp  # qkv, norm+rope
     if not moe:
-        mlp = 0 if "mlp" in rebuilt else 2 * tokens * (s["glu"] + 1) * s["f"] / tp  # fc1 out, the activation's out
+        mlp = 0 if "mlp" in rebuilt else 2 * tokens * (s["glu"] + 1 + (s["glu"] if lora else 0)) * s["f"] / tp
         return hidden + attention + mlp
     routed = tokens / sp * s["topk"]  # the tokens this rank's experts take, in expectation
     # permuted in (for fc1's weight gradient), the unpermute buffer, fc1 out and the activation's out (fc2's input);
@@ -88,6 +149,7 @@ def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[st
     the allocator's headroom and the CUDA context: what the GPU must have)."""
     s = _shapes(config)
     t = config.transformer
+    tower = vision_tower(config, training)
     layers = [is_moe_layer(s["experts"], t.get("moe_layer_freq", 1), i) for i in range(s["layers"])]
     per_stage = -(-s["layers"] // layout.pp)
     tokens = training.tokens * layout.micro_batch_size / layout.cp
@@ -115,6 +177,18 @@ def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[st
                             if training.lora_experts else 0)
             trainable = dp_share = sum(r * (attention + (0 if m else mlp)) + (experts_lora if m else 0)
                                        for m in mine) / layout.tp
+        tower_activations = 0.0
+        if stage == 0 and tower is not None:
+            params += tower.params  # replicated on the tensor-parallel ranks
+            trainable += tower.trainable
+            dp_share += tower.trainable / (layout.dp * layout.cp)
+            patches = tokens * training.image_share * tower.patches_per_token
+            if not training.freeze_vision_tower:  # every block keeps its activations
+                blocks = dict(h=tower.hidden, q=tower.hidden, kv=tower.hidden, f=tower.ffn, glu=tower.glu)
+                tower_activations = tower.blocks * ACTIVATION_FIT * _layer_activations(
+                    blocks, patches, _REPLICATED, False, False, False)
+            elif tower.trainable:  # the projector alone keeps its input
+                tower_activations = 2 * patches * tower.hidden
         states = (12 if training.half else 8) * (1 if training.distributed_optimizer else
                                                  layout.dp * layout.cp)
         optimizer = 0.0 if training.cpu_offload else dp_share * states
@@ -124,13 +198,17 @@ def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[st
             in_flight *= 1 + (layout.pp - 1) / (layout.pp * layout.vpp)
         frozen = bool(training.lora_rank) and not training.lora_experts
         rebuilt = training.recompute_modules if training.recompute == "selective" else ()
-        full = [_layer_activations(s, tokens, layout, training.sequence_parallel, m, frozen, rebuilt) * ACTIVATION_FIT
-                for m in mine]
+        full = [_layer_activations(s, tokens, layout, training.sequence_parallel, m, frozen, rebuilt,
+                                   bool(training.lora_rank)) * ACTIVATION_FIT for m in mine]
         if training.recompute == "full":  # each layer keeps its input; one layer at a time is rebuilt in backward
             sp = layout.tp if training.sequence_parallel else 1
             activations = len(mine) * 2 * tokens * s["h"] / sp * in_flight + max(full, default=0)
         else:
             activations = sum(full) * in_flight
+        if training.cuda_graphs:
+            # graphed layers keep less; the replay's bf16 copies of the experts' weight gradients come on top
+            activations = activations * GRAPH_ACTIVATIONS + 2 * experts / (layout.ep * layout.etp)
+        activations += tower_activations * in_flight
         logits = 0.0
         if last:
             logits = tokens * s["vocab"] / layout.tp * (LOGIT_BYTES if training.native_cross_entropy else

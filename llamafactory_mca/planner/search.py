@@ -1,10 +1,14 @@
 """Which layouts of a recipe's global batch fit N GPUs, best first.
 
 Every candidate goes through the layout check the run itself makes (``parallel.check_layout``), so the search never
-proposes a layout the launcher would refuse. Speed is predicted from the model's FLOPs per token at an efficiency
-measured on one H200 (dense and MoE, benchmarks/results) and the per-GPU share each parallel dimension kept there
-against one GPU (DP2, TP2 + SP, PP2 with 8 micro-batches, EP2, CP2: ``benchmarks/results/h200x2_two_gpus``); past two
-GPUs of a kind the share is extrapolated per doubling — an ordering, not a promise.
+proposes a layout the launcher would refuse. Speed: one GPU's step is the model's FLOPs at the efficiency each kind
+of work reaches on the GPU (the dense GEMMs and attention, the routed experts, a vision tower's forward), plus the
+host's time to launch each layer's kernels per micro-batch where the layers run eagerly (CUDA-graphed layers of
+dense models replay without it). The four constants were fitted to our one-GPU runs on H100 and H200
+(``benchmarks/planner_check.py`` prints every measured run beside its prediction). Each parallel dimension then keeps
+the per-GPU share it kept at two GPUs against one (DP2, TP2 + SP, PP2 with 8 micro-batches, EP2, CP2:
+``benchmarks/results/h200x2_two_gpus``); past two GPUs of a kind the share is extrapolated per doubling — an
+ordering, not a promise.
 """
 
 from __future__ import annotations
@@ -15,13 +19,14 @@ from typing import Any
 
 from ..errors import UserError
 from ..parallel import ParallelLayout, check_layout
-from ..trainer.metrics import PEAK_BF16_FLOPS, flops_per_sequence_set
-from .memory import Training, estimate
+from ..trainer.metrics import PEAK_BF16_FLOPS, flops_per_sequence_set, routed_expert_flops
+from .memory import Training, estimate, vision_tower
 
-MFU = {"dense": 0.31, "moe": 0.18}  # ours on one H200, 4096-token packs (benchmarks/results/h200x2_two_gpus)
+# the share of the GPU's peak each kind of work reaches, and the host's time per layer and micro-batch
+EFFICIENCY = {"dense": 0.42, "experts": 0.114, "vision": 0.032}
+HOST_SECONDS_PER_LAYER = 1.4e-3  # launching one layer's forward and backward kernels (eager, about 800 launches)
 SHARE = {"dp": 0.92, "tp": 0.44, "cp": 0.92, "ep": 0.81}  # per-GPU tokens/s kept per doubling, measured at 2
 PP_OVERHEAD = 0.78  # PP2's share beyond its bubble (send/receive, the last stage's logits)
-RECOMPUTE = 0.75  # full recompute: one more forward per step
 TENSOR_PARALLEL = (1, 2, 4, 8)  # within a node's NVLink domain
 DEFAULT_PEAK = PEAK_BF16_FLOPS["H100"]  # where no GPU is visible: speeds as on an H100
 
@@ -45,18 +50,32 @@ class Candidate:
         return out
 
 
-def predicted_tokens_per_s(config: Any, layout: ParallelLayout, tokens: int, recompute: str | None,
-                           peak_flops: float) -> float:
-    t = config.transformer
-    flops_per_token = flops_per_sequence_set(t, config.vocab_size, [tokens]) / tokens
-    share = MFU["moe" if t.get("num_moe_experts") else "dense"]
+def predicted_tokens_per_s(config: Any, layout: ParallelLayout, training: Training, peak_flops: float) -> float:
+    """Tokens per second per GPU for packs of ``training.tokens`` (full packs)."""
+    t, tokens = config.transformer, training.tokens
+    forward = flops_per_sequence_set(t, config.vocab_size, [tokens]) / tokens / 3
+    experts = routed_expert_flops(t, tokens) / tokens / 3
+    rebuilt = 1 if training.recompute == "full" else 0  # one more forward
+    # passes over the weights: forward, backward (a frozen base computes no weight gradients: one pass, not two), and
+    # the recomputed forward; adapted experts count as trained ones (their adapters' many small GEMMs)
+    frozen = training.lora_rank is not None
+    dense_passes = 1 + (1 if frozen else 2) + rebuilt
+    expert_passes = 1 + (1 if frozen and not training.lora_experts else 2) + rebuilt
+    seconds = ((forward - experts) * dense_passes / EFFICIENCY["dense"]
+               + experts * expert_passes / EFFICIENCY["experts"]) / peak_flops
+    tower = vision_tower(config, training)
+    if tower is not None:  # a frozen tower runs forward only
+        passes = 1 if training.freeze_vision_tower else 3
+        seconds += 2 * tower.params * training.image_share * tower.patches_per_token * passes / \
+            (EFFICIENCY["vision"] * peak_flops)
+    if not (training.cuda_graphs and not t.get("num_moe_experts")):
+        seconds += HOST_SECONDS_PER_LAYER * t["num_layers"] * (1 + rebuilt) / (tokens * layout.micro_batch_size)
+    share = 1.0
     for name, size in (("dp", layout.dp), ("tp", layout.tp), ("cp", layout.cp), ("ep", layout.ep)):
         share *= SHARE[name] ** math.log2(size)
     if layout.pp > 1:
         share *= PP_OVERHEAD / (1 + (layout.pp - 1) / layout.grad_accum)
-    if recompute == "full":
-        share *= RECOMPUTE
-    return peak_flops * share / flops_per_token
+    return share / seconds
 
 
 def search(config: Any, gpus: int, global_batch: int, training: Training, gpu_memory_gib: float,
@@ -91,7 +110,7 @@ def search(config: Any, gpus: int, global_batch: int, training: Training, gpu_me
                                 key = f"needs more than {gpu_memory_gib:g} GiB per GPU"
                                 refused[key] = refused.get(key, 0) + 1
                                 continue
-                            speed = predicted_tokens_per_s(config, layout, training.tokens, recompute, peak_flops)
+                            speed = predicted_tokens_per_s(config, layout, shaped, peak_flops)
                             fits.append(Candidate(layout, recompute, memory, speed))
     # ties (the same predicted speed): the simpler layout, then the smaller footprint
     fits.sort(key=lambda c: (-round(c.tokens_per_s), c.layout.tp * c.layout.pp * c.layout.cp * c.layout.ep,
