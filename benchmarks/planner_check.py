@@ -27,12 +27,14 @@ IMAGE_TOKENS = 256  # per row of the VL workloads (e2e_workloads.image_side)
 ABOUT = ("Every packed run of ours in `benchmarks/results`, predicted from its shape, layout and recipe keys by "
          "`llamafactory_mca/planner` (`python benchmarks/planner_check.py --out benchmarks/results`). Memory: "
          "`torch.cuda.max_memory_allocated`, max over ranks. tokens/s per GPU: the planner's model (the GPU's FLOPs "
-         "at three fitted efficiencies plus the host's launch time per layer and micro-batch, the layout shares "
-         "measured at two GPUs), fitted to the one-GPU runs of the older result folders; runs measured after the fit "
-         "are validation. The host is noisy: the same eager run measured 25.5-31.5k tokens/s in three calls.")
-
-KEYS = {"tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp", "context_parallel_size": "cp",
-        "expert_model_parallel_size": "ep", "virtual_pipeline_model_parallel_size": "vpp"}
+         "at fitted efficiencies for the dense GEMMs, the routed experts and a vision tower, plus the host's launch "
+         "time per eager layer and micro-batch, times the layout shares measured at two GPUs), fitted to the one-GPU "
+         "runs before `h200_planner/`; that folder's runs (dense at 14 layers and MoE at 4, each eager and graphed, "
+         "32k, the VL shape on an H200) were measured after the fit, except that the VL run moved the tower's "
+         "efficiency (from 3.2% to 3.6% of peak, which splits the H100 and H200 runs' errors). Outside 20%: "
+         "`h200/` was measured before the later speed work (the code is faster now), LoRA MoE with full recompute "
+         "and at micro-batch 2 (the adapters' launches are not modelled), Qwen3-Next (its delta-rule layers are "
+         "not modelled). The host is noisy: the same eager run measured 25.5-31.5k tokens/s in three calls.")
 
 
 def mca_config(kind: str, layers: int):

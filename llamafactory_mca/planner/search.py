@@ -4,8 +4,10 @@ Every candidate goes through the layout check the run itself makes (``parallel.c
 proposes a layout the launcher would refuse. Speed: one GPU's step is the model's FLOPs at the efficiency each kind
 of work reaches on the GPU (the dense GEMMs and attention, the routed experts, a vision tower's forward), plus the
 host's time to launch each layer's kernels per micro-batch where the layers run eagerly (CUDA-graphed layers of
-dense models replay without it). The four constants were fitted to our one-GPU runs on H100 and H200
-(``benchmarks/planner_check.py`` prints every measured run beside its prediction). Each parallel dimension then keeps
+dense models replay without it). The constants were fitted to our one-GPU runs on H100 and H200
+(``benchmarks/planner_check.py`` prints every measured run beside its prediction); not modelled: the gated delta-rule
+layers' own cost (Qwen3-Next is predicted about 1.5x too fast) and LoRA adapters' launches (LoRA MoE with full
+recompute: 1.3x too fast). Each parallel dimension then keeps
 the per-GPU share it kept at two GPUs against one (DP2, TP2 + SP, PP2 with 8 micro-batches, EP2, CP2:
 ``benchmarks/results/h200x2_two_gpus``); past two GPUs of a kind the share is extrapolated per doubling — an
 ordering, not a promise.
@@ -23,7 +25,8 @@ from ..trainer.metrics import PEAK_BF16_FLOPS, flops_per_sequence_set, routed_ex
 from .memory import Training, estimate, vision_tower
 
 # the share of the GPU's peak each kind of work reaches, and the host's time per layer and micro-batch
-EFFICIENCY = {"dense": 0.42, "experts": 0.114, "vision": 0.032}
+EFFICIENCY = {"dense": 0.42, "experts": 0.114, "vision": 0.036}
+FULL_EXPERT_TOKENS = 256  # tokens per expert and micro-batch from which the experts reach their efficiency
 HOST_SECONDS_PER_LAYER = 1.4e-3  # launching one layer's forward and backward kernels (eager, about 800 launches)
 SHARE = {"dp": 0.92, "tp": 0.44, "cp": 0.92, "ep": 0.81}  # per-GPU tokens/s kept per doubling, measured at 2
 PP_OVERHEAD = 0.78  # PP2's share beyond its bubble (send/receive, the last stage's logits)
@@ -50,6 +53,14 @@ class Candidate:
         return out
 
 
+def _expert_efficiency(t: dict[str, Any], tokens: int) -> float:
+    """The routed experts' efficiency: as measured at 256 or more tokens per expert and micro-batch (Qwen3-30B-A3B,
+    GLM-4.5-Air, Moonlight), falling with fewer (hundreds of experts: each GEMM too short to fill the GPU). ``tokens``:
+    those that reach one rank's experts (expert parallelism gathers its ranks' tokens)."""
+    per_expert = tokens * (t.get("moe_router_topk") or 1) / (t.get("num_moe_experts") or 1)
+    return EFFICIENCY["experts"] * min(1.0, per_expert / FULL_EXPERT_TOKENS)
+
+
 def predicted_tokens_per_s(config: Any, layout: ParallelLayout, training: Training, peak_flops: float) -> float:
     """Tokens per second per GPU for packs of ``training.tokens`` (full packs)."""
     t, tokens = config.transformer, training.tokens
@@ -62,7 +73,7 @@ def predicted_tokens_per_s(config: Any, layout: ParallelLayout, training: Traini
     dense_passes = 1 + (1 if frozen else 2) + rebuilt
     expert_passes = 1 + (1 if frozen and not training.lora_experts else 2) + rebuilt
     seconds = ((forward - experts) * dense_passes / EFFICIENCY["dense"]
-               + experts * expert_passes / EFFICIENCY["experts"]) / peak_flops
+               + experts * expert_passes / _expert_efficiency(t, tokens * layout.micro_batch_size * layout.ep)) / peak_flops
     tower = vision_tower(config, training)
     if tower is not None:  # a frozen tower runs forward only
         passes = 1 if training.freeze_vision_tower else 3
