@@ -96,6 +96,24 @@ def test_search_proposes_only_layouts_the_run_accepts():
         check_layout(config, _layout(world=8, tp=4), False, True)
 
 
+def test_search_walks_virtual_pipelines_and_expert_tensor_parallelism():
+    """An MoE model on 8 GPUs: the search also proposes VPP and ETP layouts, each one the run's check accepts and
+    pasted with its keys; a recipe asking for CUDA graphs gets `cuda_graphs: false` where the layout cannot run
+    them (pipeline stages, context parallelism, experts split over GPUs, full recompute)."""
+    hf = Qwen3MoeConfig(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=8,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1024, num_experts=16,
+                        num_experts_per_tok=4)
+    config = get_family("qwen3_moe").config_from_hf(hf)
+    found, _ = search(config, 8, 16, Training(tokens=256, cuda_graphs=True), gpu_memory_gib=80.0, peak_flops=989e12)
+    for candidate in found:
+        layout = candidate.layout
+        check_layout(config, layout, False, layout.tp > 1)
+        graphs = layout.pp == layout.cp == layout.ep == layout.etp == 1 and candidate.recompute is None
+        assert candidate.keys.get("cuda_graphs", True) is graphs, candidate
+    assert any(c.keys.get("virtual_pipeline_model_parallel_size") == 2 for c in found)
+    assert any(c.keys.get("expert_tensor_parallel_size") == 2 for c in found)
+
+
 def test_moe_experts_split_by_expert_parallelism():
     hf = Qwen3MoeConfig(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=4,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1000, num_experts=64,

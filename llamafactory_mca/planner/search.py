@@ -1,7 +1,8 @@
 """Which layouts of a recipe's global batch fit N GPUs, best first.
 
 Every candidate goes through the layout check the run itself makes (``parallel.check_layout``), so the search never
-proposes a layout the launcher would refuse. Speed: one GPU's step is the model's FLOPs at the efficiency each kind
+proposes a layout the launcher would refuse; it walks TP, PP with VPP, CP, EP with ETP, the micro-batch and full recompute.
+Speed: one GPU's step is the model's FLOPs at the efficiency each kind
 of work reaches on the GPU (the dense GEMMs and attention, the routed experts, a vision tower's forward), plus the
 host's time to launch each layer's kernels per micro-batch where the layers run eagerly (CUDA-graphed layers of
 dense models replay without it). The constants were fitted to our one-GPU runs on H100 and H200
@@ -40,6 +41,7 @@ class Candidate:
     recompute: str | None
     memory: dict[str, float]
     tokens_per_s: float  # predicted, per GPU
+    graphs_off: bool = False  # the recipe asks for cuda_graphs, which this layout cannot run
 
     @property
     def keys(self) -> dict[str, Any]:
@@ -48,8 +50,14 @@ class Candidate:
                "context_parallel_size": self.layout.cp, "expert_model_parallel_size": self.layout.ep,
                "sequence_parallel": self.layout.tp > 1, "per_device_train_batch_size": self.layout.micro_batch_size,
                "gradient_accumulation_steps": self.layout.grad_accum}
+        if self.layout.vpp:
+            out["virtual_pipeline_model_parallel_size"] = self.layout.vpp
+        if self.layout.etp > 1:
+            out["expert_tensor_parallel_size"] = self.layout.etp
         if self.recompute:
             out["recompute_granularity"] = self.recompute
+        if self.graphs_off:
+            out["cuda_graphs"] = False
         return out
 
 
@@ -82,48 +90,64 @@ def predicted_tokens_per_s(config: Any, layout: ParallelLayout, training: Traini
     if not (training.cuda_graphs and not t.get("num_moe_experts")):
         seconds += HOST_SECONDS_PER_LAYER * t["num_layers"] * (1 + rebuilt) / (tokens * layout.micro_batch_size)
     share = 1.0
-    for name, size in (("dp", layout.dp), ("tp", layout.tp), ("cp", layout.cp), ("ep", layout.ep)):
+    # expert tensor parallelism splits the experts' GEMMs as TP splits the rest (not measured on its own)
+    for name, size in (("dp", layout.dp), ("tp", layout.tp), ("cp", layout.cp), ("ep", layout.ep),
+                       ("tp", layout.etp)):
         share *= SHARE[name] ** math.log2(size)
-    if layout.pp > 1:
-        share *= PP_OVERHEAD / (1 + (layout.pp - 1) / layout.grad_accum)
+    if layout.pp > 1:  # the 1F1B bubble, (pp - 1) / (vpp x micro-batches) of the step
+        share *= PP_OVERHEAD / (1 + (layout.pp - 1) / ((layout.vpp or 1) * layout.grad_accum))
     return share / seconds
+
+
+def _layouts(config: Any, gpus: int, global_batch: int, tokens: int):
+    """Every layout of ``gpus`` GPUs and this global batch: TP within a node, PP (and VPP over the layers), CP, EP,
+    ETP (over the TP ranks), the micro-batch."""
+    experts = config.transformer.get("num_moe_experts") or 0
+    layers = config.transformer["num_layers"]
+    for tp in (d for d in TENSOR_PARALLEL if gpus % d == 0):
+        for pp in (d for d in range(1, gpus // tp + 1) if (gpus // tp) % d == 0):
+            for vpp in [None] + [v for v in (2, 4) if pp > 1 and layers % (pp * v) == 0]:
+                for cp in (d for d in (1, 2, 4, 8) if (gpus // (tp * pp)) % d == 0):
+                    dp = gpus // (tp * pp * cp)
+                    for ep in ([d for d in (1, 2, 4, 8, 16, 32, 64) if (tp * cp * dp) % d == 0 and d <= experts]
+                               if experts else [1]):
+                        for etp in [d for d in (1, 2, 4, 8) if d <= tp and (gpus // pp) % (ep * d) == 0] \
+                                if experts else [1]:
+                            for micro in (1, 2, 4):
+                                if global_batch % (dp * micro) == 0:
+                                    yield ParallelLayout(
+                                        world_size=gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, dp=dp,
+                                        expert_dp=gpus // (ep * etp * pp), micro_batch_size=micro,
+                                        grad_accum=global_batch // (dp * micro), seq_length=tokens)
 
 
 def search(config: Any, gpus: int, global_batch: int, training: Training, gpu_memory_gib: float,
            peak_flops: float) -> tuple[list[Candidate], dict[str, int]]:
     """(the layouts that fit, best first; why the others do not: a count per reason)."""
-    experts = config.transformer.get("num_moe_experts") or 0
     fits, refused = [], {}
-    for tp in (d for d in TENSOR_PARALLEL if gpus % d == 0):
-        for pp in (d for d in range(1, gpus // tp + 1) if (gpus // tp) % d == 0):
-            for cp in (d for d in (1, 2, 4, 8) if (gpus // (tp * pp)) % d == 0):
-                dp = gpus // (tp * pp * cp)
-                for ep in ([d for d in (1, 2, 4, 8, 16, 32, 64) if (tp * cp * dp) % d == 0 and d <= experts]
-                           if experts else [1]):
-                    for micro in (1, 2, 4):
-                        if global_batch % (dp * micro):
-                            continue
-                        accum = global_batch // (dp * micro)
-                        layout = ParallelLayout(world_size=gpus, tp=tp, pp=pp, vpp=None, cp=cp, ep=ep, etp=1, dp=dp,
-                                                expert_dp=gpus // (ep * pp), micro_batch_size=micro, grad_accum=accum,
-                                                seq_length=training.tokens)
-                        try:
-                            check_layout(config, layout, False, tp > 1)
-                        except UserError as err:
-                            # "family: size=N does not divide ... (sizes that fit ...)": the size-free reason
-                            reason = str(err).split(": ", 1)[-1].split(" (sizes")[0]
-                            refused[reason] = refused.get(reason, 0) + 1
-                            continue
-                        for recompute in (None, "full"):
-                            shaped = dataclasses.replace(training, recompute=recompute, sequence_parallel=tp > 1)
-                            memory = estimate(config, layout, shaped)
-                            if memory["needs"] > gpu_memory_gib:
-                                key = f"needs more than {gpu_memory_gib:g} GiB per GPU"
-                                refused[key] = refused.get(key, 0) + 1
-                                continue
-                            speed = predicted_tokens_per_s(config, layout, shaped, peak_flops)
-                            fits.append(Candidate(layout, recompute, memory, speed))
+    moe = bool(config.transformer.get("num_moe_experts"))
+    for layout in _layouts(config, gpus, global_batch, training.tokens):
+        try:
+            check_layout(config, layout, False, layout.tp > 1)
+        except UserError as err:
+            # "family: size=N does not divide ... (sizes that fit ...)": the size-free reason
+            reason = str(err).split(": ", 1)[-1].split(" (sizes")[0]
+            refused[reason] = refused.get(reason, 0) + 1
+            continue
+        for recompute in (None, "full"):
+            # graphs where the recipe asks and the layout allows them (plan.check_cuda_graphs' layout terms)
+            graphs = training.cuda_graphs and layout.pp == layout.cp == 1 and recompute != "full" and \
+                (not moe or layout.ep == layout.etp == 1)
+            shaped = dataclasses.replace(training, recompute=recompute, sequence_parallel=layout.tp > 1,
+                                         cuda_graphs=graphs)
+            memory = estimate(config, layout, shaped)
+            if memory["needs"] > gpu_memory_gib:
+                key = f"needs more than {gpu_memory_gib:g} GiB per GPU"
+                refused[key] = refused.get(key, 0) + 1
+                continue
+            speed = predicted_tokens_per_s(config, layout, shaped, peak_flops)
+            fits.append(Candidate(layout, recompute, memory, speed, graphs_off=training.cuda_graphs and not graphs))
     # ties (the same predicted speed): the simpler layout, then the smaller footprint
-    fits.sort(key=lambda c: (-round(c.tokens_per_s), c.layout.tp * c.layout.pp * c.layout.cp * c.layout.ep,
-                             c.memory["needs"]))
+    fits.sort(key=lambda c: (-round(c.tokens_per_s), c.layout.tp * c.layout.pp * (c.layout.vpp or 1) * c.layout.cp
+                             * c.layout.ep * c.layout.etp, c.memory["needs"]))
     return fits, refused
