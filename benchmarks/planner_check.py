@@ -36,6 +36,9 @@ ABOUT = ("Every packed run of ours in `benchmarks/results`, predicted from its s
          "and at micro-batch 2 (the adapters' launches are not modelled), Qwen3-Next (its delta-rule layers are "
          "not modelled). The host is noisy: the same eager run measured 25.5-31.5k tokens/s in three calls.")
 
+KEYS = {"tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp", "context_parallel_size": "cp",
+        "expert_model_parallel_size": "ep", "virtual_pipeline_model_parallel_size": "vpp"}
+
 
 def mca_config(kind: str, layers: int):
     """Our config of the workload's shape, as the bridge reads it (no weights)."""

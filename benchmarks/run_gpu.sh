@@ -99,6 +99,12 @@ case $phase in
     bench 0 planner_long --workloads long --runs ours --gpus 1 --steps 8 ;;
   planner_vl)  # one GPU: the Qwen2.5-VL-7B shape packed, with the planner's prediction
     bench 0 planner_vl --workloads vl --runs ours_pack --gpus 1 --steps 8 --warmup 3 ;;
+  vl_prefetch)  # one GPU: the Qwen2.5-VL-7B shape, LLaMA-Factory padded, ours packed with and without collating
+    # ahead (prefetch_steps); the run logs (startup times) kept beside the results
+    bench 0 vl_prefetch --workloads vl --runs lf_nopack,ours_pack,ours_pack_inline --gpus 1 --steps 6 --warmup 2
+    for r in lf_nopack ours_pack ours_pack_inline; do
+      cp "$work/e2e_vl_prefetch/gpu/runs/vl/$r/log.txt" "$out/vl_prefetch/$r.log" 2>/dev/null
+    done ;;
   first_hour) first_hour; check_tests 0,1 ;;
   single)  # check, then one GPU each: dense and MoE side by side
     check

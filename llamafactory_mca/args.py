@@ -300,6 +300,12 @@ class MegatronArguments(DistributingParallelArguments):
                                          "freeze tuning, on one pipeline stage; "
                                          "packs get one size. On CPUs only the fixed shapes apply."}
     )
+    prefetch_steps: int | None = field(
+        default=None, metadata={"help": "Optimizer steps whose micro-batches are collated ahead on a background "
+                                        "thread (a vision-language model's pixels and 3-D positions included) while "
+                                        "the GPU runs the step before; 0: each step collates its own. Default: 1 on "
+                                        "GPUs, 0 on CPUs (where the thread competes with the training for cores)."}
+    )
     padding_free: bool | None = field(
         default=None, metadata={"help": "Without sequence_packing: each micro-batch's rows run as variable-length "
                                         "sequences (THD) instead of right-padded rows; the same rows, the same "
@@ -327,6 +333,8 @@ class MegatronArguments(DistributingParallelArguments):
                      "optimizer_cpu_offload=True needs use_distributed_optimizer=True (Megatron's hybrid CPU "
                      "optimizer).")
         _require(self.max_nonfinite_steps >= 1, f"max_nonfinite_steps={self.max_nonfinite_steps} must be >= 1.")
+        if self.prefetch_steps is not None:
+            _require(self.prefetch_steps >= 0, f"prefetch_steps={self.prefetch_steps} must be >= 0 (0: no prefetch).")
         if self.ddp_bucket_size is not None:
             _require(self.ddp_bucket_size > 0, f"ddp_bucket_size={self.ddp_bucket_size} must be positive.")
 
@@ -352,6 +360,14 @@ class MegatronArguments(DistributingParallelArguments):
         wanted = not cpu_mode_needed() if self.padding_free is None else self.padding_free
         return (wanted and not self.sequence_packing and self.allow_variable_seq_lengths()
                 and self.attention_backend in (None, "auto"))
+
+    def run_prefetch_steps(self) -> int:
+        """Steps collated ahead: the recipe's, else one on GPUs and none on CPUs."""
+        from .cpu_mode import cpu_mode_needed
+
+        if self.prefetch_steps is not None:
+            return self.prefetch_steps
+        return 0 if cpu_mode_needed() else 1
 
     def run_cuda_graphs(self) -> bool:
         """Whether layers run as CUDA graphs: asked for and on GPUs (on CPUs only the fixed shapes apply)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import time
 from typing import Any
 
 import torch
@@ -95,7 +96,7 @@ def _describe_mtp(tc: Any) -> str:
 
 
 def _summary(plan: RunPlan, model: Any, trainer: McaTrainer, train_plan: DataPlan, training_args: Any,
-             finetuning_args: Any) -> str:
+             finetuning_args: Any, startup: str) -> str:
     """The startup summary (rank 0)."""
     on_rank = count_parameters(model.chunks)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -111,7 +112,7 @@ def _summary(plan: RunPlan, model: Any, trainer: McaTrainer, train_plan: DataPla
         tuning=f"{model.lora.describe()}: {trainable / 1e6:,.2f}M trainable parameters on this rank "
                f"({100 * trainable / max(on_rank, 1):.2f}%)" if model.lora else None,
         moe=describe_load_balancing(model.transformer_config, config.hf_model_type, plan.balancing)
-        if config.num_experts else None)
+        if config.num_experts else None, startup=startup)
 
 
 def _load_rows(stage: str, template: Any, model_args: Any, data_args: Any, training_args: Any,
@@ -172,6 +173,7 @@ def _resolve_once_per_node(name: str, model_args: Any, field: str) -> str:
 
 def _train(stage: str, model_args, data_args, training_args, finetuning_args, callbacks=None) -> None:
     """A worker's run, built from the plan: data, model, trainer, then LLaMA-Factory's bookkeeping."""
+    started = time.monotonic()
     setup_logging()
     quiet_transformers()
     parallel.init_distributed(training_args.ddp_timeout)
@@ -195,6 +197,7 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
                          f"{plan.config.vocab_size}: resizing embeddings is not supported with USE_MCA=1. Use a "
                          "tokenizer that fits the model (or resize and save the model with transformers first).")
     train_plan, eval_plan = _data_plans(plan, template, tokenizer_module, model_args, data_args, training_args)
+    data_ready = time.monotonic()
 
     model = AutoModel.from_pretrained(plan.model_path, training_args, model_args.trust_remote_code, config=plan.config)
     adapter_config = None
@@ -220,7 +223,10 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
                              run=plan.record),
     )
     if rank == 0:
-        logger.info("\n" + _summary(plan, model, trainer, train_plan, training_args, finetuning_args))
+        now = time.monotonic()
+        startup = (f"data {data_ready - started:.1f} s (read, tokenized, planned), model {now - data_ready:.1f} s "
+                   "(built, loaded)")
+        logger.info("\n" + _summary(plan, model, trainer, train_plan, training_args, finetuning_args, startup))
 
     result = trainer.train(training_args.resume_from_checkpoint)
     trainer.save_model()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import queue
+import threading
 from typing import Any
 from collections.abc import Iterator
 
@@ -26,12 +28,14 @@ class StepFeeder:
     micro-batch count that is a multiple of the pipeline size under the interleaved schedule, the CP split.
     """
 
-    def __init__(self, plan: Any, layout: Any, fixed_shapes: bool = False) -> None:
-        """``fixed_shapes``: every packed micro-batch described by the same shapes (CUDA graphs replay them)."""
+    def __init__(self, plan: Any, layout: Any, fixed_shapes: bool = False, prefetch: int = 0) -> None:
+        """``fixed_shapes``: every packed micro-batch described by the same shapes (CUDA graphs replay them);
+        ``prefetch``: steps collated ahead on a background thread."""
         self.plan = plan
         self.layout = layout
         self.multiple = layout.pp if layout.vpp else 1
         self.slots = plan.max_sequences if fixed_shapes else None
+        self.prefetch = prefetch
 
     @property
     def micro_batches_per_epoch(self) -> int:
@@ -65,9 +69,9 @@ class StepFeeder:
     def steps(self, start: int = 0, epochs: int | None = None) -> Iterator[tuple[list[MicroBatch], int]]:
         """(this rank's micro-batches of the step, global micro-batches consumed after it)."""
         # expert parallel groups span data-parallel ranks: their all-to-alls need every rank at every micro-batch
-        for step in self.plan.steps(ps.get_data_parallel_rank(), self.layout.dp, self.layout.grad_accum,
-                                    self.multiple, equal_counts=self.layout.ep > 1, consumed=start, epochs=epochs):
-            yield self._step(step.micro_batches), step.consumed
+        planned = self.plan.steps(ps.get_data_parallel_rank(), self.layout.dp, self.layout.grad_accum,
+                                  self.multiple, equal_counts=self.layout.ep > 1, consumed=start, epochs=epochs)
+        return ahead(((self._step(step.micro_batches), step.consumed) for step in planned), self.prefetch)
 
     def _step(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
         batches = micro_batches
@@ -91,3 +95,56 @@ class StepFeeder:
     def tokens_per_step(self) -> int:
         """Average real tokens per optimizer step over an epoch."""
         return int(self.plan.stats["tokens"] / max(self.steps_per_epoch(), 1))
+
+
+class _Failed:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+_END = object()
+
+
+def ahead(items: Iterator[Any], depth: int) -> Iterator[Any]:
+    """``items``, produced up to ``depth`` ahead on a background thread.
+
+    Collating a step (reading rows, packing, and for a vision-language model its pixels and 3-D positions) then runs
+    while the GPU works on the step before, instead of in front of it. Order, values and errors are the same as
+    without: an error raised while producing an item is raised here when that item is due. The thread stops when
+    the consumer lets go of this generator (the run ends, or it stops at max_steps).
+    """
+    if depth <= 0:
+        yield from items
+        return
+    ready: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if not put(item):
+                    return
+            put(_END)
+        except BaseException as error:  # noqa: BLE001 -- handed to the consumer, raised there
+            put(_Failed(error))
+
+    threading.Thread(target=produce, name="llamafactory-mca-collate", daemon=True).start()
+    try:
+        while True:
+            item = ready.get()
+            if item is _END:
+                return
+            if isinstance(item, _Failed):
+                raise item.error
+            yield item
+    finally:
+        stop.set()

@@ -176,7 +176,7 @@ def gpu_memory_gib() -> tuple[float, float]:
 def startup_summary(*, layout: Any, args: Any, model_type: str, params_total: int, params_on_rank: int,
                     kernels: str, tokens_per_step: int | None, steps: int, data_stats: str,
                     memory: dict[str, float], planned: dict[str, float] | None = None, tuning: str | None = None,
-                    moe: str | None = None) -> str:
+                    moe: str | None = None, startup: str | None = None) -> str:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (gloo)"
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     schedule = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
@@ -208,6 +208,7 @@ def startup_summary(*, layout: Any, args: Any, model_type: str, params_total: in
            f"{planned['activations']:.2f}, logits {planned['logits']:.2f}; {planned['needs']:.2f} GiB with the "
            "allocator's headroom; `llamafactory-mca plan` has the breakdown)"] if planned else []),
         f"  {data_stats}",
+        *([f"  startup     {startup}"] if startup else []),
         "=" * 100,
     ]
     return "\n".join(lines)

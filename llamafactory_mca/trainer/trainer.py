@@ -95,7 +95,8 @@ class McaTrainer:
                  side_files: SideFiles | None = None) -> None:
         self.model, self.args, self.layout = model, args, layout
         self.train_data, self.eval_data = train_data, eval_data
-        self.train_feed = StepFeeder(train_data, layout, fixed_shapes=bool(getattr(args, "cuda_graphs", False)))
+        self.train_feed = StepFeeder(train_data, layout, fixed_shapes=bool(getattr(args, "cuda_graphs", False)),
+                                     prefetch=args.run_prefetch_steps())
         self.eval_feed = StepFeeder(eval_data, layout) if eval_data is not None else None
         self.tokenizer, self.processor = tokenizer, processor
         self.preference, self.reference = preference, reference  # DPO's ref_model: (folder, its planned config)
