@@ -29,12 +29,13 @@ ABOUT = ("Every packed run of ours in `benchmarks/results`, predicted from its s
          "`torch.cuda.max_memory_allocated`, max over ranks. tokens/s per GPU: the planner's model (the GPU's FLOPs "
          "at fitted efficiencies for the dense GEMMs, the routed experts and a vision tower, plus the host's launch "
          "time per eager layer and micro-batch, times the layout shares measured at two GPUs), fitted to the one-GPU "
-         "runs before `h200_planner/`; that folder's runs (dense at 14 layers and MoE at 4, each eager and graphed, "
-         "32k, the VL shape on an H200) were measured after the fit, except that the VL run moved the tower's "
-         "efficiency (from 3.2% to 3.6% of peak, which splits the H100 and H200 runs' errors). Outside 20%: "
-         "`h200/` was measured before the later speed work (the code is faster now), LoRA MoE with full recompute "
-         "and at micro-batch 2 (the adapters' launches are not modelled), Qwen3-Next (its delta-rule layers are "
-         "not modelled). The host is noisy: the same eager run measured 25.5-31.5k tokens/s in three calls.")
+         "runs before `h200_planner/`; that folder's dense, MoE and 32k runs (dense at 14 layers and MoE at 4, each "
+         "eager and graphed) were measured after the fit. The tower's efficiency (6% of peak) was fitted to the "
+         "Qwen2.5-VL runs on an H200 (`h200_planner/`, `h200_vl_startup/`: 12.9-17.1k tokens/s from call to call). "
+         "Outside 20%: `h200/` was measured before the later speed work (the code is faster now), the VL runs on an "
+         "H100 (earlier code: the step was slower by more than the GPU), LoRA MoE with full recompute and at "
+         "micro-batch 2 (the adapters' launches are not modelled), Qwen3-Next and Qwen3.5 (their delta-rule layers are "
+"not modelled). The host is noisy: the same eager run measured 25.5-31.5k tokens/s in three calls.")
 
 KEYS = {"tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp", "context_parallel_size": "cp",
         "expert_model_parallel_size": "ep", "virtual_pipeline_model_parallel_size": "vpp"}

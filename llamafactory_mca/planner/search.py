@@ -7,7 +7,7 @@ of work reaches on the GPU (the dense GEMMs and attention, the routed experts, a
 host's time to launch each layer's kernels per micro-batch where the layers run eagerly (CUDA-graphed layers of
 dense models replay without it). The constants were fitted to our one-GPU runs on H100 and H200
 (``benchmarks/planner_check.py`` prints every measured run beside its prediction); not modelled: the gated delta-rule
-layers' own cost (Qwen3-Next is predicted about 1.5x too fast) and LoRA adapters' launches (LoRA MoE with full
+layers' own cost (Qwen3-Next and Qwen3.5 are predicted 1.4-1.5x too fast) and LoRA adapters' launches (LoRA MoE with full
 recompute: 1.3x too fast). Each parallel dimension then keeps
 the per-GPU share it kept at two GPUs against one (DP2, TP2 + SP, PP2 with 8 micro-batches, EP2, CP2:
 ``benchmarks/results/h200x2_two_gpus``); past two GPUs of a kind the share is extrapolated per doubling — an
@@ -26,7 +26,7 @@ from ..trainer.metrics import PEAK_BF16_FLOPS, flops_per_sequence_set, routed_ex
 from .memory import Training, estimate, vision_tower
 
 # the share of the GPU's peak each kind of work reaches, and the host's time per layer and micro-batch
-EFFICIENCY = {"dense": 0.42, "experts": 0.114, "vision": 0.036}
+EFFICIENCY = {"dense": 0.42, "experts": 0.114, "vision": 0.06}
 FULL_EXPERT_TOKENS = 256  # tokens per expert and micro-batch from which the experts reach their efficiency
 HOST_SECONDS_PER_LAYER = 1.4e-3  # launching one layer's forward and backward kernels (eager, about 800 launches)
 SHARE = {"dp": 0.92, "tp": 0.44, "cp": 0.92, "ep": 0.81}  # per-GPU tokens/s kept per doubling, measured at 2
