@@ -239,8 +239,9 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                         {"prefetch_steps": 0})],
                  about=f"{LABELS[kind]} sft: one {image_side(kind, smoke)}-pixel image per row (256 tokens; the tower "
                        f"frozen, LLaMA-Factory's default) and log-uniform {max(32 // k, 4)}..{cut // 2} text tokens; "
-                       "padded: 2 rows x 4, packed: 1 pack x 8 (`ours_pack_inline`: each step collating its own micro-batches, "
-                       "pixels included, instead of on the background thread). MFU: the language model only")
+                       "padded: 2 rows x 4, packed: 1 pack x 8 (`ours_pack_inline`: each step collating its own "
+                       "micro-batches, pixels included, instead of on the background thread). MFU: the language "
+                       "model only")
         for kind in VL if kind != "vl_next"
     ]
     lora = dict(finetuning_type="lora", lora_rank=16, lora_alpha=32, lora_target="all")

@@ -29,8 +29,8 @@ LOGIT_BYTES = 6  # per logit at the loss: bf16 logits, their bf16 gradient, and 
 ALLOCATOR = 1.05  # reserved / allocated at the peak
 CONTEXT_GIB = 1.5  # the CUDA context and NCCL's buffers, beside the allocator
 GRAPH_ACTIVATIONS = 0.4  # graphed / eager activations (the dense benchmark: 36.1-37.2 GiB measured against 41.8)
-_REPLICATED = ParallelLayout(world_size=1, tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1, dp=1, expert_dp=1, micro_batch_size=1,
-                             grad_accum=1)  # the vision tower's blocks: whole on every rank
+_REPLICATED = ParallelLayout(world_size=1, tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1, dp=1, expert_dp=1,
+                             micro_batch_size=1, grad_accum=1)  # the vision tower's blocks: whole on every rank
 IMAGE_SHARE = 0.25  # where the data is not known: the share of a pack's tokens that are image placeholders
 
 

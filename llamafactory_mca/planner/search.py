@@ -1,15 +1,14 @@
 """Which layouts of a recipe's global batch fit N GPUs, best first.
 
 Every candidate goes through the layout check the run itself makes (``parallel.check_layout``), so the search never
-proposes a layout the launcher would refuse; it walks TP, PP with VPP, CP, EP with ETP, the micro-batch and full recompute.
-Speed: one GPU's step is the model's FLOPs at the efficiency each kind
-of work reaches on the GPU (the dense GEMMs and attention, the routed experts, a vision tower's forward), plus the
-host's time to launch each layer's kernels per micro-batch where the layers run eagerly (CUDA-graphed layers of
-dense models replay without it). The constants were fitted to our one-GPU runs on H100 and H200
-(``benchmarks/planner_check.py`` prints every measured run beside its prediction); not modelled: the gated delta-rule
-layers' own cost (Qwen3-Next and Qwen3.5 are predicted 1.4-1.5x too fast) and LoRA adapters' launches (LoRA MoE with full
-recompute: 1.3x too fast). Each parallel dimension then keeps
-the per-GPU share it kept at two GPUs against one (DP2, TP2 + SP, PP2 with 8 micro-batches, EP2, CP2:
+proposes a layout the launcher would refuse; it walks TP, PP with VPP, CP, EP with ETP, the micro-batch and full
+recompute. Speed: one GPU's step is the model's FLOPs at the efficiency each kind of work reaches on the GPU (the
+dense GEMMs and attention, the routed experts, a vision tower's forward), plus the host's time to launch each layer's
+kernels per micro-batch where the layers run eagerly (CUDA-graphed layers of dense models replay without it). The
+constants were fitted to our one-GPU runs on H100 and H200 (``benchmarks/planner_check.py`` prints every measured run
+beside its prediction); not modelled: the gated delta-rule layers' own cost (Qwen3-Next and Qwen3.5 are predicted
+1.4-1.5x too fast) and LoRA adapters' launches (LoRA MoE with full recompute: 1.3x too fast). Each parallel dimension
+then keeps the per-GPU share it kept at two GPUs against one (DP2, TP2 + SP, PP2 with 8 micro-batches, EP2, CP2:
 ``benchmarks/results/h200x2_two_gpus``); past two GPUs of a kind the share is extrapolated per doubling — an
 ordering, not a promise.
 """
@@ -80,8 +79,9 @@ def predicted_tokens_per_s(config: Any, layout: ParallelLayout, training: Traini
     frozen = training.lora_rank is not None
     dense_passes = 1 + (1 if frozen else 2) + rebuilt
     expert_passes = 1 + (1 if frozen and not training.lora_experts else 2) + rebuilt
+    expert_efficiency = _expert_efficiency(t, tokens * layout.micro_batch_size * layout.ep)
     seconds = ((forward - experts) * dense_passes / EFFICIENCY["dense"]
-               + experts * expert_passes / _expert_efficiency(t, tokens * layout.micro_batch_size * layout.ep)) / peak_flops
+               + experts * expert_passes / expert_efficiency) / peak_flops
     tower = vision_tower(config, training)
     if tower is not None:  # a frozen tower runs forward only
         passes = 1 if training.freeze_vision_tower else 3
