@@ -196,16 +196,12 @@ def test_plan_bad_input(tmp_path, assets):
     one_error(result, output, "--gpus 0")
 
 
-# Qwen/Qwen2-VL-7B-Instruct's config.json (the benchmarks declare Qwen2.5-VL's shape, not this one)
-QWEN2_VL_7B = dict(model_type="qwen2_vl",
-                   text_config=dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-                                    num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
-                                    max_position_embeddings=32768, rms_norm_eps=1e-6,
-                                    rope_parameters={"rope_type": "default", "rope_theta": 1e6,
-                                                     "mrope_section": [16, 24, 24]}),
+# Qwen/Qwen2-VL-7B-Instruct's config.json: Qwen2.5-VL-7B's language model (the benchmarks' shape) with a shorter
+# context, under Qwen2-VL's own tower
+QWEN2_VL_7B = dict(SHAPES["vl"], model_type="qwen2_vl",
+                   text_config={**SHAPES["vl"]["text_config"], "max_position_embeddings": 32768},
                    vision_config=dict(depth=32, embed_dim=1280, hidden_size=3584, mlp_ratio=4, num_heads=16,
-                                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
-                   tie_word_embeddings=False)
+                                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2))
 # The recipes with the hardware their header names (GPUs, GiB), each planned on its model's full-size config: the
 # benchmarks' shapes, or the one above. Not here: qwen3_5_full.yaml (no config of Qwen3.5-27B's size is at hand).
 RECIPES = {"qwen3_dense_sft.yaml": ("dense", 1, 80), "qwen3_long_context_cp2.yaml": ("dense", 2, 80),
