@@ -128,8 +128,9 @@ class VisionLanguageModel(LanguageModel):
                 layer.register_forward_hook(_add_deepstack, with_kwargs=True)
         self.vision = None
         if self.pre_process:
-            # built where it will run: its random initialisation (overwritten by the checkpoint's weights) took
-            # 15-19 s of a Qwen2.5-VL start on the host's CPU, and takes milliseconds on the GPU
+            # built where it will run, as transformers builds a model loaded with device_map: its random
+            # initialisation (overwritten by the checkpoint's weights) took 15-19 s of a Qwen2.5-VL start on the
+            # host's CPU, and takes milliseconds on the GPU
             with torch.device(torch.cuda.current_device() if torch.cuda.is_available() else "cpu"):
                 self.vision = build_vision_tower(hf_config, self.config.params_dtype)
             for param in self.vision.parameters():

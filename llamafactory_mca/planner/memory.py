@@ -7,7 +7,7 @@ its micro-batches in flight, and the last stage's logits. Activations are counte
 the measured peaks (``torch.cuda.max_memory_allocated``) of the two-H200 runs in ``benchmarks/results``, and
 ``benchmarks/planner_check.py`` compares every measured run with its prediction. A vision tower (first stage) counts
 its bf16 weights, and where it trains its gradients, optimizer states and activations, for ``image_share`` of the
-tokens; its forward under ``no_grad``-like freezing keeps nothing past its own call. CUDA-graphed layers
+tokens (frozen, its forward keeps nothing for the backward). CUDA-graphed layers
 (``cuda_graphs``) keep less (``GRAPH_ACTIVATIONS``, measured on the dense benchmark) and hold a bf16 copy of the
 experts' weight gradients that megatron-core's graph replay hands back (the MoE benchmark's extra). Not counted yet:
 the gated delta-rule layers' own weights (they are counted as attention layers).
