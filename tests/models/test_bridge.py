@@ -240,11 +240,52 @@ def test_unsupported_models_fail_with_the_supported_list(tmp_path):
     # sigmoid routing Megatron cannot reproduce
     from llamafactory_mca.tools.tiny import tiny_hf_config
 
-    for overrides, message in (({"norm_topk_prob": False}, "norm_topk_prob=False with sigmoid routing"),
-                               ({"n_group": 2, "topk_group": 2}, "num_experts_per_tok = 2 x topk_group")):
-        tiny_hf_config("glm4_moe", **overrides).save_pretrained(tmp_path / "glm")
-        with pytest.raises(ValueError, match=message):
-            AutoConfig.from_pretrained(str(tmp_path / "glm"))
+    tiny_hf_config("glm4_moe", norm_topk_prob=False).save_pretrained(tmp_path / "glm")
+    with pytest.raises(ValueError, match="norm_topk_prob=False with sigmoid routing"):
+        AutoConfig.from_pretrained(str(tmp_path / "glm"))
+
+
+# DeepSeek-V3's routing where megatron-core scores a group unlike transformers: 8 experts in 4 groups, the best 2
+# groups, top-2 experts (megatron-core: a group's best 2 // 2 = 1 expert; transformers: its best 2)
+GROUPED = dict(n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2)
+
+
+def test_grouped_routing_scores_groups_as_transformers():
+    from megatron.core.transformer.moe import moe_utils
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    from llamafactory_mca.models.native import install
+    from llamafactory_mca.models.native.routing import MEGATRON_GROUP_LIMITED_TOPK, group_limited_topk
+
+    install()
+    assert moe_utils.group_limited_topk is group_limited_topk
+    torch.manual_seed(0)
+    hf = DeepseekV3MoE(DeepseekV3Config(hidden_size=16, moe_intermediate_size=8, n_shared_experts=1,
+                                        routed_scaling_factor=1.0, norm_topk_prob=True, **GROUPED))
+    hf.gate.e_score_correction_bias.zero_()
+    logits = torch.randn(512, 8)
+    theirs, _ = hf.route_tokens_to_experts(logits)
+    _, ours = group_limited_topk(logits.sigmoid(), 2, 512, 8, 4, 2)
+    assert torch.equal(ours.sort(dim=-1).values, theirs.sort(dim=-1).values)
+    _, megatron = MEGATRON_GROUP_LIMITED_TOPK(logits.sigmoid(), 2, 512, 8, 4, 2)  # its own choice: other experts
+    assert (megatron.sort(dim=-1).values != ours.sort(dim=-1).values).any(dim=-1).float().mean() > 0.1
+
+
+@pytest.mark.slow
+def test_grouped_routing_logits_equal_transformers_in_every_layout(tmp_path):
+    """The tiny DeepSeek-V3 with the routing above: logits equal transformers' at one rank, TP2, PP2 and EP2."""
+    model = save_tiny_model("deepseek_v3", str(tmp_path / "model"), **GROUPED)
+    plan = [(layout, sizes, [("grouped", model, str(tmp_path / layout))]) for layout, sizes in (
+        ("single", {}), ("tp2", {"tensor_model_parallel_size": 2}), ("pp2", {"pipeline_model_parallel_size": 2}),
+        ("ep2", {"expert_model_parallel_size": 2}))]
+    per_rank = run_distributed(_run_layouts, WORLD, plan)
+    reference = _hf_logits(model)
+    vocab = reference.shape[-1]
+    for layout, _, _ in plan:
+        got = next(r[(layout, "grouped")]["logits"] for r in per_rank if r[(layout, "grouped")]["logits"] is not None)
+        diff = (got[..., :vocab] - reference).abs().max().item()
+        assert diff <= 1e-4, f"{layout}: max |HF - MCore| = {diff}"
 
 
 def test_missing_and_truncated_safetensors_are_named(tiny_models, tmp_path):

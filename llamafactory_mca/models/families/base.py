@@ -111,7 +111,8 @@ class MoE(Part):
     ``norm_topk``: renormalise the top-k routing weights (None: HF's ``norm_topk_prob`` decides).
     ``sigmoid``: DeepSeek-V3's routing (GLM-4.5's too): sigmoid scores, experts chosen by score + a per-expert
     correction bias (HF's ``e_score_correction_bias``, Megatron's ``expert_bias``, updated during training towards
-    balanced loads: aux-loss-free balancing), optionally within the best ``topk_group`` of ``n_group`` groups, the
+    balanced loads: aux-loss-free balancing), optionally within the best ``topk_group`` of ``n_group`` groups (each
+    scored by its two best experts, as in transformers: ``native/routing.py``), the
     chosen unbiased scores renormalised and scaled by ``routed_scaling_factor``; the first
     ``first_k_dense_replace`` layers are dense.
     ``hf_module``: the HF module holding the router (``gate``) and ``experts``; ``projections``: each expert's
@@ -137,11 +138,6 @@ class MoE(Part):
         if not hf.norm_topk_prob:
             refuse(model_type, "norm_topk_prob=False with sigmoid routing", "Megatron always renormalises the "
                    "chosen experts' sigmoid scores; supported: norm_topk_prob=True.")
-        groups, topk = hf.n_group or 1, hf.num_experts_per_tok
-        if groups > 1 and topk // hf.topk_group != 2:
-            refuse(model_type, f"grouped routing with num_experts_per_tok={topk}, topk_group={hf.topk_group}",
-                   "HF scores a group by its top-2 experts, Megatron by its top num_experts_per_tok // topk_group; "
-                   "supported: num_experts_per_tok = 2 x topk_group (DeepSeek-V3: 8 and 4).")
 
     def transformer(self, hf: Any) -> dict[str, Any]:
         norm_topk = hf.norm_topk_prob if self.norm_topk is None else self.norm_topk

@@ -8,6 +8,7 @@
 - ``rope.py``: packed (THD) RoPE without host syncs
 - ``cross_entropy.py``: the language-model loss from bf16 logits (no fp32 copy), and GPTModel with it
 - ``wgrad.py``: weight-gradient accumulation into fp32 main_grad without apex (torch's addmm with out_dtype)
+- ``routing.py``: group-limited routing (DeepSeek-V3) with transformers' group score
 """
 
 
@@ -18,11 +19,17 @@ def install() -> None:
       ``rope.py`` computes the same on the device.
     - Without apex, ``gradient_accumulation_fusion`` needs apex's fused_weight_gradient_mlp_cuda; torch's addmm
       with out_dtype is the same GEMM (``wgrad.py``).
+    - Its group-limited routing scores a group unlike transformers where top-k is not twice the groups chosen
+      (``routing.py``).
     """
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.tensor_parallel import layers
+    from megatron.core.transformer.moe import moe_utils
 
-    from . import rope, wgrad
+    from . import rope, routing, wgrad
+
+    if moe_utils.group_limited_topk is routing.MEGATRON_GROUP_LIMITED_TOPK:
+        moe_utils.group_limited_topk = routing.group_limited_topk
 
     if rope_utils._apply_rotary_pos_emb_thd is rope.MEGATRON_THD_ROPE:
         rope_utils._apply_rotary_pos_emb_thd = rope.apply_rotary_pos_emb_thd
