@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 import glob
-import math
 import json
+import math
 import os
 import sys
 
