@@ -93,7 +93,7 @@ case $phase in
     # wheel and its pure-Python deps carried: einops hjson msgpack ninja py-cpuinfo)
     bench 0,1 g2 --workloads moe_ep2 --runs lf_zero3,ours --gpus 2 --steps 8 ;;
   planner)  # one GPU: the planner against shapes it was not fitted on (dense at 14 layers, MoE at 4, each eager and
-    # graphed), 32k on one GPU, and the Qwen2.5-VL-7B shape packed; every run records the planner's prediction
+    # graphed) and 32k on one GPU; every run records the planner's prediction
     bench 0 planner_dense14 --workloads dense --runs ours,ours_graphs --gpus 1 --layers 14
     bench 0 planner_moe4 --workloads moe --runs ours,ours_graphs --gpus 1 --layers 4
     bench 0 planner_long --workloads long --runs ours --gpus 1 --steps 8 ;;

@@ -114,6 +114,24 @@ def _world_words(world_size: int) -> str:
     return "processes in this launch"
 
 
+def cuda_graph_layout_needs(layout: ParallelLayout, recompute_granularity: str | None,
+                            moe: bool) -> list[tuple[str, bool, str]]:
+    """What per-layer CUDA graphs need of the layout, as (the keys, whether they hold, why): one graph per layer,
+    and no host work inside one. The run refuses a layout failing one (``plan.check_cuda_graphs``); the planner's
+    search proposes it without graphs."""
+    needs = [
+        ("pipeline_model_parallel_size: 1", layout.pp == 1,
+         "pipeline stages keep several micro-batches in flight, each needing its own graphs"),
+        ("context_parallel_size: 1", layout.cp == 1, "context parallelism plans its attention segments on the host"),
+        ("recompute_granularity: selective (or unset)", recompute_granularity != "full",
+         "a recomputed layer runs its forward again outside the graph"),
+    ]
+    if moe:
+        needs.append(("expert_model_parallel_size: 1 (and expert_tensor_parallel_size: 1)",
+                      layout.ep == layout.etp == 1, "Megatron's all-to-all copies the token counts to the host"))
+    return needs
+
+
 def check_layout(config: Any, layout: ParallelLayout, custom_pipeline_layout: bool = False,
                  sequence_parallel: bool | None = None) -> None:
     """The model against the layout (``config``: a models.McaConfig), before any process group exists;

@@ -28,7 +28,7 @@ from .models.config import McaConfig
 from .models.lora.layers import check_lora_request
 from .models.lora.peft_io import check_lora_plan
 from .models.multimodal import deepstack_layers
-from .parallel import ParallelLayout, check_layout
+from .parallel import ParallelLayout, check_layout, cuda_graph_layout_needs
 from .trainer.loss import PreferenceConfig
 
 SUPPORTED_STAGES = ("pt", "sft", "dpo")
@@ -145,12 +145,8 @@ def check_cuda_graphs(stage: str, finetuning_type: str, packing: bool, config: M
                       args: Any) -> None:
     """What per-layer CUDA graphs need: one graph per layer, replaying one pack size, with nothing read on the host
     inside a layer."""
-    needs = [  # (what it needs, holds, why)
-        ("pipeline_model_parallel_size: 1", layout.pp == 1,
-         "pipeline stages keep several micro-batches in flight, each needing its own graphs"),
-        ("context_parallel_size: 1", layout.cp == 1, "context parallelism plans its attention segments on the host"),
-        ("recompute_granularity: selective (or unset)", args.recompute_granularity != "full",
-         "a recomputed layer runs its forward again outside the graph"),
+    needs = cuda_graph_layout_needs(layout, args.recompute_granularity, bool(config.num_experts)) + [
+        # (what it needs, holds, why)
         ("variable_seq_lengths unset", not args.variable_seq_lengths, "a graph replays one length"),
         ("packing: true", packing, "packs are what get one size per micro-batch"),
         ("stage: sft or pt", stage != "dpo", "DPO's reference pass and pairs run other shapes"),
@@ -164,8 +160,6 @@ def check_cuda_graphs(stage: str, finetuning_type: str, packing: bool, config: M
         needs += [
             ("moe_grouped_gemm: true", bool(args.moe_grouped_gemm),
              "the sequential experts read each expert's token count on the host"),
-            ("expert_model_parallel_size: 1 (and expert_tensor_parallel_size: 1)", layout.ep == layout.etp == 1,
-             "Megatron's all-to-all copies the token counts to the host"),
             ("moe_local_dispatch unset, without moe_expert_capacity_factor",
              args.moe_local_dispatch is not False and args.moe_expert_capacity_factor is None,
              "only the on-device routing has no host copy"),

@@ -20,7 +20,7 @@ import math
 from typing import Any
 
 from ..errors import UserError
-from ..parallel import ParallelLayout, check_layout
+from ..parallel import ParallelLayout, check_layout, cuda_graph_layout_needs
 from ..trainer.metrics import PEAK_BF16_FLOPS, flops_per_sequence_set, routed_expert_flops
 from .memory import Training, estimate, vision_tower
 
@@ -135,9 +135,9 @@ def search(config: Any, gpus: int, global_batch: int, training: Training, gpu_me
             refused[reason] = refused.get(reason, 0) + 1
             continue
         for recompute in (None, "full"):
-            # graphs where the recipe asks and the layout allows them (plan.check_cuda_graphs' layout terms)
-            graphs = training.cuda_graphs and layout.pp == layout.cp == 1 and recompute != "full" and \
-                (not moe or layout.ep == layout.etp == 1)
+            # graphs where the recipe asks and the layout allows them
+            graphs = training.cuda_graphs and all(holds for _, holds, _ in cuda_graph_layout_needs(layout, recompute,
+                                                                                                   moe))
             shaped = dataclasses.replace(training, recompute=recompute, sequence_parallel=layout.tp > 1,
                                          cuda_graphs=graphs)
             memory = estimate(config, layout, shaped)

@@ -46,7 +46,7 @@ def flops_per_sequence_set(t: dict[str, Any], vocab_size: int, seqlens: Sequence
     glu = 3 if t.get("gated_linear_unit", True) else 2
     moe = dense = 0.0
     if t.get("num_moe_experts"):
-        moe += routed_expert_flops(t, tokens) / _moe_layer_count(t) / 3
+        moe += _routed_expert_forward(t, tokens)
         moe += 2 * tokens * h * (t.get("moe_shared_expert_intermediate_size") or 0) * glu
         moe += 2 * tokens * h * t["num_moe_experts"]
     dense = 2 * tokens * h * t["ffn_hidden_size"] * glu
@@ -56,13 +56,15 @@ def flops_per_sequence_set(t: dict[str, Any], vocab_size: int, seqlens: Sequence
     return 3 * forward
 
 
-def routed_expert_flops(t: dict[str, Any], tokens: float) -> float:
-    """The routed experts' share of ``flops_per_sequence_set`` (the top-k experts' GEMMs in every MoE layer)."""
-    if not t.get("num_moe_experts"):
-        return 0.0
+def _routed_expert_forward(t: dict[str, Any], tokens: float) -> float:
+    """One MoE layer's routed experts, forward: the top-k experts' GEMMs."""
     glu = 3 if t.get("gated_linear_unit", True) else 2
-    return 3 * 2 * tokens * t["hidden_size"] * t["moe_ffn_hidden_size"] * glu * t["moe_router_topk"] * \
-        _moe_layer_count(t)
+    return 2 * tokens * t["hidden_size"] * t["moe_ffn_hidden_size"] * glu * t["moe_router_topk"]
+
+
+def routed_expert_flops(t: dict[str, Any], tokens: float) -> float:
+    """The routed experts' share of ``flops_per_sequence_set`` (training: 3 x forward, every MoE layer)."""
+    return 3 * _routed_expert_forward(t, tokens) * _moe_layer_count(t) if t.get("num_moe_experts") else 0.0
 
 
 def _delta_rule_sizes(t: dict[str, Any]) -> tuple[int, int, int, int]:
