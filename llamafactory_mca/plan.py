@@ -27,7 +27,7 @@ from .models.auto import AutoConfig, mtp_apart_from_features, resolve_load_balan
 from .models.config import McaConfig
 from .models.lora.layers import check_lora_request
 from .models.lora.peft_io import check_lora_plan
-from .models.multimodal import deepstack_layers
+from .models.multimodal import check_vision_layout
 from .parallel import ParallelLayout, check_layout, cuda_graph_layout_needs
 from .trainer.loss import PreferenceConfig
 
@@ -218,19 +218,7 @@ def check_model_fits(config: Any, cutoff_len: int, stage: str, layout: Any, cust
         if stage == "dpo":
             raise UserError(f"{config.hf_model_type}: DPO on vision-language models is not supported with USE_MCA=1 "
                             "yet; sft and pt are. Unset USE_MCA to run it with LLaMA-Factory's default trainer.")
-        if layout.cp > 1:
-            raise UserError(f"context_parallel_size={layout.cp} is not supported for the vision-language model "
-                            f"{config.hf_model_type} yet (its image features would have to follow the token split); "
-                            "use context_parallel_size: 1.")
-        deepstack, stages = deepstack_layers(config.hf_config), layout.pp * (layout.vpp or 1)
-        first_chunk = config.num_layers // stages
-        if deepstack > first_chunk and not custom_pipeline_layout:
-            raise UserError(f"{config.hf_model_type}: the first {deepstack} decoder layers take the vision tower's "
-                            f"deepstack features and must share its pipeline stage, but pipeline_model_parallel_size="
-                            f"{layout.pp}" + (f" x virtual_pipeline_model_parallel_size={layout.vpp}" if layout.vpp
-                                              else "") + f" puts {first_chunk} layers there. Use fewer stages (at "
-                            f"most {config.num_layers // deepstack}) or a pipeline_model_parallel_layout whose first "
-                            f"stage holds {deepstack} layers.")
+        check_vision_layout(config, layout, custom_pipeline_layout)
     if config.sliding_window is not None and cutoff_len > config.sliding_window:
         raise UserError(f"{config.hf_model_type}: the model uses sliding-window attention (window "
                          f"{config.sliding_window}), which llamafactory_mca does not implement; it matches full "

@@ -114,6 +114,20 @@ def test_search_walks_virtual_pipelines_and_expert_tensor_parallelism():
     assert any(c.keys.get("expert_tensor_parallel_size") == 2 for c in found)
 
 
+def test_search_keeps_a_vision_language_model_to_the_layouts_it_runs():
+    """Qwen3-VL (deepstack features into the first decoder layers) on 8 GPUs: no context parallelism, and no stage
+    split that puts the deepstack layers past the tower's stage: what the run's plan refuses."""
+    from llamafactory_mca.models.multimodal import check_vision_layout
+    from llamafactory_mca.tools.tiny import tiny_hf_config
+
+    config = get_family("qwen3_vl").config_from_hf(tiny_hf_config("qwen3_vl"))
+    found, refused = search(config, 8, 16, Training(tokens=256), gpu_memory_gib=80.0, peak_flops=989e12)
+    assert found and any("vision-language" in reason for reason in refused)
+    for candidate in found:
+        check_vision_layout(config, candidate.layout)
+        assert candidate.layout.cp == 1
+
+
 def test_moe_experts_split_by_expert_parallelism():
     hf = Qwen3MoeConfig(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=4,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1000, num_experts=64,

@@ -72,6 +72,28 @@ def deepstack_layers(hf_config: dict[str, Any]) -> int:
     return len(hf_config.get("vision_config", {}).get("deepstack_visual_indexes") or [])
 
 
+def check_vision_layout(config: Any, layout: Any, custom_pipeline_layout: bool = False) -> None:
+    """What a vision-language model needs of the layout (the run's plan and the planner's search ask alike): no
+    context parallelism, and its deepstack layers on the tower's stage. ``custom_pipeline_layout``: a
+    pipeline_model_parallel_layout places the layers, not the even split (the model build then checks where the
+    deepstack layers went)."""
+    if not config.transformer.get("mrope_section"):
+        return
+    if layout.cp > 1:
+        raise UserError(f"context_parallel_size={layout.cp} is not supported for the vision-language model "
+                        f"{config.hf_model_type} yet (its image features would have to follow the token split); "
+                        "use context_parallel_size: 1.")
+    deepstack, stages = deepstack_layers(config.hf_config), layout.pp * (layout.vpp or 1)
+    first_chunk = config.num_layers // stages
+    if deepstack > first_chunk and not custom_pipeline_layout:
+        raise UserError(f"{config.hf_model_type}: the first {deepstack} decoder layers take the vision tower's "
+                        f"deepstack features and must share its pipeline stage, but pipeline_model_parallel_size="
+                        f"{layout.pp}" + (f" x virtual_pipeline_model_parallel_size={layout.vpp}" if layout.vpp
+                                          else "") + f" puts {first_chunk} layers there. Use fewer stages (at "
+                        f"most {config.num_layers // deepstack}) or a pipeline_model_parallel_layout whose first "
+                        f"stage holds {deepstack} layers.")
+
+
 class MultimodalRope(torch.nn.Module):
     """Multimodal RoPE from 3-D positions, with the frequencies laid out as the family does: in three blocks
     (T..., H..., W...: Qwen2-VL, what Megatron's MultimodalRotaryEmbedding does) or interleaved (THWTHW...T:

@@ -20,6 +20,7 @@ import math
 from typing import Any
 
 from ..errors import UserError
+from ..models.multimodal import check_vision_layout
 from ..parallel import ParallelLayout, check_layout, cuda_graph_layout_needs
 from ..trainer.metrics import PEAK_BF16_FLOPS, flops_per_sequence_set, routed_expert_flops
 from .memory import Training, estimate, vision_tower
@@ -132,6 +133,12 @@ def search(config: Any, gpus: int, global_batch: int, training: Training, gpu_me
         except UserError as err:
             # "family: size=N does not divide ... (sizes that fit ...)": the size-free reason
             reason = str(err).split(": ", 1)[-1].split(" (sizes")[0]
+            refused[reason] = refused.get(reason, 0) + 1
+            continue
+        try:
+            check_vision_layout(config, layout)
+        except UserError:
+            reason = "a vision-language model: no context parallelism, deepstack layers on the tower's stage"
             refused[reason] = refused.get(reason, 0) + 1
             continue
         for recompute in (None, "full"):
