@@ -185,9 +185,16 @@ def workloads(smoke: bool) -> dict[str, Workload]:
     varlen = ("loguniform", max(32 // k, 4), cut)
     recompute = {"recompute_granularity": "full"}
     graphs = {"cuda_graphs": True}  # every layer replayed as a CUDA graph (packs of one size)
+    fused = dict(apply_rope_fusion=True, qk_norm_fusion=True, gradient_accumulation_fusion=True)  # graphs' defaults
+    fused_run = Run("ours_fused", "ours", 1, True, 1, 8, "1 GPU, compiled RoPE and q/k norms, wgrad into main_grad",
+                    fused)
     graph_runs = [Run("ours_graphs", "ours", 1, True, 1, 8, "1 GPU, CUDA graphs", graphs),
                   Run("ours_graphs_fused", "ours", 1, True, 1, 8, "1 GPU, CUDA graphs, wgrad into main_grad",
-                      dict(graphs, gradient_accumulation_fusion=True))]  # weight gradients GEMMed into main_grad
+                      dict(graphs, gradient_accumulation_fusion=True)),  # weight gradients GEMMed into main_grad
+                  # graphs without the fusions they turn on by default (wgrad into main_grad, compiled RoPE, q/k norms)
+                  Run("ours_graphs_unfused", "ours", 1, True, 1, 8, "1 GPU, CUDA graphs, no fusions",
+                      dict(graphs, gradient_accumulation_fusion=False, apply_rope_fusion=False, qk_norm_fusion=False)),
+                  Run("ours_graphs_mb2", "ours", 1, True, 2, 4, "1 GPU, CUDA graphs, 2 packs per micro-batch", graphs)]
     # LLaMA-Factory's fastest option a user can pick here: Liger kernels, gradient checkpointing off where it fits
     liger_gc = dict(enable_liger_kernel=True)
     liger = dict(liger_gc, disable_gradient_checkpointing=True)
@@ -196,7 +203,8 @@ def workloads(smoke: bool) -> dict[str, Workload]:
     found = [
         Workload("dense", "dense", cut, packed,
                  _pair(1, 8, "1 GPU")
-                 + [Run("lf_liger", "lf", 1, True, 1, 8, "1 GPU, Liger, no checkpointing", liger)] + graph_runs,
+                 + [Run("lf_liger", "lf", 1, True, 1, 8, "1 GPU, Liger, no checkpointing", liger),
+                    fused_run] + graph_runs,
                  about=f"{cut}-token packed micro-batches, global batch 8; `lf_liger`: LLaMA-Factory with "
                        "`enable_liger_kernel` and gradient checkpointing off"),
         Workload("dp2", "dense", cut, packed, _pair(2, 4, "DP2", lf_layout="DDP, 2 GPUs"),
@@ -205,7 +213,9 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                  _pair(1, 8, "1 GPU") + [Run("ours_recompute", "ours", 1, True, 1, 8, "1 GPU, recompute full",
                                              recompute),
                                          Run("lf_liger", "lf", 1, True, 1, 8, "1 GPU, Liger, checkpointing",
-                                             liger_gc)] + [Run(**vars(r)) for r in graph_runs],
+                                             liger_gc),
+                                         Run(**vars(fused_run))]
+                 + [Run(**vars(r)) for r in graph_runs],
                  about=f"{cut}-token packed micro-batches, global batch 8; LLaMA-Factory recomputes by default "
                        "(gradient checkpointing), so `ours_recompute` is the like-for-like memory comparison; "
                        "`lf_liger`: LLaMA-Factory with `enable_liger_kernel`"),

@@ -87,7 +87,10 @@ class DistributingParallelArguments:
         default=None, metadata={"help": "GEMM each weight gradient straight into the fp32 main_grad (apex, TE, or on "
                                         "GPUs torch's addmm with out_dtype); default off."}
     )
-    apply_rope_fusion: bool | None = field(default=None, metadata={"help": "Fused RoPE (needs TE)."})
+    apply_rope_fusion: bool | None = field(
+        default=None, metadata={"help": "Fused RoPE: Transformer Engine's, or without it the same rotation compiled "
+                                        "(models/native/rope.py); default on with cuda_graphs, else off."}
+    )
     moe_token_dispatcher_type: str | None = field(default=None, metadata={"help": "allgather or alltoall."})
     moe_router_load_balancing_type: str | None = field(default=None, metadata={"help": f"{LOAD_BALANCING}."})
     moe_aux_loss_coeff: float | None = field(default=None, metadata={"help": "Load-balancing loss weight."})
@@ -102,6 +105,10 @@ class DistributingParallelArguments:
         default=None, metadata={"help": "Route MoE tokens on the device, without host syncs, where every expert is on "
                                         "the rank (ep = etp = 1, no token dropping); default on. false: Megatron's "
                                         "dispatcher."}
+    )
+    qk_norm_fusion: bool | None = field(
+        default=None, metadata={"help": "The per-head q/k RMSNorms compiled on GPUs (models/native/norm.py); default "
+                                        "on with cuda_graphs, else off (a compiled call costs host time)."}
     )
     native_cross_entropy: bool | None = field(
         default=None, metadata={"help": "The language-model loss from the bf16 logits without Megatron's fp32 copy of "

@@ -167,12 +167,17 @@ def _engine_fields(config: McaConfig, args: Any) -> dict[str, Any]:
     """TransformerConfig fields that depend on the run, not the model."""
     bf16, fp16 = bool(getattr(args, "bf16", False)), bool(getattr(args, "fp16", False))
     dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
+    graphs = getattr(args, "run_cuda_graphs", lambda: False)()
+    # Fusions without TE: each weight gradient GEMMed into main_grad (torch's addmm with out_dtype, native/wgrad.py),
+    # RoPE and the q/k norms compiled (native/rope.py, native/norm.py). They cut GPU time but a call costs more host
+    # time, so they are on where a step waits on the GPU (graphed layers, MoE) and off where it waits on the host
+    # (eager dense): on one H200, dense graphed +15%, MoE eager +8%, dense eager -7% (benchmarks/results/h200_fusions).
+    # Multi-latent attention and multimodal RoPE keep the unfused rotation by default; a recipe may set each key.
+    fused = not cpu_mode_needed() and (graphs or bool(config.num_experts))
     fields: dict[str, Any] = dict(
         bf16=bf16, fp16=fp16, params_dtype=dtype, pipeline_dtype=dtype,
         use_cpu_initialization=cpu_mode_needed(),
-        # Off unless asked for: without apex/TE it runs on torch's addmm with out_dtype (models/native/wgrad.py), which
-        # cut GPU time, but the host-bound step's time moved within the hosts' noise (benchmarks/results/h200_speed).
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=fused,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         bias_dropout_fusion=has_transformer_engine(),
@@ -189,10 +194,13 @@ def _engine_fields(config: McaConfig, args: Any) -> dict[str, Any]:
         # gloo pairs batched sends/receives between the same two ranks out of order (seen with PP2 + VPP on CPU:
         # activations of one micro-batch reached another); NCCL batches them correctly.
         batch_p2p_comm=not cpu_mode_needed(),
+        apply_rope_fusion=fused and not config.transformer.get("multi_latent_attention")
+        and not config.transformer.get("mrope_section"),
+        qk_norm_fusion=fused,
         cuda_graph_scope=[],  # megatron-core 0.16.1's default "full" warns that it is deprecated, in every process
         # Whole layers, forward and backward, through megatron-core's CudaGraphManager (no TE needed): recorded in
         # the first step, captured at its end, replayed after (trainer/graphs.py).
-        cuda_graph_impl="local" if getattr(args, "run_cuda_graphs", lambda: False)() else "none",
+        cuda_graph_impl="local" if graphs else "none",
     )
     # alltoall is the fast dispatcher, and the only one Megatron allows with variable sequence lengths
     # (it checks even for dense models).

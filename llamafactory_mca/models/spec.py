@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 
 _QK_NORM = ModuleSpec(module=NativeNorm, params={"mark_sequence_parallel": False, "per_head": True})
 # recipe keys of the native spec and model, set on the TransformerConfig they read
-NATIVE_OPTIONS = ("moe_local_dispatch", "native_cross_entropy")
+NATIVE_OPTIONS = ("moe_local_dispatch", "native_cross_entropy", "qk_norm_fusion")
 _TE_ONLY_BACKENDS = ("flash", "fused", "unfused")
 
 
@@ -79,9 +79,10 @@ def prepare_config(config: TransformerConfig | dict[str, Any]) -> TransformerCon
     if get("attention_backend") is not None:
         put("attention_backend", AttnBackend[backend])
     if not te:
-        if get("apply_rope_fusion"):
-            _turn_off(put, "apply_rope_fusion", "fused RoPE needs Transformer Engine; RoPE runs in PyTorch "
-                      "(per packed sequence for THD batches)")
+        if get("apply_rope_fusion") and (get("multi_latent_attention") or get("rotary_interleaved")):
+            _turn_off(put, "apply_rope_fusion", "without Transformer Engine the fused RoPE (compiled, "
+                      "models/native/rope.py) does neither multi-latent attention nor interleaved rotation; RoPE runs "
+                      "unfused")
         if get("gradient_accumulation_fusion") and not (_has_apex_wgrad() or wgrad.available()):
             _turn_off(put, "gradient_accumulation_fusion", "it needs a GPU (torch's addmm with out_dtype), apex or "
                       "Transformer Engine")
@@ -246,6 +247,11 @@ def describe_kernels(config: TransformerConfig) -> str:
     if getattr(config, "linear_attention_freq", None):
         line += f"; gated delta rule: {describe_delta_rule()}"
     line += f"; MoE experts: {experts}" if config.num_moe_experts else ""
+    if choice != "te":
+        qk_norms = getattr(config, "qk_layernorm", False) and getattr(config, "qk_norm_fusion", False)
+        rope = getattr(config, "apply_rope_fusion", False)
+        compiled = [name for name, on in (("RoPE", rope), ("q/k norms", qk_norms)) if on]
+        line += f"; compiled: {' and '.join(compiled)}" if compiled else ""
     return line + ("; every layer a CUDA graph (forward and backward, captured in step 1)"
                    if getattr(config, "cuda_graph_impl", "none") == "local" else "")
 

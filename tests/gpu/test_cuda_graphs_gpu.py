@@ -15,13 +15,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.mark.parametrize("model, fused", [("qwen3", True), ("qwen3_moe", False)])
 def test_graphed_layers_train_what_eager_layers_train(model, fused, assets, tmp_path):
-    """``fused``: the graphed run also GEMMs weight gradients into main_grad (gradient_accumulation_fusion)."""
+    """``fused``: both runs GEMM weight gradients into main_grad and run the compiled RoPE and q/k norms (the graphed
+    default); without it both run without them, so that the first, eager, step of each is the same computation."""
     curves = {}
     for graphs in (False, True):
         name = f"{model}_graphs_{graphs}"
         config = recipe(assets, tmp_path / name, model_name_or_path=assets["models"][model], bf16=True,
                         moe_grouped_gemm=model == "qwen3_moe", sequence_packing=True, cuda_graphs=graphs,
-                        gradient_accumulation_fusion=graphs and fused, max_steps=6, learning_rate=1e-4,
+                        gradient_accumulation_fusion=fused, apply_rope_fusion=fused, qk_norm_fusion=fused,
+                        max_steps=6, learning_rate=1e-4,
                         eval_dataset="tiny_alpaca",
                         eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=2, save_strategy="steps",
                         save_steps=3)
@@ -31,15 +33,17 @@ def test_graphed_layers_train_what_eager_layers_train(model, fused, assets, tmp_
         assert output.count("eval loss") == 2, output[-3000:]
         curves[graphs] = losses(tmp_path / name)
     assert curves[True].keys() == curves[False].keys() == set(range(1, 7))
-    assert curves[True][1] == curves[False][1]  # the first step runs eagerly (and records the graphs)
+    # the first step runs eagerly (and records the graphs); the compiled kernels may differ in reduction order where
+    # the eager run's packs vary in length (a dynamic-shape compile) and the graphed run's do not
+    assert curves[True][1] == pytest.approx(curves[False][1], rel=1e-6 if fused else 0)
     for step, loss in curves[False].items():  # bf16: replayed GEMMs may sum in another order
         assert curves[True][step] == pytest.approx(loss, rel=2e-3), (step, curves)
     # a graphed run's checkpoint continues, under graphs again, where the uninterrupted run went
     graphed = tmp_path / f"{model}_graphs_True"
     config = recipe(assets, tmp_path / "resumed", model_name_or_path=assets["models"][model], bf16=True,
                     moe_grouped_gemm=model == "qwen3_moe", sequence_packing=True, cuda_graphs=True,
-                    gradient_accumulation_fusion=fused, max_steps=6, learning_rate=1e-4,
-                    resume_from_checkpoint=str(graphed / "checkpoint-3"))
+                    gradient_accumulation_fusion=fused, apply_rope_fusion=fused, qk_norm_fusion=fused, max_steps=6,
+                    learning_rate=1e-4, resume_from_checkpoint=str(graphed / "checkpoint-3"))
     result, output = train(tmp_path, config, gpu=True, name="resumed")
     ok(result, output)
     resumed = losses(tmp_path / "resumed")

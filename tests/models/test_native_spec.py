@@ -41,7 +41,7 @@ def _config(moe=False, grouped=True, tp=1, cp=1, ep=1, sp=False, backend=None):
         normalization="RMSNorm", qk_layernorm=True, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
         gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
-        bias_dropout_fusion=False, apply_rope_fusion=True,  # the guide recipe's value: must be turned off, not fail
+        bias_dropout_fusion=False, apply_rope_fusion=True,  # the guide recipe's value: our fused RoPE without TE
         tensor_model_parallel_size=tp, context_parallel_size=cp, expert_model_parallel_size=ep, sequence_parallel=sp,
     )
     if moe:
@@ -492,8 +492,11 @@ def test_prepare_config_turns_off_or_refuses(caplog):
               "gradient_accumulation_fusion": True}
     with caplog.at_level(logging.INFO, logger="llamafactory_mca.models.spec"):
         spec.prepare_config(kwargs)
-    assert kwargs["apply_rope_fusion"] is False and kwargs["attention_backend"] is AttnBackend.auto
+    assert kwargs["apply_rope_fusion"] is True and kwargs["attention_backend"] is AttnBackend.auto
     assert kwargs["bias_activation_fusion"] is False and kwargs["gradient_accumulation_fusion"] is False  # CPU run
+    with caplog.at_level(logging.INFO, logger="llamafactory_mca.models.spec"):
+        for unsupported in ("multi_latent_attention", "rotary_interleaved"):  # the compiled RoPE does neither
+            assert spec.prepare_config({"apply_rope_fusion": True, unsupported: True})["apply_rope_fusion"] is False
     assert "apply_rope_fusion=True turned off" in caplog.text
     assert spec.prepare_config({"attention_backend": "local"})["attention_backend"] is AttnBackend.local
     with pytest.raises(ValueError, match="fp8"):
@@ -555,6 +558,64 @@ def test_thd_rope_without_host_sync_equals_megatrons(cp, per_position):
         t = torch.randn(int(cu[-1]) // cp, 4, 16, generator=g)
         expected = original(t, cu, freqs, cp_group=group)
         torch.testing.assert_close(apply_rotary_pos_emb_thd(t, cu, freqs, cp_group=group), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fused_rope_slots_equal_the_unfused_rope(cp, compiled, monkeypatch):
+    """``apply_rope_fusion`` without TE: megatron-core's dispatcher reaches our fused slots, whose rotation (eager, and
+    compiled as on GPUs) equals its unfused one in value and gradient, packed (every CP rank, frequencies per offset
+    and per packed position) and padded."""
+    from types import SimpleNamespace
+
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from llamafactory_mca.models.native import install, rope
+
+    install()
+    if compiled:
+        monkeypatch.setattr(rope, "_fused", lambda t, f, p, i: rope._compiled_rotate()(t, f, p, i))
+    lengths = [8 * cp, 16 * cp, 4 * cp, 12 * cp]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    fused, unfused = (SimpleNamespace(apply_rope_fusion=on, rotary_interleaved=False, multi_latent_attention=False,
+                                      mrope_section=None) for on in (True, False))
+
+    def both(t, freqs, **kw):
+        results = []
+        for config in (fused, unfused):
+            x = t.clone().requires_grad_()
+            out = rope_utils.apply_rotary_pos_emb(x, freqs, config=config, **kw)
+            out.backward(torch.ones_like(out))
+            results.append((out.detach(), x.grad))
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b)
+
+    for rows in (max(lengths) + 3, int(cu[-1])):
+        freqs = torch.randn(rows, 1, 1, 16, generator=g)
+        for rank in range(cp):
+            group = SimpleNamespace(size=lambda: cp, rank=lambda r=rank: r)
+            both(torch.randn(int(cu[-1]) // cp, 4, 16, generator=g), freqs, cu_seqlens=cu, cp_group=group)
+    both(torch.randn(12, 2, 4, 16, generator=g), torch.randn(12, 1, 1, 16, generator=g),
+         cp_group=SimpleNamespace(size=lambda: 1, rank=lambda: 0))
+
+
+def test_compiled_qk_norm_equals_eager():
+    """``qk_norm_fusion``: the compiled per-head RMSNorm (compiled here on CPU, as on GPUs) gives the eager one's
+    values and gradients, the weight's reduction over every (token, head) row included."""
+    from llamafactory_mca.models.native import norm
+
+    g = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(64, 4, 16, generator=g), 1 + torch.randn(16, generator=g) / 4
+    results = []
+    for fn in (norm._head_rms_norm, norm._compiled_head_rms_norm()):
+        xs, ws = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = fn(xs, ws, 1e-6)
+        out.backward(torch.cos(out.detach()))
+        results.append((out.detach(), xs.grad, ws.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
+    assert norm.HeadRMSNorm(16, 1e-6, "cpu", torch.float32, fused=True)(x).shape == x.shape  # eager on CPU tensors
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

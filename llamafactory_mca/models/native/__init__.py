@@ -19,6 +19,8 @@ def install() -> None:
       ``rope.py`` computes the same on the device.
     - Without apex, ``gradient_accumulation_fusion`` needs apex's fused_weight_gradient_mlp_cuda; torch's addmm
       with out_dtype is the same GEMM (``wgrad.py``).
+    - ``apply_rope_fusion`` calls TE's fused RoPE through two slots that are empty without TE; ``rope.py`` fills them
+      with the same rotation compiled.
     - Its group-limited routing scores a group unlike transformers where top-k is not twice the groups chosen
       (``routing.py``).
     """
@@ -33,6 +35,9 @@ def install() -> None:
 
     if rope_utils._apply_rotary_pos_emb_thd is rope.MEGATRON_THD_ROPE:
         rope_utils._apply_rotary_pos_emb_thd = rope.apply_rotary_pos_emb_thd
+    if rope_utils.fused_apply_rotary_pos_emb is None and rope_utils.fused_apply_rotary_pos_emb_thd is None:
+        rope_utils.fused_apply_rotary_pos_emb = rope.fused_apply_rotary_pos_emb
+        rope_utils.fused_apply_rotary_pos_emb_thd = rope.fused_apply_rotary_pos_emb_thd
     if not layers._grad_accum_fusion_available and wgrad.available():
         layers.fused_weight_gradient_mlp_cuda = wgrad
         layers._grad_accum_fusion_available = True

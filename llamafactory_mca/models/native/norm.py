@@ -12,10 +12,21 @@ PyTorch's fused kernels on GPU. ``layernorm_zero_centered_gamma`` (scale 1 + wei
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ...errors import UserError
+
+
+def _head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.nn.functional.rms_norm(x, (x.size(-1),), None, eps) * weight
+
+
+@cache
+def _compiled_head_rms_norm():
+    return torch.compile(_head_rms_norm, fullgraph=True)
 
 
 class HeadRMSNorm(torch.nn.Module):
@@ -24,15 +35,18 @@ class HeadRMSNorm(torch.nn.Module):
     torch's fused RMSNorm reduces the weight's gradient over every (token, head) row inside its backward kernel,
     which is slow for a 128-wide norm over 65k rows (perf-notes: q-norm 305 us); the separate multiply leaves that
     reduction to a plain sum (240 us). Same values, same parameter (``weight``) and state-dict key as
-    ``torch.nn.RMSNorm``."""
+    ``torch.nn.RMSNorm``. ``fused`` (the ``qk_norm_fusion`` key): the same function compiled on GPUs, one kernel
+    each way plus the weight's reduction, at a compiled call's host cost (worth it under CUDA graphs)."""
 
-    def __init__(self, hidden_size: int, eps: float, device, dtype) -> None:
+    def __init__(self, hidden_size: int, eps: float, device, dtype, fused: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.fused = fused
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.rms_norm(x, (x.size(-1),), None, self.eps) * self.weight
+        norm = _compiled_head_rms_norm() if self.fused and x.is_cuda else _head_rms_norm
+        return norm(x, self.weight, self.eps)
 
 
 class ZeroCenteredRMSNorm(torch.nn.Module):
@@ -65,7 +79,8 @@ class NativeNorm:
         if config.layernorm_zero_centered_gamma:
             norm = ZeroCenteredRMSNorm(hidden_size, **kwargs)
         elif config.normalization == "RMSNorm":
-            norm = HeadRMSNorm(hidden_size, **kwargs) if per_head else torch.nn.RMSNorm(hidden_size, **kwargs)
+            norm = (HeadRMSNorm(hidden_size, fused=bool(getattr(config, "qk_norm_fusion", False)), **kwargs)
+                    if per_head else torch.nn.RMSNorm(hidden_size, **kwargs))
         elif config.normalization == "LayerNorm":
             norm = torch.nn.LayerNorm(hidden_size, **kwargs)
         else:

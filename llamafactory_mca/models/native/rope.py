@@ -6,9 +6,17 @@ two device-to-host copies for q and two for k in every layer of every micro-batc
 drain (perf-notes: ~900 per step on a 28-layer model). Here every token's rotary position is computed on the device
 (which sequence it is in by ``searchsorted``, its offset inside it, the context-parallel chunk it belongs to) and the
 frequencies are gathered once: the same rotation, no sync. Megatron-LM's main branch has the same idea.
+
+``apply_rope_fusion`` without Transformer Engine: megatron-core calls TE's fused RoPE through two slots of
+``rope_utils`` that stay empty without TE; ``install()`` fills them with the same math compiled into one kernel per
+direction on GPUs (gather of the frequencies, cos/sin, rotation and cast; eager on CPU). Eagerly the rotation of q or
+k is about ten kernels over the whole tensor, in fp32 where the frequencies are; under CUDA graphs, where the host
+cost of a compiled call is gone, that memory traffic is what is left of RoPE.
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 import torch
 from megatron.core.models.common.embeddings import rope_utils
@@ -68,3 +76,35 @@ def apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: t
                                                  rotary_interleaved=rotary_interleaved,
                                                  multi_latent_attention=multi_latent_attention,
                                                  mscale=mscale).squeeze(1)
+
+
+def _rotate(t: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor | None, interleaved: bool) -> torch.Tensor:
+    """Megatron's rotation of ``t`` [s, b, h, d] by ``freqs`` (gathered at ``positions`` first where given)."""
+    if positions is not None:
+        t, freqs = t.unsqueeze(1), freqs[positions]
+    out = rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
+    return out.squeeze(1) if positions is not None else out
+
+
+@cache
+def _compiled_rotate():
+    return torch.compile(_rotate, fullgraph=True)
+
+
+def _fused(t: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor | None, interleaved: bool) -> torch.Tensor:
+    rotate = _compiled_rotate() if t.is_cuda else _rotate
+    return rotate(t, freqs, positions, interleaved)
+
+
+def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False,
+                               interleaved: bool = False) -> torch.Tensor:
+    """The padded-batch slot (TE's ``fused_apply_rotary_pos_emb``, same arguments)."""
+    return _fused(t, freqs, None, interleaved)
+
+
+def fused_apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor,
+                                   cp_size: int = 1, cp_rank: int = 0) -> torch.Tensor:
+    """The packed-batch slot (TE's ``fused_apply_rotary_pos_emb_thd``, same arguments; frequencies per packed
+    position, as multimodal RoPE gives them, are taken as they come, like ``apply_rotary_pos_emb_thd``)."""
+    absolute = freqs.size(0) == t.size(0) * cp_size
+    return _fused(t, freqs, _positions_of(cu_seqlens, t.size(0), cp_size, cp_rank, absolute), False)
