@@ -88,6 +88,22 @@ def test_freeze_and_evaluation(assets, tmp_path):
         assert torch.equal(after[key], tensor) != key.startswith(last), key  # only the last layer moved
 
 
+def test_fusion_keys_train_what_the_plain_path_trains(assets, tmp_path):
+    """``apply_rope_fusion`` and ``qk_norm_fusion`` (on by default on GPUs for graphed and MoE runs) through the real
+    command: packed, with evaluation between steps, the losses equal the unfused run's (on CPU the fused functions run
+    eagerly: the same math through megatron-core's fused-RoPE slots), and the startup summary names them."""
+    runs = {}
+    for fused in (False, True):
+        name = f"fused_{fused}"
+        config = recipe(assets, tmp_path / name, sequence_packing=True, max_steps=3, eval_dataset="tiny_alpaca",
+                        eval_strategy="steps", eval_steps=2, apply_rope_fusion=fused, qk_norm_fusion=fused)
+        result, output = train(tmp_path, config, name=name)
+        ok(result, output)
+        assert ("compiled: RoPE and q/k norms" in output) == fused, output[-3000:]
+        runs[fused] = losses(tmp_path / name)
+    assert runs[True].keys() == {1, 2, 3} and runs[True] == runs[False]
+
+
 def _megatron_logits(checkpoint: str) -> torch.Tensor:
     from llamafactory_mca import parallel
     from llamafactory_mca.models.auto import AutoModel
