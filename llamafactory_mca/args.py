@@ -85,11 +85,12 @@ class DistributingParallelArguments:
     bias_activation_fusion: bool | None = field(default=None, metadata={"help": "Fuse bias + activation."})
     gradient_accumulation_fusion: bool | None = field(
         default=None, metadata={"help": "GEMM each weight gradient straight into the fp32 main_grad (apex, TE, or on "
-                                        "GPUs torch's addmm with out_dtype); default off."}
+                                        "GPUs torch's addmm with out_dtype); default on with cuda_graphs and for MoE "
+                                        "models."}
     )
     apply_rope_fusion: bool | None = field(
         default=None, metadata={"help": "Fused RoPE: Transformer Engine's, or without it the same rotation compiled "
-                                        "(models/native/rope.py); default on with cuda_graphs, else off."}
+                                        "(models/native/rope.py); default on with cuda_graphs and for MoE models."}
     )
     moe_token_dispatcher_type: str | None = field(default=None, metadata={"help": "allgather or alltoall."})
     moe_router_load_balancing_type: str | None = field(default=None, metadata={"help": f"{LOAD_BALANCING}."})
@@ -108,7 +109,7 @@ class DistributingParallelArguments:
     )
     qk_norm_fusion: bool | None = field(
         default=None, metadata={"help": "The per-head q/k RMSNorms compiled on GPUs (models/native/norm.py); default "
-                                        "on with cuda_graphs, else off (a compiled call costs host time)."}
+                                        "on with cuda_graphs and for MoE models (a compiled call costs host time)."}
     )
     native_cross_entropy: bool | None = field(
         default=None, metadata={"help": "The language-model loss from the bf16 logits without Megatron's fp32 copy of "
