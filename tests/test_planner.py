@@ -167,8 +167,8 @@ def test_vision_tower_counted_by_its_own_class():
 
 def test_speed_model_follows_the_work():
     """The predicted tokens/s: graphed dense layers lose the host's launch time, LoRA's frozen base skips the weight
-    gradients, full recompute adds a forward, longer micro-batches spread the host's time, and the layout shares
-    cut a GPU's rate."""
+    gradients, full recompute adds a forward (selective: core attention's), longer micro-batches spread the host's
+    time, and the layout shares cut a GPU's rate."""
     config = _dense(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                     num_key_value_heads=8, head_dim=128, vocab_size=151936)
     rate = lambda layout=_layout(), **keys: predicted_tokens_per_s(  # noqa: E731
@@ -178,6 +178,10 @@ def test_speed_model_follows_the_work():
     assert rate(cuda_graphs=True) > 1.2 * eager and rate(lora_rank=16) > 1.3 * eager
     assert rate(recompute="full") < 0.8 * eager < rate(_layout(micro=2))
     assert rate(_layout(world=2, tp=2)) < 0.5 * eager and rate(_layout(world=2)) < eager
+    # selective recompute of core attention adds one forward of QK^T and AV: little at 4k, a sixth of the step at 32k
+    long = lambda **keys: predicted_tokens_per_s(config, _layout(), Training(tokens=32768, **keys), 989e12)  # noqa: E731
+    assert 0.97 * eager < rate(recompute="selective") < eager
+    assert long(recompute="full") < long(recompute="selective") < 0.9 * long()
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from typing import Any
 from ..errors import UserError
 from ..models.multimodal import check_vision_layout
 from ..parallel import ParallelLayout, check_layout, cuda_graph_layout_needs
-from ..trainer.metrics import PEAK_BF16_FLOPS, flops_per_sequence_set, routed_expert_flops
+from ..trainer.metrics import PEAK_BF16_FLOPS, core_attention_flops, flops_per_sequence_set, routed_expert_flops
 from .memory import Training, estimate, vision_tower
 
 # the share of the GPU's peak each kind of work reaches, and the host's time per layer and micro-batch
@@ -81,7 +81,10 @@ def predicted_tokens_per_s(config: Any, layout: ParallelLayout, training: Traini
     dense_passes = 1 + (1 if frozen else 2) + rebuilt
     expert_passes = 1 + (1 if frozen and not training.lora_experts else 2) + rebuilt
     expert_efficiency = _expert_efficiency(t, tokens * layout.micro_batch_size * layout.ep)
-    seconds = ((forward - experts) * dense_passes / EFFICIENCY["dense"]
+    # selective recompute of core attention runs QK^T and AV forward once more, in the backward
+    attention = (core_attention_flops(t, [tokens]) / tokens
+                 if training.recompute == "selective" and "core_attn" in training.recompute_modules else 0.0)
+    seconds = (((forward - experts) * dense_passes + attention) / EFFICIENCY["dense"]
                + experts * expert_passes / expert_efficiency) / peak_flops
     tower = vision_tower(config, training)
     if tower is not None:  # a frozen tower runs forward only

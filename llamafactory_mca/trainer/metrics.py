@@ -36,9 +36,8 @@ def flops_per_sequence_set(t: dict[str, Any], vocab_size: int, seqlens: Sequence
     tokens = float(sum(seqlens))
     squares = float(sum(s * s for s in seqlens))
     h = t["hidden_size"]
-    weights, qk_width, v_width = attention_sizes(t)
-    per_layer = 2 * tokens * weights  # the projections
-    per_layer += 2 * squares * (qk_width + v_width) * 0.5  # QK^T and AV, causal
+    per_layer = 2 * tokens * attention_sizes(t)[0]  # the projections
+    per_layer += _core_attention_forward(t, squares)
     linear_layers = sum(t.get("linear_attention_freq") or [])
     if linear_layers:  # hybrid models: the gated delta-rule layers replace that many attention layers
         per_layer = (per_layer * (_layer_count(t) - linear_layers) + _delta_rule_flops(t, tokens) * linear_layers
@@ -54,6 +53,19 @@ def flops_per_sequence_set(t: dict[str, Any], vocab_size: int, seqlens: Sequence
     forward = (per_layer * layers + moe * moe_layers + dense * (layers - moe_layers)
                + 2 * tokens * h * vocab_size * (1 + mtp) + mtp * 2 * tokens * 2 * h * h)  # MTP: logits and eh_proj
     return 3 * forward
+
+
+def _core_attention_forward(t: dict[str, Any], squares: float) -> float:
+    """One softmax-attention layer's QK^T and AV, forward, causal, for sequences whose squared lengths sum to
+    ``squares``."""
+    _, qk_width, v_width = attention_sizes(t)
+    return 2 * squares * (qk_width + v_width) * 0.5
+
+
+def core_attention_flops(t: dict[str, Any], seqlens: Sequence[int]) -> float:
+    """QK^T and AV of every softmax-attention layer, forward only: what selective recompute of core attention adds."""
+    layers = _layer_count(t) - sum(t.get("linear_attention_freq") or [])
+    return _core_attention_forward(t, float(sum(s * s for s in seqlens))) * layers
 
 
 def _routed_expert_forward(t: dict[str, Any], tokens: float) -> float:
