@@ -231,6 +231,7 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                   Run("ours_fused", "ours", 1, True, 1, 2, "1 GPU, recompute full, fusions", dict(recompute, **fused)),
                   Run("ours_selective", "ours", 1, True, 1, 2, "1 GPU, recompute core attention, fusions",
                       dict(fused, recompute_granularity="selective")),
+                  Run("ours_no_recompute", "ours", 1, True, 1, 2, "1 GPU, no recompute, fusions", fused),
                   Run("ours_cp2", "ours", 2, True, 1, 2, "CP2, recompute full",
                       {"context_parallel_size": 2, **recompute})],
                  steps=8, warmup=3, about=f"one {long_cut}-token sequence per micro-batch, global batch 2"),
