@@ -54,7 +54,8 @@ from .native.experts import NativeGroupedMLP, describe_experts
 from .native.gated_delta import NativeGatedDeltaNet
 from .native.gated_delta import describe_kernel as describe_delta_rule
 from .native.kernels import varlen_attn_available
-from .native.norm import NativeNorm
+from .native import rope as native_rope
+from .native.norm import NativeNorm, compiles_head_norms
 
 logger = logging.getLogger(__name__)
 
@@ -247,11 +248,11 @@ def describe_kernels(config: TransformerConfig) -> str:
     if getattr(config, "linear_attention_freq", None):
         line += f"; gated delta rule: {describe_delta_rule()}"
     line += f"; MoE experts: {experts}" if config.num_moe_experts else ""
-    if choice != "te":
-        qk_norms = getattr(config, "qk_layernorm", False) and getattr(config, "qk_norm_fusion", False)
-        rope = getattr(config, "apply_rope_fusion", False)
-        compiled = [name for name, on in (("RoPE", rope), ("q/k norms", qk_norms)) if on]
-        line += f"; compiled: {' and '.join(compiled)}" if compiled else ""
+    rope = getattr(config, "apply_rope_fusion", False) and native_rope.compiled_in_use()
+    qk_norms = (choice == "native" and getattr(config, "qk_layernorm", False)
+                and not getattr(config, "qk_l2_norm", False) and compiles_head_norms(config))
+    compiled = [name for name, on in (("RoPE", rope), ("q/k norms", qk_norms)) if on]
+    line += f"; compiled: {' and '.join(compiled)}" if compiled else ""
     return line + ("; every layer a CUDA graph (forward and backward, captured in step 1)"
                    if getattr(config, "cuda_graph_impl", "none") == "local" else "")
 

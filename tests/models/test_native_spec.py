@@ -616,6 +616,13 @@ def test_compiled_qk_norm_equals_eager():
     for a, b in zip(*results):
         torch.testing.assert_close(a, b)
     assert norm.HeadRMSNorm(16, 1e-6, "cpu", torch.float32, fused=True)(x).shape == x.shape  # eager on CPU tensors
+    # what the startup summary and NativeNorm ask: zero-centred q/k norms (Qwen3-Next, Qwen3.5) are never compiled
+    from types import SimpleNamespace
+
+    plain = SimpleNamespace(qk_norm_fusion=True, normalization="RMSNorm", layernorm_zero_centered_gamma=False)
+    assert norm.compiles_head_norms(plain)
+    assert not norm.compiles_head_norms(SimpleNamespace(**{**vars(plain), "layernorm_zero_centered_gamma": True}))
+    assert not norm.compiles_head_norms(SimpleNamespace(**{**vars(plain), "qk_norm_fusion": False}))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

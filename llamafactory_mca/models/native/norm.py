@@ -65,6 +65,13 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
 
+def compiles_head_norms(config: TransformerConfig) -> bool:
+    """Whether the q/k norms NativeNorm builds for ``config`` are compiled: plain per-head RMSNorms (not the
+    zero-centred ones of Qwen3-Next / Qwen3.5) with ``qk_norm_fusion``."""
+    return (bool(getattr(config, "qk_norm_fusion", False)) and config.normalization == "RMSNorm"
+            and not config.layernorm_zero_centered_gamma)
+
+
 class NativeNorm:
     """Builds ``torch.nn.RMSNorm`` or ``torch.nn.LayerNorm`` after ``config.normalization`` (a factory, like
     Megatron's ``WrappedTorchNorm``, so the module and its state dict are PyTorch's own)."""
@@ -79,7 +86,7 @@ class NativeNorm:
         if config.layernorm_zero_centered_gamma:
             norm = ZeroCenteredRMSNorm(hidden_size, **kwargs)
         elif config.normalization == "RMSNorm":
-            norm = (HeadRMSNorm(hidden_size, fused=bool(getattr(config, "qk_norm_fusion", False)), **kwargs)
+            norm = (HeadRMSNorm(hidden_size, fused=compiles_head_norms(config), **kwargs)
                     if per_head else torch.nn.RMSNorm(hidden_size, **kwargs))
         elif config.normalization == "LayerNorm":
             norm = torch.nn.LayerNorm(hidden_size, **kwargs)

@@ -61,17 +61,22 @@ def _positions_of(cu_seqlens: torch.Tensor, local_tokens: int, cp_size: int, cp_
     return _LAST[1]
 
 
+def _packed_positions(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_size: int,
+                      cp_rank: int) -> torch.Tensor:
+    """The row of ``freqs`` for each of this rank's packed tokens in ``t``. Megatron's test
+    ``freqs.size(0) == cu_seqlens[-1]`` (frequencies per packed position, as multimodal RoPE gives them) is answered
+    from shapes: the packed tensor holds cu_seqlens[-1] / cp tokens on this rank."""
+    absolute = freqs.size(0) == t.size(0) * cp_size
+    return _positions_of(cu_seqlens, t.size(0), cp_size, cp_rank, absolute)
+
+
 def apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor,
                              rotary_interleaved: bool = False, multi_latent_attention: bool = False,
                              mscale: float = 1.0, cp_group: torch.distributed.ProcessGroup = None) -> torch.Tensor:
     """Drop-in for ``rope_utils._apply_rotary_pos_emb_thd`` (same arguments and result, no host sync)."""
     if cp_group is None:
         raise ValueError("cp_group must be provided for THD format RoPE")
-    cp_size, cp_rank = cp_group.size(), cp_group.rank()
-    # Megatron's test `freqs.size(0) == cu_seqlens[-1]`, answered from shapes: the packed tensor holds
-    # cu_seqlens[-1] / cp tokens on this rank.
-    absolute = freqs.size(0) == t.size(0) * cp_size
-    positions = _positions_of(cu_seqlens, t.size(0), cp_size, cp_rank, absolute)
+    positions = _packed_positions(t, cu_seqlens, freqs, cp_group.size(), cp_group.rank())
     return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[positions],
                                                  rotary_interleaved=rotary_interleaved,
                                                  multi_latent_attention=multi_latent_attention,
@@ -104,7 +109,11 @@ def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_o
 
 def fused_apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor,
                                    cp_size: int = 1, cp_rank: int = 0) -> torch.Tensor:
-    """The packed-batch slot (TE's ``fused_apply_rotary_pos_emb_thd``, same arguments; frequencies per packed
-    position, as multimodal RoPE gives them, are taken as they come, like ``apply_rotary_pos_emb_thd``)."""
-    absolute = freqs.size(0) == t.size(0) * cp_size
-    return _fused(t, freqs, _positions_of(cu_seqlens, t.size(0), cp_size, cp_rank, absolute), False)
+    """The packed-batch slot (TE's ``fused_apply_rotary_pos_emb_thd``, same arguments and positions as
+    ``apply_rotary_pos_emb_thd``)."""
+    return _fused(t, freqs, _packed_positions(t, cu_seqlens, freqs, cp_size, cp_rank), False)
+
+
+def compiled_in_use() -> bool:
+    """Whether ``apply_rope_fusion`` reaches the compiled rotation here (without TE, once ``install()`` ran)."""
+    return rope_utils.fused_apply_rotary_pos_emb_thd is fused_apply_rotary_pos_emb_thd
