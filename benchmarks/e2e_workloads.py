@@ -214,7 +214,12 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                                              recompute),
                                          Run("lf_liger", "lf", 1, True, 1, 8, "1 GPU, Liger, checkpointing",
                                              liger_gc),
-                                         Run(**vars(fused_run))]
+                                         Run(**vars(fused_run)),
+                                         # MoE's defaults turn the fusions on: this is the plain path beside them
+                                         Run("ours_unfused", "ours", 1, True, 1, 8, "1 GPU, no fusions",
+                                             dict(gradient_accumulation_fusion=False, apply_rope_fusion=False,
+                                                  qk_norm_fusion=False)),
+                                         Run("ours_mb2", "ours", 1, True, 2, 4, "1 GPU, 2 packs per micro-batch")]
                  + [Run(**vars(r)) for r in graph_runs],
                  about=f"{cut}-token packed micro-batches, global batch 8; LLaMA-Factory recomputes by default "
                        "(gradient checkpointing), so `ours_recompute` is the like-for-like memory comparison; "

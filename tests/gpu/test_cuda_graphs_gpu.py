@@ -13,7 +13,7 @@ from tests._cli import losses, ok, recipe, train
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.mark.parametrize("model, fused", [("qwen3", True), ("qwen3_moe", False)])
+@pytest.mark.parametrize("model, fused", [("qwen3", True), ("qwen3_moe", True)])
 def test_graphed_layers_train_what_eager_layers_train(model, fused, assets, tmp_path):
     """``fused``: both runs GEMM weight gradients into main_grad and run the compiled RoPE and q/k norms (the graphed
     default); without it both run without them, so that the first, eager, step of each is the same computation."""

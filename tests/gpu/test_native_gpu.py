@@ -4,6 +4,8 @@
 Run: ``python -m pytest tests/gpu/test_native_gpu.py -q`` (skipped without CUDA).
 """
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -233,10 +235,26 @@ def _experts_suite() -> dict:
         y.backward(grad)
         outs[label] = (y, xi.grad)
     fc1 = torch.stack([seq.local_experts[e].linear_fc1.weight.grad.t() for e in range(8)])
+    # gradient_accumulation_fusion: the same experts add their weight gradients to an fp32 main_grad in the
+    # backward (the compiled add), two micro-batches in a row, and leave the placeholder as .grad
+    fused_config = copy.copy(config)
+    fused_config.gradient_accumulation_fusion = True
+    fused = NativeGroupedMLP(8, fused_config, pg_collection=pgs).cuda()
+    fused.load_state_dict(grouped.state_dict())
+    for param in fused.parameters():
+        param.main_grad = torch.zeros(param.shape, device="cuda", dtype=torch.float32)
+        param.grad_added_to_main_grad = False
+    for _ in range(2):
+        xi = x.clone().requires_grad_()
+        fused(xi, counts, probs)[0].backward(grad)
     return {"kernel": grouped_mm_usable(x, grouped.weight1.view(8, 256, -1)),
             "out": _rel(outs["grouped"][0], outs["seq"][0]), "dx": _rel(outs["grouped"][1], outs["seq"][1]),
             "dw1": _rel(grouped.weight1.grad.view(8, 256, -1), fc1),
-            "empty_dw1": float(grouped.weight1.grad.view(8, 256, -1)[[1, 4]].abs().max())}
+            "empty_dw1": float(grouped.weight1.grad.view(8, 256, -1)[[1, 4]].abs().max()),
+            "fused_dx": _rel(xi.grad, outs["grouped"][1]),
+            "fused_dw1": _rel(fused.weight1.main_grad, 2 * grouped.weight1.grad.float()),
+            "fused_dw2": _rel(fused.weight2.main_grad, 2 * grouped.weight2.grad.float()),
+            "fused_flags": all(p.grad_added_to_main_grad for p in fused.parameters())}
 
 
 def test_bf16_grouped_mm_experts_equal_sequential():
@@ -244,6 +262,8 @@ def test_bf16_grouped_mm_experts_equal_sequential():
     assert res["kernel"], "torch._grouped_mm was not used for bf16 on this GPU"
     assert res["out"] <= 2e-2 and res["dx"] <= 2e-2 and res["dw1"] <= 2e-2, res
     assert res["empty_dw1"] == 0.0, res
+    assert res["fused_flags"] and res["fused_dx"] == 0.0, res
+    assert res["fused_dw1"] <= 1e-2 and res["fused_dw2"] <= 1e-2, res
 
 
 def _attention_memory(token_counts) -> dict:

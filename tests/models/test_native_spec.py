@@ -6,6 +6,7 @@ so those runs also exercise the native modules' sharded state dicts (grouped exp
 SequentialMLP checkpoint included).
 """
 
+import copy
 import itertools
 import logging
 import os
@@ -350,6 +351,36 @@ def _experts_suite() -> dict:
         res[f"{name}_dw1"] = _max_diff(as_grouped["weight1"], grouped.weight1.grad)
         res[f"{name}_dw2"] = _max_diff(as_grouped["weight2"], grouped.weight2.grad)
         res[f"{name}_empty_expert_dw1"] = float(grouped.weight1.grad.view(4, 64, -1)[1].abs().max())
+        if name == "grouped_mm":
+            res.update(_into_main_grad(grouped, x, counts, probs, grad_out, pgs))
+    return res
+
+
+def _into_main_grad(plain, x, counts, probs, grad_out, pgs) -> dict:
+    """``gradient_accumulation_fusion``: the same experts add their weight gradients to DDP's fp32 ``main_grad``
+    in the backward (twice here: two micro-batches accumulate) and leave Megatron's placeholder as ``.grad``."""
+    from llamafactory_mca.models.native.experts import NativeGroupedMLP
+
+    config = copy.copy(plain.config)
+    config.gradient_accumulation_fusion = True
+    fused = NativeGroupedMLP(4, config, pg_collection=pgs)
+    fused.load_state_dict(plain.state_dict())
+    start = {}
+    for name, param in fused.named_parameters():
+        param.main_grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(7))
+        param.grad_added_to_main_grad = False
+        start[name] = param.main_grad.clone()
+    for _ in range(2):
+        xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        y, _ = fused(xi, counts, pi)
+        y.backward(grad_out)
+    plain_x, plain_p = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    dx, dprobs = torch.autograd.grad(plain(plain_x, counts, plain_p)[0], (plain_x, plain_p), grad_out)
+    res = {"fused_dx": _max_diff(xi.grad, dx), "fused_dprobs": _max_diff(pi.grad, dprobs),
+           "fused_flags": all(p.grad_added_to_main_grad for p in fused.parameters()),
+           "fused_grad_shapes": all(p.grad.shape == p.shape for p in fused.parameters())}
+    for name, param in fused.named_parameters():
+        res[f"fused_d{name}"] = _max_diff(param.main_grad, start[name] + 2 * getattr(plain, name).grad)
     return res
 
 
@@ -437,6 +468,9 @@ def test_grouped_experts_equal_sequential_loop():
         for what in ("out", "dx", "dprobs", "dw1", "dw2"):
             assert res[f"{name}_{what}"] <= 1e-5, (name, what, res[f"{name}_{what}"])
         assert res[f"{name}_empty_expert_dw1"] == 0.0
+    assert res["fused_flags"] and res["fused_grad_shapes"]
+    for what in ("dx", "dprobs", "dweight1", "dweight2"):
+        assert res[f"fused_{what}"] <= 1e-5, (what, res[f"fused_{what}"])
 
 
 # ----------------------------------------------------------------------------- in-process unit tests
@@ -638,6 +672,36 @@ def test_wgrad_accumulation_adds_the_weight_gradient(dtype):
     wgrad.wgrad_gemm_accum_fp32(x, dy, main_grad)
     assert main_grad.dtype is torch.float32
     torch.testing.assert_close(main_grad.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_main_grad_add_equals_torchs():
+    """The MoE experts' fp32 += bf16 kernel (compiled here on CPU, as on GPUs) adds exactly what DDP's add does."""
+    from llamafactory_mca.models.native import wgrad
+
+    gen = torch.Generator().manual_seed(0)
+    grad = torch.randn(3, 40, 24, generator=gen).bfloat16()
+    main_grad = torch.randn(3, 40, 24, generator=gen)
+    expected = main_grad + grad
+    wgrad._compiled_add()(main_grad, grad)
+    assert torch.equal(main_grad, expected)
+
+
+def test_compiled_cross_entropy_kernels_equal_eager():
+    """The loss's two kernels as GPUs run them (compiled here on CPU), at two row counts: the second makes the rows
+    symbolic while the vocabulary stays a constant."""
+    from llamafactory_mca.models.native import cross_entropy
+
+    gen = torch.Generator().manual_seed(0)
+    for rows in (6, 11):
+        logits = (torch.randn(rows, 96, generator=gen) * 4).bfloat16()
+        target = torch.randint(-1, 96, (rows,), generator=gen)
+        grad = torch.randn(rows, generator=gen)
+        row_max, sum_exp = cross_entropy._row_stats(logits)
+        lse = sum_exp.log() + row_max
+        for got, want in zip(cross_entropy._compiled("stats")(logits), (row_max, sum_exp)):
+            torch.testing.assert_close(got, want)
+        torch.testing.assert_close(cross_entropy._compiled("grad")(logits, lse, grad, target),
+                                   cross_entropy._grad(logits, lse, grad, target))
 
 
 def _cross_entropy_run(tp: int) -> dict:

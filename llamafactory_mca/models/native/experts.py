@@ -10,7 +10,10 @@ initialisation, and ``sharded_state_dict``, which writes per-expert ``linear_fc1
 - the GEMMs are ``torch._grouped_mm(x [tokens, k], w [experts, k, n], offs=cumsum(tokens_per_expert))``,
   with autograd; the counts may stay on the device (``dispatch.py``), so no host sync is needed. bf16 groups
   need no padding of their token counts (only 16-byte aligned strides, i.e. ``hidden`` and ``ffn/etp``
-  multiples of 8); where that or the kernel is missing, a per-expert matmul loop computes the same thing.
+  multiples of 8); where that or the kernel is missing, a per-expert matmul loop computes the same thing;
+- with ``gradient_accumulation_fusion`` the weights' gradients go into DDP's fp32 ``main_grad`` inside the
+  backward (``_GroupedMMIntoMainGrad``), as Megatron's linears do with that key, in one vectorised add instead of
+  DDP's mixed-dtype one — the experts hold most of a MoE model's weights, so this is most of its gradient traffic.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from megatron.core import tensor_parallel
 from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from megatron.core.transformer.moe import grouped_gemm_util
 from megatron.core.transformer.moe.experts import GroupedMLP
+
+from .wgrad import add_into_main_grad
 
 logger = logging.getLogger(__name__)
 
@@ -68,10 +73,19 @@ class NativeGroupedMLP(GroupedMLP):
 
     def fc1(self, x: torch.Tensor, w1: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The first grouped GEMM (a LoRA subclass adds its adapters' here, ``models/lora/layers.py``)."""
-        return grouped_mm(x, w1, counts)
+        return self._expert_mm(x, self.weight1, w1, counts)
 
     def fc2(self, x: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return grouped_mm(x, w2, counts)
+        return self._expert_mm(x, self.weight2, w2, counts)
+
+    def _expert_mm(self, x: torch.Tensor, param: torch.Tensor, weights: torch.Tensor,
+                   counts: torch.Tensor) -> torch.Tensor:
+        """``grouped_mm`` with ``weights`` (a per-expert view of ``param``); where the config fuses gradient
+        accumulation and DDP gave ``param`` a ``main_grad``, its gradient is added there in the backward."""
+        if (self.config.gradient_accumulation_fusion and param.requires_grad and hasattr(param, "main_grad")
+                and grouped_mm_usable(x, weights)):
+            return _GroupedMMIntoMainGrad.apply(x, param, _offsets(x, counts), weights.shape)
+        return grouped_mm(x, weights, counts)
 
     def _activate(self, fc1_out: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """Activation (GLU-aware, as Megatron's MLP does it) times the routing probability of each token."""
@@ -92,13 +106,16 @@ class NativeGroupedMLP(GroupedMLP):
 def grouped_mm(x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
     """``x`` rows grouped by expert times ``weights[e]`` ``[k, n]``. ``tokens_per_expert`` on the host (Megatron's
     dispatchers) or on the device (``dispatch.py``: never copied to the host, they become the GEMM's offsets)."""
-    on_host = tokens_per_expert.device.type == "cpu"
-    if on_host and x.size(0) != int(tokens_per_expert.sum()):
-        raise ValueError(f"{x.size(0)} permuted tokens but tokens_per_expert sums to {int(tokens_per_expert.sum())}")
     if grouped_mm_usable(x, weights):
-        offs = torch.cumsum(tokens_per_expert, 0).to(torch.int32).to(x.device, non_blocking=True)
-        return _ContiguousGrad.apply(torch._grouped_mm(x, weights, offs=offs))
+        return _ContiguousGrad.apply(torch._grouped_mm(x, weights, offs=_offsets(x, tokens_per_expert)))
     return _loop_mm(x, weights, tokens_per_expert)
+
+
+def _offsets(x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """``_grouped_mm``'s ``offs``: where each expert's rows end, int32 on ``x``'s device."""
+    if tokens_per_expert.device.type == "cpu" and x.size(0) != int(tokens_per_expert.sum()):
+        raise ValueError(f"{x.size(0)} permuted tokens but tokens_per_expert sums to {int(tokens_per_expert.sum())}")
+    return torch.cumsum(tokens_per_expert, 0).to(torch.int32).to(x.device, non_blocking=True)
 
 
 def grouped_mm_usable(x: torch.Tensor, weights: torch.Tensor) -> bool:
@@ -126,6 +143,32 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         return grad.contiguous()
+
+
+class _GroupedMMIntoMainGrad(torch.autograd.Function):
+    """``x @ param.view(shape)[e]`` per expert group, whose backward adds the weight gradient to ``param.main_grad``
+    and hands autograd Megatron's placeholder (``grad_added_to_main_grad``, so DDP's hook skips its own add)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, param: torch.Tensor, offs: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        ctx.save_for_backward(x, param, offs)
+        ctx.shape = shape
+        return torch._grouped_mm(x, param.view(shape), offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, param, offs = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = torch._grouped_mm(grad, param.view(ctx.shape).transpose(-2, -1), offs=offs)
+        add_into_main_grad(param.main_grad.view(ctx.shape), torch._grouped_mm(x.t(), grad, offs=offs))
+        if hasattr(param, "grad_added_to_main_grad"):
+            # As Megatron's linears: a placeholder keeps DDP's hook on the main backward thread, and the flag
+            # tells it the gradient is already in main_grad.
+            placeholder = (torch.zeros if getattr(param, "zero_out_wgrad", False) else torch.empty)(
+                param.shape, dtype=x.dtype, device=x.device)
+            param.grad_added_to_main_grad = True
+            return grad_x, placeholder, None, None
+        return grad_x, None, None, None
 
 
 def _loop_mm(x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:

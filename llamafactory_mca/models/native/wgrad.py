@@ -9,9 +9,16 @@ micro-batch. ``models.native.install`` puts this module in apex's place when ape
 
 On CPU there is no ``out_dtype`` addmm; the fallback upcasts and accumulates with ``addmm_`` (CPU runs keep the
 fusion off anyway: Megatron's linear allocates its placeholder gradient with ``torch.cuda.current_device()``).
+
+Grouped MoE experts have no accumulating GEMM (``torch._grouped_mm`` writes its own dtype), so their weight
+gradient is a bf16 tensor added to ``main_grad`` by ``add_into_main_grad``: the same bytes as DDP's hook, but
+DDP's ``main_grad.add_(grad)`` mixes fp32 and bf16, which torch runs as a cast-per-element kernel without vector
+loads, while the compiled add is one vectorised pass.
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 import torch
 
@@ -32,6 +39,24 @@ def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, 
 def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
     """The same for a bf16/fp16 ``main_grad`` (``accumulate_allreduce_grads_in_fp32: false``)."""
     main_grad.addmm_(grad_output.t(), total_input)
+
+
+def add_into_main_grad(main_grad: torch.Tensor, grad: torch.Tensor) -> None:
+    """main_grad += grad, in one vectorised kernel where the dtypes differ on a GPU."""
+    if main_grad.is_cuda and grad.dtype != main_grad.dtype:
+        _compiled_add()(main_grad, grad)
+    else:
+        main_grad.add_(grad)
+
+
+def _add(main_grad: torch.Tensor, grad: torch.Tensor) -> None:
+    main_grad.add_(grad)
+
+
+@cache
+def _compiled_add():
+    # One compiled graph per weight shape (a MoE layer has two); both are reused by every layer.
+    return torch.compile(_add, fullgraph=True, dynamic=False)
 
 
 def available() -> bool:
