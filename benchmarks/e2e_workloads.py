@@ -186,6 +186,7 @@ def workloads(smoke: bool) -> dict[str, Workload]:
     recompute = {"recompute_granularity": "full"}
     graphs = {"cuda_graphs": True}  # every layer replayed as a CUDA graph (packs of one size)
     fused = dict(apply_rope_fusion=True, qk_norm_fusion=True, gradient_accumulation_fusion=True)  # graphs' defaults
+    unfused = {key: False for key in fused}
     fused_run = Run("ours_fused", "ours", 1, True, 1, 8, "1 GPU, compiled RoPE and q/k norms, wgrad into main_grad",
                     fused)
     graph_runs = [Run("ours_graphs", "ours", 1, True, 1, 8, "1 GPU, CUDA graphs", graphs),
@@ -193,7 +194,7 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                       dict(graphs, gradient_accumulation_fusion=True)),  # weight gradients GEMMed into main_grad
                   # graphs without the fusions they turn on by default (wgrad into main_grad, compiled RoPE, q/k norms)
                   Run("ours_graphs_unfused", "ours", 1, True, 1, 8, "1 GPU, CUDA graphs, no fusions",
-                      dict(graphs, gradient_accumulation_fusion=False, apply_rope_fusion=False, qk_norm_fusion=False)),
+                      dict(graphs, **unfused)),
                   Run("ours_graphs_mb2", "ours", 1, True, 2, 4, "1 GPU, CUDA graphs, 2 packs per micro-batch", graphs)]
     # LLaMA-Factory's fastest option a user can pick here: Liger kernels, gradient checkpointing off where it fits
     liger_gc = dict(enable_liger_kernel=True)
@@ -217,8 +218,7 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                                          Run(**vars(fused_run)),
                                          # MoE's defaults turn the fusions on: this is the plain path beside them
                                          Run("ours_unfused", "ours", 1, True, 1, 8, "1 GPU, no fusions",
-                                             dict(gradient_accumulation_fusion=False, apply_rope_fusion=False,
-                                                  qk_norm_fusion=False)),
+                                             unfused),
                                          Run("ours_mb2", "ours", 1, True, 2, 4, "1 GPU, 2 packs per micro-batch")]
                  + [Run(**vars(r)) for r in graph_runs],
                  about=f"{cut}-token packed micro-batches, global batch 8; LLaMA-Factory recomputes by default "
@@ -275,7 +275,8 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                   Run("ours_recompute", "ours", 1, True, 1, 8, "1 GPU, recompute full", recompute),
                   Run("ours_experts", "ours", 1, True, 1, 8, "1 GPU, + experts", dict(lora_target="all,experts")),
                   Run("lf_mb2", "lf", 1, True, 2, 4, "1 GPU, gradient checkpointing (LF default)"),
-                  Run("ours_mb2", "ours", 1, True, 2, 4, "1 GPU")],
+                  Run("ours_mb2", "ours", 1, True, 2, 4, "1 GPU"),
+                  Run("ours_unfused", "ours", 1, True, 1, 8, "1 GPU, no fusions", unfused)],
                  steps=6, warmup=2, layers=None if smoke else 48, tuning=lora,
                  about=lora_about.format(cut=cut) + "; `ours_experts` also adapts every expert (not possible in "
                        "LLaMA-Factory's default path); `*_mb2`: 2 packs of 4096 tokens per micro-batch x 4 (the same "

@@ -199,7 +199,8 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
     train_plan, eval_plan = _data_plans(plan, template, tokenizer_module, model_args, data_args, training_args)
     data_ready = time.monotonic()
 
-    model = AutoModel.from_pretrained(plan.model_path, training_args, model_args.trust_remote_code, config=plan.config)
+    model = AutoModel.from_pretrained(plan.model_path, training_args, model_args.trust_remote_code, config=plan.config,
+                                      frozen_base=plan.finetuning_type == "lora")
     adapter_config = None
     if plan.finetuning_type == "lora":
         adapter_config = setup_lora(model, finetuning_args, list(plan.adapters), plan.model_path, training_args.seed,

@@ -163,17 +163,19 @@ def describe_load_balancing(tc: Any, model_type: str, source: str) -> str:
     return "; ".join(parts)
 
 
-def _engine_fields(config: McaConfig, args: Any) -> dict[str, Any]:
-    """TransformerConfig fields that depend on the run, not the model."""
+def _engine_fields(config: McaConfig, args: Any, frozen_base: bool = False) -> dict[str, Any]:
+    """TransformerConfig fields that depend on the run, not the model. ``frozen_base``: only adapters train (LoRA)."""
     bf16, fp16 = bool(getattr(args, "bf16", False)), bool(getattr(args, "fp16", False))
     dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
     graphs = getattr(args, "run_cuda_graphs", lambda: False)()
     # Fusions without TE: each weight gradient GEMMed into main_grad (torch's addmm with out_dtype, native/wgrad.py),
     # RoPE and the q/k norms compiled (native/rope.py, native/norm.py). They cut GPU time but a call costs more host
     # time, so they are on where a step waits on the GPU (graphed layers, MoE) and off where it waits on the host
-    # (eager dense): on one H200, dense graphed +15%, MoE eager +8%, dense eager -7% (benchmarks/results/h200_fusions).
-    # Multi-latent attention and multimodal RoPE keep the unfused rotation by default; a recipe may set each key.
-    fused = not cpu_mode_needed() and (graphs or bool(config.num_experts))
+    # (eager dense; LoRA, whose frozen base computes no weight gradients): on one H200, dense graphed +15%, MoE eager
+    # +8% (+16% since the experts' gradients go into main_grad too), dense eager -7% (benchmarks/results/h200_fusions),
+    # LoRA MoE -8% (h200_expert_grads/lora_moe). Multi-latent attention and multimodal RoPE keep the unfused rotation
+    # by default; a recipe may set each key.
+    fused = not cpu_mode_needed() and (graphs or (bool(config.num_experts) and not frozen_base))
     fields: dict[str, Any] = dict(
         bf16=bf16, fp16=fp16, params_dtype=dtype, pipeline_dtype=dtype,
         use_cpu_initialization=cpu_mode_needed(),
@@ -210,11 +212,11 @@ def _engine_fields(config: McaConfig, args: Any) -> dict[str, Any]:
     return fields
 
 
-def build_transformer_config(config: McaConfig, args: Any = None):
+def build_transformer_config(config: McaConfig, args: Any = None, frozen_base: bool = False):
     """Architecture (config) + engine defaults + the run's explicit overrides (args), in that order."""
     overrides = args.get_config_dict() if args is not None else {}
     overrides.pop("mtp_num_layers", None)  # the config's, after resolve_mtp
-    engine = {k: v for k, v in _engine_fields(config, args).items() if k not in overrides}
+    engine = {k: v for k, v in _engine_fields(config, args, frozen_base).items() if k not in overrides}
     if not config.num_experts:  # MoE knobs in a recipe shared between dense and MoE models
         overrides = {k: v for k, v in overrides.items() if not k.startswith("moe_")}
     return config.to_transformer_config(overrides, **engine)
@@ -338,13 +340,14 @@ def _mask_vocab_padding(chunk: torch.nn.Module, vocab_size: int) -> None:
 
 class AutoModel:
     @staticmethod
-    def from_config(config: McaConfig, args: Any = None) -> McaModel:
+    def from_config(config: McaConfig, args: Any = None, frozen_base: bool = False) -> McaModel:
         """Build this rank's chunks with random weights (process groups must exist, in a layout the model fits:
         ``parallel.check_layout``, which the run's plan and convert make). ``config`` as the run trains it (its
-        multi-token prediction resolved: ``plan.plan_mtp``, or ``resolve_mtp``)."""
+        multi-token prediction resolved: ``plan.plan_mtp``, or ``resolve_mtp``); ``frozen_base``: only adapters
+        will train (LoRA), which changes the speed defaults."""
         from megatron.core import parallel_state as ps
 
-        tc = build_transformer_config(config, args)
+        tc = build_transformer_config(config, args, frozen_base)
         tp = ps.get_tensor_model_parallel_world_size()
         vpp = ps.get_virtual_pipeline_model_parallel_world_size()
         inv_freq = rope_inv_freq(config, tc.kv_channels)
@@ -374,7 +377,7 @@ class AutoModel:
 
     @staticmethod
     def from_pretrained(path: str, args: Any = None, trust_remote_code: bool = False,
-                        config: McaConfig | None = None) -> McaModel:
+                        config: McaConfig | None = None, frozen_base: bool = False) -> McaModel:
         """``config``: the run's plan of the model at ``path`` (``plan.RunPlan.config``), if made already; otherwise
         read from ``path`` with the multi-token prediction ``args`` asks for."""
         start = time.perf_counter()
@@ -382,7 +385,7 @@ class AutoModel:
             config = resolve_mtp(AutoConfig.from_pretrained(path, args, trust_remote_code),
                                  getattr(args, "mtp_num_layers", None),
                                  getattr(args, "pipeline_model_parallel_size", 1) or 1)
-        model = AutoModel.from_config(config, args)
+        model = AutoModel.from_config(config, args, frozen_base)
         dist = checkpoints.dist_checkpoint_dir(path) if checkpoints.is_ours(path) else None
         if dist is not None:
             model.load_dist_checkpoint(dist, strict=False)

@@ -65,3 +65,22 @@ def test_dense_models_have_no_load_balancing():
     hf = tiny_hf_config("qwen3")
     config = get_family(hf.model_type).config_from_hf(hf)
     assert resolve_load_balancing(config, MegatronArguments(), 0.01) == (config, "")
+
+
+@pytest.mark.parametrize("name, graphs, frozen_base, on", [
+    ("qwen3", False, False, False),  # eager dense: the step waits on the host
+    ("qwen3", True, False, True),  # graphed layers
+    ("qwen3_moe", False, False, True),  # MoE: the step waits on the GPU
+    ("qwen3_moe", False, True, False),  # LoRA on MoE: a frozen base, the step waits on the host again
+])
+def test_fusion_defaults_follow_where_the_step_waits(name, graphs, frozen_base, on, monkeypatch):
+    """The three fusions' defaults on a GPU (the CPU keeps them off): on where a step waits on the GPU."""
+    from types import SimpleNamespace
+
+    from llamafactory_mca.models import auto
+
+    monkeypatch.setattr(auto, "cpu_mode_needed", lambda: False)
+    hf = tiny_hf_config(name)
+    config = get_family(hf.model_type).config_from_hf(hf)
+    fields = auto._engine_fields(config, SimpleNamespace(bf16=True, run_cuda_graphs=lambda: graphs), frozen_base)
+    assert [fields[k] for k in ("gradient_accumulation_fusion", "apply_rope_fusion", "qk_norm_fusion")] == [on] * 3
