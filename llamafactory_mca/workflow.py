@@ -32,6 +32,7 @@ from .models import spec
 from .models.auto import AutoModel, describe_load_balancing
 from .models.freeze import apply_freeze, apply_multimodal_freeze
 from .models.lora.peft_io import setup_lora
+from .models.native import tower_attention
 from .plan import RunPlan, plan_run
 from .planner.check import training_of
 from .planner.memory import estimate
@@ -105,7 +106,8 @@ def _summary(plan: RunPlan, model: Any, trainer: McaTrainer, train_plan: DataPla
         layout=plan.layout, args=training_args,
         model_type=config.hf_model_type + _describe_mtp(model.transformer_config),
         params_total=model_parameter_count(config), params_on_rank=on_rank,
-        kernels=spec.describe_kernels(model.transformer_config), tokens_per_step=trainer.tokens_per_step(),
+        kernels=spec.describe_kernels(model.transformer_config)
+        + (f"; {tower_attention.describe()}" if plan.vision else ""), tokens_per_step=trainer.tokens_per_step(),
         steps=trainer.max_steps, data_stats=format_stats(train_plan.stats),
         memory=memory_estimate_gib(on_rank, training_args, plan.layout.dp, trainable),
         planned=estimate(config, plan.layout, training_of(plan, training_args, finetuning_args)),

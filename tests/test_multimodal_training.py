@@ -53,6 +53,7 @@ def test_vision_language_sft_matches_llamafactory_and_keeps_the_tower_frozen(tmp
     ok(result, output)
     ours = losses(tmp_path / "ours")
     assert ours[1] == pytest.approx(theirs, rel=1e-6), theirs  # the next-token loss (MTP's is logged apart)
+    assert "; vision tower: SDPA per image or window" in output, output[-3000:]  # varlen_attn on GPUs
     assert ours[3] < ours[2] < ours[1], ours
 
     before, after = hf_tensors(model), hf_tensors(tmp_path / "ours")

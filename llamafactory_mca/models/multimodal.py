@@ -29,6 +29,7 @@ import torch
 from ..errors import UserError
 from .config import hf_config_object
 from .mapping import Op, Rename, WeightTable
+from .native import tower_attention
 from .native.cross_entropy import LanguageModel
 
 VISION_PREFIX = "vision."  # our name of the tower inside a model chunk
@@ -53,9 +54,13 @@ def _tower_class(hf: Any) -> type:
 
 
 def build_vision_tower(hf_config: dict[str, Any], dtype: torch.dtype) -> torch.nn.Module:
-    """The HF vision tower of a VL config (``hf_config``: the whole config.json), with random weights."""
+    """The HF vision tower of a VL config (``hf_config``: the whole config.json), with random weights, its attention
+    one variable-length call per block (``native/tower_attention.py``)."""
     hf = hf_config_object(hf_config)
-    return _tower_class(hf)._from_config(hf.vision_config, dtype=dtype)
+    tower = _tower_class(hf)._from_config(hf.vision_config, dtype=dtype, attn_implementation="sdpa")
+    # set after the build: transformers' check would look for a flash-attn kernel behind a name with "flash" in it
+    tower.config._attn_implementation = tower_attention.ATTENTION
+    return tower
 
 
 def vision_ops(hf_config: dict[str, Any], hf_prefix: str) -> list[Op]:

@@ -26,7 +26,7 @@ from ..trainer.metrics import PEAK_BF16_FLOPS, core_attention_flops, flops_per_s
 from .memory import Training, estimate, vision_tower
 
 # the share of the GPU's peak each kind of work reaches, and the host's time per layer and micro-batch
-EFFICIENCY = {"dense": 0.42, "experts": 0.114, "vision": 0.06}
+EFFICIENCY = {"dense": 0.42, "experts": 0.114, "vision": 0.22}
 FULL_EXPERT_TOKENS = 256  # tokens per expert and micro-batch from which the experts reach their efficiency
 HOST_SECONDS_PER_LAYER = 1.4e-3  # launching one layer's forward and backward kernels (eager, about 800 launches)
 SHARE = {"dp": 0.92, "tp": 0.44, "cp": 0.92, "ep": 0.81}  # per-GPU tokens/s kept per doubling, measured at 2

@@ -379,3 +379,31 @@ def test_cp2_bf16_equals_cp1(tmp_path):
                 full[:, local_token_index(cu, rank, 2)] = out[kind]["logits"]
         assert _rel(full, ref[kind]["logits"]) <= 2e-2, (kind, _rel(full, ref[kind]["logits"]))
         assert _rel(per_rank[0][kind]["qkv_grad"], ref[kind]["qkv_grad"]) <= 5e-2, kind
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl"])
+def test_vision_tower_varlen_equals_its_sdpa_pieces(name):
+    """The towers' attention in one varlen_attn call per block against transformers' SDPA call per image / window,
+    bf16 on the GPU: outputs and the pixels' gradients (a tower that trains)."""
+    from llamafactory_mca.models.multimodal import build_vision_tower
+    from llamafactory_mca.tools.tiny import tiny_hf_config
+
+    hf = tiny_hf_config(name)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        ours = build_vision_tower(hf.to_dict(), torch.bfloat16)
+        theirs = type(ours)._from_config(hf.vision_config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    theirs.load_state_dict(ours.state_dict())
+    grid = torch.tensor([[1, 8, 8], [1, 16, 8], [2, 8, 8]], device="cuda")
+    v = hf.vision_config
+    pixels = torch.randn(int(grid.prod(-1).sum()), v.in_channels * v.temporal_patch_size * v.patch_size ** 2,
+                         device="cuda", dtype=torch.bfloat16)
+    results = []
+    for tower in (ours, theirs):
+        x = pixels.clone().requires_grad_()
+        out = tower(x, grid_thw=grid)
+        out = getattr(out, "pooler_output", out)
+        out.float().square().mean().backward()
+        results.append((out.float(), x.grad.float()))
+    assert _rel(results[0][0], results[1][0]) <= 1e-2
+    assert _rel(results[0][1], results[1][1]) <= 3e-2

@@ -11,7 +11,7 @@ from llamafactory_mca.tools.tiny import save_tiny_model
 from tests._dist import run_distributed
 from tests.models._bridge import hf_tensors
 from tests.models._lora import model_with_adapter
-from tests.models._vision import image_and_video_row
+from tests.models._vision import IMAGE_GRID, image_and_video_row
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
 
@@ -207,3 +207,36 @@ def test_qwen3_5_lora_gives_peft_logits_with_images(tmp_path):
     check_lora_plan(config, everything, [], 1, tensor_parallel=1)
     with pytest.raises(UserError, match=r"LoRA on \['in_proj_qkv'\] needs tensor_model_parallel_size: 1 \(it is 2\)"):
         check_lora_plan(config, everything, [], 1, tensor_parallel=2)
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_vision_towers_attend_in_one_call_per_block(name, monkeypatch):
+    """The towers' attention goes through ours, one call per block with the pieces' cu_seqlens (Qwen2.5-VL: its
+    windows in the windowed blocks), and on CPUs gives transformers' own SDPA tower bit for bit (tests/gpu: the
+    varlen kernel against it in bf16)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from llamafactory_mca.models.multimodal import build_vision_tower
+    from llamafactory_mca.models.native import tower_attention
+    from llamafactory_mca.tools.tiny import tiny_hf_config
+
+    hf = tiny_hf_config(name)
+    torch.manual_seed(0)
+    ours = build_vision_tower(hf.to_dict(), torch.float32).eval()
+    theirs = type(ours)._from_config(hf.vision_config, dtype=torch.float32, attn_implementation="sdpa").eval()
+    theirs.load_state_dict(ours.state_dict())
+    calls = []
+
+    def counted(module, query, *args, **kwargs):
+        calls.append(kwargs.get("cu_seq_lens_q"))
+        return tower_attention.tower_attention(module, query, *args, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, tower_attention.ATTENTION, counted)
+    row = image_and_video_row(hf)
+    with torch.no_grad():
+        mine = ours(row["pixel_values"], grid_thw=IMAGE_GRID)
+        reference = theirs(row["pixel_values"], grid_thw=IMAGE_GRID)
+    mine, reference = (getattr(out, "pooler_output", out) for out in (mine, reference))
+    assert torch.equal(mine, reference)
+    assert len(calls) == hf.vision_config.depth and all(cu is not None and cu[0] == 0 for cu in calls)
+    assert calls[0][-1] == int(IMAGE_GRID.prod(-1).sum())  # every patch, packed

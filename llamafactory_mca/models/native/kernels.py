@@ -176,6 +176,14 @@ def _varlen(query, key, value, plan: SegmentPlan, scale: float) -> torch.Tensor:
               plan.max_k, scale=scale, **kwargs)
 
 
+def bidirectional_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_q: torch.Tensor,
+                         cu_k: torch.Tensor, max_q: int, max_k: int, scale: float | None) -> torch.Tensor:
+    """``varlen_attn`` without the causal mask (vision towers): ``[t, h, d]`` operands packed as ``cu_q``/``cu_k``
+    (int32) say, where ``varlen_usable``."""
+    return _varlen_fn()(query.contiguous(), key.contiguous(), value.contiguous(), cu_q, cu_k, max_q, max_k,
+                        scale=scale)
+
+
 def _sdpa_per_segment(query, key, value, plan: SegmentPlan, scale: float) -> torch.Tensor:
     gqa = key.size(1) != query.size(1)
     outs, q0, k0 = [], 0, 0
