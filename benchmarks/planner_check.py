@@ -33,10 +33,11 @@ ABOUT = ("Every packed run of ours in `benchmarks/results`, predicted from its s
          "eager and graphed) were measured after the fit. The tower's efficiency (22% of peak) was fitted to the "
          "Qwen2.5-VL runs on an H200 since its attention became one varlen call per block (`h200_expert_grads/vl*`: "
          "21.7-22.3k tokens/s). Outside 20%: `h200/` was measured before the later speed work (the code is faster "
-         "now), every VL run before `h200_expert_grads/` (the tower made one attention call per image or window), LoRA MoE with full recompute and at "
-         "micro-batch 2 (the adapters' launches are not modelled), Qwen3-Next and Qwen3.5 (their delta-rule layers "
-         "are not modelled), and the MoE runs of `h200_expert_grads/` (measured after the fit: the experts' weight "
-         "gradients now go into main_grad in one vectorised pass, 11-25% faster than predicted). The host is noisy: the same eager run measured 25.5-31.5k tokens/s in three calls.")
+         "now), every VL run before `h200_expert_grads/` (the tower made one attention call per image or window), "
+         "LoRA MoE with full recompute and at micro-batch 2 (the adapters' launches are not modelled), Qwen3-Next "
+         "and Qwen3.5 (their delta-rule layers are not modelled), and the MoE runs of `h200_expert_grads/` (measured "
+         "after the fit: the experts' weight gradients now go into main_grad in one vectorised pass, 11-25% faster "
+         "than predicted). The host is noisy: the same eager run measured 25.5-31.5k tokens/s in three calls.")
 
 KEYS = {"tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp", "context_parallel_size": "cp",
         "expert_model_parallel_size": "ep", "virtual_pipeline_model_parallel_size": "vpp"}

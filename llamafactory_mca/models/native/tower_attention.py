@@ -26,10 +26,10 @@ def tower_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                     max_length_q: torch.Tensor | int | None = None, max_length_k: torch.Tensor | int | None = None,
                     is_causal: bool = False, **kwargs) -> tuple[torch.Tensor, None]:
     """``[1, heads, tokens, dim]`` in, ``[1, tokens, heads, dim]`` out, as transformers' flash functions."""
-    q, k, v = (t.squeeze(0).transpose(0, 1) for t in (query, key, value))  # [tokens, heads, dim]
     if cu_seq_lens_q is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal)
+    q, k, v = (t.squeeze(0).transpose(0, 1) for t in (query, key, value))  # [tokens, heads, dim]
     if varlen_usable(q) and attention_mask is None and not is_causal and not dropout:
         out = bidirectional_varlen(q, k, v, cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32),
                                    int(max_length_q), int(max_length_k), scaling)
