@@ -31,9 +31,11 @@ def tower_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                                       is_causal=is_causal)
     q, k, v = (t.squeeze(0).transpose(0, 1) for t in (query, key, value))  # [tokens, heads, dim]
     if varlen_usable(q) and attention_mask is None and not is_causal and not dropout:
-        out = bidirectional_varlen(q, k, v, cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32),
-                                   int(max_length_q), int(max_length_k), scaling)
-        return out.unsqueeze(0), None
+        # the towers pass the same tensors for queries and keys: convert (and read on the host) once
+        cu_q, max_q = cu_seq_lens_q.to(torch.int32), int(max_length_q)
+        cu_k = cu_q if cu_seq_lens_k is cu_seq_lens_q else cu_seq_lens_k.to(torch.int32)
+        max_k = max_q if max_length_k is max_length_q else int(max_length_k)
+        return bidirectional_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scaling).unsqueeze(0), None
     # transformers' own path for implementations without "flash" in their name: one SDPA call per piece
     lengths = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
     outs = [sdpa_attention_forward(module, q_, k_, v_, attention_mask, dropout=dropout, scaling=scaling,
