@@ -24,7 +24,7 @@ from .checkpoints import SideFiles
 from .data import BatchingConfig, DataPlan, check_trainable, empty_rows_warning, format_stats
 from .data.content import template_tokens
 from .data.multimodal import VisionInputs
-from .data.rows import split_documents
+from .data.rows import one_thread_per_worker, split_documents
 from .errors import UserError, debug_enabled, user_errors
 from .hub import resolve_model
 from .log import setup_logging
@@ -130,18 +130,20 @@ def _load_rows(stage: str, template: Any, model_args: Any, data_args: Any, train
     saved = data_args.cutoff_len, data_args.packing, data_args.neat_packing
     data_args.cutoff_len = 2**31 - 1 if documents else cutoff_len if concatenated else cutoff_len + 1
     data_args.packing, data_args.neat_packing = concatenated, False
+    workers = data_args.preprocessing_num_workers
     try:
-        module = get_dataset(template, model_args, data_args, training_args, stage="rm" if stage == "dpo" else stage,
-                             **tokenizer_module)
+        with one_thread_per_worker(workers):
+            module = get_dataset(template, model_args, data_args, training_args,
+                                 stage="rm" if stage == "dpo" else stage, **tokenizer_module)
     except ValueError as err:  # LLaMA-Factory's word for data it cannot use (format, columns, no valid samples)
         raise UserError(f"LLaMA-Factory could not prepare dataset={','.join(data_args.dataset or [])}: {err}") from err
     finally:
         data_args.cutoff_len, data_args.packing, data_args.neat_packing = saved
     if documents:
-        with training_args.main_process_first(desc="splitting documents"):  # one rank writes the cache
-            for key in ("train_dataset", "eval_dataset"):
+        with training_args.main_process_first(desc="splitting documents"), one_thread_per_worker(workers):
+            for key in ("train_dataset", "eval_dataset"):  # one rank writes the cache
                 if module.get(key) is not None and not isinstance(module[key], dict):
-                    module[key] = split_documents(module[key], cutoff_len, data_args.preprocessing_num_workers)
+                    module[key] = split_documents(module[key], cutoff_len, workers)
     return module
 
 
