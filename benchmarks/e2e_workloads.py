@@ -278,11 +278,13 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                   Run("ours_mb2", "ours", 1, True, 2, 4, "1 GPU"),
                   # LoRA's default keeps the fusions off (measured here when MoE's default still turned them on)
                   Run("ours_unfused", "ours", 1, True, 1, 8, "1 GPU, no fusions", unfused),
-                  Run("ours_fused", "ours", 1, True, 1, 8, "1 GPU, the fusions", fused)],
+                  Run("ours_fused", "ours", 1, True, 1, 8, "1 GPU, the fusions", fused),
+                  Run("ours_graphs", "ours", 1, True, 1, 8, "1 GPU, CUDA graphs", graphs),
+                  Run("ours_graphs_mb2", "ours", 1, True, 2, 4, "1 GPU, CUDA graphs", graphs)],
                  steps=6, warmup=2, layers=None if smoke else 48, tuning=lora,
                  about=lora_about.format(cut=cut) + "; `ours_experts` also adapts every expert (not possible in "
                        "LLaMA-Factory's default path); `*_mb2`: 2 packs of 4096 tokens per micro-batch x 4 (the same "
-                       "global batch)"),
+                       "global batch); `ours_graphs*`: every layer, adapters included, replayed as a CUDA graph"),
         Workload("glm_moe", "glm", cut, packed, _pair(1, 8, "1 GPU"), steps=10, warmup=3, layers=2 if smoke else 3,
                  about=f"full fine-tuning of the first 3 layers (1 dense, 2 MoE: as many as fit one H200 with Adam "
                        f"states), {cut}-token packed micro-batches, global batch 8"),

@@ -89,7 +89,7 @@ def plan_run(stage: str, model_args: Any, data_args: Any, training_args: Any, fi
         reference = (ref_path, ref_config)
     notes = (mtp_note,) if mtp_note else ()
     if getattr(training_args, "cuda_graphs", False):
-        check_cuda_graphs(stage, tuning, packing, config, layout, training_args)
+        check_cuda_graphs(stage, finetuning_args, packing, config, layout, training_args)
         if not training_args.run_cuda_graphs():
             notes += ("cuda_graphs: true on CPUs: the layers run eagerly, on the fixed shapes a graph would replay.",)
     adapters: tuple[str, ...] = ()
@@ -141,7 +141,7 @@ def check_request(stage: str, model_args: Any, data_args: Any, training_args: An
 
 
 
-def check_cuda_graphs(stage: str, finetuning_type: str, packing: bool, config: McaConfig, layout: ParallelLayout,
+def check_cuda_graphs(stage: str, finetuning_args: Any, packing: bool, config: McaConfig, layout: ParallelLayout,
                       args: Any) -> None:
     """What per-layer CUDA graphs need: one graph per layer, replaying one pack size, with nothing read on the host
     inside a layer."""
@@ -150,7 +150,8 @@ def check_cuda_graphs(stage: str, finetuning_type: str, packing: bool, config: M
         ("variable_seq_lengths unset", not args.variable_seq_lengths, "a graph replays one length"),
         ("packing: true", packing, "packs are what get one size per micro-batch"),
         ("stage: sft or pt", stage != "dpo", "DPO's reference pass and pairs run other shapes"),
-        ("finetuning_type: full or freeze", finetuning_type != "lora", "LoRA layers are not graphed yet"),
+        ("lora_dropout: 0", finetuning_args.finetuning_type != "lora" or not finetuning_args.lora_dropout,
+         "LoRA's dropout inside a replayed graph is not verified yet"),
         ("a text model", not config.transformer.get("mrope_section"),
          "a vision-language model's 3-D positions cover the whole pack"),
         ("a model without linear-attention layers", not config.transformer.get("linear_attention_freq"),

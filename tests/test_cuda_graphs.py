@@ -46,12 +46,14 @@ def test_graphs_are_set_aside_for_forward_only_runs_and_put_back():
     assert layer.cudagraph_manager is manager and not hasattr(other, "cudagraph_manager")
 
 
-def test_fixed_shapes_train_what_the_plain_path_trains(assets, tmp_path):
+@pytest.mark.parametrize("tuning", [{}, dict(finetuning_type="lora", lora_target="all")])
+def test_fixed_shapes_train_what_the_plain_path_trains(tuning, assets, tmp_path):
     runs = {}
     for graphs in (False, True):
         name = f"graphs_{graphs}"
         config = recipe(assets, tmp_path / name, sequence_packing=True, cuda_graphs=graphs, max_steps=3,
-                        eval_dataset="tiny_alpaca", eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2)
+                        eval_dataset="tiny_alpaca", eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2,
+                        **tuning)
         result, output = train(tmp_path, config, name=name)
         ok(result, output)
         runs[graphs] = losses(tmp_path / name)
@@ -66,7 +68,7 @@ def test_fixed_shapes_train_what_the_plain_path_trains(assets, tmp_path):
     (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size: 1"),
     (dict(recompute_granularity="full"), "recompute_granularity: selective"),
     (dict(sequence_packing=False), "packing: true"),
-    (dict(finetuning_type="lora", lora_target="all"), "finetuning_type: full or freeze"),
+    (dict(finetuning_type="lora", lora_target="all", lora_dropout=0.1), "lora_dropout: 0"),
     (dict(model="qwen3_moe"), "moe_grouped_gemm: true"),
     (dict(model="qwen3_moe", moe_grouped_gemm=True, expert_model_parallel_size=2), "expert_model_parallel_size: 1"),
     (dict(model="qwen3_next", moe_grouped_gemm=True), "without linear-attention layers"),

@@ -206,8 +206,10 @@ def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[st
         else:
             activations = sum(full) * in_flight
         if training.cuda_graphs:
-            # graphed layers keep less; the replay's bf16 copies of the experts' weight gradients come on top
-            activations = activations * GRAPH_ACTIVATIONS + 2 * experts / (layout.ep * layout.etp)
+            # graphed layers keep less; the replay's bf16 copies of the experts' weight gradients come on top. A
+            # frozen base computes none, and its graphed layers kept what eager ones keep (LoRA MoE, one H200)
+            if not training.lora_rank:
+                activations = activations * GRAPH_ACTIVATIONS + 2 * experts / (layout.ep * layout.etp)
         activations += tower_activations * in_flight
         logits = 0.0
         if last:

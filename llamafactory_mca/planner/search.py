@@ -91,7 +91,8 @@ def predicted_tokens_per_s(config: Any, layout: ParallelLayout, training: Traini
         passes = 1 if training.freeze_vision_tower else 3
         seconds += 2 * tower.params * training.image_share * tower.patches_per_token * passes / \
             (EFFICIENCY["vision"] * peak_flops)
-    if not (training.cuda_graphs and not t.get("num_moe_experts")):
+    # graphs take the launches off the host; a fully trained MoE step waited on its GPU work even eagerly
+    if not (training.cuda_graphs and (not t.get("num_moe_experts") or frozen)):
         seconds += HOST_SECONDS_PER_LAYER * t["num_layers"] * (1 + rebuilt) / (tokens * layout.micro_batch_size)
     share = 1.0
     # expert tensor parallelism splits the experts' GEMMs as TP splits the rest (not measured on its own)

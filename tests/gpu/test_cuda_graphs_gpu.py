@@ -1,6 +1,6 @@
 """``cuda_graphs: true`` on one CUDA GPU through the real command: every layer captured in the first step and replayed
-after trains what eager layers train (dense and MoE, bf16, packed), evaluation runs beside the graphs, and a
-checkpoint written by a graphed run resumes.
+after trains what eager layers train (dense and MoE, full and LoRA, bf16, packed), evaluation runs beside the graphs,
+and a checkpoint written by a graphed run resumes.
 
 Run: ``python -m pytest tests/gpu/test_cuda_graphs_gpu.py -q`` (skipped without CUDA).
 """
@@ -13,17 +13,20 @@ from tests._cli import losses, ok, recipe, train
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.mark.parametrize("model, fused", [("qwen3", True), ("qwen3_moe", True)])
-def test_graphed_layers_train_what_eager_layers_train(model, fused, assets, tmp_path):
+@pytest.mark.parametrize("model, fused, lora", [("qwen3", True, None), ("qwen3_moe", True, None),
+                                               ("qwen3", True, "all"), ("qwen3_moe", True, "all,experts")])
+def test_graphed_layers_train_what_eager_layers_train(model, fused, lora, assets, tmp_path):
     """``fused``: both runs GEMM weight gradients into main_grad and run the compiled RoPE and q/k norms (the graphed
-    default); without it both run without them, so that the first, eager, step of each is the same computation."""
+    default); without it both run without them, so that the first, eager, step of each is the same computation.
+    ``lora``: the base frozen, the adapters (on the grouped experts too) inside the graphed layers."""
     curves = {}
+    tuning = dict(finetuning_type="lora", lora_target=lora, learning_rate=1e-3) if lora else dict(learning_rate=1e-4)
     for graphs in (False, True):
         name = f"{model}_graphs_{graphs}"
         config = recipe(assets, tmp_path / name, model_name_or_path=assets["models"][model], bf16=True,
                         moe_grouped_gemm=model == "qwen3_moe", sequence_packing=True, cuda_graphs=graphs,
                         gradient_accumulation_fusion=fused, apply_rope_fusion=fused, qk_norm_fusion=fused,
-                        max_steps=6, learning_rate=1e-4,
+                        max_steps=6, **tuning,
                         eval_dataset="tiny_alpaca",
                         eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=2, save_strategy="steps",
                         save_steps=3)
@@ -43,7 +46,7 @@ def test_graphed_layers_train_what_eager_layers_train(model, fused, assets, tmp_
     config = recipe(assets, tmp_path / "resumed", model_name_or_path=assets["models"][model], bf16=True,
                     moe_grouped_gemm=model == "qwen3_moe", sequence_packing=True, cuda_graphs=True,
                     gradient_accumulation_fusion=fused, apply_rope_fusion=fused, qk_norm_fusion=fused, max_steps=6,
-                    learning_rate=1e-4, resume_from_checkpoint=str(graphed / "checkpoint-3"))
+                    resume_from_checkpoint=str(graphed / "checkpoint-3"), **tuning)
     result, output = train(tmp_path, config, gpu=True, name="resumed")
     ok(result, output)
     resumed = losses(tmp_path / "resumed")
