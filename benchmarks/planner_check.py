@@ -35,9 +35,9 @@ ABOUT = ("Every packed run of ours in `benchmarks/results`, predicted from its s
          "21.7-22.3k tokens/s). Outside 20%: `h200/` was measured before the later speed work (the code is faster "
          "now), every VL run before `h200_expert_grads/` (the tower made one attention call per image or window), "
          "LoRA MoE with full recompute and at micro-batch 2 (the adapters' launches are not modelled), Qwen3-Next "
-         "and Qwen3.5 (their delta-rule layers are not modelled), and the MoE runs of `h200_expert_grads/` (measured "
-         "after the fit: the experts' weight gradients now go into main_grad in one vectorised pass, 11-25% faster "
-         "than predicted), and LoRA MoE with CUDA graphs (`h200_lora_graphs/`: 22% faster than predicted; the "
+         "and Qwen3.5 (their delta-rule layers are not modelled), and the MoE runs of `h200_expert_grads/` and "
+         "`h200_moe_busy/` (measured after the fit: the experts' weight gradients now go into main_grad in one "
+         "vectorised pass, 11-28% faster than predicted), and LoRA MoE with CUDA graphs (`h200_lora_graphs/`: 22% faster than predicted; the "
          "frozen experts' efficiency was fitted to eager runs). The host is noisy: the same eager run measured "
          "25.5-31.5k tokens/s in three calls.")
 
