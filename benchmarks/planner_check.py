@@ -37,9 +37,9 @@ ABOUT = ("Every packed run of ours in `benchmarks/results`, predicted from its s
          "LoRA MoE with full recompute and at micro-batch 2 (the adapters' launches are not modelled), Qwen3-Next "
          "and Qwen3.5 (their delta-rule layers are not modelled), and the MoE runs of `h200_expert_grads/` and "
          "`h200_moe_busy/` (measured after the fit: the experts' weight gradients now go into main_grad in one "
-         "vectorised pass, 11-28% faster than predicted), and LoRA MoE with CUDA graphs (`h200_lora_graphs/`: 22% faster than predicted; the "
-         "frozen experts' efficiency was fitted to eager runs). The host is noisy: the same eager run measured "
-         "25.5-31.5k tokens/s in three calls.")
+         "vectorised pass, 11-28% faster than predicted), and LoRA MoE with CUDA graphs (`h200_lora_graphs/`: 22% "
+         "faster than predicted; the frozen experts' efficiency was fitted to eager runs). The host is noisy: the "
+         "same eager run measured 25.5-31.5k tokens/s in three calls.")
 
 KEYS = {"tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp", "context_parallel_size": "cp",
         "expert_model_parallel_size": "ep", "virtual_pipeline_model_parallel_size": "vpp"}
