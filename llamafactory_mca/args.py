@@ -304,8 +304,8 @@ class MegatronArguments(DistributingParallelArguments):
     cuda_graphs: bool = field(
         default=False, metadata={"help": "Capture each transformer layer's forward and backward once as CUDA graphs "
                                          "and replay them (megatron-core's local graphs, no Transformer Engine): "
-                                         "fewer kernel launches per step. Packed sft/pt of text models, full or "
-                                         "freeze tuning, on one pipeline stage; "
+                                         "fewer kernel launches per step. Packed sft/pt of text models, full, "
+                                         "freeze or LoRA tuning (LoRA without dropout), on one pipeline stage; "
                                          "packs get one size. On CPUs only the fixed shapes apply."}
     )
     prefetch_steps: int | None = field(
