@@ -140,8 +140,8 @@ def _load_rows(stage: str, template: Any, model_args: Any, data_args: Any, train
     finally:
         data_args.cutoff_len, data_args.packing, data_args.neat_packing = saved
     if documents:
-        with training_args.main_process_first(desc="splitting documents"), one_thread_per_worker(workers):
-            for key in ("train_dataset", "eval_dataset"):  # one rank writes the cache
+        with training_args.main_process_first(desc="splitting documents"):  # one rank writes the cache
+            for key in ("train_dataset", "eval_dataset"):
                 if module.get(key) is not None and not isinstance(module[key], dict):
                     module[key] = split_documents(module[key], cutoff_len, workers)
     return module

@@ -224,7 +224,8 @@ def one_thread_per_worker(num_proc: int | None) -> Iterator[None]:
 
     A forked worker inherits its parent's intra-op thread count (cores / processes per node, see torchrun.py), so four
     workers on a 16-core node ran 64 threads over the image processor's small tensors: 535 rows with a 448-pixel
-    image each took 41 s to tokenize instead of 3.7. The parallelism there is the processes'."""
+    image each took 41 s to tokenize instead of 3.7. The parallelism there is the processes'. (Splitting pt documents
+    runs no torch op in its workers and needs none of this.)"""
     if not num_proc or num_proc <= 1:
         yield
         return
