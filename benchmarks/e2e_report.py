@@ -119,7 +119,7 @@ def targets(name: str, data: dict, everything: dict, tol: float) -> list[dict]:
                           "measured": f"{mfu:.1%}" if mfu is not None else "n/a",
                           "met": (mfu >= goal) if mfu is not None else None})
         if name == "moe":
-            for run in ("ours", "ours_recompute"):
+            for run in ("ours", "ours_recompute", "ours_recompute_rem"):
                 found.append(_memory_target(run, runs.get(run), runs.get("lf") or {}))
         found.append(_loss_target("ours", runs.get("ours"), "LF", runs.get("lf"), tol))
     elif name in ("dp2", "moe_ep2"):

@@ -213,6 +213,10 @@ def workloads(smoke: bool) -> dict[str, Workload]:
         Workload("moe", "moe", cut, packed,
                  _pair(1, 8, "1 GPU") + [Run("ours_recompute", "ours", 1, True, 1, 8, "1 GPU, recompute full",
                                              recompute),
+                                         # fp32 master weights as bf16 + 16-bit remainders: 16 bytes per parameter
+                                         Run("ours_recompute_rem", "ours", 1, True, 1, 8,
+                                             "1 GPU, recompute full, param remainders",
+                                             dict(recompute, store_param_remainders=True)),
                                          Run("lf_liger", "lf", 1, True, 1, 8, "1 GPU, Liger, checkpointing",
                                              liger_gc),
                                          Run(**vars(fused_run)),
@@ -222,7 +226,8 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                                          Run("ours_mb2", "ours", 1, True, 2, 4, "1 GPU, 2 packs per micro-batch")]
                  + [Run(**vars(r)) for r in graph_runs],
                  about=f"{cut}-token packed micro-batches, global batch 8; LLaMA-Factory recomputes by default "
-                       "(gradient checkpointing), so `ours_recompute` is the like-for-like memory comparison; "
+                       "(gradient checkpointing), so `ours_recompute` is the like-for-like memory comparison "
+                       "(`ours_recompute_rem`: with `store_param_remainders`); "
                        "`lf_liger`: LLaMA-Factory with `enable_liger_kernel`"),
         Workload("moe_ep2", "moe", cut, packed, _pair(2, 4, "EP2", {"expert_model_parallel_size": 2},
                                                       lf_layout="DDP, 2 GPUs")

@@ -35,11 +35,11 @@ ABOUT = ("Every packed run of ours in `benchmarks/results`, predicted from its s
          "21.7-22.3k tokens/s). Outside 20%: `h200/` was measured before the later speed work (the code is faster "
          "now), every VL run before `h200_expert_grads/` (the tower made one attention call per image or window), "
          "LoRA MoE with full recompute and at micro-batch 2 (the adapters' launches are not modelled), Qwen3-Next "
-         "and Qwen3.5 (their delta-rule layers are not modelled), and the MoE runs of `h200_expert_grads/` and "
-         "`h200_moe_busy/` (measured after the fit: the experts' weight gradients now go into main_grad in one "
-         "vectorised pass, 11-28% faster than predicted), and LoRA MoE with CUDA graphs (`h200_lora_graphs/`: 22% "
-         "faster than predicted; the frozen experts' efficiency was fitted to eager runs). The host is noisy: the "
-         "same eager run measured 25.5-31.5k tokens/s in three calls.")
+         "and Qwen3.5 (their delta-rule layers are not modelled), and the MoE runs of `h200_expert_grads/`, "
+         "`h200_moe_busy/` and `h200_param_remainders/` (measured after the fit: the experts' weight gradients now "
+         "go into main_grad in one vectorised pass, 11-28% faster than predicted), and LoRA MoE with CUDA graphs "
+         "(`h200_lora_graphs/`: 22% faster than predicted; the frozen experts' efficiency was fitted to eager "
+         "runs). The host is noisy: the same eager run measured 25.5-31.5k tokens/s in three calls.")
 
 KEYS = {"tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp", "context_parallel_size": "cp",
         "expert_model_parallel_size": "ep", "virtual_pipeline_model_parallel_size": "vpp"}
@@ -79,6 +79,7 @@ def predict(config, workload, run, cutoff: int, peak_flops: float | None) -> dic
         recompute_modules=tuple(modules.split(",")) if modules else ("core_attn",),
         sequence_parallel=bool(extra.get("sequence_parallel")), lora_rank=workload.tuning.get("lora_rank"),
         lora_experts="experts" in lora_target, cuda_graphs=bool(extra.get("cuda_graphs")),
+        param_remainders=bool(extra.get("store_param_remainders")),
         image_share=image_share(workload) if workload.model in VL else IMAGE_SHARE)
     if extra.get("mtp_num_layers") == 0:
         config = config.without_mtp()

@@ -299,6 +299,12 @@ class MegatronArguments(DistributingParallelArguments):
     )
     optimizer: str = field(default="adam", metadata={"help": "adam or sgd."})
     optimizer_cpu_offload: bool = field(default=False, metadata={"help": "Keep optimizer states on CPU."})
+    store_param_remainders: bool = field(
+        default=False, metadata={"help": "Keep each fp32 master weight as its bf16 weight plus a 16-bit remainder "
+                                         "(as Transformer Engine's FusedAdam does, here without it): 16 bytes per "
+                                         "trained parameter instead of 18, the same fp32 Adam update. Needs bf16, "
+                                         "the distributed optimizer and adam, without optimizer_cpu_offload."}
+    )
     save_hf_model: bool = field(default=False, metadata={"help": "Also write HF safetensors in each checkpoint."})
     sequence_packing: bool = field(default=False, metadata={"help": "Pack rows into THD micro-batches."})
     cuda_graphs: bool = field(
@@ -340,6 +346,12 @@ class MegatronArguments(DistributingParallelArguments):
             _require(self.use_distributed_optimizer,
                      "optimizer_cpu_offload=True needs use_distributed_optimizer=True (Megatron's hybrid CPU "
                      "optimizer).")
+        if self.store_param_remainders:
+            _require(self.use_distributed_optimizer and self.optimizer == "adam" and not self.optimizer_cpu_offload,
+                     f"store_param_remainders=True needs use_distributed_optimizer=True and optimizer=adam without "
+                     f"optimizer_cpu_offload (got {self.use_distributed_optimizer}, {self.optimizer!r} and "
+                     f"{self.optimizer_cpu_offload}). Set use_distributed_optimizer: true, or drop "
+                     "store_param_remainders.")
         _require(self.max_nonfinite_steps >= 1, f"max_nonfinite_steps={self.max_nonfinite_steps} must be >= 1.")
         if self.prefetch_steps is not None:
             _require(self.prefetch_steps >= 0, f"prefetch_steps={self.prefetch_steps} must be >= 0 (0: no prefetch).")

@@ -28,6 +28,10 @@ class _McaTrainingMixin:
         if self.bf16 and self.fp16:
             raise UserError("bf16=True and fp16=True: choose one precision.")
         self._check_training_keys()
+        if self.store_param_remainders and not self.bf16:
+            raise UserError("store_param_remainders=True keeps fp32 master weights as remainders of bf16 weights, "
+                            f"and this run is not bf16 (bf16={self.bf16}, fp16={self.fp16}). Set bf16: true, or drop "
+                            "store_param_remainders.")
         if self.bf16 and not self.accumulate_allreduce_grads_in_fp32:
             self.accumulate_allreduce_grads_in_fp32 = True
         from .cpu_mode import cpu_mode_needed

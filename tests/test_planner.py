@@ -77,6 +77,9 @@ def test_layouts_divide_what_they_should():
     assert full["activations"] < selective["activations"] < one["activations"]
     lora = estimate(config, _layout(), Training(tokens=4096, lora_rank=8))
     assert lora["weights"] == one["weights"] and lora["optimizer"] < one["optimizer"] / 50
+    remainders = estimate(config, _layout(), Training(tokens=4096, param_remainders=True))  # the main copy's low half
+    assert remainders["optimizer"] == pytest.approx(one["optimizer"] * 10 / 12, rel=0.01)
+    assert remainders["weights"] == one["weights"] and remainders["grads"] == one["grads"]
 
 
 def test_search_proposes_only_layouts_the_run_accepts():

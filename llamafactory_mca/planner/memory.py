@@ -48,6 +48,7 @@ class Training:
     lora_experts: bool = False  # and on the experts (lora_target: all,experts)
     native_cross_entropy: bool = True
     half: bool = True  # bf16 / fp16 weights with fp32 main weights; False: fp32 throughout (no main copy)
+    param_remainders: bool = False  # store_param_remainders: the fp32 main weights as 16-bit remainders
     cuda_graphs: bool = False
     freeze_vision_tower: bool = True  # LLaMA-Factory's defaults: the tower and its projector frozen
     freeze_projector: bool = True
@@ -189,8 +190,8 @@ def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[st
                     blocks, patches, _REPLICATED, False, False, False)
             elif tower.trainable:  # the projector alone keeps its input
                 tower_activations = 2 * patches * tower.hidden
-        states = (12 if training.half else 8) * (1 if training.distributed_optimizer else
-                                                 layout.dp * layout.cp)
+        main = (2 if training.param_remainders else 4) if training.half else 0  # fp32 main weights, or their rest
+        states = (8 + main) * (1 if training.distributed_optimizer else layout.dp * layout.cp)
         optimizer = 0.0 if training.cpu_offload else dp_share * states
         # activations: 1F1B keeps (pp - stage) micro-batches in flight (interleaving: a little more)
         in_flight = min(layout.pp - stage, layout.grad_accum)

@@ -169,6 +169,8 @@ def memory_estimate_gib(params_on_rank: int, args: Any, dp: int, trainable: int 
     states = 12 if args.optimizer == "adam" else 8  # fp32 main params + moments (sgd: + momentum)
     if weight_bytes == 4:
         states -= 4  # fp32 training has no separate main copy
+    elif getattr(args, "store_param_remainders", False):
+        states -= 2  # the main copy's lower half only
     if args.use_distributed_optimizer:
         states /= dp
     gib = 1024**3
@@ -212,7 +214,8 @@ def startup_summary(*, layout: Any, args: Any, model_type: str, params_total: in
         f"  optimizer   {args.optimizer}{' (distributed)' if args.use_distributed_optimizer else ''}"
         f"{', overlap grad reduce' if args.overlap_grad_reduce else ''}"
         f"{', overlap param gather' if args.overlap_param_gather else ''}"
-        f"{', CPU offload' if args.optimizer_cpu_offload else ''}",
+        f"{', CPU offload' if args.optimizer_cpu_offload else ''}"
+        f"{', fp32 masters as bf16 + 16-bit remainders' if getattr(args, 'store_param_remainders', False) else ''}",
         f"  recompute   {args.recompute_granularity or 'off'}"
         + (f" ({args.recompute_method}, {args.recompute_num_layers} layers)" if args.recompute_granularity == "full"
            else f" ({', '.join(args.recompute_modules or ['core_attn'])})" if args.recompute_granularity else ""),

@@ -15,6 +15,8 @@ import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+from .param_remainders import megatron_builds_remainder_adam, precision_aware
+
 
 def wrap_ddp(chunks: list[torch.nn.Module], tc: Any, args: Any) -> list[DistributedDataParallel]:
     """Megatron DDP per model chunk, and the sync hooks the pipeline schedule calls."""
@@ -67,7 +69,12 @@ def build_optimizer(wrapped: list[DistributedDataParallel], tc: Any, args: Any):
         optimizer_cpu_offload=offload,
         optimizer_offload_fraction=1.0 if offload else 0.0,
     )
-    optimizer = get_megatron_optimizer(config, wrapped)
+    if args.store_param_remainders:
+        precision_aware(config)
+        with megatron_builds_remainder_adam():
+            optimizer = get_megatron_optimizer(config, wrapped)
+    else:
+        optimizer = get_megatron_optimizer(config, wrapped)
     use_fused_adam(optimizer)
     if args.fp16:
         tc.grad_scale_func = optimizer.scale_loss

@@ -259,10 +259,14 @@ def _targets(optimizer: Any) -> Iterator[Target]:
 
 def _writer(inner: torch.optim.Optimizer, main: torch.Tensor, flat: slice | None):
     def write(full: dict[str, torch.Tensor]) -> None:
+        sources = {name: (full[name].reshape(-1)[flat] if flat is not None else full[name]) for name in STATES}
+        if hasattr(inner, "set_scaled_state"):  # precision-aware (param_remainders): ``main`` is the bf16 shard
+            for name, src in sources.items():
+                inner.set_scaled_state(main, "master_param" if name == "param" else name, src)
+            return
         destinations = {"param": main, **{k: v for k, v in inner.state[main].items() if k in STATES}}
         for name, dst in destinations.items():
-            src = full[name].reshape(-1)
-            dst.data.copy_((src[flat] if flat is not None else src).view(dst.shape))
+            dst.data.copy_(sources[name].reshape(dst.shape))
     return write
 
 

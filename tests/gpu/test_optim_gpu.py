@@ -28,3 +28,28 @@ def test_loaded_cpu_counters_move_to_the_device():
     assert all(inner.state[p]["step"].device.type == "cuda" and float(inner.state[p]["step"]) == 2.0 for p in ours)
     step_both(reference, inner, ref, ours, gen, steps=2)
     assert_same(ref, ours, rtol=1e-5, atol=1e-6)
+
+
+def test_param_remainders_follow_fused_adam_on_fp32_masters_bit_for_bit():
+    """``store_param_remainders`` on CUDA: the masters rebuilt from bf16 weights and remainders are those of torch's
+    fused AdamW on fp32 masters (the plain path's kernel), step after step."""
+    from llamafactory_mca.trainer.param_remainders import RemainderAdamW, join
+
+    gen = torch.Generator().manual_seed(0)
+    masters = [torch.randn(n, generator=gen).to(torch.bfloat16).float().cuda() for n in (3 << 20, 4099)]
+    reference = [torch.nn.Parameter(m.clone()) for m in masters]
+    ours = [m.to(torch.bfloat16) for m in masters]
+    kwargs = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(reference, fused=True, **kwargs)
+    opt = RemainderAdamW(ours, **kwargs)
+    for p in ours:
+        opt.initialize_state(p)
+    for _ in range(3):
+        for ref, p in zip(reference, ours):
+            g = torch.randn(ref.shape, generator=gen).cuda()
+            ref.grad, p.decoupled_grad = g.clone(), g.clone()
+        ref_opt.step()
+        opt.step()
+    for ref, p in zip(reference, ours):
+        assert torch.equal(join(p, opt.state[p]["master_param"]).view(torch.int32), ref.detach().view(torch.int32))
+        assert opt.state[p]["step"].device.type == "cuda"
