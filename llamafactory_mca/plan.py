@@ -80,7 +80,7 @@ def plan_run(stage: str, model_args: Any, data_args: Any, training_args: Any, fi
     config, balancing = resolve_load_balancing(config, training_args, model_args.moe_aux_loss_coef)
     custom = training_args.pipeline_model_parallel_layout is not None
     check_layout(config, layout, custom, training_args.sequence_parallel)
-    check_model_fits(config, cutoff_len, stage, layout, custom)
+    check_model_fits(config, stage, layout, custom)
     reference = None
     if stage == "dpo" and getattr(finetuning_args, "ref_model", None):
         ref_path = resolve(finetuning_args.ref_model, model_args, field="ref_model")
@@ -210,7 +210,7 @@ def _check_output_dir(output_dir: str) -> None:
                          "to.") from err
 
 
-def check_model_fits(config: Any, cutoff_len: int, stage: str, layout: Any, custom_pipeline_layout: bool = False
+def check_model_fits(config: Any, stage: str, layout: Any, custom_pipeline_layout: bool = False
                      ) -> None:
     """Refuse a model this run would train wrongly.
     ``custom_pipeline_layout``: a pipeline_model_parallel_layout places the layers, not the even split (the model
@@ -220,11 +220,6 @@ def check_model_fits(config: Any, cutoff_len: int, stage: str, layout: Any, cust
             raise UserError(f"{config.hf_model_type}: DPO on vision-language models is not supported with USE_MCA=1 "
                             "yet; sft and pt are. Unset USE_MCA to run it with LLaMA-Factory's default trainer.")
         check_vision_layout(config, layout, custom_pipeline_layout)
-    if config.sliding_window is not None and cutoff_len > config.sliding_window:
-        raise UserError(f"{config.hf_model_type}: the model uses sliding-window attention (window "
-                         f"{config.sliding_window}), which llamafactory_mca does not implement; it matches full "
-                         f"attention only when sequences fit in the window. Set cutoff_len <= "
-                         f"{config.sliding_window}.")
 
 
 def packing_request(data_args: Any, training_args: Any, recipe: dict | list | None = None) -> tuple[bool, int]:

@@ -50,7 +50,7 @@ class McaConfig:
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0  # the share of each head's dims that RoPE rotates (GLM-4.5: 0.5)
     rope_parameters: dict[str, Any] | None = None  # HF rope dict, replayed for inv_freq (llama3, linear)
-    sliding_window: int | None = None  # only valid when every training sequence fits inside it
+    sliding_window: int | None = None  # HF's; the layers and reach are the transformer's window_size fields
     hf_config: dict[str, Any] = field(default_factory=dict)  # the source config.json, for the way back
 
     # ---- persistence (the file's name and writing it: checkpoints/) -------------------------------------------
@@ -125,6 +125,10 @@ class McaConfig:
         kwargs["activation_func"] = _ACTIVATIONS[activation]
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
         kwargs.update(engine)
+        if self.sliding_window and "window_size" not in kwargs:  # written before the native kernels had windows
+            kwargs |= window_fields(self.sliding_window, self.hf_config.get("layer_types"), kwargs["num_layers"])
+        if kwargs.get("window_size") is not None:  # a tuple, which a saved config.json holds as a list
+            kwargs["window_size"] = tuple(kwargs["window_size"])
         prepare_config(kwargs)  # before construction: some requests (fused RoPE without TE) fail inside it
         native = {k: kwargs.pop(k) for k in NATIVE_OPTIONS if k in kwargs}
         # multi-latent attention (DeepSeek-V3) has its own config class, with the latent ranks and YaRN fields
@@ -138,6 +142,16 @@ class McaConfig:
         for name, value in native.items():  # our layer spec's options ride on the config it is built from
             setattr(config, name, value)
         return config
+
+
+def window_fields(window: int, layer_types: list[str] | None, num_layers: int) -> dict[str, Any]:
+    """TransformerConfig's fields for HF's ``sliding_window`` W (a token sees itself and the W - 1 before it) on the
+    layers ``layer_types`` names ``sliding_attention`` (every layer without such a list): ``window_size`` (W - 1, 0)
+    and ``window_attn_skip_freq`` (1 for a windowed layer; None when all are)."""
+    pattern = [int(kind == "sliding_attention") for kind in (layer_types or ["sliding_attention"] * num_layers)]
+    if not any(pattern):
+        return {}
+    return dict(window_size=(window - 1, 0), window_attn_skip_freq=None if all(pattern) else pattern)
 
 
 def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any] | None]:

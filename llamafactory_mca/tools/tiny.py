@@ -25,8 +25,10 @@ TINY: dict[str, dict[str, Any]] = {
     "llama3_tied": dict(BASE, tie_word_embeddings=True, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 128}, rope_theta=500000.0),
-    "mistral": dict(BASE, sliding_window=None),
-    "qwen2": dict(BASE),
+    # sliding windows shorter than the tests' sequences: on every layer (Mistral), on the last two of four (Qwen2's
+    # max_window_layers), so a pipeline stage or virtual stage may hold both kinds
+    "mistral": dict(BASE, sliding_window=8),
+    "qwen2": dict(BASE, use_sliding_window=True, sliding_window=6, max_window_layers=2),
     "qwen3": dict(BASE, head_dim=24),
     "qwen2_moe": dict(BASE, **MOE, num_experts=4, shared_expert_intermediate_size=48, norm_topk_prob=False,
                       decoder_sparse_step=1, mlp_only_layers=[]),

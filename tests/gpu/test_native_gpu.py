@@ -178,12 +178,15 @@ def test_varlen_signature_and_causal_kwargs():
     assert kwargs.get("window_size") == (-1, 0) or kwargs.get("is_causal") is True, kwargs
 
 
+@pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("cp", [1, 2, 4])
-def test_varlen_segments_match_causal_attention(cp):
-    """varlen_attn with the CP plan (non-square, bottom-right causal segments) == per-sequence causal SDPA."""
+def test_varlen_segments_match_causal_attention(cp, window):
+    """varlen_attn with the CP plan (non-square, bottom-right causal segments) == per-sequence causal SDPA; with a
+    sliding window (each query sees itself and the ``window`` keys before it) through varlen_attn's own
+    ``window_size``, against SDPA with the band as its mask; a padded batch takes the same window."""
     from llamafactory_mca.data.context_parallel import local_token_index
     from llamafactory_mca.models.native.context_parallel import packed_plan
-    from llamafactory_mca.models.native.kernels import segment_attention
+    from llamafactory_mca.models.native.kernels import padded_attention, segment_attention, varlen_usable
 
     lengths = [2 * cp * n for n in (96, 160, 32, 256)]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
@@ -192,17 +195,28 @@ def test_varlen_segments_match_causal_attention(cp):
     q = torch.randn(total, 16, 128, device="cuda", dtype=torch.bfloat16, generator=g)
     k = torch.randn(total, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g)
     v = torch.randn(total, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    ref = torch.cat([F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
-                                                    v[a:b].transpose(0, 1), is_causal=True, enable_gqa=True)
-                     .transpose(0, 1) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    assert window is None or varlen_usable(q, window), f"torch {torch.__version__}: no varlen window_size"
+
+    def reference(a: int, b: int) -> torch.Tensor:
+        seen = torch.ones(b - a, b - a, dtype=torch.bool, device="cuda").tril()
+        if window is not None:
+            seen &= ~torch.ones(b - a, b - a, dtype=torch.bool, device="cuda").tril(-window - 1)
+        return F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
+                                              attn_mask=seen, enable_gqa=True).transpose(0, 1)
+
+    ref = torch.cat([reference(a, b) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
     index = [local_token_index(cu, r, cp).cuda() for r in range(cp)]
     gathered_k, gathered_v = torch.cat([k[i] for i in index]), torch.cat([v[i] for i in index])
     for r in range(cp):
         plan = packed_plan(cu, r, cp, len(index[r]), torch.device("cuda"))
         kk = gathered_k[plan.kv_index] if cp > 1 else k
         vv = gathered_v[plan.kv_index] if cp > 1 else v
-        out = segment_attention(q[index[r]], kk, vv, plan, scale=128 ** -0.5)
+        out = segment_attention(q[index[r]], kk, vv, plan, scale=128 ** -0.5, window=window)
         torch.testing.assert_close(out, ref[index[r]], atol=2e-2, rtol=2e-2)
+    if cp == 1:
+        a, b = cu[1].item(), cu[2].item()
+        out = padded_attention(q[a:b, None], k[a:b, None], v[a:b, None], 128 ** -0.5, True, window=window)
+        torch.testing.assert_close(out[:, 0], reference(a, b).reshape(b - a, -1), atol=2e-2, rtol=2e-2)
 
 
 def _experts_suite() -> dict:

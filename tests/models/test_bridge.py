@@ -84,9 +84,9 @@ def test_parity_with_transformers(name, tiny_models, single_rank):
 LAYOUTS = {  # all run in one 4-process world (dp = 4 / model-parallel size)
     # qwen3_next first: its round trip runs here (the delta-rule layers' per-key-head rows split over TP)
     "tp2": ({"tensor_model_parallel_size": 2}, ["qwen3_next", "qwen3", "qwen2_moe", "mixtral", "llama3_tied",
-                                                 "glm4_moe", "deepseek_v3"]),
+                                                 "mistral", "glm4_moe", "deepseek_v3"]),
     # glm4_moe first: its round trip runs here (layer 0 dense, on stage 0 only)
-    "pp2": ({"pipeline_model_parallel_size": 2}, ["glm4_moe", "llama3_tied", "qwen3_moe", "qwen3_next"]),
+    "pp2": ({"pipeline_model_parallel_size": 2}, ["glm4_moe", "llama3_tied", "qwen3_moe", "qwen3_next", "qwen2"]),
     # qwen3_next first: its round trip runs here (its layer pattern, delta rule, attention, delta rule, attention,
     # cut into four virtual stages; the MTP layer with the last)
     "pp2_vpp2": ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},

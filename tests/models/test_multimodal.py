@@ -118,19 +118,19 @@ def test_what_vision_language_training_cannot_do_yet_is_refused(tmp_path):
 
     config = AutoConfig.from_pretrained(save_tiny_model("qwen2_vl", str(tmp_path / "hf")))
     layout = SimpleNamespace(cp=1, pp=1, vpp=None)
-    check_model_fits(config, 64, "sft", layout)
+    check_model_fits(config, "sft", layout)
     with pytest.raises(UserError, match="DPO on vision-language models"):
-        check_model_fits(config, 64, "dpo", layout)
+        check_model_fits(config, "dpo", layout)
     with pytest.raises(UserError, match="context_parallel_size=2 is not supported"):
-        check_model_fits(config, 64, "sft", SimpleNamespace(cp=2, pp=1, vpp=None))
+        check_model_fits(config, "sft", SimpleNamespace(cp=2, pp=1, vpp=None))
     # Qwen3-VL: decoder layers 0 and 1 take deepstack features, so they must sit with the tower
     config = AutoConfig.from_pretrained(save_tiny_model("qwen3_vl", str(tmp_path / "hf3")))
-    check_model_fits(config, 64, "sft", SimpleNamespace(cp=1, pp=2, vpp=None))
+    check_model_fits(config, "sft", SimpleNamespace(cp=1, pp=2, vpp=None))
     with pytest.raises(UserError, match=r"first 2 decoder layers take .* deepstack .* pipeline_model_parallel_size=2 "
                                         r"x virtual_pipeline_model_parallel_size=2 puts 1 layers there"):
-        check_model_fits(config, 64, "sft", SimpleNamespace(cp=1, pp=2, vpp=2))
+        check_model_fits(config, "sft", SimpleNamespace(cp=1, pp=2, vpp=2))
     # with a pipeline_model_parallel_layout the user places the layers; the model build checks where they went
-    check_model_fits(config, 64, "sft", SimpleNamespace(cp=1, pp=2, vpp=2), custom_pipeline_layout=True)
+    check_model_fits(config, "sft", SimpleNamespace(cp=1, pp=2, vpp=2), custom_pipeline_layout=True)
     # Qwen3.5's MTP layer takes the image features: trained without pipelining, left out with it (refused if asked)
     config = AutoConfig.from_pretrained(save_tiny_model("qwen3_5", str(tmp_path / "hf35")))
     run = lambda pp, mtp=None: SimpleNamespace(pipeline_model_parallel_size=pp, mtp_num_layers=mtp)  # noqa: E731

@@ -493,27 +493,42 @@ def test_split_for_context_parallel_padded_and_thd():
     assert split_for_context_parallel({"t": packed}, cu, 0, 1)["t"] is packed
 
 
-@pytest.mark.parametrize("cp", [2, 3])
-def test_context_parallel_plan_matches_full_causal_attention(cp):
-    """Simulate every CP rank in one process: gathered K/V + plan == plain per-sequence causal attention."""
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("cp", [1, 2, 3])
+def test_context_parallel_plan_matches_full_causal_attention(cp, window):
+    """Simulate every CP rank in one process: gathered K/V + plan == plain per-sequence causal attention (with a
+    sliding window: each query sees itself and the ``window`` keys before it, across the ranks' chunks too)."""
     from llamafactory_mca.data.context_parallel import local_token_index
     from llamafactory_mca.models.native.context_parallel import packed_plan
-    from llamafactory_mca.models.native.kernels import segment_attention
+    from llamafactory_mca.models.native.kernels import make_plan, padded_attention, segment_attention
 
     lengths = [2 * cp * n for n in (1, 3, 2)]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(cu[-1], 4, 8, generator=g), torch.randn(cu[-1], 2, 8, generator=g), torch.randn(
         cu[-1], 2, 8, generator=g)
-    ref = torch.cat([F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
-                                                    v[a:b].transpose(0, 1), is_causal=True, enable_gqa=True)
-                     .transpose(0, 1) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+
+    def reference(a: int, b: int) -> torch.Tensor:
+        seen = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+        if window is not None:
+            seen &= ~torch.ones(b - a, b - a, dtype=torch.bool).tril(-window - 1)
+        return F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
+                                              attn_mask=seen, enable_gqa=True).transpose(0, 1)
+
+    ref = torch.cat([reference(a, b) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    if cp == 1:  # plain packing: one square segment per sequence; and a padded row through SDPA's mask
+        out = segment_attention(q, k, v, make_plan(lengths, lengths, torch.device("cpu")), 8 ** -0.5, window)
+        torch.testing.assert_close(out, ref, **TOL)
+        a, b = cu[1].item(), cu[2].item()
+        out = padded_attention(q[a:b, None], k[a:b, None], v[a:b, None], 8 ** -0.5, True, window=window)
+        torch.testing.assert_close(out[:, 0], reference(a, b).reshape(b - a, -1), **TOL)
+        return
     index = [local_token_index(cu, r, cp) for r in range(cp)]
     gathered_k, gathered_v = torch.cat([k[i] for i in index]), torch.cat([v[i] for i in index])
     for r in range(cp):
         plan = packed_plan(cu, r, cp, len(index[r]), torch.device("cpu"))
         out = segment_attention(q[index[r]], gathered_k[plan.kv_index], gathered_v[plan.kv_index], plan,
-                                scale=8 ** -0.5)
+                                scale=8 ** -0.5, window=window)
         torch.testing.assert_close(out, ref[index[r]], **TOL)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
-from ..config import AttentionShape, McaConfig, attention_shape, check_rope, rope_settings
+from ..config import AttentionShape, McaConfig, attention_shape, check_rope, rope_settings, window_fields
 from ..mapping import (HF_LAYER, LAYER, GroupedRows, Op, Rename, WeightTable, dense_layer, embeddings, gated_mlp,
                        mtp_module_names, mtp_ops, stacked_experts)
 from ..multimodal import VisionLanguageModel, vision_ops
@@ -303,7 +303,8 @@ def _rope_dict(hf: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class SlidingWindow:
-    """HF's ``sliding_window``, honoured only where every sequence fits inside it (the workflow checks).
+    """HF's ``sliding_window`` on the layers HF's ``layer_types`` names (``config.window_fields``: Megatron's
+    ``window_size`` and ``window_attn_skip_freq``, which the native attention and Transformer Engine read).
     ``switch``: the HF flag that turns it on (Qwen's ``use_sliding_window``); None: on whenever it is set."""
 
     switch: str | None = None
@@ -311,7 +312,12 @@ class SlidingWindow:
     def of(self, hf: Any) -> int | None:
         if self.switch and not getattr(hf, self.switch, False):
             return None
-        return getattr(hf, "sliding_window", None)
+        window = getattr(hf, "sliding_window", None)
+        return window if window and self.transformer(hf, window) else None
+
+    def transformer(self, hf: Any, window: int | None = None) -> dict[str, Any]:
+        window = window or self.of(hf)
+        return window_fields(window, getattr(hf, "layer_types", None), hf.num_hidden_layers) if window else {}
 
 
 class DecoderFamily(Family):
@@ -368,6 +374,8 @@ class DecoderFamily(Family):
         )
         for part in self.parts():
             fields |= part.transformer(hf)
+        if self.sliding_window:
+            fields |= self.sliding_window.transformer(hf)
         return fields
 
     def config_from_hf(self, hf: Any) -> McaConfig:

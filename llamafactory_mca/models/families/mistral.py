@@ -1,4 +1,4 @@
-"""Mistral: Llama's layout; a sliding window is honoured only where every sequence fits inside it."""
+"""Mistral: Llama's layout, with a sliding window on every layer where the config sets one."""
 
 from ..registry import register
 from .base import DecoderFamily, SlidingWindow

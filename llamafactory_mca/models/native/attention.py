@@ -16,6 +16,9 @@ padded [s,b,h,d]  SDPA, causal, ``enable_gqa``, dropout        K/V all-gather + 
 packed [t,h,d]    causal varlen_attn over ``cu_seqlens``       K/V all-gather + causal segments (varlen)
 ================  ===========================================  ===========================================
 
+Sliding windows (Megatron's ``window_size`` on the layers ``window_attn_skip_freq`` names) narrow every row:
+varlen_attn's own ``window_size`` on the GPU, a band mask in the SDPA calls elsewhere.
+
 On CPU the varlen calls become a loop of SDPA calls with the same math. ``apply_query_key_layer_scaling``
 needs no code here: Megatron divides the softmax scale by the layer number and multiplies the scores back
 before the softmax, an fp16 range trick whose net scale is 1 (SDPA and flash accumulate in fp32).
@@ -31,6 +34,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from ...errors import UserError
 from . import context_parallel as cp_utils
@@ -60,6 +64,9 @@ class NativeDotProductAttention(MegatronModule):
         if attention_type != "self":
             raise ValueError(f"the native attention does self-attention only (got attention_type={attention_type!r})")
         self.layer_number = max(1, layer_number)
+        # a sliding window's left reach on the layers Megatron's pattern names (HF's sliding_window W: W - 1)
+        windowed = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, self.layer_number)
+        self.window = config.window_size[0] if windowed else None
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -102,28 +109,29 @@ class NativeDotProductAttention(MegatronModule):
         dropout = self.dropout_p if self.training else 0.0
         if dropout > 0 and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():
-                return padded_attention(query, key, value, self.softmax_scale, causal, attention_mask, dropout)
-        return padded_attention(query, key, value, self.softmax_scale, causal, attention_mask, dropout)
+                return padded_attention(query, key, value, self.softmax_scale, causal, attention_mask, dropout,
+                                        self.window)
+        return padded_attention(query, key, value, self.softmax_scale, causal, attention_mask, dropout, self.window)
 
     def _packed(self, query, key, value, params: PackedSeqParams) -> torch.Tensor:
         cu_seqlens = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        if self.cp_size == 1 and varlen_usable(query):
+        if self.cp_size == 1 and varlen_usable(query, self.window):
             # The kernel takes the boundaries as they are, on the device: no host read, so nothing here stops a
             # CUDA graph capture, and empty sequences (a graphed run's unused slots) cost nothing.
             plan = SegmentPlan(cu_q=cu_seqlens, cu_k=cu_seqlens, max_q=params.max_seqlen_q, max_k=params.max_seqlen_kv,
                                q_lens=(), k_lens=())
-            return segment_attention(query, key, value, plan, self.softmax_scale)
+            return segment_attention(query, key, value, plan, self.softmax_scale, self.window)
         plan = self._cached_plan(params, cu_seqlens, query)
         if self.cp_size > 1:
             key, value = self._gathered(key, value, plan)
-        return segment_attention(query, key, value, plan, self.softmax_scale)
+        return segment_attention(query, key, value, plan, self.softmax_scale, self.window)
 
     def _padded_context_parallel(self, query, key, value) -> torch.Tensor:
         """A padded CP batch is ``b`` packed sequences of the global length: reuse the THD path."""
         s, b = query.shape[:2]
         plan = _padded_plan(b, s, self.cp_size, self.cp_rank, query.device)
         k, v = self._gathered(sbhd_to_thd(key), sbhd_to_thd(value), plan)
-        out = segment_attention(sbhd_to_thd(query), k, v, plan, self.softmax_scale)
+        out = segment_attention(sbhd_to_thd(query), k, v, plan, self.softmax_scale, self.window)
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()
 
     def _gathered(self, key, value, plan: SegmentPlan):
@@ -158,8 +166,9 @@ def check_supported(config: TransformerConfig) -> None:
     problems = []
     if getattr(config, "softmax_type", "vanilla") != "vanilla":
         problems.append(f"softmax_type={config.softmax_type!r} (only 'vanilla')")
-    if getattr(config, "window_size", None) is not None:
-        problems.append(f"window_size={config.window_size} (sliding-window attention)")
+    window = getattr(config, "window_size", None)
+    if window is not None and (len(window) != 2 or window[0] < 0 or window[1] != 0):
+        problems.append(f"window_size={window} (only causal sliding windows: (left >= 0, 0))")
     if getattr(config, "qk_clip", False):
         problems.append("qk_clip")
     if problems:

@@ -11,6 +11,9 @@ Two entry points, both taking Megatron's layouts and returning the same:
   the gathered prefix up to the end of the local chunk (see ``context_parallel.py``). On CUDA it runs
   ``torch.nn.attention.varlen.varlen_attn``; on CPU (and where varlen_attn cannot run) the same math
   loops over the segments with SDPA.
+
+Both take ``window``: a sliding window's left reach (a query sees itself and the ``window`` keys before it; HF's
+``sliding_window`` W is ``window = W - 1``, flash attention's ``window_size=(W - 1, 0)``), or None for plain causal.
 """
 
 from __future__ import annotations
@@ -62,7 +65,8 @@ def make_plan(q_lens: list[int], k_lens: list[int], device: torch.device,
 
 
 def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, causal: bool,
-                     mask: torch.Tensor | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+                     mask: torch.Tensor | None = None, dropout_p: float = 0.0, window: int | None = None
+                     ) -> torch.Tensor:
     """``[s, b, h, d]`` in, ``[s, b, h*dv]`` out (``dv``: the values' head dim; multi-latent attention's differs
     from the queries' and keys').
 
@@ -73,15 +77,18 @@ def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     sq, b, hq, d = query.shape
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d] views
     gqa = key.size(2) != hq
-    if query.is_cuda and mask is None and causal and not dropout_p and not _sdpa_fused(q, k, v, gqa):
-        # No fused SDPA kernel takes these operands: the math fallback would materialise [b, h, s, s].
-        return _padded_as_segments(query, key, value, scale)
+    if query.is_cuda and mask is None and causal and not dropout_p and (
+            not _sdpa_fused(q, k, v, gqa) or (window is not None and varlen_usable(query, window))):
+        # No fused SDPA kernel takes these operands (the math fallback would materialise [b, h, s, s]), or a
+        # sliding window, which flash's varlen kernel takes without a mask.
+        return _padded_as_segments(query, key, value, scale, window)
     attn_mask = None
-    if mask is not None:
+    if mask is not None or (causal and window is not None):
         sk = key.size(0)
-        allowed = ~mask.to(torch.bool)
+        allowed = ~mask.to(torch.bool) if mask is not None else torch.ones(sq, sk, dtype=torch.bool,
+                                                                              device=query.device)
         if causal:
-            allowed = allowed & torch.ones(sq, sk, dtype=torch.bool, device=query.device).tril(sk - sq)
+            allowed = allowed & _causal_band(sq, sk, window, query.device)
         attn_mask = allowed | torch.eye(sq, sk, dtype=torch.bool, device=query.device)
         causal = False
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=causal,
@@ -101,13 +108,20 @@ def _sdpa_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) ->
     return any(check(params, False) for check in checks)
 
 
-def _padded_as_segments(query, key, value, scale: float) -> torch.Tensor:
+def _causal_band(lq: int, lk: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """True where query ``i`` of ``lq`` may see key ``j`` of ``lk``: causal, aligned bottom-right, and within the
+    sliding window's reach where there is one."""
+    allowed = torch.ones(lq, lk, dtype=torch.bool, device=device).tril(lk - lq)
+    return allowed if window is None else allowed.triu(lk - lq - window)
+
+
+def _padded_as_segments(query, key, value, scale: float, window: int | None = None) -> torch.Tensor:
     """A padded batch as ``b`` packed sequences of length ``s`` through varlen_attn."""
     sq, b, hq, d = query.shape
     if not varlen_usable(query):
         _warn_once("no fused attention kernel for this padded batch: SDPA's math fallback materialises the scores.")
     plan = make_plan([sq] * b, [sq] * b, query.device)
-    out = segment_attention(sbhd_to_thd(query), sbhd_to_thd(key), sbhd_to_thd(value), plan, scale)
+    out = segment_attention(sbhd_to_thd(query), sbhd_to_thd(key), sbhd_to_thd(value), plan, scale, window)
     return out.reshape(b, sq, -1).transpose(0, 1).contiguous()
 
 
@@ -117,16 +131,16 @@ def sbhd_to_thd(t: torch.Tensor) -> torch.Tensor:
 
 
 def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: SegmentPlan,
-                      scale: float) -> torch.Tensor:
+                      scale: float, window: int | None = None) -> torch.Tensor:
     """``[t_q, hq, d]`` queries against ``[t_k, hk, d]`` keys and ``[t_k, hk, dv]`` values laid out as ``plan``
     says; returns ``[t_q, hq, dv]``."""
-    if varlen_usable(query):
+    if varlen_usable(query, window):
         dv = value.size(-1)
         if dv != query.size(-1):  # flash kernels want one head dim: pad the values, drop the padding after
             value = F.pad(value, (0, query.size(-1) - dv))
-            return _varlen(query, key, value, plan, scale)[..., :dv]
-        return _varlen(query, key, value, plan, scale)
-    return _sdpa_per_segment(query, key, value, plan, scale)
+            return _varlen(query, key, value, plan, scale, window)[..., :dv]
+        return _varlen(query, key, value, plan, scale, window)
+    return _sdpa_per_segment(query, key, value, plan, scale, window)
 
 
 def varlen_attn_available() -> bool:
@@ -157,9 +171,16 @@ def _varlen_causal_kwargs(gqa: bool) -> tuple[tuple[str, object], ...]:
     return tuple(kwargs.items())
 
 
-def varlen_usable(query: torch.Tensor) -> bool:
-    """Whether ``varlen_attn`` runs these operands on the GPU (half precision, a head dim flash supports)."""
-    if not query.is_cuda:
+@cache
+def _varlen_windows() -> bool:
+    """Whether this torch's varlen_attn takes a sliding window (2.11+: ``window_size``)."""
+    return "window_size" in inspect.signature(_varlen_fn()).parameters
+
+
+def varlen_usable(query: torch.Tensor, window: int | None = None) -> bool:
+    """Whether ``varlen_attn`` runs these operands on the GPU (half precision, a head dim flash supports), with
+    ``window`` where one is given."""
+    if not query.is_cuda or (window is not None and not _varlen_windows()):
         return False
     usable = (_varlen_fn() is not None and query.dtype in (torch.float16, torch.bfloat16)
               and query.size(-1) <= 256 and query.size(-1) % 8 == 0)
@@ -169,9 +190,11 @@ def varlen_usable(query: torch.Tensor) -> bool:
     return usable
 
 
-def _varlen(query, key, value, plan: SegmentPlan, scale: float) -> torch.Tensor:
+def _varlen(query, key, value, plan: SegmentPlan, scale: float, window: int | None = None) -> torch.Tensor:
     fn = _varlen_fn()
     kwargs = dict(_varlen_causal_kwargs(key.size(1) != query.size(1)))
+    if window is not None:
+        kwargs["window_size"] = (window, 0)
     return fn(query.contiguous(), key.contiguous(), value.contiguous(), plan.cu_q, plan.cu_k, plan.max_q,
               plan.max_k, scale=scale, **kwargs)
 
@@ -184,17 +207,18 @@ def bidirectional_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Te
                         scale=scale)
 
 
-def _sdpa_per_segment(query, key, value, plan: SegmentPlan, scale: float) -> torch.Tensor:
+def _sdpa_per_segment(query, key, value, plan: SegmentPlan, scale: float, window: int | None = None
+                      ) -> torch.Tensor:
     gqa = key.size(1) != query.size(1)
     outs, q0, k0 = [], 0, 0
     for lq, lk in zip(plan.q_lens, plan.k_lens):
         q = query[q0:q0 + lq].transpose(0, 1)
         k = key[k0:k0 + lk].transpose(0, 1)
         v = value[k0:k0 + lk].transpose(0, 1)
-        if lq == lk:  # square: top-left and bottom-right alignment agree
+        if lq == lk and window is None:  # square: top-left and bottom-right alignment agree
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(lk - lq)
+            mask = _causal_band(lq, lk, window, query.device)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         outs.append(out.transpose(0, 1))
         q0, k0 = q0 + lq, k0 + lk
