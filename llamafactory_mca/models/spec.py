@@ -53,7 +53,7 @@ from .native.dispatch import LocalDispatchLayer, local_dispatch_applies
 from .native.experts import NativeGroupedMLP, describe_experts
 from .native.gated_delta import NativeGatedDeltaNet
 from .native.gated_delta import describe_kernel as describe_delta_rule
-from .native.kernels import varlen_attn_available
+from .native.kernels import varlen_attn_available, varlen_windows_available
 from .native import rope as native_rope
 from .native.norm import NativeNorm, compiles_head_norms
 
@@ -245,6 +245,11 @@ def describe_kernels(config: TransformerConfig) -> str:
     if getattr(config, "linear_attention_freq", None) and has_transformer_engine():
         absent = " (hybrid linear-attention model: our gated delta-rule layer has no TE spec)"
     line = f"layer spec: {choice}{absent}; attention: {attention}"
+    if config.window_size is not None:
+        pattern = config.window_attn_skip_freq
+        layers = f"{sum(pattern)} of {len(pattern)} layers" if isinstance(pattern, list) else "every layer"
+        how = "varlen_attn window_size" if choice == "native" and varlen_windows_available() else "a band mask"
+        line += f"; sliding window {config.window_size[0] + 1} tokens on {layers} ({how})"
     if getattr(config, "linear_attention_freq", None):
         line += f"; gated delta rule: {describe_delta_rule()}"
     line += f"; MoE experts: {experts}" if config.num_moe_experts else ""

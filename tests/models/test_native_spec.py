@@ -795,3 +795,27 @@ def test_zero_centred_rmsnorm_is_qwen3_nexts(dtype):
     for out in outs:
         out.float().square().sum().backward()
     assert torch.allclose(ours.weight.grad.float(), theirs.weight.grad.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_startup_summary_names_the_sliding_windows():
+    """HF's sliding_window on the layers its layer_types names: Megatron's fields, and the summary's kernel line."""
+    from llamafactory_mca.models.families import get_family
+    from llamafactory_mca.models.spec import describe_kernels
+    from llamafactory_mca.tools.tiny import tiny_hf_config
+
+    lines = {}
+    for name in ("mistral", "qwen2", "qwen3"):
+        hf = tiny_hf_config(name)
+        config = get_family(hf.model_type).config_from_hf(hf).to_transformer_config({})
+        lines[name] = describe_kernels(config)
+        if name == "qwen2":
+            assert config.window_size == (5, 0) and config.window_attn_skip_freq == [0, 0, 1, 1]
+    assert "sliding window 8 tokens on every layer" in lines["mistral"]
+    assert "sliding window 6 tokens on 2 of 4 layers" in lines["qwen2"]
+    assert "sliding window" not in lines["qwen3"]
+    # a model converted before the kernels had windows (its saved config has HF's window, not Megatron's fields)
+    hf = tiny_hf_config("qwen2")
+    saved = get_family(hf.model_type).config_from_hf(hf)
+    saved.transformer = {k: v for k, v in saved.transformer.items() if not k.startswith("window")}
+    config = saved.to_transformer_config({})
+    assert config.window_size == (5, 0) and config.window_attn_skip_freq == [0, 0, 1, 1]

@@ -172,15 +172,15 @@ def _varlen_causal_kwargs(gqa: bool) -> tuple[tuple[str, object], ...]:
 
 
 @cache
-def _varlen_windows() -> bool:
+def varlen_windows_available() -> bool:
     """Whether this torch's varlen_attn takes a sliding window (2.11+: ``window_size``)."""
-    return "window_size" in inspect.signature(_varlen_fn()).parameters
+    return varlen_attn_available() and "window_size" in inspect.signature(_varlen_fn()).parameters
 
 
 def varlen_usable(query: torch.Tensor, window: int | None = None) -> bool:
     """Whether ``varlen_attn`` runs these operands on the GPU (half precision, a head dim flash supports), with
     ``window`` where one is given."""
-    if not query.is_cuda or (window is not None and not _varlen_windows()):
+    if not query.is_cuda or (window is not None and not varlen_windows_available()):
         return False
     usable = (_varlen_fn() is not None and query.dtype in (torch.float16, torch.bfloat16)
               and query.size(-1) <= 256 and query.size(-1) % 8 == 0)
