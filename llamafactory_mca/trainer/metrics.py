@@ -34,7 +34,7 @@ def flops_per_sequence_set(t: dict[str, Any], vocab_size: int, seqlens: Sequence
     the shared expert and the router; the output layer counts the full vocabulary.
     """
     tokens = float(sum(seqlens))
-    squares = float(sum(s * s for s in seqlens))
+    squares = _attention_squares(t, seqlens)
     h = t["hidden_size"]
     per_layer = 2 * tokens * attention_sizes(t)[0]  # the projections
     per_layer += _core_attention_forward(t, squares)
@@ -65,7 +65,21 @@ def _core_attention_forward(t: dict[str, Any], squares: float) -> float:
 def core_attention_flops(t: dict[str, Any], seqlens: Sequence[int]) -> float:
     """QK^T and AV of every softmax-attention layer, forward only: what selective recompute of core attention adds."""
     layers = _layer_count(t) - sum(t.get("linear_attention_freq") or [])
-    return _core_attention_forward(t, float(sum(s * s for s in seqlens))) * layers
+    return _core_attention_forward(t, _attention_squares(t, seqlens)) * layers
+
+
+def _attention_squares(t: dict[str, Any], seqlens: Sequence[int]) -> float:
+    """The squared lengths the causal-attention count halves, averaged over the layers: a sliding window of W tokens
+    sees s·W - W²/2 pairs of a sequence of s > W tokens (2·s·W - W² in squares) on the layers it covers."""
+    full = float(sum(s * s for s in seqlens))
+    if not t.get("window_size"):
+        return full
+    w = t["window_size"][0] + 1
+    windowed = float(sum(s * s if s <= w else 2 * s * w - w * w for s in seqlens))
+    pattern = t.get("window_attn_skip_freq")
+    share = (sum(pattern) / len(pattern) if isinstance(pattern, list)  # 1: a windowed layer
+             else 1 - 1 / pattern if isinstance(pattern, int) else 1.0)  # every n-th layer full, or none
+    return share * windowed + (1 - share) * full
 
 
 def _routed_expert_forward(t: dict[str, Any], tokens: float) -> float:

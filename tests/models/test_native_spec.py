@@ -819,3 +819,17 @@ def test_startup_summary_names_the_sliding_windows():
     saved.transformer = {k: v for k, v in saved.transformer.items() if not k.startswith("window")}
     config = saved.to_transformer_config({})
     assert config.window_size == (5, 0) and config.window_attn_skip_freq == [0, 0, 1, 1]
+
+
+def test_flops_count_the_pairs_a_sliding_window_sees():
+    """MFU's attention term: a window of W tokens sees s·W - W²/2 causal pairs of a longer sequence, on its layers."""
+    from llamafactory_mca.trainer.metrics import core_attention_flops
+
+    t = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16)
+    full = core_attention_flops(t, [32, 4])
+    every = core_attention_flops(dict(t, window_size=(7, 0)), [32, 4])  # W = 8
+    half = core_attention_flops(dict(t, window_size=(7, 0), window_attn_skip_freq=[0, 1, 0, 1]), [32, 4])
+    per_square = full / (32 * 32 + 4 * 4)
+    assert every == pytest.approx(per_square * (2 * 32 * 8 - 8 * 8 + 4 * 4))
+    assert half == pytest.approx((full + every) / 2)
+    assert core_attention_flops(dict(t, window_size=(31, 0)), [32, 4]) == pytest.approx(full)  # fits: no change
