@@ -115,11 +115,19 @@ class RemainderAdamW(torch.optim.AdamW):
         return torch.tensor(value, dtype=torch.float32, device=param.device if param.is_cuda else "cpu")
 
     def get_unscaled_state(self, param: torch.Tensor, state_name: str) -> torch.Tensor:
-        """fp32 state as a checkpoint holds it (the master rebuilt from the parameter and its remainder)."""
+        """fp32 state as a checkpoint holds it. A bf16 parameter's master is rebuilt a chunk at a time into host
+        memory: a save (or a load, which reads into these tensors) holds every master at once, and 4 bytes per
+        parameter more on the GPU could fail a run that trains within its memory."""
         state = self.state[param]
-        if state_name == "master_param":
-            return join(param, state["master_param"]) if param.dtype == torch.bfloat16 else param.detach()
-        return state[state_name]
+        if state_name != "master_param":
+            return state[state_name]
+        if param.dtype != torch.bfloat16:
+            return param.detach()
+        master = torch.empty(param.shape, dtype=torch.float32, device="cpu")
+        flat, low, rest = master.view(-1), param.detach().view(-1), state["master_param"].view(-1)
+        for part in _chunks(param.numel()):
+            flat[part].copy_(join(low[part], rest[part]))
+        return master
 
     def set_scaled_state(self, param: torch.Tensor, state_name: str, unscaled_state: torch.Tensor) -> None:
         """Take fp32 state from a checkpoint; a master sets the bf16 parameter too (rounded as the step rounds)."""
