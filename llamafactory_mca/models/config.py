@@ -22,8 +22,18 @@ from .mapping import in_linear_attention_layers, in_moe_layers, is_linear_attent
 from .spec import NATIVE_OPTIONS, prepare_config
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation (HF's ``gelu_pytorch_tanh``: Gemma's GeGLU)."""
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
 # Activation names stored in JSON; TransformerConfig wants callables.
-_ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}
+_ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu, "gelu_tanh": gelu_tanh}
+# Architecture fields of ours that megatron-core's TransformerConfig lacks, set on it as attributes for the layers that
+# read them (``native/sublayers.py``, ``native/cross_entropy.LanguageModel``): a norm on each sublayer's output
+# (Gemma's sandwich norms), the word embeddings' multiplier (Gemma: sqrt(hidden)), the RoPE base of the windowed
+# layers where it is not the others' (Gemma 3: 10,000 local, 1,000,000 global).
+MODEL_OPTIONS = ("post_layer_norms", "embedding_multiplier", "window_rotary_base")
 
 
 class AttentionShape(NamedTuple):
@@ -122,7 +132,6 @@ class McaConfig:
 
         kwargs = dict(self.transformer)
         activation = kwargs.pop("activation", "silu")
-        kwargs["activation_func"] = _ACTIVATIONS[activation]
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
         kwargs.update(engine)
         if self.sliding_window and "window_size" not in kwargs:  # written before the native kernels had windows
@@ -130,7 +139,11 @@ class McaConfig:
         if kwargs.get("window_size") is not None:  # a tuple, which a saved config.json holds as a list
             kwargs["window_size"] = tuple(kwargs["window_size"])
         prepare_config(kwargs)  # before construction: some requests (fused RoPE without TE) fail inside it
-        native = {k: kwargs.pop(k) for k in NATIVE_OPTIONS if k in kwargs}
+        # Megatron fuses a GeGLU only for F.gelu, and its fused kernel is GELU's tanh approximation: fused, Gemma's
+        # gelu_tanh is F.gelu; unfused (CPU), F.gelu would be the exact erf GELU, so gelu_tanh stays ours.
+        fused_geglu = activation == "gelu_tanh" and kwargs.get("bias_activation_fusion") and kwargs["gated_linear_unit"]
+        kwargs["activation_func"] = torch.nn.functional.gelu if fused_geglu else _ACTIVATIONS[activation]
+        native = {k: kwargs.pop(k) for k in NATIVE_OPTIONS + MODEL_OPTIONS if k in kwargs}
         # multi-latent attention (DeepSeek-V3) has its own config class, with the latent ranks and YaRN fields
         cls = MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig
         known = {f.name for f in dataclasses.fields(cls)}
@@ -154,17 +167,23 @@ def window_fields(window: int, layer_types: list[str] | None, num_layers: int) -
     return dict(window_size=(window - 1, 0), window_attn_skip_freq=None if all(pattern) else pattern)
 
 
-def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
-    """(rope theta, scaling dict or None) from a transformers 4.x or 5.x config."""
+def rope_settings(hf_config: Any, layer_type: str = "full_attention") -> tuple[float, dict[str, Any] | None]:
+    """(rope theta, scaling dict or None) from a transformers 4.x or 5.x config; of ``layer_type``'s layers where the
+    config gives RoPE per kind of layer (Gemma 3)."""
     params = getattr(hf_config, "rope_parameters", None)
     if params is None:  # transformers 4.x
         scaling = getattr(hf_config, "rope_scaling", None)
         theta = float(getattr(hf_config, "rope_theta", 10000.0))
         return theta, (dict(scaling) if scaling else None)
-    params = dict(params)
+    params = dict(params.get(layer_type) or {} if layer_typed_rope(params) else params)
     theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
     return theta, (None if kind == "default" else params)
+
+
+def layer_typed_rope(rope_parameters: dict[str, Any] | None) -> bool:
+    """Whether HF's ``rope_parameters`` holds one dict per kind of layer (Gemma 3: sliding and full attention)."""
+    return bool(rope_parameters) and isinstance(rope_parameters.get("full_attention"), dict)
 
 
 SUPPORTED_ROPE = ("default", "linear", "llama3")
@@ -185,7 +204,9 @@ def rope_inv_freq(config: McaConfig, head_dim: int) -> torch.Tensor | None:
 
     kind = config.rope_parameters.get("rope_type", config.rope_parameters.get("type"))
     hf = hf_config_object(config.hf_config)
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](hf, torch.device("cpu"))
+    hf = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    typed = {"layer_type": "full_attention"} if layer_typed_rope(getattr(hf, "rope_parameters", None)) else {}
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](hf, torch.device("cpu"), **typed)
     if attention_scaling != 1.0:
         raise UserError(f"rope_type={kind!r} scales attention by {attention_scaling}; not supported.")
     if inv_freq.numel() * 2 != head_dim:

@@ -334,15 +334,17 @@ def in_linear_attention_layers(mca: str) -> bool | None:
     return False if any(part in mca for part in _FULL_ATTENTION) else None
 
 
-def dense_layer(attn: str = "self_attn", mlp: str = "mlp", qkv_bias: bool = False, gated: bool = False) -> list[Op]:
+def dense_layer(attn: str = "self_attn", mlp: str = "mlp", qkv_bias: bool = False, gated: bool = False,
+                pre_mlp_norm: str = "post_attention_layernorm") -> list[Op]:
     """The Llama-style decoder layer every family here shares (``mlp=""``: the MLP is mapped elsewhere; ``gated``:
-    attention with an output gate)."""
+    attention with an output gate; ``pre_mlp_norm``: HF's name of the norm before the MLP, Gemma's
+    ``pre_feedforward_layernorm``)."""
     qkv = GatedFusedQKV if gated else FusedQKV
     ops: list[Op] = [
         Rename(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)),
         qkv(LAYER + "self_attention.linear_qkv.weight", tuple(f"{HF_LAYER}{attn}.{p}_proj.weight" for p in "qkv")),
         Rename(LAYER + "self_attention.linear_proj.weight", (f"{HF_LAYER}{attn}.o_proj.weight",)),
-        Rename(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "post_attention_layernorm.weight",)),
+        Rename(LAYER + "pre_mlp_layernorm.weight", (f"{HF_LAYER}{pre_mlp_norm}.weight",)),
     ]
     if qkv_bias:
         ops.append(FusedQKV(LAYER + "self_attention.linear_qkv.bias",

@@ -56,6 +56,7 @@ from .native.gated_delta import describe_kernel as describe_delta_rule
 from .native.kernels import varlen_attn_available, varlen_windows_available
 from .native import rope as native_rope
 from .native.norm import NativeNorm, compiles_head_norms
+from .native.sublayers import NativeSelfAttention, needs_sublayers
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +190,8 @@ def native_layer_spec(config: TransformerConfig, moe: bool = True, linear: bool 
     elif config.multi_latent_attention:
         attention = _mla_spec()
     else:
-        attention = ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+        attention = ModuleSpec(module=NativeSelfAttention if needs_sublayers(config) else SelfAttention,
+                               params={"attn_mask_type": AttnMaskType.causal},
                                submodules=SelfAttentionSubmodules(
                                    linear_qkv=ColumnParallelLinear, core_attention=NativeDotProductAttention,
                                    linear_proj=RowParallelLinear, q_layernorm=qk_norm, k_layernorm=qk_norm))
@@ -242,8 +244,8 @@ def describe_kernels(config: TransformerConfig) -> str:
         local = local_dispatch_applies(config, *_expert_parallel_sizes(config))
         experts += ", routing on the device (no host sync)" if local else ", Megatron's alltoall routing"
     absent = "" if choice == "te" else " (Transformer Engine and apex absent: PyTorch kernels)"
-    if getattr(config, "linear_attention_freq", None) and has_transformer_engine():
-        absent = " (hybrid linear-attention model: our gated delta-rule layer has no TE spec)"
+    if _native_only(config) and has_transformer_engine():
+        absent = f" ({_native_only(config)} has no TE spec)"
     line = f"layer spec: {choice}{absent}; attention: {attention}"
     if config.window_size is not None:
         pattern = config.window_attn_skip_freq
@@ -285,8 +287,17 @@ def _expert_parallel_sizes(config: TransformerConfig) -> tuple[int, int]:
     return config.expert_model_parallel_size, config.expert_tensor_parallel_size or 1
 
 
+def _native_only(config: TransformerConfig) -> str | None:
+    """What of the model only the native spec builds (None: nothing)."""
+    if getattr(config, "linear_attention_freq", None):
+        return "hybrid linear-attention model: our gated delta-rule layer"
+    if needs_sublayers(config):
+        return "post-sublayer norms / a RoPE base per layer kind: our attention and MLP sublayers"
+    return None
+
+
 def _choice(config: TransformerConfig) -> str:
-    if getattr(config, "linear_attention_freq", None):  # hybrid models: the gated delta-rule layer is native only
+    if _native_only(config):
         return "native"
     if has_transformer_engine():
         return "te"

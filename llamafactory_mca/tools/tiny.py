@@ -55,6 +55,13 @@ TINY: dict[str, dict[str, Any]] = {
                        partial_rotary_factor=0.25, layer_types=["linear_attention", "full_attention"] * 2,
                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                        linear_value_head_dim=12, linear_conv_kernel_dim=4, mtp_num_hidden_layers=1),
+    # Gemma 3's layout: a window on three of four layers (a pipeline stage holds both kinds) whose RoPE base is not
+    # the global layers', linear RoPE scaling on those, a score scale that is not head_dim's, tied embeddings
+    "gemma3_text": dict(BASE, head_dim=24, query_pre_attn_scalar=16, sliding_window=6, tie_word_embeddings=True,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                         "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                            "rope_theta": 1000000.0}}),
     "mixtral": dict(BASE, intermediate_size=32, num_local_experts=3, num_experts_per_tok=2, router_aux_loss_coef=0.0,
                     sliding_window=None),
 }
@@ -137,9 +144,11 @@ def _mtp_layers(config: Any) -> int:
 
 
 def _randomize_zero_init(model: Any) -> None:
-    """Hybrid models start their zero-centred norms at 0 and the delta rule's decay at fixed values: perturb them, so
-    a test cannot pass by mistaking a norm's weight for its scale."""
-    if "linear_attention" not in (getattr(model.config.get_text_config(), "layer_types", None) or []):
+    """Models with zero-centred norms (hybrid ones, Gemma 3) start them at 0, and the delta rule's decay at fixed
+    values: perturb them, so a test cannot pass by mistaking a norm's weight for its scale."""
+    zero_centred = (get_family(model.config.model_type).config_from_hf(model.config).transformer
+                    .get("layernorm_zero_centered_gamma"))
+    if not zero_centred:
         return
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -86,11 +86,14 @@ LAYOUTS = {  # all run in one 4-process world (dp = 4 / model-parallel size)
     "tp2": ({"tensor_model_parallel_size": 2}, ["qwen3_next", "qwen3", "qwen2_moe", "mixtral", "llama3_tied",
                                                  "mistral", "glm4_moe", "deepseek_v3"]),
     # glm4_moe first: its round trip runs here (layer 0 dense, on stage 0 only)
-    "pp2": ({"pipeline_model_parallel_size": 2}, ["glm4_moe", "llama3_tied", "qwen3_moe", "qwen3_next", "qwen2"]),
+    "pp2": ({"pipeline_model_parallel_size": 2}, ["glm4_moe", "llama3_tied", "qwen3_moe", "qwen3_next", "qwen2",
+                                                  "gemma3_text"]),
     # qwen3_next first: its round trip runs here (its layer pattern, delta rule, attention, delta rule, attention,
     # cut into four virtual stages; the MTP layer with the last)
     "pp2_vpp2": ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
-                 ["qwen3_next", "qwen2"]),
+                 ["qwen3_next", "qwen2", "gemma3_text"]),
+    # gemma3_text first: its round trip runs here (the post-sublayer norms on sequence-parallel slices)
+    "tp2_sp": ({"tensor_model_parallel_size": 2, "sequence_parallel": True}, ["gemma3_text"]),
     "ep2": ({"expert_model_parallel_size": 2}, ["qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "qwen3_next"]),
     "ep2_grouped": ({"expert_model_parallel_size": 2, "moe_grouped_gemm": True}, ["qwen2_moe"]),
     "ep2_etp2": ({"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2}, ["qwen3_moe", "glm4_moe",

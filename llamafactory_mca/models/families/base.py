@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
-from ..config import AttentionShape, McaConfig, attention_shape, check_rope, rope_settings, window_fields
+from ..config import (AttentionShape, McaConfig, attention_shape, check_rope, layer_typed_rope, rope_settings,
+                      window_fields)
 from ..mapping import (HF_LAYER, LAYER, GroupedRows, Op, Rename, WeightTable, dense_layer, embeddings, gated_mlp,
                        mtp_module_names, mtp_ops, stacked_experts)
 from ..multimodal import VisionLanguageModel, vision_ops
@@ -297,6 +298,55 @@ class Vision(Part):
         return [replace(op, hf=tuple(move(name) for name in op.hf)) for op in ops]
 
 
+@dataclass(frozen=True)
+class SandwichNorms(Part):
+    """Gemma's norms: besides the norm before each sublayer, one on each sublayer's output before the residual add
+    (``native/sublayers.py``). HF names them ``post_attention_layernorm`` (which in Llama's layout is the norm before
+    the MLP), ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm``."""
+
+    pre_mlp_norm: str = "pre_feedforward_layernorm"
+
+    def transformer(self, hf: Any) -> dict[str, Any]:
+        return {"post_layer_norms": True}
+
+    def weights(self, config: McaConfig) -> list[Op]:
+        return [Rename(f"{LAYER}self_attention.post_layernorm.weight", (f"{HF_LAYER}post_attention_layernorm.weight",)),
+                Rename(f"{LAYER}mlp.post_layernorm.weight", (f"{HF_LAYER}post_feedforward_layernorm.weight",))]
+
+
+@dataclass(frozen=True)
+class GemmaScales(Part):
+    """Gemma 3's constants: norms scaled by 1 + weight (computed in fp32), word embeddings multiplied by sqrt(hidden),
+    attention scores by ``query_pre_attn_scalar`` ** -0.5 instead of head_dim ** -0.5, and the sliding-window layers'
+    own RoPE (HF's ``rope_parameters["sliding_attention"]``: base 10,000, unscaled) beside the global layers' (base
+    1,000,000, linear scaling on the larger models)."""
+
+    def check(self, model_type: str, hf: Any) -> None:
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(hf, key, None):
+                refuse(model_type, f"{key}={getattr(hf, key)}", "Supported: no logit soft-capping (Gemma 3's).")
+        if getattr(hf, "use_bidirectional_attention", False):
+            refuse(model_type, "use_bidirectional_attention=True", "Supported: causal attention.")
+        window = _window_rope(hf)
+        if window and window.get("rope_type", "default") != "default":
+            refuse(model_type, f"rope_type={window['rope_type']!r} on the sliding-window layers",
+                   "Supported: unscaled RoPE on them (Gemma 3's).")
+
+    def transformer(self, hf: Any) -> dict[str, Any]:
+        fields = dict(layernorm_zero_centered_gamma=True, embedding_multiplier=hf.hidden_size ** 0.5,
+                      softmax_scale=hf.query_pre_attn_scalar ** -0.5)
+        window = _window_rope(hf)
+        if window and float(window["rope_theta"]) != rope_settings(hf)[0]:
+            fields["window_rotary_base"] = float(window["rope_theta"])
+        return fields
+
+
+def _window_rope(hf: Any) -> dict[str, Any] | None:
+    """The sliding-window layers' RoPE where the config gives RoPE per kind of layer."""
+    params = getattr(hf, "rope_parameters", None)
+    return dict(params["sliding_attention"]) if layer_typed_rope(params) and params.get("sliding_attention") else None
+
+
 def _rope_dict(hf: Any) -> dict[str, Any]:
     return dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
 
@@ -320,11 +370,21 @@ class SlidingWindow:
         return window_fields(window, getattr(hf, "layer_types", None), hf.num_hidden_layers) if window else {}
 
 
+# HF's activation of a gated MLP -> ours (``config._ACTIVATIONS``): SwiGLU, and GeGLU with GELU's tanh approximation
+GLU_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def hf_activation(hf: Any) -> str:
+    return getattr(hf, "hidden_act", None) or getattr(hf, "hidden_activation", None) or "silu"
+
+
 class DecoderFamily(Family):
     """Llama's decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, no biases. A family sets what it adds."""
 
     qkv_bias: bool | None = False  # biases on q, k and v (not o); None: HF's attention_bias says
     qk_norm: QKNorm | None = None
+    sandwich_norms: SandwichNorms | None = None
+    gemma: GemmaScales | None = None
     moe: MoE | None = None
     sliding_window: SlidingWindow | None = None
     vision: Vision | None = None
@@ -333,12 +393,13 @@ class DecoderFamily(Family):
 
     def parts(self) -> list[Part]:
         """The declared parts, in the order their weight ops follow the layer's."""
-        return [part for part in (self.qk_norm, self.linear_attention, self.moe, self.mtp, self.vision)
-                if part is not None]
+        return [part for part in (self.qk_norm, self.sandwich_norms, self.gemma, self.linear_attention, self.moe,
+                                  self.mtp, self.vision) if part is not None]
 
     def check(self, hf: Any) -> None:
-        if getattr(hf, "hidden_act", "silu") != "silu":
-            refuse(self.model_type, f"hidden_act={hf.hidden_act!r}", "Supported: silu (SwiGLU).")
+        if hf_activation(hf) not in GLU_ACTIVATIONS:
+            refuse(self.model_type, f"hidden_act={hf_activation(hf)!r}",
+                   "Supported: silu (SwiGLU) and gelu_pytorch_tanh (GeGLU).")
         if getattr(hf, "attention_bias", False) and self.qkv_bias is False:
             refuse(self.model_type, "attention_bias=True (biases on q, k, v and o)", "Supported: no attention bias.")
         if getattr(hf, "mlp_bias", False):
@@ -365,7 +426,7 @@ class DecoderFamily(Family):
             normalization="RMSNorm",
             layernorm_epsilon=hf.rms_norm_eps,
             gated_linear_unit=True,
-            activation="silu",
+            activation=GLU_ACTIVATIONS[hf_activation(hf)],
             add_bias_linear=False,
             add_qkv_bias=bool(getattr(hf, "attention_bias", False)) if self.qkv_bias is None else self.qkv_bias,
             hidden_dropout=0.0,
@@ -399,8 +460,9 @@ class DecoderFamily(Family):
     def layer_ops(self, config: McaConfig, dense_mlp: bool) -> list[Op]:
         """A decoder layer's norms and attention, and its dense MLP where some layer has one (a family with another
         attention overrides this)."""
+        pre_mlp = self.sandwich_norms.pre_mlp_norm if self.sandwich_norms else "post_attention_layernorm"
         return dense_layer(mlp="mlp" if dense_mlp else "", qkv_bias=config.transformer["add_qkv_bias"],
-                           gated=config.transformer.get("attention_output_gate", False))
+                           gated=config.transformer.get("attention_output_gate", False), pre_mlp_norm=pre_mlp)
 
     def weights(self, config: McaConfig) -> list[Op]:
         dense_mlp = not all(config.is_moe_layer(i) for i in range(config.num_layers))

@@ -18,6 +18,7 @@ from functools import cache
 
 import torch
 import torch.distributed as dist
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 
 _EAGER_ROWS = 1024  # rows per chunk when not compiled: bounds the fp32 temporary at rows x vocab
@@ -127,7 +128,40 @@ class LanguageModel(NativeCrossEntropy, GPTModel):
     """Megatron's GPTModel with the loss above (parameters and checkpoint keys are GPTModel's).
 
     Asked for logits (no labels), a model with multi-token-prediction layers skips them: megatron-core 0.16.1 runs
-    them regardless and then fails cloning the missing labels for their loss."""
+    them regardless and then fails cloning the missing labels for their loss.
+
+    Two architecture fields of ours (``config.MODEL_OPTIONS``): ``embedding_multiplier`` scales the word embeddings
+    (Gemma: sqrt(hidden), rounded to the activations' dtype as transformers does), on the embedding's output, so a
+    vision-language model scales the text before image features replace placeholders; ``window_rotary_base`` gives
+    the windowed layers their own RoPE table, stacked after the model's (``native/sublayers.py`` picks)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        multiplier = getattr(self.config, "embedding_multiplier", None)
+        if multiplier and self.pre_process:
+            self.embedding.register_forward_hook(
+                lambda module, inputs, output: output * torch.tensor(multiplier, dtype=output.dtype))
+        base = getattr(self.config, "window_rotary_base", None)
+        self.window_rotary_pos_emb = None
+        if base and self.position_embedding_type == "rope":
+            rope = self.rotary_pos_emb
+            self.window_rotary_pos_emb = RotaryEmbedding(
+                kv_channels=self.config.kv_channels, rotary_percent=kwargs.get("rotary_percent", 1.0),
+                rotary_interleaved=self.config.rotary_interleaved, rotary_base=base,
+                use_cpu_initialization=self.config.use_cpu_initialization, cp_group=rope.cp_group)
+
+    def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
+                    packed_seq_params=None, *args, **kwargs):
+        out = super()._preprocess(input_ids, position_ids, decoder_input, inference_context, packed_seq_params,
+                                  *args, **kwargs)
+        if self.window_rotary_pos_emb is None or out[1] is None:
+            return out
+        length = self.rotary_pos_emb.get_rotary_seq_len(inference_context, self.decoder, out[0], self.config,
+                                                        packed_seq_params)
+        packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        window = self.window_rotary_pos_emb(length, packed_seq=packed,
+                                            cp_group=packed_seq_params.cp_group if packed_seq_params else None)
+        return (out[0], torch.stack((out[1], window)), *out[2:])
 
     def _postprocess(self, *args, **kwargs):
         layers = self.config.mtp_num_layers

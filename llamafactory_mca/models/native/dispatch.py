@@ -20,9 +20,12 @@ capacity factors, padding for quantisation, shared-expert overlap, latent projec
 from __future__ import annotations
 
 import torch
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from .sublayers import PostNormMLP
 
 
 def local_dispatch_applies(c, ep_size: int, expert_tp_size: int) -> bool:
@@ -85,9 +88,14 @@ class LocalTokenDispatcher(MoETokenDispatcher):
 
 
 class LocalDispatchLayer(TransformerLayer):
-    """Megatron's TransformerLayer whose MoE layer (if any) routes with ``LocalTokenDispatcher`` where it applies."""
+    """Megatron's TransformerLayer whose MoE layer (if any) routes with ``LocalTokenDispatcher`` where it applies,
+    and whose dense MLP is normalised on its way out where the model has post norms (``sublayers.PostNormMLP``)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if isinstance(self.mlp, MoELayer) and LocalTokenDispatcher.applies(self.mlp):
             self.mlp.token_dispatcher = LocalTokenDispatcher(self.mlp.token_dispatcher)
+        if getattr(self.config, "post_layer_norms", False):
+            if type(self.mlp) is not MLP:
+                raise ValueError(f"post_layer_norms on a {type(self.mlp).__name__}: only dense MLPs have them here.")
+            PostNormMLP.attach(self.mlp)
