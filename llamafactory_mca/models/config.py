@@ -141,7 +141,8 @@ class McaConfig:
         prepare_config(kwargs)  # before construction: some requests (fused RoPE without TE) fail inside it
         # Megatron fuses a GeGLU only for F.gelu, and its fused kernel is GELU's tanh approximation: fused, Gemma's
         # gelu_tanh is F.gelu; unfused (CPU), F.gelu would be the exact erf GELU, so gelu_tanh stays ours.
-        fused_geglu = activation == "gelu_tanh" and kwargs.get("bias_activation_fusion") and kwargs["gated_linear_unit"]
+        fused_geglu = activation == "gelu_tanh" and kwargs.get("bias_activation_fusion") and kwargs.get(
+            "gated_linear_unit")
         kwargs["activation_func"] = torch.nn.functional.gelu if fused_geglu else _ACTIVATIONS[activation]
         native = {k: kwargs.pop(k) for k in NATIVE_OPTIONS + MODEL_OPTIONS if k in kwargs}
         # multi-latent attention (DeepSeek-V3) has its own config class, with the latent ranks and YaRN fields

@@ -310,8 +310,8 @@ class SandwichNorms(Part):
         return {"post_layer_norms": True}
 
     def weights(self, config: McaConfig) -> list[Op]:
-        return [Rename(f"{LAYER}self_attention.post_layernorm.weight", (f"{HF_LAYER}post_attention_layernorm.weight",)),
-                Rename(f"{LAYER}mlp.post_layernorm.weight", (f"{HF_LAYER}post_feedforward_layernorm.weight",))]
+        pairs = (("self_attention", "post_attention_layernorm"), ("mlp", "post_feedforward_layernorm"))
+        return [Rename(f"{LAYER}{mine}.post_layernorm.weight", (f"{HF_LAYER}{hf}.weight",)) for mine, hf in pairs]
 
 
 @dataclass(frozen=True)
