@@ -276,6 +276,30 @@ def test_qwen3_next_sft_packed_matches_llamafactory_and_merges(assets, tmp_path)
         assert not torch.equal(start[name], end[name]), name
 
 
+@pytest.mark.parametrize("finetuning", ["full", "lora"])
+def test_gemma3_sft_packed_matches_llamafactory_and_merges(finetuning, assets, tmp_path):
+    """Gemma 3's decoder (sandwich norms, scaled embeddings, tanh GeGLU, windows of 6 tokens on three of four layers
+    with their own RoPE base) through the real command, packed, full and LoRA on every linear (``lora_target: all``):
+    step 1's loss is LLaMA-Factory's default (unpacked, padded) path's, the loss falls, the startup summary names the
+    window, and the merged checkpoint is a Gemma3ForCausalLM with every tensor of the original."""
+    from transformers import AutoModelForCausalLM
+
+    lora = dict(finetuning_type="lora", lora_target="all", lora_rank=4, learning_rate=1e-2) if finetuning == "lora" \
+        else {}
+    _, _, output, model, merged = _sft_against_default("gemma3_text", assets, tmp_path, sequence_packing=True, **lora)
+    assert "sliding window 6 tokens on 3 of 4 layers" in output, output[-3000:]
+    if finetuning == "lora":
+        assert "LoRA rank 4" in output and "o_proj" in output and "down_proj" in output
+        return
+    hf = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+    assert type(hf).__name__ == "Gemma3ForCausalLM"
+    start, end = _weights(model), _weights(merged)
+    assert set(start) == set(end)
+    for name in ("model.layers.1.post_attention_layernorm.weight", "model.layers.3.post_feedforward_layernorm.weight",
+                 "model.layers.0.pre_feedforward_layernorm.weight", "model.layers.2.self_attn.q_norm.weight"):
+        assert not torch.equal(start[name], end[name]), name
+
+
 def test_moe_load_balancing_loss_is_named_trained_and_logged_apart(assets, tmp_path):
     """A Qwen3-MoE checkpoint carrying router_aux_loss_coef 0.5: where the recipe is silent the run trains with it and
     the summary names it; moe_aux_loss_coef: 0 (LLaMA-Factory's key) trains without it. Both runs' step 1 sees the same

@@ -151,6 +151,8 @@ def model_parameter_count(config: Any) -> int:
         layer += q + 2 * kv
     if t.get("qk_layernorm"):
         layer += 2 * head_dim
+    if t.get("post_layer_norms"):
+        layer += 2 * h
     if t.get("multi_latent_attention"):  # the latent norms
         layer += t["kv_lora_rank"] + (t.get("q_lora_rank") or 0)
     moe = 0
