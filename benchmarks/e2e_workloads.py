@@ -59,6 +59,14 @@ QWEN3_NEXT_80B = dict(model_type="qwen3_next", hidden_size=2048, num_hidden_laye
                       linear_value_head_dim=128, linear_conv_kernel_dim=4, partial_rotary_factor=0.25,
                       vocab_size=151936, max_position_embeddings=262144, rope_theta=1e7, rms_norm_eps=1e-6,
                       tie_word_embeddings=False)
+# Gemma 3 1B (google/gemma-3-1b-pt config.json): GeGLU, sandwich norms, one kv head of 256, windows of 512 tokens on
+# five of every six layers (RoPE base 10,000 there, 1,000,000 on the global ones), a 262,144-token vocabulary.
+GEMMA3_1B = dict(model_type="gemma3_text", hidden_size=1152, num_hidden_layers=26, num_attention_heads=4,
+                 num_key_value_heads=1, head_dim=256, intermediate_size=6912, vocab_size=262144,
+                 query_pre_attn_scalar=256, sliding_window=512, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                 rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                  "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+                 tie_word_embeddings=True)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, vocab_size=512, max_position_embeddings=2048)
 SMOKE_SHAPES = {"dense": {**QWEN3_1_7B, **TINY}, "dense8b": {**QWEN3_8B, **TINY},
@@ -124,13 +132,15 @@ SMOKE_SHAPES |= {kind: dict(model_type=shape["model_type"]) for kind, shape in V
 # GLM-4.5-Air as released, with its multi-token-prediction layer (an MoE layer): ours trains it, LLaMA-Factory's
 # default path drops it (transformers has no MTP)
 SMOKE_SHAPES["glm_mtp"] = {**SMOKE_SHAPES["glm"], "num_nextn_predict_layers": 1}
+SMOKE_SHAPES["gemma3"] = {**GEMMA3_1B, **TINY, "sliding_window": 64, "query_pre_attn_scalar": 16}
 SHAPES = {"dense": QWEN3_1_7B, "dense8b": QWEN3_8B, "moe": QWEN3_30B_A3B, "glm": GLM_4_5_AIR,
           "glm_mtp": {**GLM_4_5_AIR, "num_nextn_predict_layers": 1}, "moonlight": MOONLIGHT, "next": QWEN3_NEXT_80B,
-          **VL}
+          "gemma3": GEMMA3_1B, **VL}
 LABELS = {"dense": "Qwen3-1.7B shape", "dense8b": "Qwen3-8B shape", "moe": "Qwen3-30B-A3B shape",
           "glm": "GLM-4.5-Air shape", "glm_mtp": "GLM-4.5-Air shape with its MTP layer",
           "moonlight": "Moonlight-16B-A3B shape (DeepSeek-V3 architecture)",
           "next": "Qwen3-Next-80B-A3B shape",
+          "gemma3": "Gemma-3-1B shape",
           "vl": "Qwen2.5-VL-7B shape",
           "vl_moe": "Qwen3-VL-30B-A3B shape",
           "vl_next": "Qwen3.5-35B-A3B shape"}
@@ -290,6 +300,10 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                  about=lora_about.format(cut=cut) + "; `ours_experts` also adapts every expert (not possible in "
                        "LLaMA-Factory's default path); `*_mb2`: 2 packs of 4096 tokens per micro-batch x 4 (the same "
                        "global batch); `ours_graphs*`: every layer, adapters included, replayed as a CUDA graph"),
+        Workload("gemma3", "gemma3", cut, packed, _pair(1, 8, "1 GPU") + [Run(**vars(graph_runs[0]))], steps=10,
+                 warmup=3, layers=2 if smoke else 26,
+                 about=f"full fine-tuning of the whole model (26 layers, windows of 512 tokens on 5 of every 6), "
+                       f"{cut}-token packed micro-batches, global batch 8"),
         Workload("glm_moe", "glm", cut, packed, _pair(1, 8, "1 GPU"), steps=10, warmup=3, layers=2 if smoke else 3,
                  about=f"full fine-tuning of the first 3 layers (1 dense, 2 MoE: as many as fit one H200 with Adam "
                        f"states), {cut}-token packed micro-batches, global batch 8"),

@@ -252,6 +252,8 @@ def describe_kernels(config: TransformerConfig) -> str:
         layers = f"{sum(pattern)} of {len(pattern)} layers" if isinstance(pattern, list) else "every layer"
         how = "varlen_attn window_size" if choice == "native" and varlen_windows_available() else "a band mask"
         line += f"; sliding window {config.window_size[0] + 1} tokens on {layers} ({how})"
+        if getattr(config, "window_rotary_base", None):
+            line += f", RoPE base {config.window_rotary_base:g} there"
     if getattr(config, "linear_attention_freq", None):
         line += f"; gated delta rule: {describe_delta_rule()}"
     line += f"; MoE experts: {experts}" if config.num_moe_experts else ""

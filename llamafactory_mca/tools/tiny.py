@@ -231,6 +231,7 @@ def add_mtp_layers(config: Any, directory: str, dtype: torch.dtype, device: str 
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 GLM_TOKENS = ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")  # glm4_moe template
+GEMMA_TOKENS = ("<start_of_turn>", "<end_of_turn>")  # LLaMA-Factory's gemma template (Gemma 3 1B)
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -10,6 +10,7 @@ import copy
 import itertools
 import logging
 import os
+import re
 
 import pytest
 import torch
@@ -810,6 +811,10 @@ def test_startup_summary_names_the_sliding_windows():
         lines[name] = describe_kernels(config)
         if name == "qwen2":
             assert config.window_size == (5, 0) and config.window_attn_skip_freq == [0, 0, 1, 1]
+    hf = tiny_hf_config("gemma3_text")
+    lines["gemma3_text"] = describe_kernels(get_family(hf.model_type).config_from_hf(hf).to_transformer_config({}))
+    assert "sliding window 6 tokens on 3 of 4 layers" in lines["gemma3_text"]
+    assert "RoPE base 10000 there" in lines["gemma3_text"] and "layer spec: native" in lines["gemma3_text"]
     assert "sliding window 8 tokens on every layer" in lines["mistral"]
     assert "sliding window 6 tokens on 2 of 4 layers" in lines["qwen2"]
     assert "sliding window" not in lines["qwen3"]
@@ -833,3 +838,34 @@ def test_flops_count_the_pairs_a_sliding_window_sees():
     assert every == pytest.approx(per_square * (2 * 32 * 8 - 8 * 8 + 4 * 4))
     assert half == pytest.approx((full + every) / 2)
     assert core_attention_flops(dict(t, window_size=(31, 0)), [32, 4]) == pytest.approx(full)  # fits: no change
+
+
+def test_gemma3_config_carries_its_scales_and_refuses_what_it_cannot_honour():
+    """Gemma 3's fields reach the TransformerConfig (and the layers that read them); the tanh GeGLU is Megatron's
+    fused F.gelu only where the fusion runs (its kernel is the tanh approximation), ours elsewhere; a config this
+    backend would train differently is refused by name."""
+    import torch.nn.functional as F
+
+    from llamafactory_mca.models.config import gelu_tanh
+    from llamafactory_mca.models.families import get_family
+    from llamafactory_mca.tools.tiny import tiny_hf_config
+
+    hf = tiny_hf_config("gemma3_text")
+    mca = get_family(hf.model_type).config_from_hf(hf)
+    config = mca.to_transformer_config({})
+    assert config.softmax_scale == 16 ** -0.5 and config.embedding_multiplier == 64 ** 0.5
+    assert config.post_layer_norms and config.layernorm_zero_centered_gamma and config.window_rotary_base == 10000.0
+    assert config.activation_func is gelu_tanh and not config.bias_activation_fusion  # CPU: unfused
+    assert mca.rotary_base == 1e6 and mca.rope_parameters["rope_type"] == "linear"
+    fused = mca.to_transformer_config({}, bias_activation_fusion=True)
+    assert fused.activation_func is F.gelu or not fused.bias_activation_fusion  # prepare_config turns it off on CPU
+    for overrides, message in [({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+                               ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
+                               ({"hidden_activation": "gelu"}, "hidden_act='gelu'"),
+                               ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                           "rope_theta": 10000.0},
+                                                     "full_attention": {"rope_type": "default",
+                                                                        "rope_theta": 1e6}}},
+                                "rope_type='linear' on the sliding-window layers")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            get_family("gemma3_text").config_from_hf(tiny_hf_config("gemma3_text", **overrides))
