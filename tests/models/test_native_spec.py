@@ -840,7 +840,7 @@ def test_flops_count_the_pairs_a_sliding_window_sees():
     assert core_attention_flops(dict(t, window_size=(31, 0)), [32, 4]) == pytest.approx(full)  # fits: no change
 
 
-def test_gemma3_config_carries_its_scales_and_refuses_what_it_cannot_honour():
+def test_gemma3_config_carries_its_scales_and_refuses_what_it_cannot_honour(monkeypatch):
     """Gemma 3's fields reach the TransformerConfig (and the layers that read them); the tanh GeGLU is Megatron's
     fused F.gelu only where the fusion runs (its kernel is the tanh approximation), ours elsewhere; a config this
     backend would train differently is refused by name."""
@@ -857,8 +857,11 @@ def test_gemma3_config_carries_its_scales_and_refuses_what_it_cannot_honour():
     assert config.post_layer_norms and config.layernorm_zero_centered_gamma and config.window_rotary_base == 10000.0
     assert config.activation_func is gelu_tanh and not config.bias_activation_fusion  # CPU: unfused
     assert mca.rotary_base == 1e6 and mca.rope_parameters["rope_type"] == "linear"
+    from llamafactory_mca.models import spec
+
+    monkeypatch.setattr(spec, "_cpu_only", lambda: False)  # as on a GPU, where the fusion stays on
     fused = mca.to_transformer_config({}, bias_activation_fusion=True)
-    assert fused.activation_func is F.gelu or not fused.bias_activation_fusion  # prepare_config turns it off on CPU
+    assert fused.activation_func is F.gelu and fused.bias_activation_fusion
     for overrides, message in [({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
                                ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
                                ({"hidden_activation": "gelu"}, "hidden_act='gelu'"),
