@@ -16,7 +16,8 @@ the epoch counter and the tokens trained must come out exact.
 GLM-4.5's layout (``glm4_moe``: dense first layer, sigmoid routing with a correction bias) runs DP4, EP2 and
 TP2 x PP2 with SP; DeepSeek-V3's (multi-latent attention) DP4, EP2 packed, TP2 + SP and CP2 padded and
 packed. Both train their multi-token-prediction layer. Qwen3-Next's (gated delta-rule and gated attention layers)
-runs DP4, EP2 packed and TP2 x PP2 with SP.
+runs DP4, EP2 packed and TP2 x PP2 with SP; Gemma 3's (sandwich norms, windows with their own RoPE base) DP4, CP2
+padded and packed, and TP2 x PP2 with SP.
 """
 
 import functools
@@ -83,11 +84,18 @@ CASES = [
     ("next-ep2-packed", "qwen3_next", {"expert_model_parallel_size": 2, "sequence_packing": True}, 2),
     ("next-tp2-pp2-sp", "qwen3_next", {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
                                        "sequence_parallel": True}, 8),
+    # Gemma 3's layout (norms on each sublayer's output, windows of 6 tokens with their own RoPE base on three of four
+    # layers): the windows and both RoPE tables under CP, padded and packed; the post norms on SP slices across PP
+    ("gemma-dp4", "gemma3_text", {}, 2),
+    ("gemma-cp2", "gemma3_text", {"context_parallel_size": 2}, 4),
+    ("gemma-cp2-packed", "gemma3_text", {"context_parallel_size": 2, "sequence_packing": True}, 4),
+    ("gemma-tp2-pp2-sp", "gemma3_text", {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                                         "sequence_parallel": True}, 8),
     *_pipeline_cases(),
 ]
 # step 2 of every same-batch case must match these
 REFERENCE = {"qwen3": "dp4", "qwen3_moe": "moe-dp4", "glm4_moe": "glm-dp4", "deepseek_v3": "ds-dp4",
-             "qwen3_next": "next-dp4"}
+             "qwen3_next": "next-dp4", "gemma3_text": "gemma-dp4"}
 
 # One whole epoch over data that does not divide into steps: 21 sft rows, or 4 pt documents of 3-5 x cutoff_len
 # split into pieces. (name, model, arguments, gradient accumulation, data)
