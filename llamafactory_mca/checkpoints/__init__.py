@@ -134,7 +134,7 @@ def write_folder(path: str, state: dict, side_files: SideFiles, *, extra: Callab
             raise UserError(f"{path} exists and is not a llamafactory_mca checkpoint; choose another folder.")
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(os.path.join(tmp, DIST_DIR))
-    _forked_results_queue()
+    _in_process_results_queue()
     torch.distributed.barrier()
     dist_checkpointing.save(state, os.path.join(tmp, DIST_DIR), sharded_strategy=strategy)
     torch.distributed.barrier()
@@ -150,25 +150,19 @@ def write_folder(path: str, state: dict, side_files: SideFiles, *, extra: Callab
     return path
 
 
-_MANAGER = None  # ours, for Megatron's writer results queue (see _forked_results_queue)
-
-
-def _forked_results_queue() -> None:
-    """Megatron's checkpoint writer hands its results back through a ``multiprocessing`` Manager that it starts with
-    ``spawn``, once per process: a fresh interpreter that imports torch to unpickle them, on every rank at once at the
-    first save (7 s of a 2-step 8-rank CPU save, seconds on a GPU node too). A forked Manager has torch already;
-    Megatron forks its file writers from the same process, so forking is already safe there. A Manager that has
-    died since the last save (killed: a stray kill -9, the out-of-memory killer) is replaced, not written to."""
-    import multiprocessing
+def _in_process_results_queue() -> None:
+    """Megatron's checkpoint writer hands its results back through a queue it makes, by default, from a
+    ``multiprocessing`` Manager started with ``spawn``: a helper process per rank that imports torch (seconds at the
+    first save), holds ~0.6 GB, outlived a rank killed by SIGKILL, and whose death (kill -9, the out-of-memory killer)
+    broke the next save. Our saves are synchronous: the results are put and read back in this process (the file
+    writers it forks report through a queue of their own), so a thread-safe in-process queue does the same job with
+    no process behind it."""
+    import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    global _MANAGER
-    ours = _MANAGER is not None and filesystem_async._results_queue is _MANAGER[1]
-    if filesystem_async._results_queue is None or (ours and not _MANAGER[0]._process.is_alive()):
-        manager = multiprocessing.get_context("fork").Manager()
-        _MANAGER = manager, manager.Queue()
-        filesystem_async._results_queue = _MANAGER[1]
+    if not isinstance(filesystem_async._results_queue, queue.Queue):
+        filesystem_async._results_queue = queue.Queue()
 
 
 def _write_json(path: str, data: dict) -> None:
