@@ -143,7 +143,10 @@ class LanguageModel(NativeCrossEntropy, GPTModel):
                 lambda module, inputs, output: output * torch.tensor(multiplier, dtype=output.dtype))
         base = getattr(self.config, "window_rotary_base", None)
         self.window_rotary_pos_emb = None
-        if base and self.position_embedding_type == "rope":
+        if base and self.position_embedding_type != "rope":  # the layers would index a single table
+            raise ValueError(f"window_rotary_base with position_embedding_type={self.position_embedding_type!r}: "
+                             "a RoPE base per kind of layer is built for plain RoPE only.")
+        if base:
             rope = self.rotary_pos_emb
             self.window_rotary_pos_emb = RotaryEmbedding(
                 kv_channels=self.config.kv_channels, rotary_percent=kwargs.get("rotary_percent", 1.0),
