@@ -219,6 +219,34 @@ def test_varlen_segments_match_causal_attention(cp, window):
         torch.testing.assert_close(out[:, 0], reference(a, b).reshape(b - a, -1), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("window", [None, 100])
+def test_varlen_sinks_match_the_scores_path(window):
+    """Attention sinks through varlen_attn (its forward's log-sum-exp, its backward handed the sink-adjusted output
+    and log-sum-exp) == the same in fp32 scores per sequence (the path checked against transformers' eager attention
+    on CPU): outputs and the gradients of queries, keys, values and the sinks, packed, GQA, with a window."""
+    from llamafactory_mca.models.native.kernels import _scores_per_segment, make_plan, segment_attention, varlen_usable
+
+    lengths = [192, 320, 64, 512]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, h, 64, device="cuda", dtype=torch.bfloat16, generator=g) for h in (16, 4, 4))
+    sink = torch.randn(16, device="cuda", dtype=torch.bfloat16, generator=g)
+    grad = torch.randn(total, 16, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    assert varlen_usable(q, window)
+    plan = make_plan(lengths, lengths, torch.device("cuda"))
+    results = []
+    for fp32 in (False, True):
+        leaves = [t.detach().float().requires_grad_() if fp32 else t.detach().clone().requires_grad_()
+                  for t in (q, k, v, sink)]
+        attend = _scores_per_segment if fp32 else segment_attention
+        out = attend(*leaves[:3], plan, 64 ** -0.5, window, leaves[3])
+        out.backward(grad.float() if fp32 else grad)
+        results.append([out.float()] + [t.grad.float() for t in leaves])
+    for name, ours, want in zip(["out", "dq", "dk", "dv", "dsink"], *results):
+        scale = float(want.abs().max())
+        assert float((ours - want).abs().max()) <= 2e-2 * scale, (name, float((ours - want).abs().max()), scale)
+
+
 def _experts_suite() -> dict:
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear

@@ -872,3 +872,96 @@ def test_gemma3_config_carries_its_scales_and_refuses_what_it_cannot_honour(monk
                                 "rope_type='linear' on the sliding-window layers")]:
         with pytest.raises(ValueError, match=re.escape(message)):
             get_family("gemma3_text").config_from_hf(tiny_hf_config("gemma3_text", **overrides))
+
+
+def _hf_sink_attention(q, k, v, sink, scale, window):
+    """transformers' gpt-oss eager attention (the reference for attention sinks), one sequence: ``[s, h, d]``."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    s = q.size(0)
+    allowed = torch.ones(s, s, dtype=torch.bool).tril()
+    if window is not None:
+        allowed &= ~torch.ones(s, s, dtype=torch.bool).tril(-window - 1)
+    mask = torch.zeros(s, s).masked_fill(~allowed, float("-inf"))
+    module = SimpleNamespace(num_key_value_groups=q.size(1) // k.size(1), sinks=sink, training=False)
+    out, _ = eager_attention_forward(module, *(t.transpose(0, 1)[None] for t in (q, k, v)), mask, scale)
+    return out[0]
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_attention_sinks_match_transformers_eager_attention(window):
+    """softmax_type learnable (gpt-oss's sinks) on the CPU path: packed, padded and CP-gathered segments give
+    transformers' eager attention with ``sinks``, values and gradients (queries, keys, values, the sinks), with
+    grouped-query heads and a sliding window."""
+    from llamafactory_mca.data.context_parallel import local_token_index
+    from llamafactory_mca.models.native import context_parallel as cp_utils
+    from llamafactory_mca.models.native.kernels import make_plan, padded_attention, segment_attention
+
+    g = torch.Generator().manual_seed(5)
+    lengths = [7, 12, 5]
+    q, k, v = (torch.randn(sum(lengths), h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    sink = torch.randn(4, generator=g, dtype=torch.float64)
+    leaves = [t.requires_grad_() for t in (q, k, v, sink)]
+    scale = 8 ** -0.5
+    out = segment_attention(q, k, v, make_plan(lengths, lengths, torch.device("cpu")), scale, window, sink)
+    bounds = [0, *itertools.accumulate(lengths)]
+    want = torch.cat([_hf_sink_attention(q[a:b], k[a:b], v[a:b], sink, scale, window)
+                      for a, b in itertools.pairwise(bounds)])
+    assert _max_diff(out, want) < 1e-12
+    weights = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    ours = torch.autograd.grad((out * weights).sum(), leaves)
+    theirs = torch.autograd.grad((want * weights).sum(), leaves)
+    for name, a, b in zip("qkv", ours, theirs):
+        assert _max_diff(a, b) < 1e-12, name
+    assert _max_diff(ours[3], theirs[3]) < 1e-12 and ours[3].abs().max() > 0
+    # a padded batch of one row, and the second sequence as CP2's two query segments over the gathered keys
+    a, b = bounds[1], bounds[2]
+    padded = padded_attention(q[a:b, None], k[a:b, None], v[a:b, None], scale, True, window=window, sink=sink)
+    assert _max_diff(padded.view(b - a, 4, 8), want[a:b]) < 1e-12
+    cu = torch.tensor([0, b - a])
+    index = [local_token_index(cu, rank, 2) for rank in range(2)]
+    keys, values = torch.cat([k[a:b][i] for i in index]), torch.cat([v[a:b][i] for i in index])
+    for rank in range(2):
+        plan = cp_utils.packed_plan(cu, rank, 2, len(index[rank]), torch.device("cpu"))
+        got = segment_attention(q[a:b][index[rank]], keys[plan.kv_index], values[plan.kv_index], plan, scale, window,
+                                sink)
+        assert _max_diff(got, want[a:b][index[rank]]) < 1e-12
+
+
+def test_learnable_softmax_equals_megatron_local_attention():
+    """The native attention with Megatron's ``softmax_type: learnable`` gives Megatron's local attention (its
+    ``softmax_offset`` per head): same parameter names, same logits and gradients, padded and packed (one sequence
+    per row)."""
+    from megatron.core import parallel_state as ps
+
+    from llamafactory_mca import parallel
+
+    parallel.initialize(_layout())
+    try:
+        models = {}
+        for backend in ("local", "auto"):
+            config = _config(backend=backend)
+            config.softmax_type = "learnable"
+            torch.manual_seed(0)
+            models[backend] = _model(config)
+        native, local = models["auto"], models["local"]
+        assert "decoder.layers.0.self_attention.core_attention.softmax_offset" in dict(native.named_parameters())
+        native.load_state_dict(local.state_dict())
+        tokens, _, weights, _ = _inputs()
+        outs = {}
+        for name, model in models.items():
+            logits = _forward(model, tokens)
+            (logits * weights).sum().backward()
+            outs[name] = logits.detach(), _grads(model)
+        assert _max_diff(outs["auto"][0], outs["local"][0]) < 1e-5
+        offset = "decoder.layers.1.self_attention.core_attention.softmax_offset"
+        assert _rel_diff(outs["auto"][1][offset], outs["local"][1][offset]) < 1e-5
+        assert outs["auto"][1][offset].abs().max() > 0
+        saved = native.sharded_state_dict()["decoder.layers.0.self_attention.core_attention.softmax_offset"]
+        assert saved.key == "decoder.layers.self_attention.core_attention.softmax_offset"
+        assert saved.global_shape == (2, 4) and native.decoder.layers[0].self_attention.core_attention \
+            .softmax_offset.tensor_model_parallel  # split over TP by head; counted once per rank in the grad norm
+    finally:
+        ps.destroy_model_parallel()

@@ -34,7 +34,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import is_layer_window_attention
+from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, is_layer_window_attention,
+                                             make_sharded_tensors_for_checkpoint)
 
 from ...errors import UserError
 from . import context_parallel as cp_utils
@@ -68,6 +69,7 @@ class NativeDotProductAttention(MegatronModule):
         windowed = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, self.layer_number)
         self.window = config.window_size[0] if windowed else None
         self.attn_mask_type = attn_mask_type
+        self._init_sink(config, pg_collection)
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
@@ -78,6 +80,36 @@ class NativeDotProductAttention(MegatronModule):
         if self.cp_size > 1 and self.dropout_p > 0:
             raise UserError(f"attention_dropout={self.dropout_p} with context_parallel_size={self.cp_size}: the "
                              "native context-parallel attention has no dropout. Set attention_dropout: 0.")
+
+    def _init_sink(self, config: TransformerConfig, pg_collection) -> None:
+        """Megatron's ``softmax_type``: ``learnable`` adds a trained logit per head to every softmax's denominator
+        (gpt-oss's attention sinks), ``off-by-one`` a constant 0; as Megatron's local attention holds it
+        (``softmax_offset``, this rank's heads, split over TP like them), marked tensor-parallel so the gradient norm
+        counts every rank's heads."""
+        self.softmax_offset = None
+        if config.softmax_type == "vanilla":
+            return
+        tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
+        self.tp_group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        offset = torch.zeros(config.num_attention_heads // self.tp_group.size(), device=device,
+                             dtype=config.params_dtype)
+        if config.softmax_type == "off-by-one":
+            del self.softmax_offset  # a plain attribute until here: register_buffer refuses the name otherwise
+            self.register_buffer("softmax_offset", offset, persistent=False)
+            return
+        self.softmax_offset = torch.nn.Parameter(offset)
+        if config.perform_initialization:
+            config.init_method(self.softmax_offset)
+        tensor_parallel.set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """The learnable sink logits, split over TP by head (Megatron's local attention's keys)."""
+        if not isinstance(self.softmax_offset, torch.nn.Parameter):
+            return {}
+        return make_sharded_tensors_for_checkpoint(
+            {"softmax_offset": self.softmax_offset}, prefix, {"softmax_offset": 0}, sharded_offsets,
+            tp_group=self.tp_group, dp_cp_group=ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"])
 
     def forward(
         self,
@@ -110,8 +142,9 @@ class NativeDotProductAttention(MegatronModule):
         if dropout > 0 and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 return padded_attention(query, key, value, self.softmax_scale, causal, attention_mask, dropout,
-                                        self.window)
-        return padded_attention(query, key, value, self.softmax_scale, causal, attention_mask, dropout, self.window)
+                                        self.window, self.softmax_offset)
+        return padded_attention(query, key, value, self.softmax_scale, causal, attention_mask, dropout, self.window,
+                                self.softmax_offset)
 
     def _packed(self, query, key, value, params: PackedSeqParams) -> torch.Tensor:
         cu_seqlens = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
@@ -120,18 +153,18 @@ class NativeDotProductAttention(MegatronModule):
             # CUDA graph capture, and empty sequences (a graphed run's unused slots) cost nothing.
             plan = SegmentPlan(cu_q=cu_seqlens, cu_k=cu_seqlens, max_q=params.max_seqlen_q, max_k=params.max_seqlen_kv,
                                q_lens=(), k_lens=())
-            return segment_attention(query, key, value, plan, self.softmax_scale, self.window)
+            return segment_attention(query, key, value, plan, self.softmax_scale, self.window, self.softmax_offset)
         plan = self._cached_plan(params, cu_seqlens, query)
         if self.cp_size > 1:
             key, value = self._gathered(key, value, plan)
-        return segment_attention(query, key, value, plan, self.softmax_scale, self.window)
+        return segment_attention(query, key, value, plan, self.softmax_scale, self.window, self.softmax_offset)
 
     def _padded_context_parallel(self, query, key, value) -> torch.Tensor:
         """A padded CP batch is ``b`` packed sequences of the global length: reuse the THD path."""
         s, b = query.shape[:2]
         plan = _padded_plan(b, s, self.cp_size, self.cp_rank, query.device)
         k, v = self._gathered(sbhd_to_thd(key), sbhd_to_thd(value), plan)
-        out = segment_attention(sbhd_to_thd(query), k, v, plan, self.softmax_scale, self.window)
+        out = segment_attention(sbhd_to_thd(query), k, v, plan, self.softmax_scale, self.window, self.softmax_offset)
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()
 
     def _gathered(self, key, value, plan: SegmentPlan):
@@ -164,8 +197,8 @@ def _padded_plan(batch: int, local_seq: int, cp_size: int, cp_rank: int, device:
 def check_supported(config: TransformerConfig) -> None:
     """Refuse, before any weight is built, what the native attention does not implement."""
     problems = []
-    if getattr(config, "softmax_type", "vanilla") != "vanilla":
-        problems.append(f"softmax_type={config.softmax_type!r} (only 'vanilla')")
+    if getattr(config, "softmax_type", "vanilla") not in ("vanilla", "off-by-one", "learnable"):
+        problems.append(f"softmax_type={config.softmax_type!r}")
     window = getattr(config, "window_size", None)
     if window is not None and (len(window) != 2 or window[0] < 0 or window[1] != 0):
         problems.append(f"window_size={window} (only causal sliding windows: (left >= 0, 0))")

@@ -14,6 +14,12 @@ Two entry points, both taking Megatron's layouts and returning the same:
 
 Both take ``window``: a sliding window's left reach (a query sees itself and the ``window`` keys before it; HF's
 ``sliding_window`` W is ``window = W - 1``, flash attention's ``window_size=(W - 1, 0)``), or None for plain causal.
+
+And ``sink``: a logit per head added to every softmax's denominator with no value (Megatron's ``softmax_type``
+``learnable`` / ``off-by-one``; gpt-oss's attention sinks), or None. With a sink each row's output is the plain one
+times sigmoid(lse - sink), lse the row's log-sum-exp. On GPUs varlen_attn's forward gives lse; its backward, handed
+that output and lse + log(1 + exp(sink - lse)), recomputes exactly the sink softmax's probabilities, so dq, dk and
+dv are the sink attention's (``_SinkVarlen``). Elsewhere the scores are computed per segment.
 """
 
 from __future__ import annotations
@@ -65,8 +71,8 @@ def make_plan(q_lens: list[int], k_lens: list[int], device: torch.device,
 
 
 def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, causal: bool,
-                     mask: torch.Tensor | None = None, dropout_p: float = 0.0, window: int | None = None
-                     ) -> torch.Tensor:
+                     mask: torch.Tensor | None = None, dropout_p: float = 0.0, window: int | None = None,
+                     sink: torch.Tensor | None = None) -> torch.Tensor:
     """``[s, b, h, d]`` in, ``[s, b, h*dv]`` out (``dv``: the values' head dim; multi-latent attention's differs
     from the queries' and keys').
 
@@ -75,6 +81,10 @@ def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     keeps its own key so that a fully masked padding row cannot produce NaNs.
     """
     sq, b, hq, d = query.shape
+    if sink is not None:  # SDPA has no sink: the rows as packed sequences
+        if mask is not None or not causal or dropout_p:
+            raise ValueError("attention sinks need causal attention without an explicit mask or dropout")
+        return _padded_as_segments(query, key, value, scale, window, sink)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d] views
     gqa = key.size(2) != hq
     if query.is_cuda and mask is None and causal and not dropout_p and (
@@ -115,13 +125,14 @@ def _causal_band(lq: int, lk: int, window: int | None, device: torch.device) -> 
     return allowed if window is None else allowed.triu(lk - lq - window)
 
 
-def _padded_as_segments(query, key, value, scale: float, window: int | None = None) -> torch.Tensor:
+def _padded_as_segments(query, key, value, scale: float, window: int | None = None,
+                        sink: torch.Tensor | None = None) -> torch.Tensor:
     """A padded batch as ``b`` packed sequences of length ``s`` through varlen_attn."""
     sq, b, hq, d = query.shape
     if not varlen_usable(query):
         _warn_once("no fused attention kernel for this padded batch: SDPA's math fallback materialises the scores.")
     plan = make_plan([sq] * b, [sq] * b, query.device)
-    out = segment_attention(sbhd_to_thd(query), sbhd_to_thd(key), sbhd_to_thd(value), plan, scale, window)
+    out = segment_attention(sbhd_to_thd(query), sbhd_to_thd(key), sbhd_to_thd(value), plan, scale, window, sink)
     return out.reshape(b, sq, -1).transpose(0, 1).contiguous()
 
 
@@ -131,9 +142,13 @@ def sbhd_to_thd(t: torch.Tensor) -> torch.Tensor:
 
 
 def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: SegmentPlan,
-                      scale: float, window: int | None = None) -> torch.Tensor:
+                      scale: float, window: int | None = None, sink: torch.Tensor | None = None) -> torch.Tensor:
     """``[t_q, hq, d]`` queries against ``[t_k, hk, d]`` keys and ``[t_k, hk, dv]`` values laid out as ``plan``
     says; returns ``[t_q, hq, dv]``."""
+    if sink is not None:
+        if varlen_usable(query, window) and value.size(-1) == query.size(-1):
+            return _SinkVarlen.apply(query, key, value, sink, plan, scale, window)
+        return _scores_per_segment(query, key, value, plan, scale, window, sink)
     if varlen_usable(query, window):
         dv = value.size(-1)
         if dv != query.size(-1):  # flash kernels want one head dim: pad the values, drop the padding after
@@ -225,6 +240,80 @@ def _sdpa_per_segment(query, key, value, plan: SegmentPlan, scale: float, window
     if q0 != query.size(0):
         raise ValueError(f"the packed batch holds {query.size(0)} query tokens but its segments cover {q0}")
     return torch.cat(outs) if outs else query.new_zeros(*query.shape[:-1], value.size(-1))
+
+
+def _scores_per_segment(query, key, value, plan: SegmentPlan, scale: float, window: int | None,
+                        sink: torch.Tensor) -> torch.Tensor:
+    """Attention with a sink per head, each segment's scores computed in fp32 at least (transformers' eager
+    attention with ``sinks``): the sink is one more column of the softmax, dropped after it."""
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    outs, q0, k0 = [], 0, 0
+    for lq, lk in zip(plan.q_lens, plan.k_lens):
+        q, k, v = (t.transpose(0, 1).to(dtype) for t in (query[q0:q0 + lq], key[k0:k0 + lk], value[k0:k0 + lk]))
+        if k.size(0) != q.size(0):  # grouped-query attention
+            k, v = (t.repeat_interleave(q.size(0) // t.size(0), 0) for t in (k, v))
+        scores = (q @ k.transpose(1, 2)) * scale
+        scores = scores.masked_fill(~_causal_band(lq, lk, window, query.device), float("-inf"))
+        column = sink.to(dtype).view(-1, 1, 1).expand(-1, lq, 1)
+        probs = torch.cat([scores, column], -1).softmax(-1)[..., :-1]
+        outs.append((probs @ v).transpose(0, 1).to(query.dtype))
+        q0, k0 = q0 + lq, k0 + lk
+    if q0 != query.size(0):
+        raise ValueError(f"the packed batch holds {query.size(0)} query tokens but its segments cover {q0}")
+    return torch.cat(outs) if outs else query.new_zeros(*query.shape[:-1], value.size(-1))
+
+
+class _SinkVarlen(torch.autograd.Function):
+    """varlen_attn with a sink logit per head (see the module docstring): torch's own varlen forward and backward
+    ops, the output and log-sum-exp adjusted for the sink in between."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, sink, plan: SegmentPlan, scale: float, window: int | None):
+        q, k, v = query.contiguous(), key.contiguous(), value.contiguous()
+        causal, window_size = _op_window(window)
+        out, lse, rng = torch.ops.torch_attn._varlen_attn(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k,
+                                                          causal, scale, window_size, **_gqa_kwargs(k, q))
+        rows = _rows_first(lse, q)  # [t, h] fp32
+        with_sink = torch.logaddexp(rows, sink.float().unsqueeze(0))
+        out = (out.float() * (rows - with_sink).exp().unsqueeze(-1)).to(out.dtype)
+        lse_sink = with_sink.t().contiguous() if rows is not lse else with_sink
+        ctx.save_for_backward(q, k, v, sink, out, lse_sink, rng, plan.cu_q, plan.cu_k)
+        ctx.shape = (plan.max_q, plan.max_k, causal, scale, window_size)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, sink, out, lse_sink, rng, cu_q, cu_k = ctx.saved_tensors
+        max_q, max_k, causal, scale, window_size = ctx.shape
+        grad_out = grad_out.contiguous()
+        dq, dk, dv = torch.ops.torch_attn._varlen_attn_backward(grad_out, q, k, v, out, lse_sink, cu_q, cu_k, max_q,
+                                                                max_k, causal, rng, scale, window_size)
+        # the sink's share of each row's softmax times the row's (dO . O), summed over rows, negated
+        rows = _rows_first(lse_sink, q)
+        d = (grad_out.float() * out.float()).sum(-1)
+        grad_sink = -((sink.float().unsqueeze(0) - rows).exp() * d).sum(0)
+        return dq, dk, dv, grad_sink.to(sink.dtype), None, None, None
+
+
+def _op_window(window: int | None) -> tuple[bool, list[int]]:
+    """(is_causal, window_size) for torch's varlen op, as varlen_attn passes them."""
+    return (True, [-1, 0]) if window is None else (False, [window, 0])
+
+
+def _gqa_kwargs(key: torch.Tensor, query: torch.Tensor) -> dict:
+    """``enable_gqa`` where this torch's op takes it (2.14), for fewer key/value heads than query heads."""
+    names = [a.name for a in torch.ops.torch_attn._varlen_attn.default._schema.arguments]
+    return {"enable_gqa": True} if "enable_gqa" in names and key.size(1) != query.size(1) else {}
+
+
+def _rows_first(lse: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """The flash kernel's log-sum-exp ([heads, tokens]) as [tokens, heads] (a view), or as it is if it already is."""
+    t, h = query.size(0), query.size(1)
+    if lse.shape == (h, t):
+        return lse.t()
+    if lse.shape == (t, h):
+        return lse
+    raise ValueError(f"varlen_attn's log-sum-exp has shape {tuple(lse.shape)} for {t} tokens of {h} heads")
 
 
 _WARNED: set[str] = set()
