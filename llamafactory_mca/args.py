@@ -108,8 +108,9 @@ class DistributingParallelArguments:
                                         "dispatcher."}
     )
     qk_norm_fusion: bool | None = field(
-        default=None, metadata={"help": "The per-head q/k RMSNorms compiled on GPUs (models/native/norm.py); default "
-                                        "on with cuda_graphs and for MoE models (a compiled call costs host time)."}
+        default=None, metadata={"help": "The per-head q/k RMSNorms, and every (1 + weight) norm (Gemma 3, Qwen3-Next, "
+                                        "Qwen3.5), compiled on GPUs (models/native/norm.py); default on with "
+                                        "cuda_graphs and for MoE models (a compiled call costs host time)."}
     )
     native_cross_entropy: bool | None = field(
         default=None, metadata={"help": "The language-model loss from the bf16 logits without Megatron's fp32 copy of "

@@ -260,7 +260,9 @@ def describe_kernels(config: TransformerConfig) -> str:
     rope = getattr(config, "apply_rope_fusion", False) and native_rope.compiled_in_use()
     qk_norms = (choice == "native" and getattr(config, "qk_layernorm", False)
                 and not getattr(config, "qk_l2_norm", False) and compiles_head_norms(config))
-    compiled = [name for name, on in (("RoPE", rope), ("q/k norms", qk_norms)) if on]
+    zero_centred = (choice == "native" and getattr(config, "layernorm_zero_centered_gamma", False)
+                    and getattr(config, "qk_norm_fusion", False))
+    compiled = [name for name, on in (("RoPE", rope), ("q/k norms", qk_norms), ("(1 + w) norms", zero_centred)) if on]
     line += f"; compiled: {' and '.join(compiled)}" if compiled else ""
     return line + ("; every layer a CUDA graph (forward and backward, captured in step 1)"
                    if getattr(config, "cuda_graph_impl", "none") == "local" else "")
