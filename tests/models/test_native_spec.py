@@ -865,8 +865,9 @@ def test_gemma3_config_carries_its_scales_and_refuses_what_it_cannot_honour(monk
     # qk_norm_fusion (on with CUDA graphs) compiles every (1 + w) norm on GPUs, and the summary says so
     from llamafactory_mca.models.native.norm import NativeNorm
 
-    assert not NativeNorm(config, 64).fused and "(1 + w) norms" not in spec.describe_kernels(config)
-    fused = mca.to_transformer_config({}, qk_norm_fusion=True)
+    plain = mca.to_transformer_config({}, use_cpu_initialization=True)
+    assert not NativeNorm(plain, 64).fused and "(1 + w) norms" not in spec.describe_kernels(plain)
+    fused = mca.to_transformer_config({}, use_cpu_initialization=True, qk_norm_fusion=True)
     assert NativeNorm(fused, 64).fused and "compiled: (1 + w) norms" in spec.describe_kernels(fused)
     for overrides, message in [({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
                                ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
