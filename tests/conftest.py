@@ -42,3 +42,23 @@ def assets(tmp_path_factory):
     from tests._cli import make_assets
 
     return make_assets(tmp_path_factory.mktemp("assets"))
+
+
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_in_the_pytest_process():
+    """A test that initialises a process group in the pytest process itself leaves MASTER_PORT=29500 behind, and every
+    later run of the real command from that worker then rendezvouses on that one port: with two workers, a run of the
+    other worker's finds it taken (EADDRINUSE). Process groups belong in ``tests._dist.run_distributed``'s ranks."""
+    before = {key: os.environ.get(key) for key in _RENDEZVOUS}
+    yield
+    leaked = {key: os.environ.get(key) for key in _RENDEZVOUS if os.environ.get(key) != before[key]}
+    for key in leaked:
+        if before[key] is None:
+            os.environ.pop(key)
+        else:
+            os.environ[key] = before[key]
+    assert not leaked, (f"this test set {leaked} in the pytest process (a process group initialised here?): run it "
+                        "in tests._dist.run_distributed's ranks")

@@ -937,38 +937,40 @@ def test_attention_sinks_match_transformers_eager_attention(window):
         assert _max_diff(got, want[a:b][index[rank]]) < 1e-12
 
 
-def test_learnable_softmax_equals_megatron_local_attention():
-    """The native attention with Megatron's ``softmax_type: learnable`` gives Megatron's local attention (its
-    ``softmax_offset`` per head): same parameter names, same logits and gradients, padded and packed (one sequence
-    per row)."""
-    from megatron.core import parallel_state as ps
-
+def _learnable_softmax_suite() -> dict:
     from llamafactory_mca import parallel
 
     parallel.initialize(_layout())
-    try:
-        models = {}
-        for backend in ("local", "auto"):
-            config = _config(backend=backend)
-            config.softmax_type = "learnable"
-            torch.manual_seed(0)
-            models[backend] = _model(config)
-        native, local = models["auto"], models["local"]
-        assert "decoder.layers.0.self_attention.core_attention.softmax_offset" in dict(native.named_parameters())
-        native.load_state_dict(local.state_dict())
-        tokens, _, weights, _ = _inputs()
-        outs = {}
-        for name, model in models.items():
-            logits = _forward(model, tokens)
-            (logits * weights).sum().backward()
-            outs[name] = logits.detach(), _grads(model)
-        assert _max_diff(outs["auto"][0], outs["local"][0]) < 1e-5
-        offset = "decoder.layers.1.self_attention.core_attention.softmax_offset"
-        assert _rel_diff(outs["auto"][1][offset], outs["local"][1][offset]) < 1e-5
-        assert outs["auto"][1][offset].abs().max() > 0
-        saved = native.sharded_state_dict()["decoder.layers.0.self_attention.core_attention.softmax_offset"]
-        assert saved.key == "decoder.layers.self_attention.core_attention.softmax_offset"
-        assert saved.global_shape == (2, 4) and native.decoder.layers[0].self_attention.core_attention \
-            .softmax_offset.tensor_model_parallel  # split over TP by head; counted once per rank in the grad norm
-    finally:
-        ps.destroy_model_parallel()
+    models = {}
+    for backend in ("local", "auto"):
+        config = _config(backend=backend)
+        config.softmax_type = "learnable"
+        torch.manual_seed(0)
+        models[backend] = _model(config)
+    native, local = models["auto"], models["local"]
+    native.load_state_dict(local.state_dict())
+    tokens, _, weights, _ = _inputs()
+    outs = {}
+    for name, model in models.items():
+        logits = _forward(model, tokens)
+        (logits * weights).sum().backward()
+        outs[name] = logits.detach(), _grads(model)
+    offset = "decoder.layers.1.self_attention.core_attention.softmax_offset"
+    saved = native.sharded_state_dict()["decoder.layers.0.self_attention.core_attention.softmax_offset"]
+    return {"names": set(dict(native.named_parameters())), "logits": _max_diff(outs["auto"][0], outs["local"][0]),
+            "offset_grad": _rel_diff(outs["auto"][1][offset], outs["local"][1][offset]),
+            "offset_grad_max": float(outs["auto"][1][offset].abs().max()), "key": saved.key,
+            "global_shape": tuple(saved.global_shape),
+            "tp_split": bool(native.decoder.layers[0].self_attention.core_attention.softmax_offset
+                             .tensor_model_parallel)}
+
+
+def test_learnable_softmax_equals_megatron_local_attention():
+    """The native attention with Megatron's ``softmax_type: learnable`` gives Megatron's local attention (its
+    ``softmax_offset`` per head): same parameter names, same logits and offset gradients; its checkpoint key is
+    split over TP by head, and the parameter is marked so the gradient norm counts every rank's heads."""
+    res = run_distributed(_learnable_softmax_suite, 1)[0]
+    assert "decoder.layers.0.self_attention.core_attention.softmax_offset" in res["names"]
+    assert res["logits"] < 1e-5 and res["offset_grad"] < 1e-5 and res["offset_grad_max"] > 0
+    assert res["key"] == "decoder.layers.self_attention.core_attention.softmax_offset"
+    assert res["global_shape"] == (2, 4) and res["tp_split"]

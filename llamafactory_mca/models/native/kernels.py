@@ -129,7 +129,7 @@ def _padded_as_segments(query, key, value, scale: float, window: int | None = No
                         sink: torch.Tensor | None = None) -> torch.Tensor:
     """A padded batch as ``b`` packed sequences of length ``s`` through varlen_attn."""
     sq, b, hq, d = query.shape
-    if not varlen_usable(query):
+    if sink is None and not varlen_usable(query):
         _warn_once("no fused attention kernel for this padded batch: SDPA's math fallback materialises the scores.")
     plan = make_plan([sq] * b, [sq] * b, query.device)
     out = segment_attention(sbhd_to_thd(query), sbhd_to_thd(key), sbhd_to_thd(value), plan, scale, window, sink)
