@@ -55,7 +55,7 @@ from .native.gated_delta import NativeGatedDeltaNet
 from .native.gated_delta import describe_kernel as describe_delta_rule
 from .native.kernels import varlen_attn_available, varlen_windows_available
 from .native import rope as native_rope
-from .native.norm import NativeNorm, compiles_head_norms
+from .native.norm import NativeNorm, compiles_head_norms, compiles_zero_centred_norms
 from .native.sublayers import NativeSelfAttention, needs_sublayers
 
 logger = logging.getLogger(__name__)
@@ -260,8 +260,7 @@ def describe_kernels(config: TransformerConfig) -> str:
     rope = getattr(config, "apply_rope_fusion", False) and native_rope.compiled_in_use()
     qk_norms = (choice == "native" and getattr(config, "qk_layernorm", False)
                 and not getattr(config, "qk_l2_norm", False) and compiles_head_norms(config))
-    zero_centred = (choice == "native" and getattr(config, "layernorm_zero_centered_gamma", False)
-                    and getattr(config, "qk_norm_fusion", False))
+    zero_centred = choice == "native" and compiles_zero_centred_norms(config)
     compiled = [name for name, on in (("RoPE", rope), ("q/k norms", qk_norms), ("(1 + w) norms", zero_centred)) if on]
     line += f"; compiled: {' and '.join(compiled)}" if compiled else ""
     return line + ("; every layer a CUDA graph (forward and backward, captured in step 1)"

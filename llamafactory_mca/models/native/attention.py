@@ -86,8 +86,8 @@ class NativeDotProductAttention(MegatronModule):
         (gpt-oss's attention sinks), ``off-by-one`` a constant 0; as Megatron's local attention holds it
         (``softmax_offset``, this rank's heads, split over TP like them), marked tensor-parallel so the gradient norm
         counts every rank's heads."""
-        self.softmax_offset = None
         if config.softmax_type == "vanilla":
+            self.softmax_offset = None
             return
         tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
         self.tp_group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
@@ -95,7 +95,6 @@ class NativeDotProductAttention(MegatronModule):
         offset = torch.zeros(config.num_attention_heads // self.tp_group.size(), device=device,
                              dtype=config.params_dtype)
         if config.softmax_type == "off-by-one":
-            del self.softmax_offset  # a plain attribute until here: register_buffer refuses the name otherwise
             self.register_buffer("softmax_offset", offset, persistent=False)
             return
         self.softmax_offset = torch.nn.Parameter(offset)

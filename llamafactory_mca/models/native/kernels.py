@@ -302,8 +302,13 @@ def _op_window(window: int | None) -> tuple[bool, list[int]]:
 
 def _gqa_kwargs(key: torch.Tensor, query: torch.Tensor) -> dict:
     """``enable_gqa`` where this torch's op takes it (2.14), for fewer key/value heads than query heads."""
-    names = [a.name for a in torch.ops.torch_attn._varlen_attn.default._schema.arguments]
-    return {"enable_gqa": True} if "enable_gqa" in names and key.size(1) != query.size(1) else {}
+    return {"enable_gqa": True} if _varlen_op_takes_gqa() and key.size(1) != query.size(1) else {}
+
+
+@cache
+def _varlen_op_takes_gqa() -> bool:
+    """Read once: every attention layer of every micro-batch asks."""
+    return "enable_gqa" in [a.name for a in torch.ops.torch_attn._varlen_attn.default._schema.arguments]
 
 
 def _rows_first(lse: torch.Tensor, query: torch.Tensor) -> torch.Tensor:

@@ -80,6 +80,11 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
         return norm(x, self.weight, self.eps)
 
 
+def compiles_zero_centred_norms(config: TransformerConfig) -> bool:
+    """Whether the (1 + weight) norms NativeNorm builds for ``config`` are compiled (``qk_norm_fusion``)."""
+    return bool(getattr(config, "layernorm_zero_centered_gamma", False) and getattr(config, "qk_norm_fusion", False))
+
+
 def compiles_head_norms(config: TransformerConfig) -> bool:
     """Whether the q/k norms NativeNorm builds for ``config`` are compiled: plain per-head RMSNorms (not the
     zero-centred ones of Qwen3-Next / Qwen3.5) with ``qk_norm_fusion``."""
@@ -99,7 +104,7 @@ class NativeNorm:
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         kwargs = dict(eps=eps, device=device, dtype=config.params_dtype)
         if config.layernorm_zero_centered_gamma:
-            norm = ZeroCenteredRMSNorm(hidden_size, fused=bool(getattr(config, "qk_norm_fusion", False)), **kwargs)
+            norm = ZeroCenteredRMSNorm(hidden_size, fused=compiles_zero_centred_norms(config), **kwargs)
         elif config.normalization == "RMSNorm":
             norm = (HeadRMSNorm(hidden_size, fused=compiles_head_norms(config), **kwargs)
                     if per_head else torch.nn.RMSNorm(hidden_size, **kwargs))
