@@ -274,6 +274,8 @@ class DistributingParallelArguments:
         """The TransformerConfig overrides: every set field, with additional_configs merged on top."""
         names = [f.name for f in fields(DistributingParallelArguments) if f.name != "additional_configs"]
         config = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        # unset, the layout's expert TP is 1 (``parallel.ParallelLayout``); megatron-core's would be TP's
+        config.setdefault("expert_tensor_parallel_size", 1)
         config.update(self.additional_configs or {})
         return config
 

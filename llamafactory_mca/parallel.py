@@ -176,6 +176,9 @@ def check_layout(config: Any, layout: ParallelLayout, custom_pipeline_layout: bo
         if moe_ffn % etp:
             problems.append(f"expert_tensor_parallel_size={etp} does not divide moe_ffn_hidden_size={moe_ffn} "
                             f"(sizes that fit: {_listing(d for d in _divisors(moe_ffn) if d <= 64)})")
+        if etp > 1 and t.get("add_bias_linear"):
+            problems.append(f"expert_tensor_parallel_size={etp}: the experts' biases need each expert whole on its "
+                            "rank (set expert_tensor_parallel_size: 1; expert_model_parallel_size spreads them)")
         if tp > 1 and sequence_parallel is False:
             problems.append(f"tensor_model_parallel_size={tp} on a model with experts needs sequence_parallel: true "
                             "(Megatron-Core refuses MoE layers under tensor parallelism without it)")

@@ -81,6 +81,9 @@ def plan_run(stage: str, model_args: Any, data_args: Any, training_args: Any, fi
     custom = training_args.pipeline_model_parallel_layout is not None
     check_layout(config, layout, custom, training_args.sequence_parallel)
     check_model_fits(config, stage, layout, custom)
+    if config.num_experts and training_args.moe_grouped_gemm is False and config.transformer.get("moe_grouped_gemm"):
+        raise UserError(f"{config.hf_model_type}: moe_grouped_gemm=False, but this model's experts have biases, "
+                        "which only the grouped experts hold. Remove moe_grouped_gemm or set it to true.")
     reference = None
     if stage == "dpo" and getattr(finetuning_args, "ref_model", None):
         ref_path = resolve(finetuning_args.ref_model, model_args, field="ref_model")
@@ -141,6 +144,12 @@ def check_request(stage: str, model_args: Any, data_args: Any, training_args: An
 
 
 
+def grouped_experts(config: McaConfig, args: Any) -> bool | None:
+    """Whether the experts run as one grouped GEMM: the recipe's ``moe_grouped_gemm``, else the model's (biased
+    experts run grouped only: ``families/base.LinearBiases``)."""
+    return config.transformer.get("moe_grouped_gemm") if args.moe_grouped_gemm is None else args.moe_grouped_gemm
+
+
 def check_cuda_graphs(stage: str, finetuning_args: Any, packing: bool, config: McaConfig, layout: ParallelLayout,
                       args: Any) -> None:
     """What per-layer CUDA graphs need: one graph per layer, replaying one pack size, with nothing read on the host
@@ -159,7 +168,7 @@ def check_cuda_graphs(stage: str, finetuning_args: Any, packing: bool, config: M
     ]
     if config.num_experts:
         needs += [
-            ("moe_grouped_gemm: true", bool(args.moe_grouped_gemm),
+            ("moe_grouped_gemm: true", bool(grouped_experts(config, args)),
              "the sequential experts read each expert's token count on the host"),
             ("moe_local_dispatch unset, without moe_expert_capacity_factor",
              args.moe_local_dispatch is not False and args.moe_expert_capacity_factor is None,

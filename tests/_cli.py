@@ -53,6 +53,24 @@ def recipe(assets, out, **overrides):
     return {**base, **overrides}
 
 
+# LLaMA-Factory's default path (``llamafactory-cli train`` without USE_MCA) with transformers' eager attention for
+# gpt-oss, whose default path loads a FlashAttention-3 kernel from the hub (no network here, no such GPU kernel on
+# CPU); eager attention has the sinks and is the reference. One process: LLaMA-Factory runs it in-process on CPU.
+DEFAULT_PATH_EAGER_GPT_OSS = (
+    "import sys\n"
+    "from llamafactory.model import patcher\n"
+    "from llamafactory.cli import main\n"
+    "kernel_choice = patcher.configure_attn_implementation\n"
+    "def eager_for_gpt_oss(config, model_args):\n"
+    "    if getattr(config, 'model_type', None) != 'gpt_oss':\n"
+    "        return kernel_choice(config, model_args)\n"
+    "    setattr(config, '_attn_implementation', 'eager')\n"
+    "patcher.configure_attn_implementation = eager_for_gpt_oss\n"
+    "sys.argv = ['llamafactory-cli', *sys.argv[1:]]\n"
+    "main()\n"
+)
+
+
 def cli_env(world: int | None = 1, env: dict | None = None, gpu: bool = False) -> dict:
     full = {k: v for k, v in os.environ.items() if k not in ("USE_MCA", "LLAMAFACTORY_MCA_FAULT", "NPROC_PER_NODE")}
     full["USE_MCA"] = "1"

@@ -197,11 +197,12 @@ def test_a_dataset_of_empty_rows_is_refused(assets, tmp_path):
 def _sft_against_default(family: str, assets, tmp_path, **overrides) -> tuple[dict, float, str, str, str]:
     """Four sft steps of a tiny ``family`` model through the real command (checkpoint-4 merged), and one step of
     LLaMA-Factory's default path on the same rows (8 rows, one global batch of all of them: row order cannot
-    matter). Returns (our losses, the default path's step-1 loss, our log, the model's folder, the merged one)."""
+    matter; gpt-oss with transformers' eager attention, ``DEFAULT_PATH_EAGER_GPT_OSS``). Returns (our losses, the
+    default path's step-1 loss, our log, the model's folder, the merged one)."""
     import yaml
 
     from llamafactory_mca.tools.tiny import save_tiny_model, save_tiny_tokenizer
-    from tests._cli import cli_env, run
+    from tests._cli import DEFAULT_PATH_EAGER_GPT_OSS, cli_env, run
 
     model = save_tiny_model(family, str(tmp_path / family), vocab_size=assets["vocab"])
     save_tiny_tokenizer(model)
@@ -216,8 +217,8 @@ def _sft_against_default(family: str, assets, tmp_path, **overrides) -> tuple[di
     default.update(output_dir=str(tmp_path / "default"), max_steps=1)
     (tmp_path / "default.yaml").write_text(yaml.safe_dump(default))
     env = {k: v for k, v in cli_env(None).items() if k != "USE_MCA"}
-    result, log = run(["llamafactory-cli", "train", str(tmp_path / "default.yaml")], env=env, timeout=300,
-                      cwd=tmp_path)
+    command = [sys.executable, "-c", DEFAULT_PATH_EAGER_GPT_OSS] if family == "gpt_oss" else ["llamafactory-cli"]
+    result, log = run([*command, "train", str(tmp_path / "default.yaml")], env=env, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, log[-4000:]
     theirs = losses(tmp_path / "default")[1]
     assert abs(ours[1] - theirs) <= 1e-4 * theirs, (ours[1], theirs)
@@ -297,6 +298,33 @@ def test_gemma3_sft_packed_matches_llamafactory_and_merges(finetuning, assets, t
     assert set(start) == set(end)
     for name in ("model.layers.1.post_attention_layernorm.weight", "model.layers.3.post_feedforward_layernorm.weight",
                  "model.layers.0.pre_feedforward_layernorm.weight", "model.layers.2.self_attn.q_norm.weight"):
+        assert not torch.equal(start[name], end[name]), name
+
+
+@pytest.mark.parametrize("finetuning", ["full", "lora"])
+def test_gpt_oss_sft_packed_matches_llamafactory_and_merges(finetuning, assets, tmp_path):
+    """gpt-oss's layout (sinks, biases everywhere, windows of 6 on every other layer, YaRN, biased experts stored
+    interleaved, the clamped SwiGLU) through the real command, packed, full and LoRA on every linear
+    (``lora_target: all``: the attention's projections, as LLaMA-Factory expands it): step 1's loss is LLaMA-Factory's
+    default (unpacked, eager attention) path's, the summary names the sinks' and the windows' kernels, and the merged
+    checkpoint is a GptOssForCausalLM whose trained tensors moved."""
+    from transformers import AutoModelForCausalLM
+
+    lora = dict(finetuning_type="lora", lora_target="all", lora_rank=4, learning_rate=1e-2) if finetuning == "lora" \
+        else {}
+    _, _, output, model, merged = _sft_against_default("gpt_oss", assets, tmp_path, sequence_packing=True, **lora)
+    assert "sliding window 6 tokens on 2 of 4 layers" in output, output[-3000:]
+    assert "attention sinks (learnable): fp32 scores per sequence" in output, output[-3000:]
+    if finetuning == "lora":
+        assert "LoRA rank 4" in output and "o_proj" in output and "q_proj" in output
+        return
+    hf = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+    assert type(hf).__name__ == "GptOssForCausalLM"
+    start, end = _weights(model), _weights(merged)
+    assert set(start) == set(end)
+    for name in ("model.layers.1.self_attn.sinks", "model.layers.0.self_attn.o_proj.bias",
+                 "model.layers.2.mlp.router.bias", "model.layers.3.mlp.experts.gate_up_proj_bias",
+                 "model.layers.0.mlp.experts.down_proj_bias", "model.layers.1.mlp.experts.gate_up_proj"):
         assert not torch.equal(start[name], end[name]), name
 
 

@@ -79,8 +79,15 @@ def check_safetensors_header(file: str) -> None:
         raise UserError(f"{file} is corrupt: {size:,} bytes, but its safetensors header describes {needed:,}. {fix}")
 
 
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
+
+
 class SafetensorsSource:
-    """HF tensors by name from a folder of safetensors files; counts what it reads (tests use that)."""
+    """HF tensors by name from a folder of safetensors files; counts what it reads (tests use that).
+
+    A tensor stored in MXFP4 (gpt-oss's hub checkpoints: ``<name>_blocks`` of packed 4-bit values and ``<name>_scales``
+    of 8-bit exponents, 32 values a block) reads as ``<name>`` dequantized to bf16 by transformers' own function, as
+    ``Mxfp4Config(dequantize=True)`` loads it; a slice along dim 0 (one expert) dequantizes that slice only."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -123,10 +130,25 @@ class SafetensorsSource:
             raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.path}")
         return self._open(self.weight_map[name]).get_slice(name)
 
+    def _mxfp4(self, name: str) -> bool:
+        return name not in self.weight_map and f"{name}{MXFP4_BLOCKS}" in self.weight_map
+
     def shape(self, name: str) -> tuple[int, ...]:
+        if self._mxfp4(name):  # blocks [E, out, in / 32, 16] -> [E, in, out]
+            experts, rows, groups, width = self.shape(f"{name}{MXFP4_BLOCKS}")
+            return experts, groups * width * 2, rows
         return tuple(self._slice(name).get_shape())
 
     def get(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        if self._mxfp4(name):
+            whole = dim is None or dim != 0
+            blocks, scales = (self.get(f"{name}{part}", None if whole else 0, start, stop)
+                              for part in (MXFP4_BLOCKS, MXFP4_SCALES))
+            # transformers' dequantizer; imported here, as only MXFP4 checkpoints need it
+            from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+            tensor = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+            return tensor.narrow(dim, start, (stop or tensor.shape[dim]) - start) if whole and dim else tensor
         piece = self._slice(name)
         if dim is None:
             index: tuple = (slice(None),)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
 from ..checkpoints import MCA_CONFIG_NAME
 from ..errors import UserError
@@ -27,8 +28,10 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(x, approximate="tanh")
 
 
-# Activation names stored in JSON; TransformerConfig wants callables.
-_ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu, "gelu_tanh": gelu_tanh}
+# Activation names stored in JSON; TransformerConfig wants callables. quick_gelu (x·sigmoid(1.702x), gpt-oss's
+# clamped SwiGLU) must be megatron-core's own function object: TransformerConfig's checks compare by identity.
+_ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu, "gelu_tanh": gelu_tanh,
+                "quick_gelu": quick_gelu}
 # Architecture fields of ours that megatron-core's TransformerConfig lacks, set on it as attributes for the layers that
 # read them (``native/sublayers.py``, ``native/cross_entropy.LanguageModel``): a norm on each sublayer's output
 # (Gemma's sandwich norms), the word embeddings' multiplier (Gemma: sqrt(hidden)), the RoPE base of the windowed
@@ -187,7 +190,7 @@ def layer_typed_rope(rope_parameters: dict[str, Any] | None) -> bool:
     return bool(rope_parameters) and isinstance(rope_parameters.get("full_attention"), dict)
 
 
-SUPPORTED_ROPE = ("default", "linear", "llama3")
+SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
 
 
 def hf_config_object(hf_config: dict[str, Any]) -> Any:
@@ -207,13 +210,26 @@ def rope_inv_freq(config: McaConfig, head_dim: int) -> torch.Tensor | None:
     hf = hf_config_object(config.hf_config)
     hf = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
     typed = {"layer_type": "full_attention"} if layer_typed_rope(getattr(hf, "rope_parameters", None)) else {}
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](hf, torch.device("cpu"), **typed)
-    if attention_scaling != 1.0:
-        raise UserError(f"rope_type={kind!r} scales attention by {attention_scaling}; not supported.")
+    # YaRN's attention factor (transformers multiplies cos and sin by it) is in the softmax scale instead
+    # (``rope_attention_scaling``), so the tables stay Megatron's unscaled ones
+    inv_freq, _ = ROPE_INIT_FUNCTIONS[kind](hf, torch.device("cpu"), **typed)
     if inv_freq.numel() * 2 != head_dim:
         raise UserError(f"rope inv_freq has {inv_freq.numel()} entries for head_dim={head_dim}; partial rotary "
                          "is not supported.")
     return inv_freq.float()
+
+
+def rope_attention_scaling(hf_config: Any) -> float:
+    """The factor transformers multiplies RoPE's cos and sin by (YaRN's attention factor; 1 for the other supported
+    kinds). Rotating q and k by scaled tables scales every q·k by its square, and nothing else: the family folds it
+    into the softmax scale (``families/base.DecoderFamily.transformer``)."""
+    _, scaling = rope_settings(hf_config)
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if kind != "yarn":
+        return 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return float(ROPE_INIT_FUNCTIONS[kind](hf_config, torch.device("cpu"))[1])
 
 
 def check_rope(model_type: str, rope_parameters: dict[str, Any] | None) -> None:

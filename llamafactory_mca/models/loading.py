@@ -24,6 +24,7 @@ from .mapping import Dims, Shard, Source, WeightTable, canonical_mtp_name, canon
 _TE_GROUPED = re.compile(r"^(.*\.mlp\.experts)\.linear_fc([12])\.weight(\d+)$")
 _SEQUENTIAL = re.compile(r"^(.*\.mlp\.experts)\.local_experts\.(\d+)\.(.*)$")
 _LEGACY_GROUPED = re.compile(r"^(.*\.mlp\.experts)\.weight([12])$")
+_GROUPED_BIAS = re.compile(r"^(.*\.mlp\.experts)\.bias([12])$")  # native grouped experts' [local_experts, out]
 
 
 @dataclass
@@ -90,6 +91,12 @@ def local_targets(chunk: torch.nn.Module, num_experts: int | None = None) -> Ite
             for k in range(local_experts):
                 view = per_expert[k].t()  # canonical fc1 is [2f, hidden], fc2 [hidden, f]
                 yield Target(f"{prefix}.local_experts.{first_expert + k}.linear_fc{which}.weight", shard,
+                             (lambda v=view: v), _copy_into(view))
+            continue
+        if match := _GROUPED_BIAS.match(name):  # each expert whole on its rank (NativeGroupedMLP)
+            for k in range(local_experts):
+                view = data[k]
+                yield Target(f"{match.group(1)}.local_experts.{first_expert + k}.linear_fc{match.group(2)}.bias", None,
                              (lambda v=view: v), _copy_into(view))
             continue
         if match := _TE_GROUPED.match(name):

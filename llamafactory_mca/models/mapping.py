@@ -268,19 +268,26 @@ class StackedExpert(Op):
     store each expert transposed against Megatron's [out, in] (gate_up_proj [E, hidden, 2I], down_proj [E, I, hidden]);
     ``transformers``' own save_pretrained writes its in-memory [E, out, in], as Qwen3.5-MoE's hub checkpoints do
     (``out_in``). Both are read (by where the hidden size sits; the family's own when both sides are the hidden size)
-    and the family's is written. ``glu``: the out dimension is [gate; up], which TP splits half by half."""
+    and the family's is written. ``glu``: the out dimension is [gate; up], which TP splits half by half;
+    ``interleaved``: the checkpoint alternates gate and up along it (gpt-oss). A stacked bias ([E, out]) is one
+    expert's [out] row."""
 
     glu: bool = False
     out_in: bool = False
+    interleaved: bool = False
 
     def load(self, src, names, shard, dims):
         base, expert = split_expert(names[0])
-        _, rows, cols = src.shape(base)
+        shape = src.shape(base)
         weight = src.get(base, 0, expert, expert + 1)[0]
-        transposed = rows == dims.hidden_size if self.glu else cols == dims.hidden_size
-        if rows == cols:  # both sides the hidden size: the family's layout
-            transposed = not self.out_in
-        weight = weight.t() if transposed else weight
+        if weight.dim() == 2:
+            rows, cols = shape[1:]
+            transposed = rows == dims.hidden_size if self.glu else cols == dims.hidden_size
+            if rows == cols:  # both sides the hidden size: the family's layout
+                transposed = not self.out_in
+            weight = weight.t() if transposed else weight
+        if self.interleaved:
+            weight = torch.cat([weight[0::2], weight[1::2]])
         if shard is not None:
             halves = weight.chunk(2, dim=shard.dim) if self.glu else (weight,)
             weight = torch.cat([h.narrow(shard.dim, lo, hi - lo) for h in halves
@@ -288,14 +295,26 @@ class StackedExpert(Op):
         return weight.contiguous()
 
     def to_hf(self, tensor, dims):
-        return [tensor.contiguous() if self.out_in else tensor.t().contiguous()]
+        if self.interleaved:
+            tensor = torch.stack(tensor.chunk(2), dim=1).flatten(0, 1)  # [gate; up] -> g0 u0 g1 u1 ...
+        if tensor.dim() == 1 or self.out_in:
+            return [tensor.contiguous()]
+        return [tensor.t().contiguous()]
 
 
-def stacked_experts(mca: str, hf: str, out_in: bool = False) -> list[Op]:
+def stacked_experts(mca: str, hf: str, out_in: bool = False, interleaved: bool = False) -> list[Op]:
     """Experts at ``mca`` (…local_experts.*) from HF's stacked ``hf``.gate_up_proj / .down_proj (``out_in``: each
-    expert stored [out, in], as Megatron holds it)."""
-    return [StackedExpert(f"{mca}.linear_fc1.weight", (f"{hf}.gate_up_proj{EXPERT_SLICE}*",), glu=True, out_in=out_in),
+    expert stored [out, in], as Megatron holds it; ``interleaved``: gate and up alternate)."""
+    return [StackedExpert(f"{mca}.linear_fc1.weight", (f"{hf}.gate_up_proj{EXPERT_SLICE}*",), glu=True, out_in=out_in,
+                          interleaved=interleaved),
             StackedExpert(f"{mca}.linear_fc2.weight", (f"{hf}.down_proj{EXPERT_SLICE}*",), out_in=out_in)]
+
+
+def stacked_expert_biases(mca: str, hf: str, interleaved: bool = False) -> list[Op]:
+    """The biases beside stacked experts (gpt-oss: ``gate_up_proj_bias`` [E, 2I], ``down_proj_bias`` [E, hidden])."""
+    return [StackedExpert(f"{mca}.linear_fc1.bias", (f"{hf}.gate_up_proj_bias{EXPERT_SLICE}*",), glu=True,
+                          interleaved=interleaved),
+            StackedExpert(f"{mca}.linear_fc2.bias", (f"{hf}.down_proj_bias{EXPERT_SLICE}*",))]
 
 
 def gated_mlp(mca: str, hf: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj") -> list[Op]:

@@ -254,6 +254,10 @@ def describe_kernels(config: TransformerConfig) -> str:
         line += f"; sliding window {config.window_size[0] + 1} tokens on {layers} ({how})"
         if getattr(config, "window_rotary_base", None):
             line += f", RoPE base {config.window_rotary_base:g} there"
+    if getattr(config, "softmax_type", "vanilla") != "vanilla":
+        how = ("varlen_attn, its output and log-sum-exp corrected for the sink"
+               if choice == "native" and varlen_attn_available() and not _cpu_only() else "fp32 scores per sequence")
+        line += f"; attention sinks ({config.softmax_type}): {how}"
     if getattr(config, "linear_attention_freq", None):
         line += f"; gated delta rule: {describe_delta_rule()}"
     line += f"; MoE experts: {experts}" if config.num_moe_experts else ""
@@ -296,6 +300,10 @@ def _native_only(config: TransformerConfig) -> str | None:
         return "hybrid linear-attention model: our gated delta-rule layer"
     if needs_sublayers(config):
         return "post-sublayer norms / a RoPE base per layer kind: our attention and MLP sublayers"
+    if getattr(config, "softmax_type", "vanilla") != "vanilla":
+        return "attention sinks on packed sequences: our attention"
+    if config.num_moe_experts and config.add_bias_linear and config.moe_grouped_gemm:
+        return "biased grouped experts: our grouped GEMM"
     return None
 
 

@@ -62,6 +62,12 @@ TINY: dict[str, dict[str, Any]] = {
                         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                          "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                             "rope_theta": 1000000.0}}),
+    # gpt-oss's layout: a window on every other layer, sinks, biases everywhere, YaRN x4 without truncation, 4 biased
+    # experts (2 x 48 and 48 both differ from hidden 64: the stacked layouts cannot be confused) stored interleaved
+    "gpt_oss": dict(BASE, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.0,
+                    head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"] * 2,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128}),
     "mixtral": dict(BASE, intermediate_size=32, num_local_experts=3, num_experts_per_tok=2, router_aux_loss_coef=0.0,
                     sliding_window=None),
 }
@@ -130,6 +136,7 @@ def save_tiny_model(name: str, directory: str, seed: int = 0, dtype: torch.dtype
     auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     model = auto.from_config(config, dtype=dtype)
     _randomize_correction_bias(model)
+    _randomize_zero_biases(model)
     _randomize_zero_init(model)
     model.save_pretrained(directory)
     if _mtp_layers(config):
@@ -154,6 +161,16 @@ def _randomize_zero_init(model: Any) -> None:
         for name, param in model.named_parameters():
             if name.endswith(("norm.weight", "dt_bias", "A_log")):
                 param.add_(0.2 * torch.randn_like(param))
+
+
+def _randomize_zero_biases(model: Any) -> None:
+    """A family with biases on every linear (gpt-oss) starts most at 0: perturb them, as the norms above."""
+    if not get_family(model.config.model_type).config_from_hf(model.config).transformer.get("add_bias_linear"):
+        return
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") and not param.any():
+                param.add_(0.1 * torch.randn_like(param))
 
 
 def _randomize_correction_bias(model: Any) -> None:

@@ -155,12 +155,18 @@ def model_parameter_count(config: Any) -> int:
         layer += 2 * h
     if t.get("multi_latent_attention"):  # the latent norms
         layer += t["kv_lora_rank"] + (t.get("q_lora_rank") or 0)
+    if t.get("softmax_type", "vanilla") == "learnable":  # a sink logit per head
+        layer += heads
+    biased = bool(t.get("add_bias_linear"))  # o_proj's, each MLP's and expert's two, the router's
+    layer += h * biased
     moe = 0
     if t.get("num_moe_experts"):
-        moe = t["num_moe_experts"] * glu * h * t["moe_ffn_hidden_size"] + t["num_moe_experts"] * h
+        experts, width = t["num_moe_experts"], t["moe_ffn_hidden_size"]
+        moe = experts * glu * h * width + experts * h
+        moe += biased * experts * ((glu - 1) * width + h + 1)
         shared = t.get("moe_shared_expert_intermediate_size") or 0
         moe += glu * h * shared + (h if t.get("moe_shared_expert_gate") else 0)
-    dense = glu * h * t["ffn_hidden_size"]
+    dense = glu * h * t["ffn_hidden_size"] + biased * ((glu - 1) * t["ffn_hidden_size"] + h)
     moe_layers, layers = _moe_layer_count(t), _layer_count(t)
     linear = 0  # the gated delta-rule layers have their own weights instead of the attention's
     if t.get("linear_attention_freq"):

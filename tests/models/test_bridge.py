@@ -84,18 +84,20 @@ def test_parity_with_transformers(name, tiny_models, single_rank):
 LAYOUTS = {  # all run in one 4-process world (dp = 4 / model-parallel size)
     # qwen3_next first: its round trip runs here (the delta-rule layers' per-key-head rows split over TP)
     "tp2": ({"tensor_model_parallel_size": 2}, ["qwen3_next", "qwen3", "qwen2_moe", "mixtral", "llama3_tied",
-                                                 "mistral", "glm4_moe", "deepseek_v3"]),
+                                                 "mistral", "glm4_moe", "deepseek_v3", "gpt_oss"]),
     # glm4_moe first: its round trip runs here (layer 0 dense, on stage 0 only)
     "pp2": ({"pipeline_model_parallel_size": 2}, ["glm4_moe", "llama3_tied", "qwen3_moe", "qwen3_next", "qwen2",
-                                                  "gemma3_text"]),
+                                                  "gemma3_text", "gpt_oss"]),
     # qwen3_next first: its round trip runs here (its layer pattern, delta rule, attention, delta rule, attention,
     # cut into four virtual stages; the MTP layer with the last)
     "pp2_vpp2": ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
                  ["qwen3_next", "qwen2", "gemma3_text"]),
     # gemma3_text first: its round trip runs here (the post-sublayer norms on sequence-parallel slices)
     "tp2_sp": ({"tensor_model_parallel_size": 2, "sequence_parallel": True}, ["gemma3_text"]),
-    "ep2": ({"expert_model_parallel_size": 2}, ["qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "qwen3_next"]),
-    "ep2_grouped": ({"expert_model_parallel_size": 2, "moe_grouped_gemm": True}, ["qwen2_moe"]),
+    "ep2": ({"expert_model_parallel_size": 2}, ["qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "qwen3_next",
+                                                "gpt_oss"]),
+    # gpt_oss first: its round trip runs here (the grouped experts' biases, each rank's two experts)
+    "ep2_grouped": ({"expert_model_parallel_size": 2, "moe_grouped_gemm": True}, ["gpt_oss", "qwen2_moe"]),
     "ep2_etp2": ({"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2}, ["qwen3_moe", "glm4_moe",
                                                                                        "deepseek_v3"]),
     # deepseek_v3 first: its round trip runs here (multi-latent attention split over TP, the dense layer on stage 0)
@@ -232,12 +234,13 @@ def test_unsupported_models_fail_with_the_supported_list(tmp_path):
 
     GPT2Config(n_layer=1).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(ValueError, match="not supported by llamafactory_mca; supported: deepseek_v3, gemma3_text, "
-                                         "glm4_moe, llama"):
+                                         "glm4_moe, gpt_oss, llama"):
         AutoConfig.from_pretrained(str(tmp_path / "gpt2"))
-    LlamaConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-                max_position_embeddings=256).save_pretrained(tmp_path / "yarn")
-    with pytest.raises(ValueError, match="rope scaling 'yarn' is not supported.*supported: default, linear, llama3"):
-        AutoConfig.from_pretrained(str(tmp_path / "yarn"))
+    LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 4.0}, max_position_embeddings=256).save_pretrained(
+        tmp_path / "dynamic")
+    with pytest.raises(ValueError, match="rope scaling 'dynamic' is not supported.*supported: default, linear, llama3, "
+                                         "yarn"):
+        AutoConfig.from_pretrained(str(tmp_path / "dynamic"))
     LlamaConfig(attention_bias=True).save_pretrained(tmp_path / "bias")
     with pytest.raises(ValueError, match="attention_bias=True"):
         AutoConfig.from_pretrained(str(tmp_path / "bias"))
@@ -345,10 +348,11 @@ def test_merge_refuses_a_folder_that_is_not_a_checkpoint(tiny_models, tmp_path):
 
 
 def test_every_hf_key_maps_exactly_once(tiny_models):
-    """Per family: the weight table covers every key of the HF checkpoint once, and nothing more."""
+    """Per family: the weight table covers every key of the HF checkpoint once, and nothing more (a stacked tensor's
+    experts once each: its name once, from expert 0)."""
     from llamafactory_mca.models.auto import AutoConfig
     from llamafactory_mca.models.export import _index_ranges
-    from llamafactory_mca.models.mapping import fill
+    from llamafactory_mca.models.mapping import fill, split_expert
     from llamafactory_mca.models.families import get_family
 
     for name, path in tiny_models.items():
@@ -358,6 +362,7 @@ def test_every_hf_key_maps_exactly_once(tiny_models):
         for op in table.ops:
             for index in _index_ranges(op.mca, config):
                 covered += [table.stored(fill(p, index[: p.count("*")])) for p in op.hf if op.export]
+        covered = [name for name, expert in map(split_expert, covered) if expert in (None, 0)]  # stacked: once
         assert len(covered) == len(set(covered)), name
         assert set(covered) == set(hf_tensors(path)), (name, set(covered) ^ set(hf_tensors(path)))
 

@@ -7,8 +7,10 @@ SequentialMLP checkpoint included).
 """
 
 import copy
+import dataclasses
 import itertools
 import logging
+import math
 import os
 import re
 
@@ -354,6 +356,51 @@ def _experts_suite() -> dict:
         res[f"{name}_empty_expert_dw1"] = float(grouped.weight1.grad.view(4, 64, -1)[1].abs().max())
         if name == "grouped_mm":
             res.update(_into_main_grad(grouped, x, counts, probs, grad_out, pgs))
+    res.update(_biased_experts(pgs))
+    return res
+
+
+def _biased_experts(pgs) -> dict:
+    """gpt-oss's experts: biases on both projections and the clamped SwiGLU (quick_gelu, up + 1, limit 7), grouped
+    against the per-expert arithmetic written out (transformers' GptOssExperts, its weights laid out as Megatron's).
+    Megatron's SequentialMLP cannot be the reference: its biased MLP adds in place to an autograd view."""
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    from llamafactory_mca.models.native.experts import NativeGroupedMLP
+
+    config = _config(moe=True)
+    config.add_bias_linear, config.activation_func = True, quick_gelu
+    config.glu_linear_offset, config.activation_func_clamp_value = 1.0, 7.0
+    grouped = NativeGroupedMLP(4, config, pg_collection=pgs)
+    g = torch.Generator().manual_seed(1)
+    w1, w2 = torch.randn(4, 64, 64, generator=g) * 0.4, torch.randn(4, 32, 64, generator=g) * 0.2  # [E, in, out]
+    b1, b2 = torch.randn(4, 64, generator=g), torch.randn(4, 64, generator=g)
+    grouped.load_state_dict({"weight1": w1.reshape(64, -1), "weight2": w2.reshape(-1, 64),
+                             "bias1": b1, "bias2": b2})
+    counts = torch.tensor([5, 0, 9, 3])
+    x, probs = torch.randn(17, 64, generator=g), torch.rand(17, generator=g)
+    grad_out = torch.randn(17, 64, generator=g)
+    ref = [t.clone().requires_grad_() for t in (x, probs, w1, w2, b1, b2)]
+    rx, rp, rw1, rw2, rb1, rb2 = ref
+    rows, first, clamped = [], 0, False
+    for e, n in enumerate(counts.tolist()):
+        gate, up = (rx[first:first + n] @ rw1[e] + rb1[e]).chunk(2, dim=-1)
+        clamped |= bool((gate > 7).any() or (up.abs() > 7).any())
+        act = quick_gelu(gate.clamp(max=7)) * (up.clamp(-7, 7) + 1)
+        rows.append((act @ rw2[e] + rb2[e]) * rp[first:first + n, None])
+        first += n
+    want = torch.cat(rows)
+    want.backward(grad_out)
+    xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    got, bias = grouped(xi, counts, pi)
+    got.backward(grad_out)
+    assert bias is None
+    res = {"biased_out": _max_diff(want.detach(), got.detach()), "biased_dx": _max_diff(rx.grad, xi.grad),
+           "biased_dprobs": _max_diff(rp.grad, pi.grad), "biased_dbias1": _max_diff(rb1.grad, grouped.bias1.grad),
+           "biased_dbias2": _max_diff(rb2.grad, grouped.bias2.grad),
+           "biased_dweight1": _max_diff(rw1.grad.reshape(64, -1), grouped.weight1.grad)}
+    res["biased_clamped"] = clamped
+    res["biased_empty_expert_dbias"] = float(grouped.bias1.grad[1].abs().max())
     return res
 
 
@@ -472,6 +519,9 @@ def test_grouped_experts_equal_sequential_loop():
     assert res["fused_flags"] and res["fused_grad_shapes"]
     for what in ("dx", "dprobs", "dweight1", "dweight2"):
         assert res[f"fused_{what}"] <= 1e-5, (what, res[f"fused_{what}"])
+    for what in ("out", "dx", "dprobs", "dbias1", "dbias2", "dweight1"):
+        assert res[f"biased_{what}"] <= 1e-4, (what, res[f"biased_{what}"])
+    assert res["biased_clamped"] and res["biased_empty_expert_dbias"] == 0.0
 
 
 # ----------------------------------------------------------------------------- in-process unit tests
@@ -974,3 +1024,64 @@ def test_learnable_softmax_equals_megatron_local_attention():
     assert res["logits"] < 1e-5 and res["offset_grad"] < 1e-5 and res["offset_grad_max"] > 0
     assert res["key"] == "decoder.layers.self_attention.core_attention.softmax_offset"
     assert res["global_shape"] == (2, 4) and res["tp_split"]
+
+
+def test_gpt_oss_config_summary_and_refusals(tmp_path):
+    """gpt-oss's fields reach the TransformerConfig: sinks, biases everywhere, the clamped SwiGLU, and YaRN's attention
+    factor m as the softmax scale's m² (transformers scales cos and sin by m); the summary names the sinks' and the
+    windows' kernels; expert TP and sequential experts, which cannot hold the experts' biases, are refused in one line
+    each, before any worker."""
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    from llamafactory_mca.errors import UserError
+    from llamafactory_mca.models.config import rope_attention_scaling
+    from llamafactory_mca.models.families import get_family
+    from llamafactory_mca.models.spec import describe_kernels
+    from llamafactory_mca.parallel import check_layout
+    from llamafactory_mca.tools.tiny import tiny_hf_config
+
+    hf = tiny_hf_config("gpt_oss")
+    mca = get_family("gpt_oss").config_from_hf(hf)
+    m = rope_attention_scaling(hf)
+    assert m == pytest.approx(0.1 * math.log(4.0) + 1)  # YaRN's default attention factor for factor 4
+    config = mca.to_transformer_config({}, use_cpu_initialization=True)
+    assert config.softmax_scale == pytest.approx(16 ** -0.5 * m * m)
+    assert config.softmax_type == "learnable" and config.add_bias_linear and config.add_qkv_bias
+    assert config.activation_func is quick_gelu and config.glu_linear_offset == 1.0
+    assert config.activation_func_clamp_value == 7.0 and config.moe_grouped_gemm
+    assert config.moe_router_pre_softmax is False and config.window_attn_skip_freq == [1, 0, 1, 0]
+    line = describe_kernels(config)
+    assert "layer spec: native" in line and "attention sinks (learnable): fp32 scores per sequence" in line, line
+    assert "sliding window 6 tokens on 2 of 4 layers" in line, line
+    with pytest.raises(UserError, match="expert_tensor_parallel_size=2: the experts' biases need each expert whole"):
+        check_layout(mca, dataclasses.replace(_layout(world=4, tp=2), etp=2), sequence_parallel=True)
+    with pytest.raises(ValueError, match="a gptq quantized checkpoint"):
+        get_family("gpt_oss").config_from_hf(tiny_hf_config("gpt_oss", quantization_config={"quant_method": "gptq"}))
+    mxfp4 = get_family("gpt_oss").config_from_hf(tiny_hf_config("gpt_oss", quantization_config={
+        "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}))
+    assert "quantization_config" not in mxfp4.hf_config  # exported weights are bf16
+
+
+def test_mxfp4_experts_read_dequantized_as_transformers_does(tmp_path):
+    """The hub's gpt-oss experts in MXFP4 (``_blocks`` / ``_scales``) read as transformers' dequantized bf16 tensor
+    ([E, in, out]), whole or one expert at a time; other tensors as stored."""
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from llamafactory_mca.checkpoints.hf_io import SafetensorsSource
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 96, 2, 16), dtype=torch.uint8, generator=g)  # [E, out 96, in 64 / 32, 16]
+    scales = torch.randint(118, 132, (3, 96, 2), dtype=torch.uint8, generator=g)
+    bias = torch.randn(3, 96, generator=g)
+    save_file({"x.gate_up_proj_blocks": blocks, "x.gate_up_proj_scales": scales, "x.gate_up_proj_bias": bias},
+              str(tmp_path / "model.safetensors"))
+    src = SafetensorsSource(str(tmp_path))
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+    assert src.shape("x.gate_up_proj") == tuple(want.shape) == (3, 64, 96)
+    assert torch.equal(src.get("x.gate_up_proj"), want)
+    assert torch.equal(src.get("x.gate_up_proj", 0, 1, 2), want[1:2])
+    assert torch.equal(src.get("x.gate_up_proj", 2, 10, 20), want[..., 10:20])
+    assert torch.equal(src.get("x.gate_up_proj_bias"), bias)
+    with pytest.raises(KeyError):
+        src.get("x.down_proj")

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
-from ..config import (AttentionShape, McaConfig, attention_shape, check_rope, layer_typed_rope, rope_settings,
-                      window_fields)
+from ..config import (AttentionShape, McaConfig, attention_shape, check_rope, layer_typed_rope, rope_attention_scaling,
+                      rope_settings, window_fields)
 from ..mapping import (HF_LAYER, LAYER, GroupedRows, Op, Rename, WeightTable, dense_layer, embeddings, gated_mlp,
-                       mtp_module_names, mtp_ops, stacked_experts)
+                       mtp_module_names, mtp_ops, stacked_expert_biases, stacked_experts)
 from ..multimodal import VisionLanguageModel, vision_ops
 from ..native.cross_entropy import LanguageModel
 
@@ -127,6 +127,8 @@ class MoE(Part):
     projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     stacked: bool = False
     stacked_out_in: bool = False  # stacked experts stored [E, out, in] (Qwen3.5-MoE), not the hub's [E, in, out]
+    interleaved: bool = False
+    router: str = "gate"
     sigmoid: bool = False
 
     def check(self, model_type: str, hf: Any) -> None:
@@ -170,12 +172,15 @@ class MoE(Part):
         return fields | (self.shared_expert.transformer(hf) if self.shared_expert else {})
 
     def weights(self, config: McaConfig) -> list[Op]:
-        hf = f"{HF_LAYER}{self.hf_module}"
-        ops = [Rename(f"{LAYER}mlp.router.weight", (f"{hf}.gate.weight",))]
+        hf, biases = f"{HF_LAYER}{self.hf_module}", config.transformer.get("add_bias_linear", False)
+        ops = [Rename(f"{LAYER}mlp.router.{kind}", (f"{hf}.{self.router}.{kind}",))
+               for kind in ("weight", "bias")[: 1 + biases]]
         if self.sigmoid:
-            ops.append(Rename(f"{LAYER}mlp.router.expert_bias", (f"{hf}.gate.e_score_correction_bias",)))
+            ops.append(Rename(f"{LAYER}mlp.router.expert_bias", (f"{hf}.{self.router}.e_score_correction_bias",)))
         if self.stacked:
-            ops += stacked_experts(f"{LAYER}mlp.experts.local_experts.*", f"{hf}.experts", self.stacked_out_in)
+            experts = (f"{LAYER}mlp.experts.local_experts.*", f"{hf}.experts")
+            ops += stacked_experts(*experts, self.stacked_out_in, self.interleaved)
+            ops += stacked_expert_biases(*experts, self.interleaved) if biases else []
         else:
             ops += gated_mlp(f"{LAYER}mlp.experts.local_experts.*", f"{hf}.experts.*", *self.projections)
         return ops + (self.shared_expert.weights() if self.shared_expert else [])
@@ -315,6 +320,43 @@ class SandwichNorms(Part):
 
 
 @dataclass(frozen=True)
+class LinearBiases(Part):
+    """Biases on every linear, o_proj's too (gpt-oss): Megatron's ``add_bias_linear``, which also gives the router and
+    the experts theirs (``MoE.weights``). The experts' biases need each expert whole on its rank, and our grouped
+    experts (``native/experts.py``): megatron-core's sequential ones add their bias in place to an autograd view."""
+
+    def transformer(self, hf: Any) -> dict[str, Any]:
+        return {"add_bias_linear": True, "add_qkv_bias": True, "moe_grouped_gemm": True}
+
+    def weights(self, config: McaConfig) -> list[Op]:
+        return [Rename(f"{LAYER}self_attention.linear_proj.bias", (f"{HF_LAYER}self_attn.o_proj.bias",))]
+
+
+@dataclass(frozen=True)
+class AttentionSinks(Part):
+    """A learned logit per head that joins every softmax's denominator and takes no value (gpt-oss's ``sinks``):
+    Megatron's ``softmax_type: learnable``, the native attention's ``softmax_offset``, split over TP by head."""
+
+    def transformer(self, hf: Any) -> dict[str, Any]:
+        return {"softmax_type": "learnable"}
+
+    def weights(self, config: McaConfig) -> list[Op]:
+        return [Rename(f"{LAYER}self_attention.core_attention.softmax_offset", (f"{HF_LAYER}self_attn.sinks",))]
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU(Part):
+    """gpt-oss's expert activation: (clamp(up, ±limit) + 1) · g · sigmoid(alpha · g) with g = min(gate, limit).
+    transformers hard-codes alpha 1.702 and limit 7 in its expert module, not the config; Megatron's quick_gelu is
+    x · sigmoid(1.702 x), so only the limit is ours to give."""
+
+    limit: float = 7.0
+
+    def transformer(self, hf: Any) -> dict[str, Any]:
+        return {"activation": "quick_gelu", "glu_linear_offset": 1.0, "activation_func_clamp_value": self.limit}
+
+
+@dataclass(frozen=True)
 class GemmaScales(Part):
     """Gemma 3's constants: norms scaled by 1 + weight (computed in fp32), word embeddings multiplied by sqrt(hidden),
     attention scores by ``query_pre_attn_scalar`` ** -0.5 instead of head_dim ** -0.5, and the sliding-window layers'
@@ -390,11 +432,15 @@ class DecoderFamily(Family):
     vision: Vision | None = None
     mtp: MultiTokenPrediction | None = None
     linear_attention: GatedDeltaNet | None = None
+    linear_biases: LinearBiases | None = None
+    sinks: AttentionSinks | None = None
+    expert_activation: ClampedSwiGLU | None = None
 
     def parts(self) -> list[Part]:
         """The declared parts, in the order their weight ops follow the layer's."""
-        return [part for part in (self.qk_norm, self.sandwich_norms, self.gemma, self.linear_attention, self.moe,
-                                  self.mtp, self.vision) if part is not None]
+        return [part for part in (self.qk_norm, self.sandwich_norms, self.gemma, self.linear_attention,
+                                  self.linear_biases, self.sinks, self.expert_activation, self.moe, self.mtp,
+                                  self.vision) if part is not None]
 
     def check(self, hf: Any) -> None:
         if hf_activation(hf) not in GLU_ACTIVATIONS:
@@ -437,7 +483,15 @@ class DecoderFamily(Family):
             fields |= part.transformer(hf)
         if self.sliding_window:
             fields |= self.sliding_window.transformer(hf)
-        return fields
+        return fields | self.rope_attention(hf, fields)
+
+    def rope_attention(self, hf: Any, fields: dict[str, Any]) -> dict[str, Any]:
+        """YaRN's attention factor m: transformers scales RoPE's cos and sin by it, which scales q·k by m²; Megatron's
+        tables are unscaled, so the softmax scale takes m² (the sinks, added after the scale, see none of it)."""
+        m = rope_attention_scaling(hf)
+        if m == 1.0:
+            return {}
+        return {"softmax_scale": (fields.get("softmax_scale") or fields["kv_channels"] ** -0.5) * m * m}
 
     def config_from_hf(self, hf: Any) -> McaConfig:
         """From the HF config; a vision-language config's text half (``text_config``) describes the decoder."""

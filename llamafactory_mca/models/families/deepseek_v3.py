@@ -38,6 +38,10 @@ class DeepseekV3Family(DecoderFamily):
         if kind not in ("default", "yarn") or rope.get("attention_factor") or rope.get("truncate") is False:
             refuse(self.model_type, f"rope scaling {rope}", "Supported: none, or YaRN with mscale / mscale_all_dim.")
 
+    def rope_attention(self, hf: Any, fields: dict[str, Any]) -> dict[str, Any]:
+        """Megatron's MLA applies YaRN's mscale to its softmax scale itself."""
+        return {}
+
     def transformer(self, hf: Any) -> dict[str, Any]:
         fields = super().transformer(hf)
         theta, rope = rope_settings(hf)

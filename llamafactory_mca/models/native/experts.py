@@ -11,6 +11,10 @@ initialisation, and ``sharded_state_dict``, which writes per-expert ``linear_fc1
   with autograd; the counts may stay on the device (``dispatch.py``), so no host sync is needed. bf16 groups
   need no padding of their token counts (only 16-byte aligned strides, i.e. ``hidden`` and ``ffn/etp``
   multiples of 8); where that or the kernel is missing, a per-expert matmul loop computes the same thing;
+- biases (``add_bias_linear``: gpt-oss), which the parent refuses: ``bias1`` [local_experts, 2·ffn] is added to each
+  row's first GEMM output, ``bias2`` [local_experts, hidden] to its second, times the routing probability (as
+  Megatron's TE experts do); each expert whole on its rank (``expert_tensor_parallel_size: 1``), written as the
+  per-expert ``linear_fc1/2.bias`` a SequentialMLP checkpoint holds;
 - with ``gradient_accumulation_fusion`` the weights' gradients go into DDP's fp32 ``main_grad`` inside the
   backward (``_GroupedMMIntoMainGrad``), as Megatron's linears do with that key, in one vectorised add instead of
   DDP's mixed-dtype one — the experts hold most of a MoE model's weights, so this is most of its gradient traffic.
@@ -19,11 +23,13 @@ initialisation, and ``sharded_state_dict``, which writes per-expert ``linear_fc1
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from megatron.core.transformer.moe import grouped_gemm_util
 from megatron.core.transformer.moe.experts import GroupedMLP
@@ -37,8 +43,25 @@ class NativeGroupedMLP(GroupedMLP):
     """All local experts in two grouped GEMMs (``torch._grouped_mm``), parameters and checkpoints as GroupedMLP."""
 
     def __init__(self, num_local_experts: int, config, pg_collection=None) -> None:
+        # The parent refuses biases and any GLU but silu's and gelu's; both are ours here (the biases below, the
+        # activation in ``_activate``), so it builds from a copy of the config that asks for neither.
+        plain = copy.copy(config)
+        plain.add_bias_linear, plain.activation_func = False, F.silu
         with _grouped_gemm_package_not_required():
-            super().__init__(num_local_experts, config, pg_collection=pg_collection)
+            super().__init__(num_local_experts, plain, pg_collection=pg_collection)
+        self.config = config
+        self.bias1 = self.bias2 = None
+        if config.add_bias_linear:
+            if self.tp_group.size() > 1:
+                raise ValueError("expert biases need expert_tensor_parallel_size: 1")
+            fc1 = self.weight1.shape[1] // num_local_experts
+            device = self.weight1.device
+            self.bias1 = torch.nn.Parameter(torch.zeros(num_local_experts, fc1, dtype=config.params_dtype,
+                                                        device=device))
+            self.bias2 = torch.nn.Parameter(torch.zeros(num_local_experts, config.hidden_size,
+                                                        dtype=config.params_dtype, device=device))
+            for bias in (self.bias1, self.bias2):  # reduced over the weights' data-parallel group (expert or not)
+                setattr(bias, "allreduce", not self.expert_parallel)
         self._fused_swiglu = (config.bias_activation_fusion and config.gated_linear_unit
                               and config.activation_func is F.silu and not config.glu_linear_offset
                               and config.activation_func_clamp_value is None)
@@ -55,21 +78,45 @@ class NativeGroupedMLP(GroupedMLP):
         if hidden.nelement() == 0:
             # No token for the local experts: still touch the weights so they get (zero) gradients.
             w1, w2 = self.weight1.view(hidden_size, -1), self.weight2.view(-1, hidden_size)
-            return torch.matmul(self._activate(torch.matmul(hidden, w1), probs), w2), None
+            out = torch.matmul(self._activate(torch.matmul(hidden, w1), probs), w2)
+            return (out if self.bias1 is None else out + 0 * (self.bias1.sum() + self.bias2.sum())), None
         w1 = self.weight1.view(self.num_local_experts, hidden_size, -1)
         w2 = self.weight2.view(self.num_local_experts, -1, hidden_size)
         counts = tokens_per_expert.detach()
         if counts.device.type != "cpu" and not grouped_mm_usable(hidden, w1):
             counts = counts.to("cpu", torch.int64)  # the per-expert loop splits on the host
+        rows = None if self.bias1 is None else _expert_of_rows(counts, hidden.size(0), hidden.device)
+        fc1_out = self.fc1(hidden, w1, counts)
+        if rows is not None:
+            fc1_out = fc1_out + self.bias1[rows]
         if self.activation_recompute:
             self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput()
-            intermediate = self.activation_checkpoint.checkpoint(self._activate, self.fc1(hidden, w1, counts),
-                                                                 probs)
+            intermediate = self.activation_checkpoint.checkpoint(self._activate, fc1_out, probs)
             out = self.fc2(intermediate, w2, counts)
             self.activation_checkpoint.discard_output_and_register_recompute(out)
         else:
-            out = self.fc2(self._activate(self.fc1(hidden, w1, counts), probs), w2, counts)
+            out = self.fc2(self._activate(fc1_out, probs), w2, counts)
+        if rows is not None:
+            out = (out + self.bias2[rows] * probs.unsqueeze(-1)).to(out.dtype)
         return out, None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """The parent's (it walks every parameter as a weight, so the biases are out of sight while it runs), and
+        the biases as SequentialMLP's per-expert ``linear_fc1/2.bias`` (a tensor per layer with an expert axis)."""
+        if self.bias1 is None:
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        biases = {name: self._parameters.pop(name) for name in ("bias1", "bias2")}
+        try:
+            state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        finally:
+            self._parameters.update(biases)
+        axis = len(sharded_offsets)
+        for name, fc in (("bias1", "linear_fc1"), ("bias2", "linear_fc2")):
+            state[f"{prefix}{name}"] = ShardedTensor.from_rank_offsets(
+                f"{prefix}experts.{fc}.bias", biases[name], *sharded_offsets,
+                (axis, self.ep_group.rank(), self.ep_group.size()), replica_id=(0, 0, self.dp_group.rank()),
+                prepend_axis_num=axis)
+        return state
 
     def fc1(self, x: torch.Tensor, w1: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The first grouped GEMM (a LoRA subclass adds its adapters' here, ``models/lora/layers.py``)."""
@@ -101,6 +148,12 @@ class NativeGroupedMLP(GroupedMLP):
         else:
             act = config.activation_func(fc1_out)
         return (act * probs.unsqueeze(-1)).to(fc1_out.dtype)
+
+
+def _expert_of_rows(counts: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
+    """Each permuted row's local expert, from the rows per expert (on the device: no host sync)."""
+    experts = torch.arange(counts.numel(), device=counts.device)
+    return torch.repeat_interleave(experts, counts, output_size=rows).to(device, non_blocking=True)
 
 
 def grouped_mm(x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
