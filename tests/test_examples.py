@@ -18,8 +18,8 @@ import shutil
 import pytest
 import yaml
 
-from llamafactory_mca.tools.tiny import (GEMMA_TOKENS, GLM_TOKENS, TINY_VL, SENTENCES, TOPICS, save_tiny_model,
-                                         save_tiny_tokenizer, save_tiny_vl_model, write_image_dataset)
+from llamafactory_mca.tools.tiny import (GEMMA_TOKENS, GLM_TOKENS, GPT_OSS_TOKENS, TINY_VL, SENTENCES, TOPICS,
+                                         save_tiny_model, save_tiny_tokenizer, save_tiny_vl_model, write_image_dataset)
 from tests._cli import cli_env, fake_hub_cache, losses, ok, run
 
 
@@ -30,7 +30,8 @@ FAMILY = {"Qwen/Qwen3-1.7B": "qwen3", "Qwen/Qwen3-30B-A3B-Instruct-2507": "qwen3
           "Qwen/Qwen2-VL-7B-Instruct": "qwen2_vl", "Qwen/Qwen3-VL-30B-A3B-Instruct": "qwen3_vl_moe",
           "zai-org/GLM-4.5-Air": "glm4_moe", "moonshotai/Moonlight-16B-A3B-Instruct": "deepseek_v3",
           "Qwen/Qwen3-Next-80B-A3B-Instruct": "qwen3_next", "Qwen/Qwen3.5-27B": "qwen3_5",
-          "Qwen/Qwen3.5-35B-A3B": "qwen3_5_moe", "google/gemma-3-1b-it": "gemma3_text"}
+          "Qwen/Qwen3.5-35B-A3B": "qwen3_5_moe", "google/gemma-3-1b-it": "gemma3_text",
+          "openai/gpt-oss-120b": "gpt_oss"}
 # LLaMA-Factory's own dataset_info.json entries for its demo sets (data/dataset_info.json in its repository).
 LLAMAFACTORY_INFO = {
     "identity": {"file_name": "identity.json"},
@@ -97,11 +98,12 @@ def world(tmp_path_factory):
             extra = {"num_experts": 8} if family == "qwen3_5_moe" else None
             model = save_tiny_vl_model(family, str(root / "models" / family), text_config=extra)
         else:
-            # GLM, Moonlight, Qwen3-Next: as many experts as the recipes' expert parallel size (8); GLM's and
-            # Gemma's template tokens
-            extra = {"glm4_moe": GLM_TOKENS, "gemma3_text": GEMMA_TOKENS}.get(family, ())
+            # GLM, Moonlight, Qwen3-Next, gpt-oss: as many experts as the recipes' expert parallel size (8); GLM's,
+            # Gemma's and gpt-oss's template tokens
+            extra = {"glm4_moe": GLM_TOKENS, "gemma3_text": GEMMA_TOKENS, "gpt_oss": GPT_OSS_TOKENS}.get(family, ())
             experts = ({"n_routed_experts": 8} if family in ("glm4_moe", "deepseek_v3")
-                       else {"num_experts": 8} if family == "qwen3_next" else {})
+                       else {"num_experts": 8} if family == "qwen3_next"
+                       else {"num_local_experts": 8} if family == "gpt_oss" else {})
             model = save_tiny_model(family, str(root / "models" / family), vocab_size=vocab + len(extra), **experts)
             save_tiny_tokenizer(model, extra_special=extra)
         fake_hub_cache(str(root / "hub"), repo, model)
@@ -110,6 +112,7 @@ def world(tmp_path_factory):
 
 def test_every_example_is_covered():
     assert [os.path.basename(e) for e in EXAMPLES] == ["gemma3_1b_full.yaml", "glm4_5_air_lora.yaml",
+                                                       "gpt_oss_120b_lora.yaml",
                                                        "moonlight_full.yaml", "qwen2_vl_full.yaml",
                                                        "qwen3_5_full.yaml", "qwen3_5_moe_full.yaml",
                                                        "qwen3_dense_sft.yaml", "qwen3_dpo.yaml",

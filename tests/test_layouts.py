@@ -91,11 +91,18 @@ CASES = [
     ("gemma-cp2-packed", "gemma3_text", {"context_parallel_size": 2, "sequence_packing": True}, 4),
     ("gemma-tp2-pp2-sp", "gemma3_text", {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
                                          "sequence_parallel": True}, 8),
+    # gpt-oss's layout (sinks, windows of 6 on every other layer, biased experts, YaRN): the sinks on packed
+    # sequences split over CP, the biased grouped experts routed across EP ranks, the sinks split over TP with PP
+    ("oss-dp4", "gpt_oss", {}, 2),
+    ("oss-ep2-packed", "gpt_oss", {"expert_model_parallel_size": 2, "sequence_packing": True}, 2),
+    ("oss-cp2-packed", "gpt_oss", {"context_parallel_size": 2, "sequence_packing": True}, 4),
+    ("oss-tp2-pp2-sp", "gpt_oss", {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                                   "sequence_parallel": True}, 8),
     *_pipeline_cases(),
 ]
 # step 2 of every same-batch case must match these
 REFERENCE = {"qwen3": "dp4", "qwen3_moe": "moe-dp4", "glm4_moe": "glm-dp4", "deepseek_v3": "ds-dp4",
-             "qwen3_next": "next-dp4", "gemma3_text": "gemma-dp4"}
+             "qwen3_next": "next-dp4", "gemma3_text": "gemma-dp4", "gpt_oss": "oss-dp4"}
 
 # One whole epoch over data that does not divide into steps: 21 sft rows, or 4 pt documents of 3-5 x cutoff_len
 # split into pieces. (name, model, arguments, gradient accumulation, data)

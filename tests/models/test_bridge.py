@@ -384,3 +384,32 @@ def test_parameter_count_is_the_hf_models(tiny_models):
         mtp = sum(t.numel() for key, t in hf_tensors(path).items()
                   if key.startswith(layer) and not key.endswith(not_counted))
         assert model_parameter_count(AutoConfig.from_pretrained(path)) == hf.num_parameters() + mtp, name
+
+
+def test_mxfp4_checkpoint_loads_dequantized_and_exports_plain_weights(tmp_path):
+    """A gpt-oss checkpoint with its experts in MXFP4, as the hub stores gpt-oss: our logits equal transformers' on the
+    same checkpoint (it dequantizes to bf16 on a CPU; its experts run here in fp32 on those values), and the export
+    is plain weights, the dequantized values exactly, with no quantization_config: transformers loads it as is."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from llamafactory_mca.tools.tiny import save_mxfp4_experts
+
+    model = save_mxfp4_experts(save_tiny_model("gpt_oss", str(tmp_path / "mxfp4"), intermediate_size=96))
+    (results,) = run_distributed(_run_layouts, 1, [("single", {}, [("gpt_oss", model, str(tmp_path / "work"))])])
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).float().eval()
+    with torch.no_grad():
+        reference = hf(INPUT).logits
+    diff = (results[("single", "gpt_oss")]["logits"][..., :reference.shape[-1]] - reference).abs().max().item()
+    assert diff <= 1e-4, diff
+    exported = os.path.join(tmp_path, "work", "hf")
+    with open(os.path.join(exported, "config.json")) as f:
+        assert "quantization_config" not in json.load(f)
+    tensors = hf_tensors(exported)
+    assert not any(name.endswith(("_blocks", "_scales")) for name in tensors)
+    dequantized = hf.model.layers[1].mlp.experts.down_proj
+    assert torch.equal(tensors["model.layers.1.mlp.experts.down_proj"].float(), dequantized)
+    plain = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.allclose(plain(INPUT).logits, reference, atol=1e-5)

@@ -29,7 +29,10 @@ ADAPTERS = {"qwen3": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
                             "down_proj", "shared_expert_gate"], False, None),
             # o_proj's and down_proj's adapters feed the norms on the sublayers' outputs (Gemma's sandwich norms)
             "gemma3_text": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False,
-                            None)}
+                            None),
+            # every attention projection carries a bias beside its adapter (the experts are 3-D parameters, which
+            # LLaMA-Factory's lora_target: all leaves out)
+            "gpt_oss": (["q_proj", "k_proj", "v_proj", "o_proj"], False, None)}
 LAYOUTS = [("dp2", {}), ("tp2-sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
            ("pp2", {"pipeline_model_parallel_size": 2}), ("ep2", {"expert_model_parallel_size": 2}),
            ("ep2-grouped", {"expert_model_parallel_size": 2, "moe_grouped_gemm": True}),
