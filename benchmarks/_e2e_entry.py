@@ -149,6 +149,21 @@ def _callback(recorder: _Recorder):
     return BenchCallback()
 
 
+def _eager_attention_for_gpt_oss() -> None:
+    """LLaMA-Factory's default path loads a FlashAttention-3 kernel from the hub for gpt-oss (no network here);
+    transformers' eager attention, which has the sinks, takes its place. Other models keep LLaMA-Factory's choice."""
+    from llamafactory.model import patcher
+
+    choose = patcher.configure_attn_implementation
+
+    def eager_for_gpt_oss(config, model_args):
+        if getattr(config, "model_type", None) != "gpt_oss":
+            return choose(config, model_args)
+        setattr(config, "_attn_implementation", "eager")
+
+    patcher.configure_attn_implementation = eager_for_gpt_oss
+
+
 def main() -> None:
     if OURS:  # the .pth startup hook has done this already when the package is installed; install() is idempotent
         from llamafactory_mca.launch import plugin
@@ -165,6 +180,7 @@ def main() -> None:
             return training_step(self, model, inputs, *args, **kwargs)
 
         Trainer.training_step = counting_training_step
+        _eager_attention_for_gpt_oss()
 
     from llamafactory.train.tuner import run_exp
 

@@ -67,6 +67,14 @@ GEMMA3_1B = dict(model_type="gemma3_text", hidden_size=1152, num_hidden_layers=2
                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                   "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
                  tie_word_embeddings=True)
+# gpt-oss-20b (openai/gpt-oss-20b config.json, bf16 in place of its MXFP4 experts): 64 query heads of 64, 8 kv heads,
+# sinks, windows of 128 tokens on every other layer, YaRN x32, 32 biased experts (top 4) of 2880 in every layer
+GPT_OSS_20B = dict(model_type="gpt_oss", hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
+                   num_key_value_heads=8, head_dim=64, intermediate_size=2880, num_local_experts=32,
+                   num_experts_per_tok=4, sliding_window=128, vocab_size=201088, max_position_embeddings=131072,
+                   router_aux_loss_coef=0.9, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096})
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, vocab_size=512, max_position_embeddings=2048)
 SMOKE_SHAPES = {"dense": {**QWEN3_1_7B, **TINY}, "dense8b": {**QWEN3_8B, **TINY},
@@ -133,18 +141,21 @@ SMOKE_SHAPES |= {kind: dict(model_type=shape["model_type"]) for kind, shape in V
 # default path drops it (transformers has no MTP)
 SMOKE_SHAPES["glm_mtp"] = {**SMOKE_SHAPES["glm"], "num_nextn_predict_layers": 1}
 SMOKE_SHAPES["gemma3"] = {**GEMMA3_1B, **TINY, "sliding_window": 64, "query_pre_attn_scalar": 16}
+SMOKE_SHAPES["gpt_oss"] = {**GPT_OSS_20B, **TINY, "num_local_experts": 8, "num_experts_per_tok": 2,
+                           "sliding_window": 64}
 SHAPES = {"dense": QWEN3_1_7B, "dense8b": QWEN3_8B, "moe": QWEN3_30B_A3B, "glm": GLM_4_5_AIR,
           "glm_mtp": {**GLM_4_5_AIR, "num_nextn_predict_layers": 1}, "moonlight": MOONLIGHT, "next": QWEN3_NEXT_80B,
-          "gemma3": GEMMA3_1B, **VL}
+          "gemma3": GEMMA3_1B, "gpt_oss": GPT_OSS_20B, **VL}
 LABELS = {"dense": "Qwen3-1.7B shape", "dense8b": "Qwen3-8B shape", "moe": "Qwen3-30B-A3B shape",
           "glm": "GLM-4.5-Air shape", "glm_mtp": "GLM-4.5-Air shape with its MTP layer",
           "moonlight": "Moonlight-16B-A3B shape (DeepSeek-V3 architecture)",
           "next": "Qwen3-Next-80B-A3B shape",
           "gemma3": "Gemma-3-1B shape",
+          "gpt_oss": "gpt-oss-20b shape",
           "vl": "Qwen2.5-VL-7B shape",
           "vl_moe": "Qwen3-VL-30B-A3B shape",
           "vl_next": "Qwen3.5-35B-A3B shape"}
-MOE_KINDS = ("moe", "vl_moe", "vl_next", "glm", "glm_mtp", "moonlight", "next")
+MOE_KINDS = ("moe", "vl_moe", "vl_next", "glm", "glm_mtp", "moonlight", "next", "gpt_oss")
 
 
 def image_side(kind: str, smoke: bool) -> int:
@@ -304,6 +315,16 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                  warmup=3, layers=2 if smoke else 26,
                  about=f"full fine-tuning of the whole model (26 layers, windows of 512 tokens on 5 of every 6), "
                        f"{cut}-token packed micro-batches, global batch 8"),
+        Workload("gpt_oss", "gpt_oss", cut, packed,
+                 [Run("lf_nopack", "lf", 1, False, 2, 4, "1 GPU, padded, eager attention"),
+                  Run("ours", "ours", 1, True, 1, 8, "1 GPU, packed"),
+                  Run("ours_nopack", "ours", 1, False, 2, 4, "1 GPU, padded")],
+                 steps=10, warmup=3, layers=2,
+                 about=f"full fine-tuning of the first 2 layers (every layer 32 biased experts: what fits one GPU with "
+                       f"Adam states), SFT rows uniform {packed[1]}..{packed[2]} tokens; LLaMA-Factory: 2 padded rows "
+                       "x 4 (its collator refuses neat_packing for gpt-oss) with transformers' eager attention (its "
+                       "default path loads a FlashAttention-3 kernel from the hub); ours: 1 pack x 8, and the same "
+                       "padded rows (`ours_nopack`)"),
         Workload("glm_moe", "glm", cut, packed, _pair(1, 8, "1 GPU"), steps=10, warmup=3, layers=2 if smoke else 3,
                  about=f"full fine-tuning of the first 3 layers (1 dense, 2 MoE: as many as fit one H200 with Adam "
                        f"states), {cut}-token packed micro-batches, global batch 8"),
