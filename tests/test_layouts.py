@@ -64,6 +64,9 @@ CASES = [
     ("moe-ep4", "qwen3_moe", {"expert_model_parallel_size": 4}, 2),
     ("moe-ep2-tp2", "qwen3_moe", {"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2,
                                   "sequence_parallel": True}, 4),
+    # whole experts under TP2 (expert TP 1, no EP): each TP rank's sequence-parallel tokens go through its own copy of
+    # every expert, and the two halves of each expert's gradient must meet (the expert-data-parallel group)
+    ("moe-tp2-sp", "qwen3_moe", {"tensor_model_parallel_size": 2, "sequence_parallel": True}, 4),
     # GLM-4.5's layout (layer 0 dense, sigmoid routing with a correction bias, shared expert, partial RoPE, q/k/v
     # biases): PP2 puts the dense layer on stage 0 only, EP2 routes across ranks
     ("glm-dp4", "glm4_moe", {}, 2),

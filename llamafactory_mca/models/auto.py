@@ -338,6 +338,23 @@ def _mask_vocab_padding(chunk: torch.nn.Module, vocab_size: int) -> None:
     chunk.output_layer.register_forward_hook(hook)
 
 
+def _experts_reduced_over_their_data_parallel_group(chunks: list[torch.nn.Module]) -> None:
+    """megatron-core reduces an expert's gradient over the expert-data-parallel group only under expert parallelism
+    (the ``allreduce`` attribute it sets: ``expert_model_parallel_size > 1``), else over the dense one. Those groups
+    differ wherever the experts' tensor-parallel size is not the attention's: under TP2 with whole experts
+    (expert_tensor_parallel_size 1, the layout's default) each TP rank runs its own sequence-parallel tokens through
+    its copy of every expert, and only the expert-data-parallel group sums the two halves of the gradient."""
+    from megatron.core import parallel_state as ps
+
+    if (ps.get_expert_model_parallel_world_size() > 1
+            or ps.get_expert_tensor_parallel_world_size() == ps.get_tensor_model_parallel_world_size()):
+        return
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if ".mlp.experts." in name:
+                param.allreduce = False
+
+
 class AutoModel:
     @staticmethod
     def from_config(config: McaConfig, args: Any = None, frozen_base: bool = False) -> McaModel:
@@ -373,6 +390,7 @@ class AutoModel:
             if torch.cuda.is_available():
                 chunk.cuda()
             chunks.append(chunk)
+        _experts_reduced_over_their_data_parallel_group(chunks)
         return McaModel(config, tc, chunks)
 
     @staticmethod
