@@ -120,7 +120,9 @@ def test_moe_resumes_from_ep2_to_ep1_and_to_tp2_with_expert_tensor_parallelism(a
 
 def test_gpt_oss_resumes_from_ep2_to_tp2_and_to_pp2(assets, tmp_path):
     """gpt-oss's own state (the sinks split over TP, the grouped experts' biases with their expert axis, the router's
-    bias) re-laid out with the distributed optimizer's buckets: EP2 -> TP2 + SP -> PP2 train the same steps."""
+    bias) re-laid out with the distributed optimizer's buckets: EP2 -> TP2 + SP -> PP2 train the same steps. Under TP2
+    each rank's copy of every expert sees half the tokens: step 4 differed by 2e-4 while those halves were not summed
+    (the expert-data-parallel group, ``models/auto.py``)."""
     from llamafactory_mca.tools.tiny import save_tiny_model, save_tiny_tokenizer
 
     model = save_tiny_model("gpt_oss", str(tmp_path / "gpt_oss"), vocab_size=assets["vocab"])
