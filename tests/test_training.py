@@ -277,54 +277,48 @@ def test_qwen3_next_sft_packed_matches_llamafactory_and_merges(assets, tmp_path)
         assert not torch.equal(start[name], end[name]), name
 
 
-@pytest.mark.parametrize("finetuning", ["full", "lora"])
-def test_gemma3_sft_packed_matches_llamafactory_and_merges(finetuning, assets, tmp_path):
-    """Gemma 3's decoder (sandwich norms, scaled embeddings, tanh GeGLU, windows of 6 tokens on three of four layers
-    with their own RoPE base) through the real command, packed, full and LoRA on every linear (``lora_target: all``):
-    step 1's loss is LLaMA-Factory's default (unpacked, padded) path's, the loss falls, the startup summary names the
-    window, and the merged checkpoint is a Gemma3ForCausalLM with every tensor of the original."""
-    from transformers import AutoModelForCausalLM
-
-    lora = dict(finetuning_type="lora", lora_target="all", lora_rank=4, learning_rate=1e-2) if finetuning == "lora" \
-        else {}
-    _, _, output, model, merged = _sft_against_default("gemma3_text", assets, tmp_path, sequence_packing=True, **lora)
-    assert "sliding window 6 tokens on 3 of 4 layers" in output, output[-3000:]
-    if finetuning == "lora":
-        assert "LoRA rank 4" in output and "o_proj" in output and "down_proj" in output
-        return
-    hf = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
-    assert type(hf).__name__ == "Gemma3ForCausalLM"
-    start, end = _weights(model), _weights(merged)
-    assert set(start) == set(end)
-    for name in ("model.layers.1.post_attention_layernorm.weight", "model.layers.3.post_feedforward_layernorm.weight",
-                 "model.layers.0.pre_feedforward_layernorm.weight", "model.layers.2.self_attn.q_norm.weight"):
-        assert not torch.equal(start[name], end[name]), name
-
-
-@pytest.mark.parametrize("finetuning", ["full", "lora"])
-def test_gpt_oss_sft_packed_matches_llamafactory_and_merges(finetuning, assets, tmp_path):
-    """gpt-oss's layout (sinks, biases everywhere, windows of 6 on every other layer, YaRN, biased experts stored
-    interleaved, the clamped SwiGLU) through the real command, packed, full and LoRA on every linear
-    (``lora_target: all``: the attention's projections, as LLaMA-Factory expands it): step 1's loss is LLaMA-Factory's
-    default (unpacked, eager attention) path's, the summary names the sinks' and the windows' kernels, and the merged
-    checkpoint is a GptOssForCausalLM whose trained tensors moved."""
-    from transformers import AutoModelForCausalLM
-
-    lora = dict(finetuning_type="lora", lora_target="all", lora_rank=4, learning_rate=1e-2) if finetuning == "lora" \
-        else {}
-    _, _, output, model, merged = _sft_against_default("gpt_oss", assets, tmp_path, sequence_packing=True, **lora)
-    assert "sliding window 6 tokens on 2 of 4 layers" in output, output[-3000:]
-    assert "attention sinks (learnable): fp32 scores per sequence" in output, output[-3000:]
-    if finetuning == "lora":
-        assert "LoRA rank 4" in output and "o_proj" in output and "q_proj" in output
-        return
-    hf = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
-    assert type(hf).__name__ == "GptOssForCausalLM"
-    start, end = _weights(model), _weights(merged)
-    assert set(start) == set(end)
-    for name in ("model.layers.1.self_attn.sinks", "model.layers.0.self_attn.o_proj.bias",
+# family: (what the startup summary names, the LoRA targets it lists, the merged model's class, tensors that must move)
+PACKED_FAMILIES = {
+    # Gemma 3's decoder: sandwich norms, scaled embeddings, tanh GeGLU, windows of 6 tokens on three of four layers
+    # with their own RoPE base
+    "gemma3_text": (("sliding window 6 tokens on 3 of 4 layers",), ("o_proj", "down_proj"), "Gemma3ForCausalLM",
+                    ("model.layers.1.post_attention_layernorm.weight",
+                     "model.layers.3.post_feedforward_layernorm.weight",
+                     "model.layers.0.pre_feedforward_layernorm.weight", "model.layers.2.self_attn.q_norm.weight")),
+    # gpt-oss: sinks, biases everywhere, windows of 6 on every other layer, YaRN, biased experts stored interleaved,
+    # the clamped SwiGLU; LLaMA-Factory's `all` is the attention's projections (the experts are 3-D parameters), and
+    # its default path runs transformers' eager attention here (``DEFAULT_PATH_EAGER_GPT_OSS``)
+    "gpt_oss": (("sliding window 6 tokens on 2 of 4 layers", "attention sinks (learnable): fp32 scores per sequence"),
+                ("o_proj", "q_proj"), "GptOssForCausalLM",
+                ("model.layers.1.self_attn.sinks", "model.layers.0.self_attn.o_proj.bias",
                  "model.layers.2.mlp.router.bias", "model.layers.3.mlp.experts.gate_up_proj_bias",
-                 "model.layers.0.mlp.experts.down_proj_bias", "model.layers.1.mlp.experts.gate_up_proj"):
+                 "model.layers.0.mlp.experts.down_proj_bias", "model.layers.1.mlp.experts.gate_up_proj")),
+}
+
+
+@pytest.mark.parametrize("finetuning", ["full", "lora"])
+@pytest.mark.parametrize("family", list(PACKED_FAMILIES))
+def test_sft_packed_matches_llamafactory_and_merges(family, finetuning, assets, tmp_path):
+    """A family's layout through the real command, packed, full and LoRA on every linear (``lora_target: all``): step
+    1's loss is LLaMA-Factory's default (unpacked, padded) path's, the loss falls, the startup summary names the
+    windows (and sinks), and the merged checkpoint is the family's HF class with every tensor of the original, the
+    family's own ones trained."""
+    from transformers import AutoModelForCausalLM
+
+    summary, lora_targets, hf_class, moved = PACKED_FAMILIES[family]
+    lora = dict(finetuning_type="lora", lora_target="all", lora_rank=4, learning_rate=1e-2) if finetuning == "lora" \
+        else {}
+    _, _, output, model, merged = _sft_against_default(family, assets, tmp_path, sequence_packing=True, **lora)
+    for line in summary:
+        assert line in output, output[-3000:]
+    if finetuning == "lora":
+        assert "LoRA rank 4" in output and all(target in output for target in lora_targets)
+        return
+    hf = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+    assert type(hf).__name__ == hf_class
+    start, end = _weights(model), _weights(merged)
+    assert set(start) == set(end)
+    for name in moved:
         assert not torch.equal(start[name], end[name]), name
 
 

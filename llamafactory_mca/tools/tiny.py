@@ -145,8 +145,8 @@ def save_tiny_model(name: str, directory: str, seed: int = 0, dtype: torch.dtype
 
 
 def save_mxfp4_experts(directory: str) -> str:
-    """Rewrite a tiny gpt-oss model's experts as the hub stores gpt-oss's: MXFP4, each block of 32 input values as 4-bit
-    e2m1 codes (two a byte, the even value in the low nibble: ``<name>_blocks`` [E, out, in / 32, 16]) and one
+    """Rewrite a tiny gpt-oss model's experts as the hub stores gpt-oss's: MXFP4, each block of 32 input values as
+    4-bit e2m1 codes (two a byte, the even value in the low nibble: ``<name>_blocks`` [E, out, in / 32, 16]) and one
     power-of-two scale (``<name>_scales`` [E, out, in / 32], exponent + 127), with config.json's quantization_config.
     The values become the nearest representable ones; transformers and we both read them back dequantized."""
     import json
