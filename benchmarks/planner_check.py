@@ -39,7 +39,10 @@ ABOUT = ("Every packed run of ours in `benchmarks/results`, predicted from its s
          "`h200_moe_busy/` and `h200_param_remainders/` (measured after the fit: the experts' weight gradients now "
          "go into main_grad in one vectorised pass, 11-28% faster than predicted), and LoRA MoE with CUDA graphs "
          "(`h200_lora_graphs/`: 22% faster than predicted; the frozen experts' efficiency was fitted to eager "
-         "runs). The host is noisy: the same eager run measured 25.5-31.5k tokens/s in three calls.")
+         "runs), and Gemma 3 (the launches of its sublayer norms and second RoPE table are not modelled: eager "
+         "76-148% and graphed 28-44% slower than predicted, its memory within 11%). gpt-oss (biased experts, sinks) "
+         "runs 9-17% faster than predicted. The host is noisy: the same eager run measured 25.5-31.5k tokens/s in "
+         "three calls.")
 
 KEYS = {"tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp", "context_parallel_size": "cp",
         "expert_model_parallel_size": "ep", "virtual_pipeline_model_parallel_size": "vpp"}
