@@ -181,6 +181,24 @@ def test_bad_input_fails_clearly_and_writes_nothing(overrides, message, assets, 
     assert not out.exists() or not any(n.startswith("checkpoint") for n in os.listdir(out))
 
 
+@pytest.mark.parametrize("keys,message", [
+    ({"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 2},
+     "expert_tensor_parallel_size=2: the experts' biases need each expert whole on its rank"),
+    ({"moe_grouped_gemm": False}, "moe_grouped_gemm=False, but this model's experts have biases"),
+])
+def test_gpt_oss_layouts_its_biased_experts_cannot_take_are_refused(keys, message, assets, tmp_path):
+    """gpt-oss's biased experts run whole on their rank and grouped (``native/experts.py``): asking otherwise is one
+    line naming the key and the fix, before any worker starts."""
+    from llamafactory_mca.tools.tiny import save_tiny_model, save_tiny_tokenizer
+
+    model = save_tiny_model("gpt_oss", str(tmp_path / "gpt_oss"), vocab_size=assets["vocab"])
+    save_tiny_tokenizer(model)
+    result, output = train(tmp_path, recipe(assets, tmp_path / "out", model_name_or_path=model, **keys), world=2,
+                           alone=False)
+    one_error(result, output, message)
+    assert "Loaded gpt_oss" not in output and not (tmp_path / "out").exists()
+
+
 def test_a_dataset_of_empty_rows_is_refused(assets, tmp_path):
     """Alpaca rows whose fields are all empty would train on the template's end-of-turn token alone: one line, before
     the model loads (the counting itself, for sft, dpo and pt: tests/data/test_content.py)."""

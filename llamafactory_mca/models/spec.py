@@ -302,7 +302,7 @@ def _native_only(config: TransformerConfig) -> str | None:
         return "post-sublayer norms / a RoPE base per layer kind: our attention and MLP sublayers"
     if getattr(config, "softmax_type", "vanilla") != "vanilla":
         return "attention sinks on packed sequences: our attention"
-    if config.num_moe_experts and config.add_bias_linear and config.moe_grouped_gemm:
+    if config.num_moe_experts and getattr(config, "add_bias_linear", False) and config.moe_grouped_gemm:
         return "biased grouped experts: our grouped GEMM"
     return None
 
