@@ -1029,8 +1029,8 @@ def test_learnable_softmax_equals_megatron_local_attention():
 def test_gpt_oss_config_summary_and_refusals(tmp_path):
     """gpt-oss's fields reach the TransformerConfig: sinks, biases everywhere, the clamped SwiGLU, and YaRN's attention
     factor m as the softmax scale's m² (transformers scales cos and sin by m); the summary names the sinks' and the
-    windows' kernels; expert TP and sequential experts, which cannot hold the experts' biases, are refused in one line
-    each, before any worker."""
+    windows' kernels; the layout check refuses expert TP, which cannot hold the experts' biases (through the real
+    command, with sequential experts too: test_training.py); quantizations other than MXFP4 are refused."""
     from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
     from llamafactory_mca.errors import UserError
