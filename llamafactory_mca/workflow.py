@@ -164,6 +164,7 @@ def _run(stage: str, model_args, data_args, training_args, finetuning_args, call
         run_lock.release_held()  # torchrun started by hand: rank 0 took the lock (see _train)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker; an in-process caller keeps its interpreter
         parallel.end_worker()
+    parallel.destroy()
 
 
 def _resolve_once_per_node(name: str, model_args: Any, field: str) -> str:
@@ -241,4 +242,3 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
     if trainer.is_world_process_zero() and finetuning_args.plot_loss:
         keys = ["loss"] + (["eval_loss"] if eval_plan is not None else [])
         plot_loss(training_args.output_dir, keys=keys + (["rewards/accuracies"] if stage == "dpo" else []))
-    parallel.destroy()

@@ -64,6 +64,9 @@ def version(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv else "help"
+    from .plugin import skip_the_final_collection
+
+    skip_the_final_collection()
     if command in ("train", "demo") and not any(a in ("-h", "--help") for a in argv):
         from ..errors import user_errors
         from .plugin import refuse_when_disabled
