@@ -134,8 +134,21 @@ QWEN3_5_35B_A3B = dict(model_type="qwen3_5_moe",
                                           temporal_patch_size=2, num_position_embeddings=2304,
                                           hidden_act="gelu_pytorch_tanh"),
                        tie_word_embeddings=False)
-VL = {"vl": QWEN2_5_VL_7B, "vl_moe": QWEN3_VL_30B_A3B, "vl_next": QWEN3_5_35B_A3B}
-VL_TEMPLATE = {"qwen2_5_vl": "qwen2_vl", "qwen3_vl_moe": "qwen3_vl_nothink", "qwen3_5_moe": "qwen3_5_nothink"}
+# GLM-4.5V: GLM-4.5-Air's decoder (without its MTP layer) under 3-D RoPE (T 8, H 12, W 12 of the rotary half), and
+# transformers' Glm4vMoeVisionConfig defaults for the 24-block tower (1536 wide; its blocks' MLPs 4096)
+GLM_4_5V = dict(model_type="glm4v_moe",
+                text_config=dict({k: v for k, v in GLM_4_5_AIR.items()
+                                  if k not in ("model_type", "use_qk_norm", "rope_theta", "partial_rotary_factor",
+                                               "tie_word_embeddings")},
+                                 max_position_embeddings=65536,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                  "partial_rotary_factor": 0.5, "mrope_section": [8, 12, 12]}),
+                vision_config=dict(depth=24, hidden_size=1536, num_heads=12, out_hidden_size=4096, patch_size=14,
+                                   image_size=336, spatial_merge_size=2, temporal_patch_size=2, hidden_act="silu"),
+                tie_word_embeddings=False)
+VL = {"vl": QWEN2_5_VL_7B, "vl_moe": QWEN3_VL_30B_A3B, "vl_next": QWEN3_5_35B_A3B, "glm_vl": GLM_4_5V}
+VL_TEMPLATE = {"qwen2_5_vl": "qwen2_vl", "qwen3_vl_moe": "qwen3_vl_nothink", "qwen3_5_moe": "qwen3_5_nothink",
+               "glm4v_moe": "glm4_5v"}
 SMOKE_SHAPES |= {kind: dict(model_type=shape["model_type"]) for kind, shape in VL.items()}  # tiny.py's shapes
 # GLM-4.5-Air as released, with its multi-token-prediction layer (an MoE layer): ours trains it, LLaMA-Factory's
 # default path drops it (transformers has no MTP)
@@ -154,8 +167,9 @@ LABELS = {"dense": "Qwen3-1.7B shape", "dense8b": "Qwen3-8B shape", "moe": "Qwen
           "gpt_oss": "gpt-oss-20b shape",
           "vl": "Qwen2.5-VL-7B shape",
           "vl_moe": "Qwen3-VL-30B-A3B shape",
-          "vl_next": "Qwen3.5-35B-A3B shape"}
-MOE_KINDS = ("moe", "vl_moe", "vl_next", "glm", "glm_mtp", "moonlight", "next", "gpt_oss")
+          "vl_next": "Qwen3.5-35B-A3B shape",
+          "glm_vl": "GLM-4.5V shape"}
+MOE_KINDS = ("moe", "vl_moe", "vl_next", "glm_vl", "glm", "glm_mtp", "moonlight", "next", "gpt_oss")
 
 
 def image_side(kind: str, smoke: bool) -> int:

@@ -25,6 +25,7 @@ from .errors import UserError
 from .hub import resolve_model
 from .models.auto import AutoConfig, mtp_apart_from_features, resolve_load_balancing, resolve_mtp
 from .models.config import McaConfig
+from .models.families import get_family
 from .models.lora.layers import check_lora_request
 from .models.lora.peft_io import check_lora_plan
 from .models.multimodal import check_vision_layout
@@ -60,6 +61,11 @@ class RunPlan:
     @property
     def vision(self) -> bool:
         return bool(self.config.transformer.get("mrope_section"))
+
+    @property
+    def video_span(self) -> tuple[int, int] | None:
+        """The ids around a video written as its frames' image tokens (``families.base.Vision.video_span``)."""
+        return get_family(self.config.hf_model_type).vision.video_span(self.config.hf_config) if self.vision else None
 
 
 Resolver = Callable[..., str]  # hub.resolve_model's signature: (name, model_args, field=...) -> a local folder

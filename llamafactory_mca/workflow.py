@@ -74,7 +74,8 @@ def _data_plans(plan: RunPlan, template: Any, tokenizer_module: dict, model_args
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     batching = dict(cutoff_len=plan.cutoff_len, packing=plan.packing, pad_multiple=plan.layout.pad_multiple,
                     pad_token_id=pad_id)
-    vision = VisionInputs(template.mm_plugin, processor, plan.config.hf_config) if plan.vision else None
+    vision = VisionInputs(template.mm_plugin, processor, plan.config.hf_config, video_span=plan.video_span) \
+        if plan.vision else None
     train_plan = DataPlan(dataset_module["train_dataset"], BatchingConfig.from_args(training_args, **batching),
                           log=False, vision=vision, template_tokens=frame)
     check_trainable(train_plan.stats, dataset=",".join(data_args.dataset or []))

@@ -2,9 +2,9 @@
 rows with images (and, for Qwen3-VL and Qwen3.5, videos), resized by ``image_max_pixels``: the first step's loss (the
 global batch is the whole set, so row order cannot matter) at PP2 (the tower on the first stage, with Qwen3-VL's
 deepstack layers), padded for Qwen2-VL and packed for Qwen3-VL; Qwen3.5 packed at TP2 + SP (gated delta-rule layers
-restarting per sequence, and its multi-token-prediction layer trained on the image features); the tower frozen as
-LLaMA-Factory freezes it by default; the export loading into ``transformers``. (Packed PP4 and PP2 x EP4: the recipes
-in tests/test_examples.py.)"""
+restarting per sequence, and its multi-token-prediction layer trained on the image features); GLM-4.5V packed at
+EP2 with images; the tower frozen as LLaMA-Factory freezes it by default; the export loading into ``transformers``.
+(Packed PP4 and PP2 x EP4: the recipes in tests/test_examples.py.)"""
 
 import pytest
 import torch
@@ -19,15 +19,20 @@ pytestmark = pytest.mark.slow
 
 PP2 = {"pipeline_model_parallel_size": 2}
 TP2_SP = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
+EP2 = {"expert_model_parallel_size": 2}
 
 
 @pytest.mark.parametrize("family,template,video_every,packing,layout", [
     ("qwen2_vl", "qwen2_vl", 0, False, PP2), ("qwen3_vl", "qwen3_vl", 3, True, PP2),
     # Qwen3.5 trains its multi-token-prediction layer, which sees the image features: not under pipelining
-    ("qwen3_5", "qwen3_5", 3, True, TP2_SP)])
+    ("qwen3_5", "qwen3_5", 3, True, TP2_SP),
+    # GLM-4.5V, images only: LLaMA-Factory 0.9.5's glm4v plugin calls transformers 5.6's video processor with an
+    # argument it no longer takes, on either path (videos: tests/models/test_multimodal.py)
+    ("glm4v_moe", "glm4_5v", 0, True, EP2)])
 def test_vision_language_sft_matches_llamafactory_and_keeps_the_tower_frozen(tmp_path, family, template, video_every,
                                                                             packing, layout):
-    from transformers import AutoModelForImageTextToText
+    from llamafactory.model.model_utils.visual import COMPOSITE_MODELS
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
     model = save_tiny_vl_model(family, str(tmp_path / "model"))
     # one or two images a row, two image sizes; for Qwen3-VL every third row also has a two-frame video
@@ -58,8 +63,14 @@ def test_vision_language_sft_matches_llamafactory_and_keeps_the_tower_frozen(tmp
 
     before, after = hf_tensors(model), hf_tensors(tmp_path / "ours")
     assert sorted(before) == sorted(after)
-    tower = [k for k in before if "visual." in k]
-    assert tower and all(torch.equal(before[k], after[k]) for k in tower)  # freeze_vision_tower (and projector)
+    # freeze_vision_tower and freeze_multi_modal_projector, as LLaMA-Factory names their parts: Qwen's whole tower;
+    # GLM-4.5V's patch embedding, blocks and merger, while its position table, downsampling and norms train
+    names = COMPOSITE_MODELS[AutoConfig.from_pretrained(model).model_type]
+    frozen = [k for k in before if any(key in k for key in names.vision_model_keys + names.projector_keys)]
+    assert frozen and all(torch.equal(before[k], after[k]) for k in frozen)
+    trained = [k for k in before if "visual." in k and k not in frozen]
+    assert (family == "glm4v_moe") == bool(trained), trained
+    assert all(not torch.equal(before[k], after[k]) for k in trained if k.endswith("weight")), trained
     norm = next(k for k in before if k.endswith("model.norm.weight") or k.endswith("language_model.norm.weight"))
     assert not torch.equal(before[norm], after[norm])  # the language model trained
     if family == "qwen3_5":

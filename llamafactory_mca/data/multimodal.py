@@ -21,6 +21,25 @@ from .rows import Sample
 IMAGE, VIDEO = 1, 2  # mm_token_type_ids of transformers' get_rope_index
 
 
+def placeholder_types(ids: torch.Tensor, image_token_id: int, video_token_id: int | None,
+                      video_span: tuple[int, int] | None = None) -> torch.Tensor:
+    """0 (text), IMAGE or VIDEO for each token of ``ids`` [..., s]. ``video_span``: the ids that open and close a
+    video whose frames are image tokens (GLM-4.5V: ``<|begin_of_video|>`` ... ``<|end_of_video|>``); otherwise a
+    video's placeholders are ``video_token_id``. A span never crosses a packed sequence's end, so a row's running
+    count of opened spans is each sequence's."""
+    types = torch.zeros_like(ids)
+    images = ids == image_token_id
+    if video_span is not None:
+        inside = torch.cumsum((ids == video_span[0]).int() - (ids == video_span[1]).int(), dim=-1) > 0
+        types[images & ~inside] = IMAGE
+        types[images & inside] = VIDEO
+        return types
+    types[images] = IMAGE
+    if video_token_id is not None:
+        types[ids == video_token_id] = VIDEO
+    return types
+
+
 def _rope_index(hf_config: dict[str, Any]):
     """``get_rope_index`` of the HF VL model, bound to an instance that holds only its config: the method reads
     nothing else, and building the model (billions of parameters) to call it would be absurd."""
@@ -37,11 +56,16 @@ def _rope_index(hf_config: dict[str, Any]):
 class VisionInputs:
     """What a vision-language model needs beside the tokens, built at collation."""
 
-    def __init__(self, mm_plugin: Any, processor: Any, hf_config: dict[str, Any]) -> None:
+    def __init__(self, mm_plugin: Any, processor: Any, hf_config: dict[str, Any],
+                 video_span: tuple[int, int] | None = None) -> None:
         self.plugin, self.processor = mm_plugin, processor
         self.rope_index = _rope_index(hf_config)
         self.merge = hf_config["vision_config"]["spatial_merge_size"]  # vision tokens per patch grid: 1 / merge^2
         self.image_token_id, self.video_token_id = hf_config["image_token_id"], hf_config.get("video_token_id")
+        self.video_span = video_span
+
+    def types(self, ids: torch.Tensor) -> torch.Tensor:
+        return placeholder_types(ids, self.image_token_id, self.video_token_id, self.video_span)
 
     def attach(self, batch: MicroBatch, samples: list[Sample]) -> MicroBatch:
         """``batch`` with its vision inputs (None without images or videos) and 3-D positions."""
@@ -59,12 +83,13 @@ class VisionInputs:
 
     def _check_counts(self, batch: MicroBatch, vision: dict[str, torch.Tensor]) -> None:
         """Placeholder tokens and vision features must pair one to one (the model fills the one with the other)."""
-        for key, token in (("image_grid_thw", self.image_token_id), ("video_grid_thw", self.video_token_id)):
+        types = self.types(batch.tokens)
+        for key, kind in (("image_grid_thw", IMAGE), ("video_grid_thw", VIDEO)):
             features = sum(self._tokens(grid) for grid in vision.get(key, []))
-            placeholders = 0 if token is None else int((batch.tokens == token).sum())
+            placeholders = int((types == kind).sum())
             if placeholders != features:
-                raise ValueError(f"{placeholders} placeholder tokens (id {token}) but {features} vision features "
-                                 f"({key}): the rows and their images or videos do not match")
+                raise ValueError(f"{placeholders} placeholder tokens but {features} vision features ({key}): the "
+                                 "rows and their images or videos do not match")
 
     def _tokens(self, grid: torch.Tensor) -> int:
         """Placeholder tokens of one image or video: its patch grid (t, h, w) merged ``merge`` x ``merge``."""
@@ -84,10 +109,7 @@ class VisionInputs:
 
     def _sequence(self, ids: torch.Tensor, grids: dict[str, list[torch.Tensor]]) -> torch.Tensor:
         """[3, n] for one sequence, taking its images' and videos' grids off the front of ``grids``."""
-        types = torch.zeros_like(ids)
-        types[ids == self.image_token_id] = IMAGE
-        if self.video_token_id is not None:
-            types[ids == self.video_token_id] = VIDEO
+        types = self.types(ids)
         kwargs = {}
         for key, token_type in (("image_grid_thw", IMAGE), ("video_grid_thw", VIDEO)):
             tokens = int((types == token_type).sum())

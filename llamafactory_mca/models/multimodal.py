@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..data.multimodal import IMAGE, VIDEO, placeholder_types
 from ..errors import UserError
 from .config import hf_config_object
 from .mapping import Op, Rename, WeightTable
@@ -145,6 +146,7 @@ class VisionLanguageModel(LanguageModel):
         super().__init__(scatter_embedding_sequence_parallel=False, **gpt_kwargs)
         self.image_token_id = hf_config.get("image_token_id")
         self.video_token_id = hf_config.get("video_token_id")
+        self.video_span = vision.video_span(hf_config)
         self.rotary_pos_emb = MultimodalRope(self.rotary_pos_emb, vision.interleaved_mrope)
         self.deepstack = deepstack_layers(hf_config)
         for layer in self.decoder.layers:
@@ -184,15 +186,21 @@ class VisionLanguageModel(LanguageModel):
             if trainable:
                 embeddings = embeddings + 0.0 * torch.stack(trainable).sum().to(embeddings.dtype)
         deepstack = None
-        for pixels, grid, token in ((pixel_values, image_grid_thw, self.image_token_id),
-                                    (pixel_values_videos, video_grid_thw, self.video_token_id)):
+        types = None
+        for pixels, grid, kind in ((pixel_values, image_grid_thw, IMAGE),
+                                   (pixel_values_videos, video_grid_thw, VIDEO)):
             if pixels is None:
                 continue
+            if kind == VIDEO and self.video_span is not None:
+                # each frame a tower row of its own: [t, h, w] -> t x [1, h, w], as transformers' get_video_features
+                grid = torch.repeat_interleave(grid, grid[:, 0], dim=0).index_fill(1, grid.new_tensor([0]), 1)
             output = self.vision(pixels.to(self.config.params_dtype), grid_thw=grid)
             features = getattr(output, "pooler_output", output).to(embeddings.dtype)
             # [b, s]: features fill row after row, as the rows hold their images (their counts agree: the data
             # side checks that on the host, ``VisionInputs.attach``, so no step waits on a device-to-host copy)
-            mask = input_ids == token
+            if types is None:
+                types = placeholder_types(input_ids, self.image_token_id, self.video_token_id, self.video_span)
+            mask = types == kind
             embeddings = _scatter(embeddings, mask, features)
             if self.deepstack:
                 levels = output.deepstack_features

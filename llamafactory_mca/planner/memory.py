@@ -95,9 +95,14 @@ def _count_tower(config: Any, vision: dict[str, Any], training: Training) -> Vis
     params = dict(tower.named_parameters())
     width = vision.get("embed_dim") or vision["hidden_size"]  # Qwen2-VL: embed_dim (its hidden_size is the output)
     glu = 2 if any(".gate_proj." in name for name in params) else 1
+    # the MLP width as built, from the first block's input projection: the configs name it differently (Qwen2-VL's
+    # mlp_ratio, Qwen2.5/3-VL's intermediate_size; GLM-4.5V's blocks take out_hidden_size, its intermediate_size
+    # is the merger's)
+    ffn = next(p.shape[0] for n, p in params.items()
+               if n.startswith("blocks.0.mlp.") and p.dim() == 2 and p.shape[1] == width)
     return VisionTower(params=sum(p.numel() for p in params.values()),
                        trainable=sum(p.numel() for n, p in params.items() if not frozen(n)),
-                       hidden=width, ffn=vision.get("intermediate_size") or int(vision.get("mlp_ratio", 4) * width),
+                       hidden=width, ffn=ffn,
                        glu=glu, blocks=vision.get("depth") or vision.get("num_hidden_layers"),
                        patches_per_token=vision.get("spatial_merge_size", 2) ** 2)
 

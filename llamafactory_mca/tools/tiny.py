@@ -115,6 +115,18 @@ TINY_VL["qwen3_5_moe"] = dict(text_config=dict({k: v for k, v in _VL35_TEXT.item
                                                shared_expert_intermediate_size=48, router_aux_loss_coef=0.0),
                               vision_config=_VL35_VISION, **_VL_TOKENS)
 
+# GLM-4.5V: GLM-4.5's tiny decoder (4 experts, the first layer dense, q/k/v biases, RoPE on half of each 16-wide head)
+# without qk-norm or MTP, under mrope in blocks (T 2, H 1, W 1 of 4 frequencies); a 2-block tower of 4-pixel patches
+# whose learned position table (4 x 4) is interpolated to each image's grid
+_GLM_TEXT = {k: v for k, v in TINY["glm4_moe"].items() if k not in ("use_qk_norm", "num_nextn_predict_layers")}
+TINY_VL["glm4v_moe"] = dict(
+    text_config=dict(_GLM_TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                 "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]}),
+    vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4, image_size=16,
+                       spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, initializer_range=0.05),
+    image_token_id=196, video_token_id=197, image_start_token_id=192, image_end_token_id=193,
+    video_start_token_id=198, video_end_token_id=199)
+
 
 def model_type_of(name: str) -> str:
     return "llama" if name.startswith("llama") else name
@@ -322,6 +334,8 @@ def save_tiny_tokenizer(directory: str, texts: list[str] | None = None, extra_sp
 
 
 VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+GLM_VL_TOKENS = ["<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>",
+                 "<|video|>"]  # GLM-4.5V's (LLaMA-Factory's glm4v plugin writes them)
 
 
 def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None, seed: int = 0,
@@ -330,20 +344,36 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
     """A vision-language model of family ``name`` (``TINY_VL``, or the shapes given) with its tokenizer and processor,
     as the hub ships them: the tokenizer knows the vision tokens, the config's token ids are the tokenizer's, and the
     image processor cuts the tower's patches (tiny: 4 pixels merged 2 x 2, so a 32 x 32 image is 16 tokens)."""
-    from transformers import AutoTokenizer, Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
+    from transformers import AutoTokenizer, Glm4vProcessor, Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
+    from transformers.models.glm4v import Glm4vImageProcessor, Glm4vVideoProcessor
     from transformers.models.qwen2_vl import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
     from transformers.models.qwen3_vl import Qwen3VLVideoProcessor
 
     save_tiny_tokenizer(directory, texts)
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"] + VL_TOKENS})
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VL_TOKENS}
+    glm = name == "glm4v_moe"
+    vision_tokens = GLM_VL_TOKENS if glm else VL_TOKENS
+    tokenizer.add_special_tokens({"additional_special_tokens": [*(GLM_TOKENS if glm else ["<|im_start|>"]),
+                                                                *vision_tokens]})
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in vision_tokens}
     text = dict(TINY_VL[name]["text_config"], **(text_config or {}))
     text["vocab_size"] = max(text["vocab_size"], len(tokenizer) + 3)
     vision = dict(TINY_VL[name]["vision_config"], **(vision_config or {}))
     patch, merge = vision["patch_size"], vision["spatial_merge_size"]
     pixels = dict(patch_size=patch, merge_size=merge, temporal_patch_size=vision["temporal_patch_size"],
                   min_pixels=(4 * patch) ** 2, max_pixels=(16 * patch * merge) ** 2)
+    if glm:
+        size = {"shortest_edge": pixels.pop("min_pixels"), "longest_edge": pixels.pop("max_pixels")}
+        processor = Glm4vProcessor(image_processor=Glm4vImageProcessor(**pixels, size=size),
+                                   video_processor=Glm4vVideoProcessor(**pixels, size=size), tokenizer=tokenizer,
+                                   chat_template=CHAT_TEMPLATE)
+        processor.save_pretrained(directory)
+        tokens = dict(image_token_id="<|image|>", video_token_id="<|video|>",
+                      image_start_token_id="<|begin_of_image|>", image_end_token_id="<|end_of_image|>",
+                      video_start_token_id="<|begin_of_video|>", video_end_token_id="<|end_of_video|>")
+        save_tiny_model(name, directory, seed=seed, dtype=dtype, text_config=text, vision_config=vision,
+                        **{key: ids[token] for key, token in tokens.items()})
+        return directory
     if name.startswith("qwen3"):
         video_size = {"shortest_edge": pixels.pop("min_pixels"), "longest_edge": pixels.pop("max_pixels")}
         processor = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels, size=video_size),

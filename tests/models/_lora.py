@@ -12,9 +12,12 @@ EXPERT_PARAMS = ["experts.gate_up_proj", "experts.down_proj"]  # peft's target_p
 
 
 def hf_causal_lm(model_dir: str):
-    from transformers import AutoModelForCausalLM
+    """The HF model of a checkpoint: its causal LM, or a vision-language model whole."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    vision = hasattr(AutoConfig.from_pretrained(model_dir), "vision_config")
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    return auto.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def make_peft_adapter(model_dir: str, out_dir: str, targets: list[str], experts: bool,

@@ -1,6 +1,6 @@
 """Vision-language families against ``transformers`` (CPU, fp32): logits on text + image + video input at TP1, TP2 with
-sequence parallelism, PP2 (the tower on the first stage only) and, for Qwen3-VL-MoE and Qwen3.5-MoE, EP2; and the
-weights' round trip (HF -> Megatron -> HF) bit for bit. (Training through the recipe:
+sequence parallelism, PP2 (the tower on the first stage only) and, for Qwen3-VL-MoE, Qwen3.5-MoE and GLM-4.5V, EP2;
+and the weights' round trip (HF -> Megatron -> HF) bit for bit. (Training through the recipe:
 tests/test_multimodal_training.py.)"""
 
 
@@ -13,7 +13,7 @@ from tests.models._bridge import hf_tensors
 from tests.models._lora import model_with_adapter
 from tests.models._vision import IMAGE_GRID, image_and_video_row
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v_moe"]
 
 
 def _hf(model_dir: str) -> tuple[dict, torch.Tensor, torch.Tensor]:
@@ -26,8 +26,24 @@ def _hf(model_dir: str) -> tuple[dict, torch.Tensor, torch.Tensor]:
                                               image_grid_thw=inputs["image_grid_thw"],
                                               video_grid_thw=inputs["video_grid_thw"])
     with torch.no_grad():
-        logits = model(**inputs).logits
+        logits = _glm_logits(model, inputs, positions) if model.config.model_type == "glm4v_moe" else \
+            model(**inputs).logits
     return inputs, positions, logits
+
+
+def _glm_logits(model, inputs: dict, positions: torch.Tensor) -> torch.Tensor:
+    """transformers' GLM-4.5V forward fills image and video features into one mask (every image token, a video's
+    frames' too), so a row with both cannot go through it; its own parts can: each kind's features at its own tokens
+    (a video's: between its begin and end ids), then the decoder and the output layer."""
+    vlm = model.model
+    embeddings = vlm.get_input_embeddings()(inputs["input_ids"])
+    images = vlm.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
+    videos = vlm.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"]).pooler_output
+    types = inputs["mm_token_type_ids"]
+    embeddings[types == 1] = torch.cat(images)
+    embeddings[types == 2] = torch.cat(videos)
+    hidden = vlm.language_model(inputs_embeds=embeddings, position_ids=positions).last_hidden_state
+    return model.lm_head(hidden)
 
 
 LAYOUTS = [("dp2", {}), ("tp2-sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
@@ -209,7 +225,7 @@ def test_qwen3_5_lora_gives_peft_logits_with_images(tmp_path):
         check_lora_plan(config, everything, [], 1, tensor_parallel=2)
 
 
-@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v_moe"])
 def test_vision_towers_attend_in_one_call_per_block(name, monkeypatch):
     """The towers' attention goes through ours, one call per block with the pieces' cu_seqlens (Qwen2.5-VL: its
     windows in the windowed blocks), and on CPUs gives transformers' own SDPA tower bit for bit (tests/gpu: the

@@ -277,6 +277,9 @@ class Vision(Part):
     ``tower_prefix`` / ``text_prefix``: where the tower and the language model sit in the HF checkpoint (Qwen2-VL's
     files keep the legacy ``visual.`` / ``model.``; Qwen3-VL's use ``model.visual.`` / ``model.language_model.``).
     ``interleaved_mrope``: the rotary frequencies take T, H, W in turn (Qwen3-VL) instead of in three blocks.
+    ``default_mrope``: the sections transformers' rotary falls back to when the config has none (GLM-4.5V).
+    ``video_frames_as_images``: a video is written as its frames' image tokens between the config's
+    ``video_start_token_id`` and ``video_end_token_id``, and each frame is a row of its own for the tower (GLM-4.5V).
     Deepstack (Qwen3-VL: features of middle tower blocks added after the first decoder layers) follows from the
     config's ``deepstack_visual_indexes``.
     """
@@ -284,13 +287,25 @@ class Vision(Part):
     tower_prefix: str = "visual."
     text_prefix: str = "model."
     interleaved_mrope: bool = False
+    default_mrope: tuple[int, ...] | None = None  # what transformers' rotary takes when the config names none
+    video_frames_as_images: bool = False
+
+    def video_span(self, hf_config: dict[str, Any]) -> tuple[int, int] | None:
+        """The ids opening and closing a video whose frames are image tokens (``video_frames_as_images``)."""
+        if not self.video_frames_as_images:
+            return None
+        return hf_config["video_start_token_id"], hf_config["video_end_token_id"]
+
+    def mrope_section(self, hf: Any) -> list[int] | None:
+        section = _rope_dict(hf).get("mrope_section") or self.default_mrope
+        return list(section) if section else None
 
     def check(self, model_type: str, hf: Any) -> None:
-        if not _rope_dict(hf).get("mrope_section"):
+        if not self.mrope_section(hf):
             refuse(model_type, "a vision-language config without mrope_section", "Supported: multimodal RoPE.")
 
     def transformer(self, hf: Any) -> dict[str, Any]:
-        return {"mrope_section": list(_rope_dict(hf)["mrope_section"])}
+        return {"mrope_section": self.mrope_section(hf)}
 
     def weights(self, config: McaConfig) -> list[Op]:
         return vision_ops(config.hf_config, self.tower_prefix)
