@@ -93,13 +93,14 @@ def _count_tower(config: Any, vision: dict[str, Any], training: Training) -> Vis
         tower = build_vision_tower(config.hf_config, torch.bfloat16)
     frozen = vision_frozen(config.hf_model_type, training.freeze_vision_tower, training.freeze_projector)
     params = dict(tower.named_parameters())
-    width = vision.get("embed_dim") or vision["hidden_size"]  # Qwen2-VL: embed_dim (its hidden_size is the output)
     glu = 2 if any(".gate_proj." in name for name in params) else 1
-    # the MLP width as built, from the first block's input projection: the configs name it differently (Qwen2-VL's
-    # mlp_ratio, Qwen2.5/3-VL's intermediate_size; GLM-4.5V's blocks take out_hidden_size, its intermediate_size
-    # is the merger's)
-    ffn = next(p.shape[0] for n, p in params.items()
-               if n.startswith("blocks.0.mlp.") and p.dim() == 2 and p.shape[1] == width)
+    # the block's width and its MLP's as built (its first norm, its MLP's input projection): the configs name them
+    # differently (Qwen2-VL's embed_dim and mlp_ratio, Qwen2.5/3-VL's hidden_size and intermediate_size; GLM-4.5V's
+    # blocks take out_hidden_size, its intermediate_size is the merger's)
+    block = {name[len("blocks.0."):]: p for name, p in params.items() if name.startswith("blocks.0.")}
+    width = block["norm1.weight"].shape[0]
+    ffn = next(p.shape[0] for name, p in block.items() if name.startswith("mlp.") and p.dim() == 2
+               and p.shape[1] == width)
     return VisionTower(params=sum(p.numel() for p in params.values()),
                        trainable=sum(p.numel() for n, p in params.items() if not frozen(n)),
                        hidden=width, ffn=ffn,
