@@ -367,14 +367,7 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
         processor = Glm4vProcessor(image_processor=Glm4vImageProcessor(**pixels, size=size),
                                    video_processor=Glm4vVideoProcessor(**pixels, size=size), tokenizer=tokenizer,
                                    chat_template=CHAT_TEMPLATE)
-        processor.save_pretrained(directory)
-        tokens = dict(image_token_id="<|image|>", video_token_id="<|video|>",
-                      image_start_token_id="<|begin_of_image|>", image_end_token_id="<|end_of_image|>",
-                      video_start_token_id="<|begin_of_video|>", video_end_token_id="<|end_of_video|>")
-        save_tiny_model(name, directory, seed=seed, dtype=dtype, text_config=text, vision_config=vision,
-                        **{key: ids[token] for key, token in tokens.items()})
-        return directory
-    if name.startswith("qwen3"):
+    elif name.startswith("qwen3"):
         video_size = {"shortest_edge": pixels.pop("min_pixels"), "longest_edge": pixels.pop("max_pixels")}
         processor = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels, size=video_size),
                                      video_processor=Qwen3VLVideoProcessor(**pixels, size=video_size),
@@ -384,9 +377,14 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
             image_processor=Qwen2VLImageProcessor(**pixels), video_processor=Qwen2VLVideoProcessor(**pixels),
             tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
     processor.save_pretrained(directory)
+    # the config's token ids: which of its keys names which vision token
+    keys = dict(image_token_id="<|image|>", video_token_id="<|video|>", image_start_token_id="<|begin_of_image|>",
+                image_end_token_id="<|end_of_image|>", video_start_token_id="<|begin_of_video|>",
+                video_end_token_id="<|end_of_video|>") if glm else \
+        dict(image_token_id="<|image_pad|>", video_token_id="<|video_pad|>", vision_start_token_id="<|vision_start|>",
+             vision_end_token_id="<|vision_end|>")
     save_tiny_model(name, directory, seed=seed, dtype=dtype, text_config=text, vision_config=vision,
-                    image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-                    vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+                    **{key: ids[token] for key, token in keys.items()})
     return directory
 
 
