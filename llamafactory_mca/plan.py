@@ -60,7 +60,7 @@ class RunPlan:
 
     @property
     def vision(self) -> bool:
-        return bool(self.config.transformer.get("mrope_section"))
+        return self.config.vision_language
 
     @property
     def video_span(self) -> tuple[int, int] | None:
@@ -167,8 +167,8 @@ def check_cuda_graphs(stage: str, finetuning_args: Any, packing: bool, config: M
         ("stage: sft or pt", stage != "dpo", "DPO's reference pass and pairs run other shapes"),
         ("lora_dropout: 0", finetuning_args.finetuning_type != "lora" or not finetuning_args.lora_dropout,
          "LoRA's dropout inside a replayed graph is not verified yet"),
-        ("a text model", not config.transformer.get("mrope_section"),
-         "a vision-language model's 3-D positions cover the whole pack"),
+        ("a text model", not config.vision_language,
+         "a vision-language model's 3-D positions or image blocks cover the whole pack"),
         ("a model without linear-attention layers", not config.transformer.get("linear_attention_freq"),
          "the gated delta rule plans its chunks on the host"),
     ]
@@ -230,7 +230,7 @@ def check_model_fits(config: Any, stage: str, layout: Any, custom_pipeline_layou
     """Refuse a model this run would train wrongly.
     ``custom_pipeline_layout``: a pipeline_model_parallel_layout places the layers, not the even split (the model
     build then checks where the deepstack layers went)."""
-    if config.transformer.get("mrope_section"):
+    if config.vision_language:
         if stage == "dpo":
             raise UserError(f"{config.hf_model_type}: DPO on vision-language models is not supported with USE_MCA=1 "
                             "yet; sft and pt are. Unset USE_MCA to run it with LLaMA-Factory's default trainer.")

@@ -89,7 +89,7 @@ class SafetensorsSource:
     of 8-bit exponents, 32 values a block) reads as ``<name>`` dequantized to bf16 by transformers' own function, as
     ``Mxfp4Config(dequantize=True)`` loads it; a slice along dim 0 (one expert) dequantizes that slice only."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, aliases: tuple[tuple[str, str], ...] = ()) -> None:
         self.path = path
         self._handles: dict[str, object] = {}
         index = os.path.join(path, INDEX_NAME)
@@ -101,6 +101,13 @@ class SafetensorsSource:
         else:
             raise UserError(f"{path} holds no Hugging Face safetensors weights (neither {SINGLE_NAME} nor "
                              f"{INDEX_NAME}). Point model_name_or_path at a model folder saved with save_pretrained.")
+        # (prefix, other prefix): a tensor the files hold under the other spelling is read under ours (a family's
+        # ``Vision.tower_aliases``: transformers writes some towers' names shorter than the hub stores them)
+        self._stored: dict[str, str] = {}
+        for ours, theirs in aliases:
+            for name in [n for n in self.weight_map if n.startswith(theirs)]:
+                self._stored[ours + name[len(theirs):]] = name
+        self.weight_map |= {name: self.weight_map[stored] for name, stored in self._stored.items()}
         self.bytes_read = 0
         self.tensors_read = 0
 
@@ -128,7 +135,7 @@ class SafetensorsSource:
     def _slice(self, name: str):
         if name not in self.weight_map:
             raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.path}")
-        return self._open(self.weight_map[name]).get_slice(name)
+        return self._open(self.weight_map[name]).get_slice(self._stored.get(name, name))
 
     def _mxfp4(self, name: str) -> bool:
         return name not in self.weight_map and f"{name}{MXFP4_BLOCKS}" in self.weight_map

@@ -40,6 +40,19 @@ def placeholder_types(ids: torch.Tensor, image_token_id: int, video_token_id: in
     return types
 
 
+def image_token_id(hf_config: dict[str, Any]) -> int:
+    """The image placeholder's id (Gemma 3's config.json calls it ``image_token_index``)."""
+    return hf_config["image_token_id"] if "image_token_id" in hf_config else hf_config["image_token_index"]
+
+
+def image_blocks(ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
+    """For each token of ``ids`` [b, s], the index of the run of image tokens it belongs to in its row, -1 for the
+    others: what Gemma 3's mask reads (transformers' ``token_type_ids`` groups), as its tokens see each other."""
+    image = ids == image_token_id
+    starts = image & ~torch.nn.functional.pad(image, (1, 0))[..., :-1]
+    return torch.where(image, torch.cumsum(starts.int(), dim=-1) - 1, -1)
+
+
 def _rope_index(hf_config: dict[str, Any]):
     """``get_rope_index`` of the HF VL model, bound to an instance that holds only its config: the method reads
     nothing else, and building the model (billions of parameters) to call it would be absurd."""
@@ -59,10 +72,14 @@ class VisionInputs:
     def __init__(self, mm_plugin: Any, processor: Any, hf_config: dict[str, Any],
                  video_span: tuple[int, int] | None = None) -> None:
         self.plugin, self.processor = mm_plugin, processor
-        self.rope_index = _rope_index(hf_config)
-        self.merge = hf_config["vision_config"]["spatial_merge_size"]  # vision tokens per patch grid: 1 / merge^2
-        self.image_token_id, self.video_token_id = hf_config["image_token_id"], hf_config.get("video_token_id")
+        self.image_token_id, self.video_token_id = image_token_id(hf_config), hf_config.get("video_token_id")
         self.video_span = video_span
+        # LLaVA's layout (Gemma 3): every image the same count of tokens, plain 1-D positions; otherwise patch grids
+        # (t, h, w) merged merge x merge into tokens, and multimodal RoPE's 3-D positions
+        self.tokens_per_image = hf_config.get("mm_tokens_per_image")
+        if self.tokens_per_image is None:
+            self.rope_index = _rope_index(hf_config)
+            self.merge = hf_config["vision_config"]["spatial_merge_size"]
 
     def types(self, ids: torch.Tensor) -> torch.Tensor:
         return placeholder_types(ids, self.image_token_id, self.video_token_id, self.video_span)
@@ -78,14 +95,18 @@ class VisionInputs:
             vision = {k: v for k, v in inputs.items() if k in ("pixel_values", "image_grid_thw",
                                                                "pixel_values_videos", "video_grid_thw")}
         self._check_counts(batch, vision)
-        positions = self._positions(batch, vision)
+        positions = None if self.tokens_per_image else self._positions(batch, vision)
         return replace(batch, rope_positions=positions, vision=vision or None)
 
     def _check_counts(self, batch: MicroBatch, vision: dict[str, torch.Tensor]) -> None:
         """Placeholder tokens and vision features must pair one to one (the model fills the one with the other)."""
         types = self.types(batch.tokens)
         for key, kind in (("image_grid_thw", IMAGE), ("video_grid_thw", VIDEO)):
-            features = sum(self._tokens(grid) for grid in vision.get(key, []))
+            if self.tokens_per_image:
+                pixels = vision.get("pixel_values" if kind == IMAGE else "pixel_values_videos")
+                features = 0 if pixels is None else len(pixels) * self.tokens_per_image
+            else:
+                features = sum(self._tokens(grid) for grid in vision.get(key, []))
             placeholders = int((types == kind).sum())
             if placeholders != features:
                 raise ValueError(f"{placeholders} placeholder tokens but {features} vision features ({key}): the "

@@ -84,7 +84,7 @@ def mtp_apart_from_features(config: McaConfig, pipeline: int) -> str | None:
     """Why a vision-language model's multi-token-prediction layer cannot train in this layout, or None: it takes the
     image features (``multimodal.VisionLanguageModel._shifted_inputs``), which stay on the first pipeline stage, and
     sits on the last."""
-    if config.mtp_num_layers and pipeline > 1 and config.transformer.get("mrope_section"):
+    if config.mtp_num_layers and pipeline > 1 and config.vision_language:
         return (f"{config.hf_model_type}: the multi-token-prediction layer takes the image features, which stay on "
                 f"the first pipeline stage, but sits on the last (pipeline_model_parallel_size={pipeline})")
     return None
@@ -265,8 +265,9 @@ class McaModel:
     def load_hf_weights(self, path: str) -> SafetensorsSource:
         from megatron.core import parallel_state as ps
 
-        src = SafetensorsSource(path)
-        table = get_family(self.config.hf_model_type).weight_table(self.config)
+        family = get_family(self.config.hf_model_type)
+        src = SafetensorsSource(path, family.source_aliases)
+        table = family.weight_table(self.config)
         dims = dims_for(self.config, ps.get_tensor_model_parallel_world_size())
         load_hf_weights(self.chunks, src, table, dims, self.config.num_experts)
         return src

@@ -36,7 +36,8 @@ _ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.ge
 # read them (``native/sublayers.py``, ``native/cross_entropy.LanguageModel``): a norm on each sublayer's output
 # (Gemma's sandwich norms), the word embeddings' multiplier (Gemma: sqrt(hidden)), the RoPE base of the windowed
 # layers where it is not the others' (Gemma 3: 10,000 local, 1,000,000 global).
-MODEL_OPTIONS = ("post_layer_norms", "embedding_multiplier", "window_rotary_base")
+# ``image_look_ahead``: an image's tokens also see the image's later tokens (Gemma 3, ``native/attention.py``).
+MODEL_OPTIONS = ("post_layer_norms", "embedding_multiplier", "window_rotary_base", "image_look_ahead")
 
 
 class AttentionShape(NamedTuple):
@@ -107,6 +108,11 @@ class McaConfig:
 
     def is_linear_attention_layer(self, layer: int) -> bool:
         return is_linear_attention_layer(self.transformer.get("linear_attention_freq"), layer)
+
+    @property
+    def vision_language(self) -> bool:
+        """A vision tower feeds the decoder (the source config has a vision half)."""
+        return bool(self.hf_config.get("vision_config"))
 
     @property
     def is_hybrid(self) -> bool:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..data.multimodal import IMAGE, VIDEO, placeholder_types
+from ..data.multimodal import IMAGE, VIDEO, image_blocks, image_token_id, placeholder_types
 from ..errors import UserError
 from .config import hf_config_object
 from .mapping import Op, Rename, WeightTable
@@ -54,21 +54,58 @@ def _tower_class(hf: Any) -> type:
                      f"{module.__name__}")
 
 
-def build_vision_tower(hf_config: dict[str, Any], dtype: torch.dtype) -> torch.nn.Module:
-    """The HF vision tower of a VL config (``hf_config``: the whole config.json), with random weights, its attention
-    one variable-length call per block (``native/tower_attention.py``)."""
+class TowerWithProjector(torch.nn.Module):
+    """LLaVA's layout (Gemma 3): transformers' encoder for the vision config, then the VL model's projector (Gemma 3's
+    pools the patches to a fixed count per image and maps them to the decoder's width), under the names transformers
+    gives them, so the checkpoint maps one to one. Images come whole and of one size: SDPA over the batch of images is
+    already one call per block."""
+
+    def __init__(self, hf: Any, dtype: torch.dtype) -> None:
+        import transformers
+
+        super().__init__()
+        self.vision_tower = transformers.AutoModel.from_config(hf.vision_config, dtype=dtype,
+                                                               attn_implementation="sdpa")
+        self.multi_modal_projector = _vl_class(hf, "MultiModalProjector")(hf).to(dtype)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: None = None) -> torch.Tensor:
+        """[images, channels, height, width] -> [images x tokens per image, hidden]."""
+        patches = self.vision_tower(pixel_values=pixel_values).last_hidden_state
+        return self.multi_modal_projector(patches).flatten(0, 1)
+
+
+def _vl_class(hf: Any, suffix: str) -> type:
+    """The class named ``*<suffix>`` in the modeling module of the VL model of ``hf``."""
+    import sys
+
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    module = sys.modules[getattr(transformers, MODEL_MAPPING_NAMES[hf.model_type]).__module__]
+    for name, obj in vars(module).items():
+        if name.endswith(suffix) and isinstance(obj, type):
+            return obj
+    raise ValueError(f"{hf.model_type}: no class named *{suffix} in {module.__name__}")
+
+
+def build_vision_tower(hf_config: dict[str, Any], dtype: torch.dtype, projector: bool = False) -> torch.nn.Module:
+    """The HF vision tower of a VL config (``hf_config``: the whole config.json), with random weights: the VL model's
+    own tower class, its attention one variable-length call per block (``native/tower_attention.py``), or with
+    ``projector`` LLaVA's encoder and projector (``TowerWithProjector``)."""
     hf = hf_config_object(hf_config)
+    if projector:
+        return TowerWithProjector(hf, dtype)
     tower = _tower_class(hf)._from_config(hf.vision_config, dtype=dtype, attn_implementation="sdpa")
     # set after the build: transformers' check would look for a flash-attn kernel behind a name with "flash" in it
     tower.config._attn_implementation = tower_attention.ATTENTION
     return tower
 
 
-def vision_ops(hf_config: dict[str, Any], hf_prefix: str) -> list[Op]:
+def vision_ops(hf_config: dict[str, Any], hf_prefix: str, projector: bool = False) -> list[Op]:
     """One rename per parameter pattern of the tower (block indices become ``*``); ``hf_prefix``: the tower's place
     in the HF checkpoint."""
     with torch.device("meta"):
-        tower = build_vision_tower(hf_config, torch.float32)
+        tower = build_vision_tower(hf_config, torch.float32, projector)
     patterns = sorted({WeightTable.pattern_of(name)[0] for name, _ in tower.named_parameters()})
     return [Rename(VISION_PREFIX + p, (hf_prefix + p,)) for p in patterns]
 
@@ -83,7 +120,7 @@ def check_vision_layout(config: Any, layout: Any, custom_pipeline_layout: bool =
     context parallelism, and its deepstack layers on the tower's stage. ``custom_pipeline_layout``: a
     pipeline_model_parallel_layout places the layers, not the even split (the model build then checks where the
     deepstack layers went)."""
-    if not config.transformer.get("mrope_section"):
+    if not config.vision_language:
         return
     if layout.cp > 1:
         raise UserError(f"context_parallel_size={layout.cp} is not supported for the vision-language model "
@@ -144,10 +181,12 @@ class VisionLanguageModel(LanguageModel):
     def __init__(self, *, hf_config: dict[str, Any], vision: Any, **gpt_kwargs: Any) -> None:
         # the features go in before the sequence-parallel scatter: ``embed`` scatters itself
         super().__init__(scatter_embedding_sequence_parallel=False, **gpt_kwargs)
-        self.image_token_id = hf_config.get("image_token_id")
+        self.image_token_id = image_token_id(hf_config)
         self.video_token_id = hf_config.get("video_token_id")
         self.video_span = vision.video_span(hf_config)
-        self.rotary_pos_emb = MultimodalRope(self.rotary_pos_emb, vision.interleaved_mrope)
+        self.image_look_ahead = vision.image_look_ahead
+        if not vision.projector:
+            self.rotary_pos_emb = MultimodalRope(self.rotary_pos_emb, vision.interleaved_mrope)
         self.deepstack = deepstack_layers(hf_config)
         for layer in self.decoder.layers:
             if layer.layer_number <= self.deepstack:
@@ -161,7 +200,7 @@ class VisionLanguageModel(LanguageModel):
             # initialisation (overwritten by the checkpoint's weights) took 15-19 s of a Qwen2.5-VL start on the
             # host's CPU, and takes milliseconds on the GPU
             with torch.device(torch.cuda.current_device() if torch.cuda.is_available() else "cpu"):
-                self.vision = build_vision_tower(hf_config, self.config.params_dtype)
+                self.vision = build_vision_tower(hf_config, self.config.params_dtype, vision.projector)
             for param in self.vision.parameters():
                 # replicated over tensor-parallel ranks, which see different gradients only through rounding:
                 # Megatron's finalize_model_grads averages these over the TP group
@@ -248,6 +287,9 @@ class VisionLanguageModel(LanguageModel):
                                                          pixel_values_videos, video_grid_thw)
             if deepstack is not None:
                 kwargs["extra_block_kwargs"] = {"context": deepstack}
+        if self.image_look_ahead:
+            # the attention's mask: every stage has the tokens; the tower's stage alone has the pixels
+            attention_mask = image_blocks(input_ids, self.image_token_id)
         if self.mtp_process:
             if whole is None:  # it sits with the tower: under pipelining ``resolve_mtp`` leaves it out
                 raise RuntimeError("the multi-token-prediction layer of a vision-language model needs the first "

@@ -127,6 +127,15 @@ TINY_VL["glm4v_moe"] = dict(
     image_token_id=196, video_token_id=197, image_start_token_id=192, image_end_token_id=193,
     video_start_token_id=198, video_end_token_id=199)
 
+# Gemma 3 with images: Gemma 3's tiny decoder; a 2-block SigLIP encoder (no pooling head, as the hub's) of 16-pixel
+# images cut into 4-pixel patches, which the projector pools 2 x 2 into 4 tokens per image (less than the window of
+# 6: a window layer's image tokens see their whole image, as in the hub's models)
+TINY_VL["gemma3"] = dict(
+    text_config=TINY["gemma3_text"],
+    vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                       image_size=16, patch_size=4, vision_use_head=False),
+    mm_tokens_per_image=4, image_token_index=196, boi_token_index=192, eoi_token_index=193)
+
 
 def model_type_of(name: str) -> str:
     return "llama" if name.startswith("llama") else name

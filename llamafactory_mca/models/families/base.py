@@ -53,6 +53,11 @@ class Family:
         """One model chunk (a pipeline stage's part of the model) from GPTModel's arguments."""
         return LanguageModel(**gpt_kwargs)
 
+    @property
+    def source_aliases(self) -> tuple[tuple[str, str], ...]:
+        """Other spellings of this family's HF names in checkpoints (``SafetensorsSource``)."""
+        return ()
+
 
 class Part:
     """An optional piece of the decoder layer; a new architectural feature is a new part, not a new base."""
@@ -282,6 +287,11 @@ class Vision(Part):
     ``video_start_token_id`` and ``video_end_token_id``, and each frame is a row of its own for the tower (GLM-4.5V).
     Deepstack (Qwen3-VL: features of middle tower blocks added after the first decoder layers) follows from the
     config's ``deepstack_visual_indexes``.
+    ``projector``: LLaVA's layout (Gemma 3): an encoder of fixed-size images (transformers' auto class of the vision
+    config) and the VL model's ``MultiModalProjector``; the text half rotates by plain RoPE, and the tower's
+    alternative spellings in hub checkpoints are ``tower_aliases`` (prefix as transformers writes it, prefix as the
+    hub stores it). ``image_look_ahead``: an image's tokens see the whole image, later ones too (Gemma 3's
+    bidirectional attention inside each image).
     """
 
     tower_prefix: str = "visual."
@@ -289,6 +299,9 @@ class Vision(Part):
     interleaved_mrope: bool = False
     default_mrope: tuple[int, ...] | None = None  # what transformers' rotary takes when the config names none
     video_frames_as_images: bool = False
+    projector: bool = False
+    tower_aliases: tuple[tuple[str, str], ...] = ()
+    image_look_ahead: bool = False
 
     def video_span(self, hf_config: dict[str, Any]) -> tuple[int, int] | None:
         """The ids opening and closing a video whose frames are image tokens (``video_frames_as_images``)."""
@@ -301,14 +314,15 @@ class Vision(Part):
         return list(section) if section else None
 
     def check(self, model_type: str, hf: Any) -> None:
-        if not self.mrope_section(hf):
+        if not self.projector and not self.mrope_section(hf):
             refuse(model_type, "a vision-language config without mrope_section", "Supported: multimodal RoPE.")
 
     def transformer(self, hf: Any) -> dict[str, Any]:
-        return {"mrope_section": self.mrope_section(hf)}
+        fields = {} if self.projector else {"mrope_section": self.mrope_section(hf)}
+        return fields | ({"image_look_ahead": True} if self.image_look_ahead else {})
 
     def weights(self, config: McaConfig) -> list[Op]:
-        return vision_ops(config.hf_config, self.tower_prefix)
+        return vision_ops(config.hf_config, self.tower_prefix, self.projector)
 
     def text_ops(self, ops: list[Op]) -> list[Op]:
         """The language model's ops with their HF names under ``text_prefix``."""
@@ -543,6 +557,10 @@ class DecoderFamily(Family):
         if self.vision is not None:
             ops = self.vision.text_ops(ops) + self.vision.weights(config)
         return ops
+
+    @property
+    def source_aliases(self) -> tuple[tuple[str, str], ...]:
+        return self.vision.tower_aliases if self.vision else ()
 
     @property
     def hf_layers(self) -> str:

@@ -39,7 +39,8 @@ from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, is
 
 from ...errors import UserError
 from . import context_parallel as cp_utils
-from .kernels import SegmentPlan, padded_attention, sbhd_to_thd, segment_attention, varlen_usable
+from .kernels import (SegmentPlan, image_look_ahead_mask, masked_attention, padded_attention, sbhd_to_thd,
+                      segment_attention, varlen_usable)
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
@@ -69,6 +70,7 @@ class NativeDotProductAttention(MegatronModule):
         windowed = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, self.layer_number)
         self.window = config.window_size[0] if windowed else None
         self.attn_mask_type = attn_mask_type
+        self.image_look_ahead = bool(getattr(config, "image_look_ahead", False))
         self._init_sink(config, pg_collection)
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -124,6 +126,8 @@ class NativeDotProductAttention(MegatronModule):
             raise UserError("attention_bias is not supported by the native attention.")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         causal = mask_type in _CAUSAL
+        if self.image_look_ahead and attention_mask is not None:
+            return self._image_look_ahead(query, key, value, attention_mask, packed_seq_params)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             if not causal:
                 raise ValueError(f"packed (THD) batches need causal attention, got attn_mask_type={mask_type}")
@@ -157,6 +161,33 @@ class NativeDotProductAttention(MegatronModule):
         if self.cp_size > 1:
             key, value = self._gathered(key, value, plan)
         return segment_attention(query, key, value, plan, self.softmax_scale, self.window, self.softmax_offset)
+
+    def _image_look_ahead(self, query, key, value, blocks: torch.Tensor,
+                          params: PackedSeqParams | None) -> torch.Tensor:
+        """Gemma 3: causal (and windowed) attention, and each image's tokens see the whole image, as transformers'
+        mask allows (``blocks`` [b, s]: ``data.multimodal.image_blocks``, what the VL model passes as
+        ``attention_mask``). Varlen kernels cannot let a query see a later key, so one SDPA call takes the mask; it is
+        built once per micro-batch and kind of layer."""
+        if self.softmax_offset is not None or self.cp_size > 1:
+            raise ValueError("image look-ahead attention has no sinks and no context parallelism")
+        packed = params is not None and params.qkv_format == "thd"
+        if packed:  # [t, h, d] -> [1, h, t, d]; each position's packed sequence from the boundaries
+            q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+        else:  # [s, b, h, d] -> [b, h, s, d]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        masks = blocks.__dict__.setdefault("_mca_masks", {})
+        if self.window not in masks:
+            seq = None
+            if packed:
+                cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+                positions = torch.arange(q.size(2), device=q.device)
+                seq = torch.searchsorted(cu[1:].to(q.device), positions, right=True).unsqueeze(0)
+            masks[self.window] = image_look_ahead_mask(blocks.to(q.device), seq, self.window)
+        out = masked_attention(q, k, v, masks[self.window], self.softmax_scale,
+                               self.dropout_p if self.training else 0.0)
+        if packed:
+            return out[0].transpose(0, 1).reshape(q.size(2), -1)
+        return out.permute(2, 0, 1, 3).reshape(q.size(2), q.size(0), -1)
 
     def _padded_context_parallel(self, query, key, value) -> torch.Tensor:
         """A padded CP batch is ``b`` packed sequences of the global length: reuse the THD path."""

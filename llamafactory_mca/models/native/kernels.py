@@ -106,6 +106,28 @@ def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return out.permute(2, 0, 1, 3).reshape(sq, b, hq * value.size(-1))
 
 
+def image_look_ahead_mask(blocks: torch.Tensor, seq: torch.Tensor | None, window: int | None) -> torch.Tensor:
+    """[b, 1, s, s], True where query i may see key j: causally inside its sequence (``seq`` [b, s]: which packed
+    sequence each position is in; None: one per row) within the window's reach, or both in one image block
+    (``blocks`` [b, s]: its index, -1 for text), later keys of it too."""
+    s = blocks.shape[-1]
+    allowed = _causal_band(s, s, window, blocks.device).unsqueeze(0)
+    if seq is not None:
+        allowed = allowed & (seq[:, :, None] == seq[:, None, :])
+    same_image = (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0)
+    return (allowed | same_image).unsqueeze(1)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+                     dropout_p: float = 0.0) -> torch.Tensor:
+    """``[b, h, s, d]`` under any boolean mask (``allowed``, broadcastable to [b, h, s, s]): SDPA's memory-efficient
+    kernel takes one, flash's does not. Grouped K/V heads are repeated, one per query head, as that kernel wants."""
+    groups = q.size(1) // k.size(1)
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=scale)
+
+
 def _sdpa_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> bool:
     """Whether SDPA has a flash / memory-efficient / cuDNN kernel for causal attention on these operands."""
     backends = torch.backends.cuda

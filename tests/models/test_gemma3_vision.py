@@ -1,0 +1,128 @@
+"""Gemma 3 with images (``gemma3``: LLaVA's layout, a SigLIP encoder and a pooling projector, image tokens that see
+their whole image) against ``transformers`` (CPU, fp32): logits of a padded row and of a pack of two sequences at DP2,
+TP2 with sequence parallelism and PP2; the hub's tensor names read as transformers' own; the round trip bit for bit.
+(Training through the recipe: tests/test_multimodal_training.py.)"""
+
+import os
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from llamafactory_mca.tools.tiny import save_tiny_model
+from tests._dist import run_distributed
+from tests.models._bridge import hf_tensors
+
+LAYOUTS = [("dp2", {}), ("tp2-sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+           ("pp2", {"pipeline_model_parallel_size": 2})]
+
+
+def _rows(config) -> list[dict]:
+    """Two sequences: text, an image, text, a second image right after a short text, text; and one with an image at
+    its very start. Each image is <start_of_image>, its tokens, <end_of_image>."""
+    g = torch.Generator().manual_seed(0)
+    text = lambda n: torch.randint(0, 190, (n,), generator=g)  # noqa: E731
+    image = lambda: torch.tensor([config.boi_token_index, *[config.image_token_index] * config.mm_tokens_per_image,  # noqa: E731
+                                  config.eoi_token_index])
+    first = torch.cat([text(5), image(), text(1), image(), text(6)])
+    second = torch.cat([text(1), image(), text(9)])
+    size = config.vision_config.image_size
+    return [{"input_ids": ids.view(1, -1), "pixel_values": torch.randn(n, 3, size, size, generator=g)}
+            for ids, n in ((first, 2), (second, 1))]
+
+
+def _hf_logits(model_dir: str) -> tuple[list[dict], list[torch.Tensor]]:
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rows = _rows(model.config)
+    with torch.no_grad():  # token_type_ids: what LLaMA-Factory's collator gives, and what turns the look-ahead on
+        logits = [model(**row, token_type_ids=(row["input_ids"] == model.config.image_token_index).long()).logits[0]
+                  for row in rows]
+    return rows, logits
+
+
+def _forward(model, ids: torch.Tensor, positions: torch.Tensor, pixels: torch.Tensor, params) -> torch.Tensor | None:
+    """Full-vocabulary logits [s, v] through Megatron's schedule; None on ranks without them."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    def step(iterator, chunk):
+        next(iterator)
+        return chunk(ids, positions, None, pixel_values=pixels, packed_seq_params=params), lambda out, **_: out
+
+    with torch.no_grad():
+        out = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter([None]), model=model.chunks[0], num_microbatches=1,
+            seq_length=ids.shape[1], micro_batch_size=1, forward_only=True, collect_non_loss_data=True)
+    if not ps.is_pipeline_last_stage():
+        return None
+    logits = gather_from_tensor_model_parallel_region(torch.cat(out))
+    return logits[0].clone() if ps.get_tensor_model_parallel_rank() == 0 else None
+
+
+def _ours(model_dirs: dict, rows: list[dict], back_dir: str) -> dict:
+    """{(checkpoint, layout, padded | packed): logits} on the ranks that have them; the first layout saves back."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from llamafactory_mca import parallel
+    from llamafactory_mca.args import MegatronArguments
+    from llamafactory_mca.models.auto import AutoModel
+
+    first = rows[0]["input_ids"]
+    pack = torch.cat([row["input_ids"] for row in rows], dim=1)
+    lengths = [row["input_ids"].shape[1] for row in rows]
+    cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                             cu_seqlens_kv_padded=cu, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    pack_positions = torch.cat([torch.arange(n) for n in lengths]).view(1, -1)
+    pack_pixels = torch.cat([row["pixel_values"] for row in rows])
+    found = {}
+    for layout, sizes in LAYOUTS:
+        args = MegatronArguments(**sizes)
+        parallel.initialize(parallel.ParallelLayout.from_args(args))
+        for name, model_dir in model_dirs.items():
+            model = AutoModel.from_pretrained(model_dir, args).eval()
+            for batch, (ids, positions, pixels, packed) in {
+                    "padded": (first, torch.arange(first.shape[1]).view(1, -1), rows[0]["pixel_values"], None),
+                    "packed": (pack, pack_positions, pack_pixels, params)}.items():
+                logits = _forward(model, ids, positions, pixels, packed)
+                if logits is not None:
+                    found[(name, layout, batch)] = logits
+            if layout == LAYOUTS[0][0] and name == "transformers":
+                model.save_pretrained(back_dir)
+        parallel.destroy_layout()
+    return found
+
+
+def _as_the_hub_stores_it(model_dir: str, hub_dir: str) -> str:
+    """The same model under the hub's names: the encoder under ``vision_tower.vision_model.``."""
+    os.makedirs(hub_dir)
+    for file in os.listdir(model_dir):
+        if file != "model.safetensors":
+            with open(os.path.join(model_dir, file), "rb") as src, open(os.path.join(hub_dir, file), "wb") as dst:
+                dst.write(src.read())
+    tensors = load_file(os.path.join(model_dir, "model.safetensors"))
+    renamed = {("vision_tower.vision_model." + k[len("vision_tower."):] if k.startswith("vision_tower.") else k): v
+               for k, v in tensors.items()}
+    save_file(renamed, os.path.join(hub_dir, "model.safetensors"), metadata={"format": "pt"})
+    return hub_dir
+
+
+def test_gemma3_vision_logits_and_round_trip_match_transformers(tmp_path):
+    model_dir = save_tiny_model("gemma3", str(tmp_path / "gemma3"))
+    rows, expected = _hf_logits(model_dir)
+    hub_dir = _as_the_hub_stores_it(model_dir, str(tmp_path / "hub"))
+    dirs = {"transformers": model_dir, "hub": hub_dir}
+    back_dir = str(tmp_path / "back")
+    found = {k: v for rank in run_distributed(_ours, 2, dirs, rows, back_dir) for k, v in rank.items()}
+    assert sorted(found) == sorted((n, layout, b) for n in dirs for layout, _ in LAYOUTS for b in ("padded", "packed"))
+    vocab = expected[0].shape[-1]
+    for (name, layout, batch), logits in found.items():
+        want = expected[0] if batch == "padded" else torch.cat(expected)
+        diff = (logits[:, :vocab] - want).abs().max()
+        assert diff < 1e-4, (name, layout, batch, diff)
+    original, back = hf_tensors(model_dir), hf_tensors(back_dir)
+    assert sorted(original) == sorted(back) and any(k.startswith("vision_tower.encoder.") for k in back)
+    for key in original:
+        assert torch.equal(original[key], back[key]), key
