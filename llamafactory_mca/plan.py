@@ -63,9 +63,14 @@ class RunPlan:
         return self.config.vision_language
 
     @property
+    def tower(self) -> Any:
+        """The family's vision tower (``families.base.Vision``), None for a text model."""
+        return get_family(self.config.hf_model_type).vision if self.vision else None
+
+    @property
     def video_span(self) -> tuple[int, int] | None:
         """The ids around a video written as its frames' image tokens (``families.base.Vision.video_span``)."""
-        return get_family(self.config.hf_model_type).vision.video_span(self.config.hf_config) if self.vision else None
+        return self.tower.video_span(self.config.hf_config) if self.vision else None
 
 
 Resolver = Callable[..., str]  # hub.resolve_model's signature: (name, model_args, field=...) -> a local folder

@@ -3,7 +3,8 @@ rows with images (and, for Qwen3-VL and Qwen3.5, videos), resized by ``image_max
 global batch is the whole set, so row order cannot matter) at PP2 (the tower on the first stage, with Qwen3-VL's
 deepstack layers), padded for Qwen2-VL and packed for Qwen3-VL; Qwen3.5 packed at TP2 + SP (gated delta-rule layers
 restarting per sequence, and its multi-token-prediction layer trained on the image features); GLM-4.5V packed at
-EP2 with images; the tower frozen as LLaMA-Factory freezes it by default; the export loading into ``transformers``.
+EP2 with images; Gemma 3 packed at PP2 (image tokens that see their whole image, on both stages); the tower frozen as
+LLaMA-Factory freezes it by default; the export loading into ``transformers``.
 (Packed PP4 and PP2 x EP4: the recipes in tests/test_examples.py.)"""
 
 import pytest
@@ -28,7 +29,9 @@ EP2 = {"expert_model_parallel_size": 2}
     ("qwen3_5", "qwen3_5", 3, True, TP2_SP),
     # GLM-4.5V, images only: LLaMA-Factory 0.9.5's glm4v plugin calls transformers 5.6's video processor with an
     # argument it no longer takes, on either path (videos: tests/models/test_multimodal.py)
-    ("glm4v_moe", "glm4_5v", 0, True, EP2)])
+    ("glm4v_moe", "glm4_5v", 0, True, EP2),
+    # Gemma 3: a pack's image tokens see their whole image, on the later stage too (it has the tokens, not the pixels)
+    ("gemma3", "gemma3", 0, True, PP2)])
 def test_vision_language_sft_matches_llamafactory_and_keeps_the_tower_frozen(tmp_path, family, template, video_every,
                                                                             packing, layout):
     from llamafactory.model.model_utils.visual import COMPOSITE_MODELS
@@ -58,7 +61,8 @@ def test_vision_language_sft_matches_llamafactory_and_keeps_the_tower_frozen(tmp
     ok(result, output)
     ours = losses(tmp_path / "ours")
     assert ours[1] == pytest.approx(theirs, rel=1e-6), theirs  # the next-token loss (MTP's is logged apart)
-    assert "; vision tower: SDPA per image or window" in output, output[-3000:]  # varlen_attn on GPUs
+    tower = "over a micro-batch's images" if family == "gemma3" else "per image or window"  # varlen_attn on GPUs
+    assert f"; vision tower: SDPA {tower}" in output, output[-3000:]
     assert ours[3] < ours[2] < ours[1], ours
 
     before, after = hf_tensors(model), hf_tensors(tmp_path / "ours")
@@ -68,10 +72,10 @@ def test_vision_language_sft_matches_llamafactory_and_keeps_the_tower_frozen(tmp
     names = COMPOSITE_MODELS[AutoConfig.from_pretrained(model).model_type]
     frozen = [k for k in before if any(key in k for key in names.vision_model_keys + names.projector_keys)]
     assert frozen and all(torch.equal(before[k], after[k]) for k in frozen)
-    trained = [k for k in before if "visual." in k and k not in frozen]
+    trained = [k for k in before if ("visual." in k or "vision_tower." in k) and k not in frozen]
     assert (family == "glm4v_moe") == bool(trained), trained
     assert all(not torch.equal(before[k], after[k]) for k in trained if k.endswith("weight")), trained
-    norm = next(k for k in before if k.endswith("model.norm.weight") or k.endswith("language_model.norm.weight"))
+    norm = next(k for k in before if k.endswith(("model.norm.weight", "language_model.norm.weight")))
     assert not torch.equal(before[norm], after[norm])  # the language model trained
     if family == "qwen3_5":
         assert not torch.equal(before["mtp.fc.weight"], after["mtp.fc.weight"])  # and its MTP layer

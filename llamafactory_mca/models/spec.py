@@ -254,6 +254,8 @@ def describe_kernels(config: TransformerConfig) -> str:
         line += f"; sliding window {config.window_size[0] + 1} tokens on {layers} ({how})"
         if getattr(config, "window_rotary_base", None):
             line += f", RoPE base {config.window_rotary_base:g} there"
+    if getattr(config, "image_look_ahead", False):
+        line += "; image tokens see their whole image: one SDPA call under a mask"
     if getattr(config, "softmax_type", "vanilla") != "vanilla":
         how = ("varlen_attn, its output and log-sum-exp corrected for the sink"
                if choice == "native" and varlen_attn_available() and not _cpu_only() else "fp32 scores per sequence")

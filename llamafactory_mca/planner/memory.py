@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any
 
 from ..models.mapping import is_moe_layer
@@ -86,26 +87,35 @@ def vision_tower(config: Any, training: Training) -> VisionTower | None:
 def _count_tower(config: Any, vision: dict[str, Any], training: Training) -> VisionTower:
     import torch  # the planner of a text model never needs torch
 
+    from ..models.families import get_family
     from ..models.freeze import vision_frozen
     from ..models.multimodal import build_vision_tower
 
+    projector = get_family(config.hf_model_type).vision.projector
     with torch.device("meta"):
-        tower = build_vision_tower(config.hf_config, torch.bfloat16)
+        tower = build_vision_tower(config.hf_config, torch.bfloat16, projector)
     frozen = vision_frozen(config.hf_model_type, training.freeze_vision_tower, training.freeze_projector)
     params = dict(tower.named_parameters())
     glu = 2 if any(".gate_proj." in name for name in params) else 1
     # the block's width and its MLP's as built (its first norm, its MLP's input projection): the configs name them
     # differently (Qwen2-VL's embed_dim and mlp_ratio, Qwen2.5/3-VL's hidden_size and intermediate_size; GLM-4.5V's
-    # blocks take out_hidden_size, its intermediate_size is the merger's)
-    block = {name[len("blocks.0."):]: p for name, p in params.items() if name.startswith("blocks.0.")}
-    width = block["norm1.weight"].shape[0]
+    # blocks take out_hidden_size, its intermediate_size is the merger's; SigLIP's blocks are encoder.layers)
+    prefix = next(m.group(1) for name in params if (m := _FIRST_BLOCK.match(name)))
+    block = {name[len(prefix):]: p for name, p in params.items() if name.startswith(prefix)}
+    width = next(p.shape[0] for name, p in block.items() if name.endswith("norm1.weight"))
     ffn = next(p.shape[0] for name, p in block.items() if name.startswith("mlp.") and p.dim() == 2
                and p.shape[1] == width)
+    # patches behind a placeholder: merged n x n, or (LLaVA's layout) a whole image pooled to a fixed count
+    patches = vision.get("spatial_merge_size", 2) ** 2 if not projector else \
+        (vision["image_size"] // vision["patch_size"]) ** 2 // config.hf_config["mm_tokens_per_image"]
     return VisionTower(params=sum(p.numel() for p in params.values()),
                        trainable=sum(p.numel() for n, p in params.items() if not frozen(n)),
                        hidden=width, ffn=ffn,
                        glu=glu, blocks=vision.get("depth") or vision.get("num_hidden_layers"),
-                       patches_per_token=vision.get("spatial_merge_size", 2) ** 2)
+                       patches_per_token=patches)
+
+
+_FIRST_BLOCK = re.compile(r"^(.*?\b(?:blocks|layers)\.0\.)")
 
 
 def _shapes(config: Any) -> dict[str, int]:

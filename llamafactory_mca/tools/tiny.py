@@ -345,6 +345,7 @@ def save_tiny_tokenizer(directory: str, texts: list[str] | None = None, extra_sp
 VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 GLM_VL_TOKENS = ["<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>",
                  "<|video|>"]  # GLM-4.5V's (LLaMA-Factory's glm4v plugin writes them)
+GEMMA_VL_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
 
 
 def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None, seed: int = 0,
@@ -353,45 +354,58 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
     """A vision-language model of family ``name`` (``TINY_VL``, or the shapes given) with its tokenizer and processor,
     as the hub ships them: the tokenizer knows the vision tokens, the config's token ids are the tokenizer's, and the
     image processor cuts the tower's patches (tiny: 4 pixels merged 2 x 2, so a 32 x 32 image is 16 tokens)."""
-    from transformers import AutoTokenizer, Glm4vProcessor, Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
+    from transformers import (AutoTokenizer, Gemma3ImageProcessor, Gemma3Processor, Glm4vProcessor, Qwen2_5_VLProcessor,
+                              Qwen2VLProcessor, Qwen3VLProcessor)
     from transformers.models.glm4v import Glm4vImageProcessor, Glm4vVideoProcessor
     from transformers.models.qwen2_vl import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
     from transformers.models.qwen3_vl import Qwen3VLVideoProcessor
 
     save_tiny_tokenizer(directory, texts)
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    glm = name == "glm4v_moe"
-    vision_tokens = GLM_VL_TOKENS if glm else VL_TOKENS
-    tokenizer.add_special_tokens({"additional_special_tokens": [*(GLM_TOKENS if glm else ["<|im_start|>"]),
-                                                                *vision_tokens]})
+    glm, gemma = name == "glm4v_moe", name == "gemma3"
+    # Gemma 3's processor asks its tokenizer for the image tokens by name
+    tokenizer = AutoTokenizer.from_pretrained(directory, **({"extra_special_tokens": GEMMA_VL_TOKENS} if gemma else {}))
+    vision_tokens = GLM_VL_TOKENS if glm else list(GEMMA_VL_TOKENS.values()) if gemma else VL_TOKENS
+    template_tokens = GLM_TOKENS if glm else GEMMA_TOKENS if gemma else ["<|im_start|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": [*template_tokens, *vision_tokens]},
+                                 replace_extra_special_tokens=not gemma)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in vision_tokens}
     text = dict(TINY_VL[name]["text_config"], **(text_config or {}))
     text["vocab_size"] = max(text["vocab_size"], len(tokenizer) + 3)
     vision = dict(TINY_VL[name]["vision_config"], **(vision_config or {}))
-    patch, merge = vision["patch_size"], vision["spatial_merge_size"]
-    pixels = dict(patch_size=patch, merge_size=merge, temporal_patch_size=vision["temporal_patch_size"],
-                  min_pixels=(4 * patch) ** 2, max_pixels=(16 * patch * merge) ** 2)
-    if glm:
-        size = {"shortest_edge": pixels.pop("min_pixels"), "longest_edge": pixels.pop("max_pixels")}
-        processor = Glm4vProcessor(image_processor=Glm4vImageProcessor(**pixels, size=size),
-                                   video_processor=Glm4vVideoProcessor(**pixels, size=size), tokenizer=tokenizer,
-                                   chat_template=CHAT_TEMPLATE)
-    elif name.startswith("qwen3"):
-        video_size = {"shortest_edge": pixels.pop("min_pixels"), "longest_edge": pixels.pop("max_pixels")}
-        processor = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels, size=video_size),
-                                     video_processor=Qwen3VLVideoProcessor(**pixels, size=video_size),
-                                     tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
+    if gemma:  # every image resized to the encoder's size, pooled to mm_tokens_per_image tokens
+        size = vision["image_size"]
+        processor = Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": size, "width": size}),
+                                    tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
+                                    image_seq_length=TINY_VL[name]["mm_tokens_per_image"])
     else:
-        processor = (Qwen2_5_VLProcessor if name == "qwen2_5_vl" else Qwen2VLProcessor)(
-            image_processor=Qwen2VLImageProcessor(**pixels), video_processor=Qwen2VLVideoProcessor(**pixels),
-            tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
+        patch, merge = vision["patch_size"], vision["spatial_merge_size"]
+        pixels = dict(patch_size=patch, merge_size=merge, temporal_patch_size=vision["temporal_patch_size"],
+                      min_pixels=(4 * patch) ** 2, max_pixels=(16 * patch * merge) ** 2)
+        if glm:
+            size = {"shortest_edge": pixels.pop("min_pixels"), "longest_edge": pixels.pop("max_pixels")}
+            processor = Glm4vProcessor(image_processor=Glm4vImageProcessor(**pixels, size=size),
+                                       video_processor=Glm4vVideoProcessor(**pixels, size=size), tokenizer=tokenizer,
+                                       chat_template=CHAT_TEMPLATE)
+        elif name.startswith("qwen3"):
+            video_size = {"shortest_edge": pixels.pop("min_pixels"), "longest_edge": pixels.pop("max_pixels")}
+            processor = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels, size=video_size),
+                                         video_processor=Qwen3VLVideoProcessor(**pixels, size=video_size),
+                                         tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
+        else:
+            processor = (Qwen2_5_VLProcessor if name == "qwen2_5_vl" else Qwen2VLProcessor)(
+                image_processor=Qwen2VLImageProcessor(**pixels), video_processor=Qwen2VLVideoProcessor(**pixels),
+                tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
     processor.save_pretrained(directory)
     # the config's token ids: which of its keys names which vision token
-    keys = dict(image_token_id="<|image|>", video_token_id="<|video|>", image_start_token_id="<|begin_of_image|>",
-                image_end_token_id="<|end_of_image|>", video_start_token_id="<|begin_of_video|>",
-                video_end_token_id="<|end_of_video|>") if glm else \
-        dict(image_token_id="<|image_pad|>", video_token_id="<|video_pad|>", vision_start_token_id="<|vision_start|>",
-             vision_end_token_id="<|vision_end|>")
+    if glm:
+        keys = dict(image_token_id="<|image|>", video_token_id="<|video|>", image_start_token_id="<|begin_of_image|>",
+                    image_end_token_id="<|end_of_image|>", video_start_token_id="<|begin_of_video|>",
+                    video_end_token_id="<|end_of_video|>")
+    elif gemma:
+        keys = {f"{kind}_index": token for kind, token in GEMMA_VL_TOKENS.items()}
+    else:
+        keys = dict(image_token_id="<|image_pad|>", video_token_id="<|video_pad|>",
+                    vision_start_token_id="<|vision_start|>", vision_end_token_id="<|vision_end|>")
     save_tiny_model(name, directory, seed=seed, dtype=dtype, text_config=text, vision_config=vision,
                     **{key: ids[token] for key, token in keys.items()})
     return directory

@@ -44,8 +44,11 @@ def tower_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     return torch.cat(outs, dim=1), None
 
 
-def describe() -> str:
-    """The towers' attention in words, for the startup summary's kernel line."""
+def describe(projector: bool = False) -> str:
+    """The towers' attention in words, for the startup summary's kernel line. ``projector``: LLaVA's layout, whose
+    images come whole and of one size (``models/multimodal.TowerWithProjector``)."""
+    if projector:
+        return "vision tower: SDPA over a micro-batch's images"
     if torch.cuda.is_available() and varlen_attn_available():
         return "vision tower: one varlen_attn call per block"
     return "vision tower: SDPA per image or window"
