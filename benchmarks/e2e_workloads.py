@@ -146,9 +146,24 @@ GLM_4_5V = dict(model_type="glm4v_moe",
                 vision_config=dict(depth=24, hidden_size=1536, num_heads=12, out_hidden_size=4096, patch_size=14,
                                    image_size=336, spatial_merge_size=2, temporal_patch_size=2, hidden_act="silu"),
                 tie_word_embeddings=False)
-VL = {"vl": QWEN2_5_VL_7B, "vl_moe": QWEN3_VL_30B_A3B, "vl_next": QWEN3_5_35B_A3B, "glm_vl": GLM_4_5V}
+# Gemma 3 27B with images (google/gemma-3-27b-it config.json): 62 layers of 5376, 32 query heads and 16 kv heads of
+# 128, windows of 1024 tokens on five of every six layers, linear RoPE x8 on the others; a SigLIP encoder (27 blocks of
+# 1152, MLP 4304) of 896-pixel images in 14-pixel patches, pooled 4 x 4 into 256 tokens per image
+GEMMA3_27B = dict(model_type="gemma3",
+                  text_config=dict(hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
+                                   num_attention_heads=32, num_key_value_heads=16, head_dim=128,
+                                   query_pre_attn_scalar=168, sliding_window=1024, vocab_size=262208,
+                                   max_position_embeddings=131072, rms_norm_eps=1e-6,
+                                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                    "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                       "rope_theta": 1e6}}),
+                  vision_config=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                                     num_attention_heads=16, image_size=896, patch_size=14, vision_use_head=False),
+                  mm_tokens_per_image=256, tie_word_embeddings=True)
+VL = {"vl": QWEN2_5_VL_7B, "vl_moe": QWEN3_VL_30B_A3B, "vl_next": QWEN3_5_35B_A3B, "glm_vl": GLM_4_5V,
+      "gemma_vl": GEMMA3_27B}
 VL_TEMPLATE = {"qwen2_5_vl": "qwen2_vl", "qwen3_vl_moe": "qwen3_vl_nothink", "qwen3_5_moe": "qwen3_5_nothink",
-               "glm4v_moe": "glm4_5v"}
+               "glm4v_moe": "glm4_5v", "gemma3": "gemma3"}
 SMOKE_SHAPES |= {kind: dict(model_type=shape["model_type"]) for kind, shape in VL.items()}  # tiny.py's shapes
 # GLM-4.5-Air as released, with its multi-token-prediction layer (an MoE layer): ours trains it, LLaMA-Factory's
 # default path drops it (transformers has no MTP)
@@ -168,7 +183,8 @@ LABELS = {"dense": "Qwen3-1.7B shape", "dense8b": "Qwen3-8B shape", "moe": "Qwen
           "vl": "Qwen2.5-VL-7B shape",
           "vl_moe": "Qwen3-VL-30B-A3B shape",
           "vl_next": "Qwen3.5-35B-A3B shape",
-          "glm_vl": "GLM-4.5V shape"}
+          "glm_vl": "GLM-4.5V shape",
+          "gemma_vl": "Gemma-3-27B shape (with images)"}
 MOE_KINDS = ("moe", "vl_moe", "vl_next", "glm_vl", "glm", "glm_mtp", "moonlight", "next", "gpt_oss")
 
 
@@ -452,7 +468,8 @@ def _make_model(spec_path: str) -> None:
         words = [f"w{i}" for i in range(WORDS["smoke" if spec["dtype"] == "float32" else "real"])]
         save_tiny_vl_model(spec["config"]["model_type"], spec["dir"], texts=[" ".join(words)] + corpus(),
                            dtype=getattr(torch, spec["dtype"]), text_config=spec["config"].get("text_config"),
-                           vision_config=spec["config"].get("vision_config"))
+                           vision_config=spec["config"].get("vision_config"),
+                           mm_tokens_per_image=spec["config"].get("mm_tokens_per_image"))
         return
     config = AutoConfig.for_model(**spec["config"])
     torch.manual_seed(0)

@@ -31,7 +31,8 @@ FAMILY = {"Qwen/Qwen3-1.7B": "qwen3", "Qwen/Qwen3-30B-A3B-Instruct-2507": "qwen3
           "zai-org/GLM-4.5-Air": "glm4_moe", "moonshotai/Moonlight-16B-A3B-Instruct": "deepseek_v3",
           "Qwen/Qwen3-Next-80B-A3B-Instruct": "qwen3_next", "Qwen/Qwen3.5-27B": "qwen3_5",
           "Qwen/Qwen3.5-35B-A3B": "qwen3_5_moe", "google/gemma-3-1b-it": "gemma3_text",
-          "openai/gpt-oss-120b": "gpt_oss", "zai-org/GLM-4.5V": "glm4v_moe"}
+          "openai/gpt-oss-120b": "gpt_oss", "zai-org/GLM-4.5V": "glm4v_moe",
+          "google/gemma-3-27b-it": "gemma3"}
 # LLaMA-Factory's own dataset_info.json entries for its demo sets (data/dataset_info.json in its repository).
 LLAMAFACTORY_INFO = {
     "identity": {"file_name": "identity.json"},
@@ -94,9 +95,11 @@ def world(tmp_path_factory):
     tokenizer = save_tiny_tokenizer(str(root / "tokenizer"))
     vocab = len(AutoTokenizer.from_pretrained(tokenizer))
     for repo, family in FAMILY.items():
-        if family in TINY_VL:  # Qwen3.5-MoE, GLM-4.5V: as many experts as their recipes' expert parallel size (8)
-            extra = {"num_experts": 8} if family == "qwen3_5_moe" else {"n_routed_experts": 8} \
-                if family == "glm4v_moe" else None
+        if family in TINY_VL:
+            # Qwen3.5-MoE, GLM-4.5V: as many experts as their recipes' expert parallel size (8); Gemma 3: as many
+            # kv heads as its tensor parallel size (4)
+            extra = {"qwen3_5_moe": {"num_experts": 8}, "glm4v_moe": {"n_routed_experts": 8},
+                     "gemma3": {"num_key_value_heads": 4}}.get(family)
             model = save_tiny_vl_model(family, str(root / "models" / family), text_config=extra)
         else:
             # GLM, Moonlight, Qwen3-Next, gpt-oss: as many experts as the recipes' expert parallel size (8); GLM's,
@@ -112,7 +115,8 @@ def world(tmp_path_factory):
 
 
 def test_every_example_is_covered():
-    assert [os.path.basename(e) for e in EXAMPLES] == ["gemma3_1b_full.yaml", "glm4_5_air_lora.yaml",
+    assert [os.path.basename(e) for e in EXAMPLES] == ["gemma3_1b_full.yaml", "gemma3_27b_full.yaml",
+                                                       "glm4_5_air_lora.yaml",
                                                        "glm4_5v_lora.yaml",
                                                        "gpt_oss_120b_lora.yaml",
                                                        "moonlight_full.yaml", "qwen2_vl_full.yaml",

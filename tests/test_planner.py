@@ -231,7 +231,7 @@ RECIPES = {"qwen3_dense_sft.yaml": ("dense", 1, 80), "qwen3_long_context_cp2.yam
            "glm4_5_air_lora.yaml": ("glm", 8, 80), "moonlight_full.yaml": ("moonlight", 8, 80),
            "qwen3_next_full.yaml": ("next", 8, 80), "qwen2_vl_full.yaml": (QWEN2_VL_7B, 8, 80),
            "qwen3_vl_moe_full.yaml": ("vl_moe", 8, 80), "qwen3_5_moe_full.yaml": ("vl_next", 8, 80),
-           "glm4_5v_lora.yaml": ("glm_vl", 8, 80)}
+           "glm4_5v_lora.yaml": ("glm_vl", 8, 80), "gemma3_27b_full.yaml": ("gemma_vl", 8, 80)}
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))

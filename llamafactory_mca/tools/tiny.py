@@ -350,10 +350,11 @@ GEMMA_VL_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>
 
 def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None, seed: int = 0,
                        dtype: torch.dtype = torch.float32, text_config: dict | None = None,
-                       vision_config: dict | None = None) -> str:
+                       vision_config: dict | None = None, mm_tokens_per_image: int | None = None) -> str:
     """A vision-language model of family ``name`` (``TINY_VL``, or the shapes given) with its tokenizer and processor,
     as the hub ships them: the tokenizer knows the vision tokens, the config's token ids are the tokenizer's, and the
-    image processor cuts the tower's patches (tiny: 4 pixels merged 2 x 2, so a 32 x 32 image is 16 tokens)."""
+    image processor cuts the tower's patches (tiny: 4 pixels merged 2 x 2, so a 32 x 32 image is 16 tokens; Gemma 3:
+    every image 16 pixels, pooled into ``mm_tokens_per_image`` tokens, 4)."""
     from transformers import (AutoTokenizer, Gemma3ImageProcessor, Gemma3Processor, Glm4vProcessor, Qwen2_5_VLProcessor,
                               Qwen2VLProcessor, Qwen3VLProcessor)
     from transformers.models.glm4v import Glm4vImageProcessor, Glm4vVideoProcessor
@@ -372,11 +373,13 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
     text = dict(TINY_VL[name]["text_config"], **(text_config or {}))
     text["vocab_size"] = max(text["vocab_size"], len(tokenizer) + 3)
     vision = dict(TINY_VL[name]["vision_config"], **(vision_config or {}))
+    extra = {}
     if gemma:  # every image resized to the encoder's size, pooled to mm_tokens_per_image tokens
         size = vision["image_size"]
+        extra["mm_tokens_per_image"] = mm_tokens_per_image or TINY_VL[name]["mm_tokens_per_image"]
         processor = Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": size, "width": size}),
                                     tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
-                                    image_seq_length=TINY_VL[name]["mm_tokens_per_image"])
+                                    image_seq_length=extra["mm_tokens_per_image"])
     else:
         patch, merge = vision["patch_size"], vision["spatial_merge_size"]
         pixels = dict(patch_size=patch, merge_size=merge, temporal_patch_size=vision["temporal_patch_size"],
@@ -407,7 +410,7 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
         keys = dict(image_token_id="<|image_pad|>", video_token_id="<|video_pad|>",
                     vision_start_token_id="<|vision_start|>", vision_end_token_id="<|vision_end|>")
     save_tiny_model(name, directory, seed=seed, dtype=dtype, text_config=text, vision_config=vision,
-                    **{key: ids[token] for key, token in keys.items()})
+                    **{key: ids[token] for key, token in keys.items()}, **extra)
     return directory
 
 

@@ -129,8 +129,8 @@ def _count(models: dict, cases: list) -> list[int]:
 
 
 def test_trainable_parameters_are_peft_s(tmp_path):
-    """``all`` is LLaMA-Factory's expansion (on Qwen3-MoE: attention only; experts only by the word; on GLM-4.5V the
-    language model's linears, not the frozen tower's)."""
+    """``all`` is LLaMA-Factory's expansion (on Qwen3-MoE: attention only; experts only by the word; on GLM-4.5V and
+    Gemma 3 the language model's linears, not the frozen tower's)."""
     from llamafactory.hparams import FinetuningArguments
     from llamafactory.model.model_utils.misc import find_all_linear_modules
     from llamafactory.model.model_utils.visual import patch_target_modules
@@ -140,7 +140,7 @@ def test_trainable_parameters_are_peft_s(tmp_path):
              ("qwen3_moe", ["all", "experts"]), ("qwen2_moe", ["q_proj", "gate_proj", "experts"]),
              ("glm4_moe", ["all"]), ("deepseek_v3", ["all", "experts"]),
              ("qwen3_next", ["all"]), ("qwen3_next", ["in_proj_qkvz", "in_proj_ba", "out_proj", "experts"]),
-             ("qwen2_moe", ["all"]), ("glm4v_moe", ["all"])]
+             ("qwen2_moe", ["all"]), ("glm4v_moe", ["all"]), ("gemma3", ["all"])]
     models = {name: save_tiny_model(name, str(tmp_path / name)) for name in {n for n, _ in cases}}
     (ours,) = run_distributed(_count, 1, models, cases)
     for (name, targets), count in zip(cases, ours):
