@@ -63,6 +63,7 @@ def test_vision_language_sft_matches_llamafactory_and_keeps_the_tower_frozen(tmp
     assert ours[1] == pytest.approx(theirs, rel=1e-6), theirs  # the next-token loss (MTP's is logged apart)
     tower = "over a micro-batch's images" if family == "gemma3" else "per image or window"  # varlen_attn on GPUs
     assert f"; vision tower: SDPA {tower}" in output, output[-3000:]
+    assert ("image tokens see their whole image: one SDPA call under a mask" in output) == (family == "gemma3")
     assert ours[3] < ours[2] < ours[1], ours
 
     before, after = hf_tensors(model), hf_tensors(tmp_path / "ours")
