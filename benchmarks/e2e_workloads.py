@@ -425,7 +425,8 @@ def model_config(kind: str, layers: int, smoke: bool) -> dict:
         if kind == "vl_next":  # every 4th layer full attention, the last one too in a short cut
             text["layer_types"] = _hybrid_pattern(layers)
         if kind == "gemma_vl":  # Gemma 3's pattern: every 6th layer global (tiny.py's shape has its own for 4 layers)
-            text["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+            text["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                   for i in range(layers)]
         return {**shape, "text_config": text, "num_hidden_layers": layers}
     if kind == "next":  # Qwen3-Next's pattern (every 4th layer full attention), the last layer full in a short cut
         shape = {**shape, "layer_types": _hybrid_pattern(layers)}

@@ -108,7 +108,8 @@ def _summary(plan: RunPlan, model: Any, trainer: McaTrainer, train_plan: DataPla
         model_type=config.hf_model_type + _describe_mtp(model.transformer_config),
         params_total=model_parameter_count(config), params_on_rank=on_rank,
         kernels=spec.describe_kernels(model.transformer_config)
-        + (f"; {tower_attention.describe(plan.tower.projector)}" if plan.vision else ""), tokens_per_step=trainer.tokens_per_step(),
+        + (f"; {tower_attention.describe(plan.tower.projector)}" if plan.vision else ""),
+        tokens_per_step=trainer.tokens_per_step(),
         steps=trainer.max_steps, data_stats=format_stats(train_plan.stats),
         memory=memory_estimate_gib(on_rank, training_args, plan.layout.dp, trainable),
         planned=estimate(config, plan.layout, training_of(plan, training_args, finetuning_args)),

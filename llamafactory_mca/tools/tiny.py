@@ -355,8 +355,8 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
     as the hub ships them: the tokenizer knows the vision tokens, the config's token ids are the tokenizer's, and the
     image processor cuts the tower's patches (tiny: 4 pixels merged 2 x 2, so a 32 x 32 image is 16 tokens; Gemma 3:
     every image 16 pixels, pooled into ``mm_tokens_per_image`` tokens, 4)."""
-    from transformers import (AutoTokenizer, Gemma3ImageProcessor, Gemma3Processor, Glm4vProcessor, Qwen2_5_VLProcessor,
-                              Qwen2VLProcessor, Qwen3VLProcessor)
+    from transformers import (AutoTokenizer, Gemma3ImageProcessor, Gemma3Processor, Glm4vProcessor,
+                              Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor)
     from transformers.models.glm4v import Glm4vImageProcessor, Glm4vVideoProcessor
     from transformers.models.qwen2_vl import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
     from transformers.models.qwen3_vl import Qwen3VLVideoProcessor
@@ -364,7 +364,8 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
     save_tiny_tokenizer(directory, texts)
     glm, gemma = name == "glm4v_moe", name == "gemma3"
     # Gemma 3's processor asks its tokenizer for the image tokens by name
-    tokenizer = AutoTokenizer.from_pretrained(directory, **({"extra_special_tokens": GEMMA_VL_TOKENS} if gemma else {}))
+    named = {"extra_special_tokens": GEMMA_VL_TOKENS} if gemma else {}
+    tokenizer = AutoTokenizer.from_pretrained(directory, **named)
     vision_tokens = GLM_VL_TOKENS if glm else list(GEMMA_VL_TOKENS.values()) if gemma else VL_TOKENS
     template_tokens = GLM_TOKENS if glm else GEMMA_TOKENS if gemma else ["<|im_start|>"]
     tokenizer.add_special_tokens({"additional_special_tokens": [*template_tokens, *vision_tokens]},

@@ -6,28 +6,45 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from llamafactory_mca.data.multimodal import VisionInputs
+from llamafactory_mca.data.multimodal import VisionInputs, image_blocks
+from llamafactory_mca.tools.tiny import tiny_hf_config
 
 
-def _inputs() -> VisionInputs:
-    vision = VisionInputs.__new__(VisionInputs)  # only the token ids and the merge size matter here
-    vision.merge, vision.image_token_id, vision.video_token_id, vision.video_span = 2, 7, 8, None
-    return vision
+def _inputs(family: str, video_span: tuple[int, int] | None = None) -> VisionInputs:
+    """Built from the tiny model's config, as the workflow builds it (no plugin or processor: counts only)."""
+    return VisionInputs(None, None, tiny_hf_config(family).to_dict(), video_span=video_span)
 
 
 def test_placeholders_and_features_must_pair_up():
-    vision = _inputs()
+    vision = _inputs("qwen2_vl")  # image 196, video 197, patches merged 2 x 2
+    image, video = 196, 197
     grid = {"image_grid_thw": torch.tensor([[1, 4, 4]]), "video_grid_thw": torch.tensor([[2, 2, 4]])}
-    tokens = torch.tensor([[1] * 3 + [7] * 4 + [8] * 4 + [2]])  # 4 image tokens (16 patches / 4), 4 video tokens
+    tokens = torch.tensor([[1] * 3 + [image] * 4 + [video] * 4 + [2]])  # 4 image tokens (16 patches / 4), 4 video
     vision._check_counts(SimpleNamespace(tokens=tokens), grid)
     vision._check_counts(SimpleNamespace(tokens=torch.tensor([[1, 2, 3]])), {})  # text only
     with pytest.raises(ValueError, match=r"3 placeholder tokens but 4 vision features \(image_grid_thw\)"):
-        vision._check_counts(SimpleNamespace(tokens=torch.tensor([[7, 7, 7] + [8] * 4])), grid)
+        vision._check_counts(SimpleNamespace(tokens=torch.tensor([[image] * 3 + [video] * 4])), grid)
     with pytest.raises(ValueError, match=r"4 placeholder tokens but 0 vision features \(video_grid_thw\)"):
         vision._check_counts(SimpleNamespace(tokens=tokens), {"image_grid_thw": grid["image_grid_thw"]})
-    # GLM-4.5V: a video's frames are image tokens between the video's begin (5) and end (6) ids
-    vision.video_span = (5, 6)
-    glm = torch.tensor([[1] + [7] * 4 + [5] + [7] * 2 + [3] + [7] * 2 + [6] + [2]])
+    # GLM-4.5V: a video's frames are image tokens between the video's begin (198) and end (199) ids
+    vision = _inputs("glm4v_moe", video_span=(198, 199))
+    glm = torch.tensor([[1] + [image] * 4 + [198] + [image] * 2 + [3] + [image] * 2 + [199] + [2]])
     vision._check_counts(SimpleNamespace(tokens=glm), grid)
     with pytest.raises(ValueError, match=r"4 placeholder tokens but 0 vision features \(video_grid_thw\)"):
         vision._check_counts(SimpleNamespace(tokens=glm), {"image_grid_thw": grid["image_grid_thw"]})  # frames: video
+
+
+def test_gemma3_images_are_whole_and_see_each_other():
+    """Gemma 3: every image is mm_tokens_per_image (4) tokens whatever its pixels, with plain positions; each run of
+    image tokens is one block for the attention, a second image right after text a new one."""
+    vision = _inputs("gemma3")
+    image = 196
+    tokens = torch.tensor([[1, 192] + [image] * 4 + [193, 5, 192] + [image] * 4 + [193]])
+    two = {"pixel_values": torch.zeros(2, 3, 16, 16)}
+    vision._check_counts(SimpleNamespace(tokens=tokens), two)
+    with pytest.raises(ValueError, match=r"8 placeholder tokens but 4 vision features"):
+        vision._check_counts(SimpleNamespace(tokens=tokens), {"pixel_values": torch.zeros(1, 3, 16, 16)})
+    assert image_blocks(tokens, image).tolist() == [[-1, -1, 0, 0, 0, 0, -1, -1, -1, 1, 1, 1, 1, -1]]
+    # two rows: blocks count per row
+    rows = torch.tensor([[image, image, 1, image], [1, image, image, 2]])
+    assert image_blocks(rows, image).tolist() == [[0, 0, -1, 1], [-1, 0, 0, -1]]

@@ -237,8 +237,8 @@ def test_unsupported_models_fail_with_the_supported_list(tmp_path):
     from llamafactory_mca.models.auto import AutoConfig
 
     GPT2Config(n_layer=1).save_pretrained(tmp_path / "gpt2")
-    with pytest.raises(ValueError, match="not supported by llamafactory_mca; supported: deepseek_v3, gemma3, gemma3_text, "
-                                         "glm4_moe, glm4v_moe, gpt_oss, llama"):
+    with pytest.raises(ValueError, match="not supported by llamafactory_mca; supported: deepseek_v3, gemma3, "
+                                         "gemma3_text, glm4_moe, glm4v_moe, gpt_oss, llama"):
         AutoConfig.from_pretrained(str(tmp_path / "gpt2"))
     LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 4.0}, max_position_embeddings=256).save_pretrained(
         tmp_path / "dynamic")
