@@ -126,11 +126,21 @@ def _take_over_launch(module: types.ModuleType) -> None:
     module.launch = launch
 
 
-_PATCHES = {PARSER_NAME: _guard_train_args, LAUNCHER_NAME: _take_over_launch}
+def _board(name: str):
+    """LlamaBoard's modules, adjusted by launch/board.py: imported only by the web UI (it imports gradio)."""
+    def patch(module: types.ModuleType) -> None:
+        importlib.import_module("llamafactory_mca.launch.board").PATCHES[name](module)
+
+    return patch
+
+
+BOARD_MODULES = ("llamafactory.webui.locales", "llamafactory.webui.components.train", "llamafactory.webui.runner",
+                 "llamafactory.webui.control", "llamafactory.webui.components.export")
+_PATCHES = {PARSER_NAME: _guard_train_args, LAUNCHER_NAME: _take_over_launch, **{n: _board(n) for n in BOARD_MODULES}}
 
 
 class _PatchingLoader(importlib.abc.Loader):
-    """Runs the real module, then adjusts it (LLaMA-Factory's argument parser and launcher only)."""
+    """Runs the real module, then adjusts it (LLaMA-Factory's argument parser and launcher, LlamaBoard's page)."""
 
     def __init__(self, loader: importlib.abc.Loader, patch) -> None:
         self.loader, self.patch = loader, patch

@@ -177,14 +177,20 @@ def preflight(argv: list[str]) -> tuple[Any, str]:
     """The run's plan (``plan.plan_run``: every check that needs no process group) and what only the launcher checks:
     the recipe's keys, the model's files, the datasets, the resume point. Returns the plan and the output_dir.
     Raises UserError."""
+    plan, training_args, _ = check_recipe(read_recipe(argv), _recipe_name(argv))
+    return plan, training_args.output_dir
+
+
+def check_recipe(recipe: dict[str, Any] | list[str], where: str) -> tuple[Any, Any, Any]:
+    """:func:`preflight` on a recipe already read (LlamaBoard's form checks its arguments here, as the launcher it
+    starts will). Returns the plan and the parsed training and finetuning arguments. Raises UserError."""
     from ..checkpoints import resolve_resume
     from ..parallel import min_world_size
     from ..plan import check_model_files, plan_run
     from ..planner.check import check_fits
 
-    recipe = read_recipe(argv)
-    check_keys(recipe, _recipe_name(argv))
-    check_output_dir_given(recipe, _recipe_name(argv))
+    check_keys(recipe, where)
+    check_output_dir_given(recipe, where)
     model_args, data_args, training_args, finetuning_args, _ = parse(recipe)
     world = planned_world_size(min_world_size(
         training_args.tensor_model_parallel_size, training_args.pipeline_model_parallel_size,
@@ -196,7 +202,7 @@ def preflight(argv: list[str]) -> tuple[Any, str]:
     check_datasets(data_args)
     resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir, plan.record)
     check_fits(plan, training_args, finetuning_args)
-    return plan, training_args.output_dir
+    return plan, training_args, finetuning_args
 
 
 def run_preflight(argv: list[str]) -> Any:

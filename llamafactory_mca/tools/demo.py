@@ -28,6 +28,18 @@ def _run(command: list[str], env: dict) -> None:
     subprocess.run(command, env=env, check=True)
 
 
+def save_demo_model(model_dir: str) -> str:
+    """The demo's tiny Qwen3-style model, with a tokenizer that knows every word of the demo's dataset."""
+    from transformers import AutoTokenizer
+
+    with open(os.path.join(DATA_DIR, "demo_sft.json"), encoding="utf-8") as f:
+        rows = json.load(f)
+    save_tiny_tokenizer(model_dir, ["system user assistant"] + [r["instruction"] + " " + r["output"] for r in rows])
+    vocab = len(AutoTokenizer.from_pretrained(model_dir))
+    return save_tiny_model("qwen3", model_dir, vocab_size=vocab, hidden_size=128, intermediate_size=256, head_dim=32,
+                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+
+
 def demo_main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -44,11 +56,7 @@ def demo_main(argv: list[str] | None = None) -> int:
 
     with open(os.path.join(DATA_DIR, "demo_sft.json"), encoding="utf-8") as f:
         rows = json.load(f)
-    model_dir = os.path.join(out, "tiny-qwen3")
-    save_tiny_tokenizer(model_dir, ["system user assistant"] + [r["instruction"] + " " + r["output"] for r in rows])
-    vocab = len(AutoTokenizer.from_pretrained(model_dir))
-    save_tiny_model("qwen3", model_dir, vocab_size=vocab, hidden_size=128, intermediate_size=256, head_dim=32,
-                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    model_dir = save_demo_model(os.path.join(out, "tiny-qwen3"))
 
     shutil.rmtree(os.path.join(out, "saves"), ignore_errors=True)  # a fresh run each time, not a resume
     gpus = torch.cuda.device_count()
