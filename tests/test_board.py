@@ -27,6 +27,7 @@ from selenium.webdriver.common.keys import Keys
 
 from llamafactory_mca.checkpoints import list_checkpoints, verify_checkpoint
 from llamafactory_mca.tools.demo import DATA_DIR, save_demo_model
+from llamafactory_mca.tools.tiny import save_tiny_model
 from tests._cli import cli_env, run
 from tests._dist import free_port, one_job_at_a_time
 
@@ -42,6 +43,7 @@ import json, sys
 import gradio as gr
 from llamafactory.webui.components import create_top, create_train_tab
 from llamafactory.webui.engine import Engine
+from llamafactory_mca.launch.board import describe
 
 engine = Engine()
 with gr.Blocks():
@@ -52,8 +54,10 @@ data = {elem: getattr(elem, "value", None) for elem in manager.get_elem_list()}
 for elem_id, value in json.loads(sys.argv[1]).items():
     data[manager.get_elem_by_id(elem_id)] = value
 preview = next(engine.runner.preview_train(data))
-print(json.dumps({"output_box": preview[manager.get_elem_by_id("train.output_box")],
-                  "args": engine.runner._parse_train_args(data)}, default=str))
+args = engine.runner._parse_train_args(data)
+plan_line, experts = describe(args)
+print(json.dumps({"output_box": preview[manager.get_elem_by_id("train.output_box")], "args": args,
+                  "plan_line": plan_line, "experts": experts}, default=str))
 """
 
 
@@ -124,6 +128,15 @@ def test_the_form_becomes_our_recipe_and_is_refused_as_the_cli_refuses(tmp_path,
     assert args["virtual_pipeline_model_parallel_size"] is None and args["recompute_granularity"] is None
     assert "USE_MCA=1 llamafactory-cli train" in page["output_box"]
     assert "--pipeline_model_parallel_size 2" in page["output_box"]
+    assert page["plan_line"].startswith("**world=2 tp=1 pp=2") and "predicted memory per GPU" in page["plan_line"]
+    assert "global batch **16** = dp 1 × micro-batch 2 × accumulation 8" in page["plan_line"], page["plan_line"]
+    assert page["experts"] is False  # the expert keys stay hidden for a dense model
+
+    moe = save_tiny_model("qwen3_moe", str(tmp_path / "tiny-moe"))
+    shutil.copytree(demo_model, moe, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors", "config.json",
+                                                                                       "generation_config.json"))
+    shown = _page(tmp_path, _form(tmp_path, moe, **{"train.mca_ep": 2}))
+    assert shown["experts"] is True and " ep=2 " in shown["plan_line"], shown["plan_line"]
 
     refused = _page(tmp_path, _form(tmp_path, demo_model, **{"train.mca_tp": 3}))
     recipe = {k: v for k, v in refused["args"].items() if v is not None and v is not False and v != ""}
@@ -336,6 +349,9 @@ def test_llamaboard_trains_and_aborts_in_a_browser(tmp_path):
             gone, alive = psutil.wait_procs(running, timeout=60)
             assert not alive, [p.cmdline() for p in alive]
             assert not _run_processes(board)
+            orphans = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
+                       if any(second_dir in part for part in p.info["cmdline"] or [])]
+            assert not orphans, orphans  # nothing of the run left anywhere, re-parented or not
             _wait("the page to be ready again", lambda: "Finished." in page.text(), 60)
             page.shot("aborted")
             step, newest = list_checkpoints(str(second))[-1]
