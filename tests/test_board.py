@@ -26,6 +26,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 
 from llamafactory_mca.checkpoints import list_checkpoints, verify_checkpoint
+from llamafactory_mca.launch.plugin import BOARD_MODULES
 from llamafactory_mca.tools.demo import DATA_DIR, save_demo_model
 from llamafactory_mca.tools.tiny import save_tiny_model
 from tests._cli import cli_env, run
@@ -34,8 +35,6 @@ from tests._dist import free_port, one_job_at_a_time
 pytestmark = pytest.mark.slow
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-BOARD_MODULES = ("llamafactory.webui.locales", "llamafactory.webui.components.train", "llamafactory.webui.runner",
-                 "llamafactory.webui.control", "llamafactory.webui.components.export")
 
 # Builds LlamaBoard's page in a process (without serving it) and runs what the Train tab's buttons run.
 FORM = """
@@ -273,13 +272,14 @@ def _run_processes(board: subprocess.Popen) -> list[psutil.Process]:
     return psutil.Process(board.pid).children(recursive=True)
 
 
-def test_llamaboard_trains_and_aborts_in_a_browser(tmp_path):
+def test_llamaboard_trains_and_aborts_in_a_browser(tmp_path, record_property):
     """The demo's tiny model at PP2 from LlamaBoard in headless Chromium: preview, start, the loss plot grows, the run
     finishes with our checkpoint and Hugging Face weights; a second, longer run is aborted after its first checkpoint:
     no process of it is left and its newest checkpoint verifies. Screenshots of each stage: tmp_path/screenshots."""
     root = tmp_path / "board"
     shots = tmp_path / "screenshots"
     shots.mkdir()
+    record_property("screenshots", str(shots))  # in the junit report; each file's path is printed as it is taken
     shutil.copytree(DATA_DIR, root / "data", ignore=shutil.ignore_patterns("*.yaml"))  # LlamaBoard's default data dir
     model = save_demo_model(str(root / "tiny-qwen3"))
     (root / "llamaboard_cache").mkdir()
