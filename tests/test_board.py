@@ -390,3 +390,28 @@ def test_llamaboard_trains_and_aborts_in_a_browser(tmp_path, record_property):
                 driver.quit()
             board.terminate()
             board.wait(30)
+
+
+EXPORT = """
+import json, sys
+from llamafactory.webui.components.export import save_model
+
+checkpoint, quantization = sys.argv[1:]
+print(json.dumps(list(save_model("en", "Custom", "unused", "full", checkpoint, "default", 5, quantization, "", "cpu",
+                                 False, "exported", "", "{}"))))
+"""
+
+
+def test_export_of_our_checkpoint_refuses_what_the_merge_cannot_do(tmp_path):
+    """Export of one of our checkpoints is our merge, which writes Hugging Face weights only: a GPTQ quantization
+    asked of it is refused in one line naming the field and the way to get it."""
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    (checkpoint / "dist_ckpt").mkdir(parents=True)
+    (checkpoint / "mca_config.json").write_text("{}")
+    (checkpoint / "dist_ckpt" / "metadata.json").write_text("{}")
+    result, output = run([sys.executable, "-c", EXPORT, str(checkpoint), "4"], env=cli_env(None), cwd=tmp_path,
+                         alone=False)
+    assert result.returncode == 0, output[-3000:]
+    said = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(said) == 1 and said[0].startswith(f"export_quantization_bit='4' with {checkpoint}"), said
+    assert not (tmp_path / "exported").exists()

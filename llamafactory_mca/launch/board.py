@@ -256,13 +256,20 @@ def patch_export(module) -> None:
 
     def save_model_ours(lang, model_name, model_path, finetuning_type, checkpoint_path, template, export_size,
                         export_quantization_bit, *rest):
-        export_dir = rest[3]
+        export_dir, hub_model_id = rest[3], rest[4]
         chosen = checkpoint_path if isinstance(checkpoint_path, list) else [checkpoint_path] if checkpoint_path else []
         paths = [module.get_save_dir(model_name, finetuning_type, c) for c in chosen]
         if len(paths) != 1 or not is_checkpoint(paths[0]) or not export_dir:
             yield from save_model(lang, model_name, model_path, finetuning_type, checkpoint_path, template,
                                   export_size, export_quantization_bit, *rest)
             return
+        asked = {"export_quantization_bit": export_quantization_bit, "export_hub_model_id": hub_model_id}
+        for key, value in asked.items():
+            if value not in (None, "", "none"):
+                yield (f"{key}={value!r} with {paths[0]}, a llamafactory_mca checkpoint: Export merges it into "
+                       f"Hugging Face weights only. Clear {key} and export; then set Model path to the exported "
+                       "folder and export that with it.")
+                return
         yield module.ALERTS["info_exporting"][lang]
         try:
             merge(paths[0], export_dir, max_shard_bytes=int(export_size) * 1024**3,
