@@ -182,7 +182,11 @@ class NativeDotProductAttention(MegatronModule):
                 cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
                 positions = torch.arange(q.size(2), device=q.device)
                 seq = torch.searchsorted(cu[1:].to(q.device), positions, right=True).unsqueeze(0)
-            masks[self.window] = image_look_ahead_mask(blocks.to(q.device), seq, self.window)
+            allowed = image_look_ahead_mask(blocks.to(q.device), seq, self.window)
+            # additive, in the activations' dtype: SDPA would convert a boolean mask in every call, and autograd
+            # would keep each layer's copy for the backward; one tensor is shared by all
+            masks[self.window] = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                ~allowed, float("-inf"))
         out = masked_attention(q, k, v, masks[self.window], self.softmax_scale,
                                self.dropout_p if self.training else 0.0)
         if packed:

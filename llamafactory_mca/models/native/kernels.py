@@ -118,14 +118,15 @@ def image_look_ahead_mask(blocks: torch.Tensor, seq: torch.Tensor | None, window
     return (allowed | same_image).unsqueeze(1)
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                      dropout_p: float = 0.0) -> torch.Tensor:
-    """``[b, h, s, d]`` under any boolean mask (``allowed``, broadcastable to [b, h, s, s]): SDPA's memory-efficient
-    kernel takes one, flash's does not. Grouped K/V heads are repeated, one per query head, as that kernel wants."""
+    """``[b, h, s, d]`` under any mask (``mask``: boolean, True where allowed, or additive; broadcastable to
+    [b, h, s, s]): SDPA's memory-efficient kernel takes one, flash's does not. Grouped K/V heads are repeated, one per
+    query head, as that kernel wants."""
     groups = q.size(1) // k.size(1)
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
 
 
 def _sdpa_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> bool:
