@@ -20,7 +20,7 @@ import psutil
 import pytest
 import yaml
 from selenium import webdriver
-from selenium.common.exceptions import ElementClickInterceptedException
+from selenium.common.exceptions import ElementClickInterceptedException, StaleElementReferenceException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
@@ -169,7 +169,10 @@ def _browser(downloads: str):
 def _wait(what: str, condition, timeout: float, every: float = 0.5):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        value = condition()
+        try:
+            value = condition()
+        except StaleElementReferenceException:  # Gradio re-rendered what the condition held: look again
+            value = None
         if value:
             return value
         time.sleep(every)
@@ -230,9 +233,20 @@ class Page:
         """Pick ``choice`` from the options the page lists (not typed in as a value of one's own)."""
         element = self.find(f"//input[@aria-label='{label}']")
         self.driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", element)
-        element.click()
-        option = _wait(f"{choice} among the options of {label}", lambda: self.driver.find_elements(
-            By.XPATH, f"//ul[@role='listbox']/li[contains(normalize-space(), '{choice}')]"), 30)
+
+        def offered():
+            """Open the list and look for the option; a list opened before the page refreshed its options keeps the
+            old ones, so it is closed and opened again until the option is there."""
+            element.click()
+            try:
+                return _wait(f"{choice} among the options of {label}", lambda: self.driver.find_elements(
+                    By.XPATH, f"//ul[@role='listbox']/li[contains(normalize-space(), '{choice}')]"), 3)
+            except AssertionError:
+                element.send_keys(Keys.ESCAPE)
+                self.driver.find_element(By.TAG_NAME, "body").click()
+                return None
+
+        option = _wait(f"{choice} among the options of {label}", offered, 60, every=1)
         option[0].click()
         _wait(f"{label} = {choice}", lambda: element.get_attribute("value") == choice, 10)
 
@@ -257,9 +271,11 @@ class Page:
 
     def loss_plot(self) -> str | None:
         """The loss plot's image (a data URL), None before the first one."""
-        images = self.driver.find_elements(By.XPATH, "//*[@data-testid='block-label' and normalize-space()="
-                                           "'Loss']/ancestor::div[contains(@class, 'block')][1]//img")
-        return images[0].get_attribute("src") if images else None
+        # found and read in one script: the plot is re-rendered as the run logs, so a held element goes stale
+        return self.driver.execute_script(
+            "const x = document.evaluate(\"//*[@data-testid='block-label' and normalize-space()='Loss']"
+            "/ancestor::div[contains(@class, 'block')][1]//img\", document, null, "
+            "XPathResult.FIRST_ORDERED_NODE_TYPE, null).singleNodeValue; return x ? x.src : null;")
 
     def shot(self, name: str) -> Path:
         path = self.shots / f"{len(list(self.shots.iterdir())) + 1:02d}-{name}.png"
