@@ -22,6 +22,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from llamafactory_mca.checkpoints import verify_checkpoint
+from llamafactory_mca.errors import UserError
 from tests._cli import cli_env, ok, one_error, recipe, run, train
 from tests._dist import one_job_at_a_time
 
@@ -400,16 +402,36 @@ def test_a_bad_process_count_is_one_line(assets, tmp_path):
     one_error(result, output, "NPROC_PER_NODE='two' must be a positive number of processes per node")
 
 
+def test_more_processes_than_visible_gpus_is_refused_before_any_worker(monkeypatch):
+    """On a 4-GPU host NPROC_PER_NODE=8 started 8 workers, each of which died with CUDA's "invalid device ordinal";
+    the launcher counts the GPUs first (without GPUs, the processes are CPU processes, as many as asked)."""
+    from llamafactory.extras import misc
+
+    from llamafactory_mca.launch import preflight
+
+    monkeypatch.setattr(misc, "get_device_count", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    monkeypatch.setenv("NPROC_PER_NODE", "8")
+    with pytest.raises(UserError, match=r"NPROC_PER_NODE=8 asks for 8 processes on this node, and it has 4 GPUs "
+                                        r"visible \(CUDA_VISIBLE_DEVICES=0,1,2,3\).*Set NPROC_PER_NODE=4 or fewer"):
+        preflight.planned_world_size(1)
+    monkeypatch.setenv("NPROC_PER_NODE", "4")
+    assert preflight.planned_world_size(1) == 4
+    monkeypatch.setattr(misc, "get_device_count", lambda: 0)
+    monkeypatch.setenv("NPROC_PER_NODE", "8")
+    assert preflight.planned_world_size(1) == 8
+
+
 # ---- killed processes: nothing outlives a run --------------------------------------------------------------------
 
-def _start(tmp_path, config, name: str) -> tuple[subprocess.Popen, Path]:
+def _start(tmp_path, config, name: str, env: dict | None = None) -> tuple[subprocess.Popen, Path]:
     import yaml
 
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     log = tmp_path / f"{name}.log"
     with open(log, "w") as f:
-        process = subprocess.Popen(["llamafactory-cli", "train", str(path)], env=cli_env(2), stdout=f,
+        process = subprocess.Popen(["llamafactory-cli", "train", str(path)], env=cli_env(2, env), stdout=f,
                                    stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
     return process, log
 
@@ -474,18 +496,26 @@ def test_a_rank_killed_with_sigkill_takes_everything_of_the_run_with_it(assets, 
               "Rank 0 was stopped with it", "A signal leaves no traceback")
 
 
-def test_saves_leave_no_helper_process_behind(assets, tmp_path):
+def test_saves_leave_no_helper_and_a_writer_killed_mid_save_is_one_line_keeping_the_last_checkpoint(assets, tmp_path):
     """A worker forks its file writers only while it saves: between saves it has no child process a kill -9 could
-    take from it mid-run, or that could outlive it (Megatron's default results queue started a helper per rank; a
-    kill -9 of it broke the next save with a BrokenPipeError traceback). The run saves twice and finishes."""
+    take from it mid-run, or that could outlive it (Megatron's default results queue started a helper per rank).
+    A writer killed during a save (here rank 1's, at checkpoint-12) used to leave its rank waiting forever on
+    Megatron's JoinableQueue: now the save fails on every rank at once, in one line naming the rank and the signal,
+    the unfinished folder is removed and checkpoint-6 stays the one to resume from."""
     out = tmp_path / "out"
     config = recipe(assets, out, max_steps=12, save_strategy="steps", save_steps=6, gradient_accumulation_steps=2,
                     use_distributed_optimizer=True)
     with one_job_at_a_time():
-        process, log = _start(tmp_path, config, "run")
+        process, log = _start(tmp_path, config, "run", env={"LLAMAFACTORY_MCA_FAULT": "writer:12@1"})
         assert _wait_for(lambda: _saved(out), 120), log.read_text()[-3000:]
-        ranks = _ranks(_family(process.pid))
+        everything = _family(process.pid)
+        ranks = _ranks(everything)
         assert len(ranks) == 2 and _wait_for(lambda: not any(r.children() for r in ranks), 30), \
             [_command(c) for r in ranks for c in r.children()]
-        assert process.wait(timeout=180) == 0, log.read_text()[-3000:]
-    assert (out / "checkpoint-12").is_dir() and "Traceback" not in log.read_text()
+        assert process.wait(timeout=180) != 0
+        assert _wait_for(lambda: not _alive(everything), 30), [_command(p) for p in _alive(everything)]
+    one_error(subprocess.CompletedProcess([], 1), log.read_text(), "saving checkpoint-12 failed: rank 1's checkpoint "
+              "writer", "killed by SIGKILL", "unfinished folder was removed", f"{out / 'checkpoint-6'} is the newest "
+              "complete checkpoint")
+    assert not any(n.startswith(("tmp-", "checkpoint-12")) for n in os.listdir(out)), os.listdir(out)
+    verify_checkpoint(str(out / "checkpoint-6"))

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UserError
+from . import writers
 from .dist_reader import DistCheckpointReader
 from .hf_io import copy_side_files, write_hf_config
 
@@ -119,12 +120,16 @@ class SideFiles:
 
 
 def write_folder(path: str, state: dict, side_files: SideFiles, *, extra: Callable[[str], None] | None = None,
-                 before_commit: Callable[[], None] | None = None, strategy: Any = None) -> str:
+                 before_commit: Callable[[], None] | None = None, in_writer: Callable[[], None] | None = None,
+                 strategy: Any = None) -> str:
     """Write one folder of ours (collective): the sharded ``state`` as its dist checkpoint, then (rank 0) the side
     files and ``extra(tmp)``; everything lands in ``tmp-<name>`` first and is renamed to ``path`` only when whole.
-    An existing ``path`` of ours is replaced (a rerun of the same step); anything else there is refused."""
+    An existing ``path`` of ours is replaced (a rerun of the same step); anything else there is refused. A file
+    writer that dies mid-save ends it on every rank with one UserError, the unfinished folder removed
+    (``writers.py``); ``in_writer`` runs first in each writer process (tests' deliberate faults)."""
     import torch
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
     path = os.path.abspath(path)
     tmp = os.path.join(os.path.dirname(path), f"tmp-{os.path.basename(path)}")
@@ -135,8 +140,18 @@ def write_folder(path: str, state: dict, side_files: SideFiles, *, extra: Callab
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(os.path.join(tmp, DIST_DIR))
     _in_process_results_queue()
+    writers.install()
     torch.distributed.barrier()
-    dist_checkpointing.save(state, os.path.join(tmp, DIST_DIR), sharded_strategy=strategy)
+    try:
+        with writers.watching(in_writer):
+            dist_checkpointing.save(state, os.path.join(tmp, DIST_DIR), sharded_strategy=strategy)
+    except CheckpointException as err:  # Megatron's finalize raises it on every rank, so all of them are here
+        detail = writers.describe_failure(err)
+        if detail is None:
+            raise
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(_save_failed(path, detail)) from err
     torch.distributed.barrier()
     if before_commit is not None:
         before_commit()
@@ -148,6 +163,14 @@ def write_folder(path: str, state: dict, side_files: SideFiles, *, extra: Callab
         os.replace(tmp, path)
     torch.distributed.barrier()
     return path
+
+
+def _save_failed(path: str, detail: str) -> str:
+    previous = newest_intact(os.path.dirname(path))
+    keep = (f"{previous} is the newest complete checkpoint: resume_from_checkpoint: true continues from it" if previous
+            else "no earlier checkpoint of this run exists")
+    return (f"saving {os.path.basename(path)} failed: {detail}. The unfinished folder was removed and {keep}. "
+            "Free memory or disk (dmesg names the out-of-memory killer) and run again.")
 
 
 def _in_process_results_queue() -> None:

@@ -131,14 +131,28 @@ def planned_world_size(min_world: int) -> int:
     layout needs."""
     from llamafactory.extras.misc import get_device_count
 
+    count = get_device_count()
     if "NPROC_PER_NODE" not in os.environ:
-        count = get_device_count()
         os.environ["NPROC_PER_NODE"] = str(count if count > 0 else min_world)
     nproc = os.environ["NPROC_PER_NODE"]
     nnodes = os.environ.get("NNODES", "1")
     if not nproc.isdigit() or int(nproc) < 1:
         raise UserError(f"NPROC_PER_NODE={nproc!r} must be a positive number of processes per node.")
+    check_gpus_for(int(nproc), count)
     return int(nproc) * (int(nnodes) if nnodes.isdigit() else 1)
+
+
+def check_gpus_for(nproc: int, gpus: int) -> None:
+    """One process per GPU: more processes than visible GPUs would each die with CUDA's "invalid device ordinal"
+    at their first allocation. Without GPUs the processes are CPU processes, as many as asked."""
+    if gpus <= 0 or nproc <= gpus:
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    seen = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+    raise UserError(f"NPROC_PER_NODE={nproc} asks for {nproc} processes on this node, and it has {gpus} GPU"
+                    f"{'s' if gpus > 1 else ''} visible{seen}: one process per GPU. Set NPROC_PER_NODE={gpus} or "
+                    "fewer (a layout that needs more GPUs: lower its parallel sizes; `llamafactory-mca plan "
+                    f"RECIPE --gpus {gpus}` lists the layouts that fit), or make more GPUs visible.")
 
 
 def check_datasets(data_args: Any) -> None:

@@ -3,7 +3,8 @@
 ``LLAMAFACTORY_MCA_FAULT`` holds ``point:step`` or ``point:step@rank`` (only that rank), comma-separated:
 
 - ``step:3``: every rank dies before step 3 runs; ``save:4``: in the middle of writing checkpoint-4 (its dist
-  checkpoint written, the folder not yet renamed);
+  checkpoint written, the folder not yet renamed); ``writer:4@1``: a checkpoint writer process of rank 1 is killed
+  with SIGKILL as it starts writing checkpoint-4 (what kill -9 or the out-of-memory killer does to one);
 - ``hang:2@1``: rank 1 stops before step 2 (sleeps), as a stuck GPU or a lost node would;
 - ``nan:2``: step 2's loss is NaN; ``nan:2+``: every loss from step 2 on.
 
@@ -13,6 +14,7 @@ Unset in real runs.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -45,6 +47,12 @@ def maybe_crash(point: str, step: int) -> None:
     for child in psutil.Process().children(recursive=True):  # checkpoint writers etc. die with us, as in a crash
         child.kill()
     os._exit(17)
+
+
+def kill_writer(step: int) -> None:
+    """In a checkpoint writer process (forked by its rank: RANK is the rank's)."""
+    if _matches("writer", step):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def maybe_hang(step: int) -> None:
