@@ -143,6 +143,15 @@ def targets(name: str, data: dict, everything: dict, tol: float) -> list[dict]:
                                    f"LLaMA-Factory: {lf.get('status', 'not run')}"))
         found.append(_loss_target("ours", runs.get("ours"), "LF", lf, tol))
         found.append(_loss_target("ours CP2", runs.get("ours_cp2"), "ours", runs.get("ours"), tol))
+    elif name in NODE_GOALS:
+        found += _node_targets(name, runs, tol)
+    elif name.startswith("scale_"):
+        found += _scaling_targets(runs)
+    elif name == "long_node":
+        for run in ("ours_cp4", "ours_cp2_tp2"):
+            found.append(_ratio_target(f"(for reference) tokens/s/GPU: {run} vs LLaMA-Factory's best that could fit "
+                                       "(lf_liger)", runs.get(run), runs.get("lf_liger"), None,
+                                       f"LLaMA-Factory: {(runs.get('lf_liger') or {}).get('status', 'not run')}"))
     elif name == "layouts":
         for run in ("ours_tp2", "ours_pp2"):
             found.append(_curve_target(run, runs.get(run), "ours (1 GPU)", runs.get("ours")))
@@ -176,6 +185,64 @@ def targets(name: str, data: dict, everything: dict, tol: float) -> list[dict]:
         found.append(_loss_target("ours packed", runs.get("ours_pack"), "LF packed", runs.get("lf_pack"), tol))
         found.append(_loss_target("ours padded", runs.get("ours_nopack"), "LF padded", runs.get("lf_nopack"), tol))
     return [t for t in found if t]
+
+
+NODE_GOALS = {"moe_node": ("lf_zero3", 5.0), "lora_moe_node": ("lf_zero3", 5.0), "dense8b_node": (None, 3.0)}
+SCALING = 0.85  # per-GPU tokens/s kept against one GPU, below which a layout's step is profiled
+
+
+def _node_targets(name: str, runs: dict, tol: float) -> list[dict | None]:
+    """Four GPUs against LLaMA-Factory with DeepSpeed: ours at the recipe's layout and at its fastest within
+    LLaMA-Factory's peak memory; the planner's first proposal against the fastest layout measured."""
+    baseline, goal = NODE_GOALS[name]
+    lf_names = [baseline] if baseline else [n for n, r in runs.items() if r["path"] == "lf" and _ok(r)]
+    lf_best = max(lf_names, key=lambda n: (runs.get(n) or {}).get("tokens_per_second_per_gpu") or 0, default=None)
+    lf = runs.get(lf_best) if lf_best else None
+    ours = [n for n, r in runs.items() if r["path"] == "ours" and _ok(r)]
+    best = max(ours, key=lambda n: runs[n]["tokens_per_second_per_gpu"], default=None)
+    found: list[dict | None] = [_ratio_target(f"tokens/s/GPU: the fastest of ours ({best}) >= {goal:g}x "
+                                              f"LLaMA-Factory's fastest ({lf_best})", runs.get(best) if best else None,
+                                              lf, goal, "needs both paths")]
+    if lf and lf.get("peak_memory_gib"):
+        within = [n for n in ours if runs[n].get("peak_memory_gib", 1e9) <= lf["peak_memory_gib"]]
+        fit = max(within, key=lambda n: runs[n]["tokens_per_second_per_gpu"], default=None)
+        found.append(_ratio_target(f"tokens/s/GPU at <= {lf_best}'s peak memory ({lf['peak_memory_gib']:.1f} GiB): "
+                                   f"ours ({fit or 'no run fits'}) >= {goal:g}x", runs.get(fit) if fit else None, lf,
+                                   goal, "no run of ours stayed within that memory"))
+    for run in ours:
+        found.append(_memory_target(run, runs.get(run), lf or {}))
+    found.append(_planner_target(runs, best))
+    found.append(_loss_target(best or "ours", runs.get(best) if best else None, lf_best or "LF", lf, tol))
+    return found
+
+
+def _planner_target(runs: dict, best: str | None) -> dict | None:
+    planned = runs.get("ours_planned")
+    if not planned:
+        return None
+    status = planned.get("status", "")
+    name = status.split("`")[1] if status.startswith("skipped: the layout of `") else "ours_planned"
+    if not (best and _ok(runs.get(name))):
+        return {"target": "the planner's first proposal is the fastest layout measured", "measured": "n/a",
+                "met": None}
+    gap = runs[name]["tokens_per_second_per_gpu"] / runs[best]["tokens_per_second_per_gpu"] - 1
+    return {"target": "the planner's first proposal is the fastest layout measured",
+            "measured": f"{planned['layout']} (= `{name}`)" + ("" if name == best else f": {gap:+.0%} against `{best}`"),
+            "met": name == best, "value": round(gap, 4)}
+
+
+def _scaling_targets(runs: dict) -> list[dict | None]:
+    """Per-GPU tokens/s of each layout against one GPU's, and its loss curve against one GPU's (same batches)."""
+    one = runs.get("ours")
+    found: list[dict | None] = []
+    for name, run in runs.items():
+        if name == "ours" or run["path"] != "ours":
+            continue
+        found.append(_ratio_target(f"tokens/s/GPU: {name} ({run['layout']}) >= {SCALING:.0%} of one GPU's", run, one,
+                                   SCALING, "needs both runs", percent=True))
+        if "graphs" not in name:
+            found.append(_curve_target(name, run, "ours (1 GPU)", one))
+    return found
 
 
 def _cell(value: Any, fmt: str) -> str:

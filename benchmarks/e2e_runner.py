@@ -103,11 +103,52 @@ def recipe(w: Workload, run: Run, model_dir: str, data_dir: str, out_dir: str, s
         if w.model in MOE_KINDS:
             r.update(moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall")
     r.update(run.extra)
+    if args.smoke:  # fp32 on CPU: param remainders are a bf16 setting
+        r.pop("store_param_remainders", None)
     return r
 
 
 def _has_liger() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
+
+
+def _unavailable(run: Run, smoke: bool) -> str | None:
+    if run.extra.get("enable_liger_kernel") and (smoke or not _has_liger()):
+        return "Liger kernels need a GPU and liger-kernel installed"
+    if run.extra.get("deepspeed") and (smoke or importlib.util.find_spec("deepspeed") is None):
+        return "DeepSpeed needs GPUs and deepspeed installed"
+    if run.extra.get("cuda_graphs") and smoke:
+        return "CUDA graphs need GPUs"
+    return None
+
+
+LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+               "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
+               "recompute_granularity", "store_param_remainders", "cuda_graphs")
+
+
+def _layout_of(run: Run) -> tuple:
+    sizes = {k: run.extra.get(k) for k in LAYOUT_KEYS}
+    for key in LAYOUT_KEYS[:6]:
+        sizes[key] = sizes[key] or 1
+    return run.gpus, run.micro_batch, tuple(sorted(sizes.items()))
+
+
+def resolve_planned(w: Workload, run: Run, config, info: dict, peak: float | None, smoke: bool) -> tuple[Run, str]:
+    """A ``planned`` run as the planner's first proposal for its GPUs and global batch, and the name of another run
+    of the workload with that very layout ("" if none)."""
+    from planner_check import planned
+
+    from llamafactory_mca.planner.search import DEFAULT_PEAK
+
+    memory = min(info.get("memory_gib") or [80.0]) if not smoke else 80.0
+    keys, label = planned(config, w, run, w.cutoff, memory, peak or DEFAULT_PEAK)
+    keys = {k: v for k, v in keys.items() if v not in (None, False) and not (k.endswith("_size") and v == 1)}
+    micro, accum = keys.pop("per_device_train_batch_size"), keys.pop("gradient_accumulation_steps")
+    resolved = Run(run.name, run.path, run.gpus, run.packing, micro, accum, label, keys)
+    same = next((r.name for r in w.runs if r is not run and r.path == "ours" and not r.extra.get("planned")
+                 and _layout_of(r) == _layout_of(resolved)), "")
+    return resolved, same
 
 
 def _free_port() -> int:
@@ -266,10 +307,21 @@ def run_workload(w: Workload, args, info: dict, save) -> dict:
     for run in w.runs:
         if (args.paths and run.path not in args.paths) or (args.runs and run.name not in args.runs):
             continue
+        if run.extra.get("planned") and run.gpus <= args.gpus:
+            run, same_as = resolve_planned(w, run, flops_config, info, peak, args.smoke)
+            if same_as:
+                runs[run.name] = {"path": run.path, "gpus": run.gpus, "layout": run.layout, "packing": run.packing,
+                                  "micro_batch": run.micro_batch, "grad_accum": run.grad_accum, "keys": run.extra,
+                                  "status": f"skipped: the layout of `{same_as}`"}
+                print(f"[e2e] {w.name}/{run.name}: {run.layout}: the layout of {same_as}, not run twice", flush=True)
+                continue
         record = {"path": run.path, "gpus": run.gpus, "layout": run.layout, "packing": run.packing,
                   "micro_batch": run.micro_batch, "grad_accum": run.grad_accum}
-        if run.extra.get("enable_liger_kernel") and (args.smoke or not _has_liger()):
-            record["status"] = "skipped: Liger kernels need a GPU and liger-kernel installed"
+        if run.path == "ours" and run.extra:
+            record["keys"] = run.extra  # what planner_check predicts from
+        why_not = _unavailable(run, args.smoke)
+        if why_not:
+            record["status"] = f"skipped: {why_not}"
             runs[run.name] = record
             print(f"[e2e] {w.name}/{run.name}: {record['status']}", flush=True)
             continue

@@ -219,8 +219,12 @@ class Workload:
     tuning: dict = field(default_factory=dict)  # recipe keys for both paths (LoRA)
 
 
-# LLaMA-Factory's examples/deepspeed/ds_z3_config.json (without its fp16 block): what its users run for ZeRO-3
+# LLaMA-Factory's examples/deepspeed/ds_z3_config.json and ds_z2_config.json (without their fp16 blocks): what its
+# users run for ZeRO-3 and ZeRO-2
 ZERO3 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_z3_config.json")
+ZERO2 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_z2_config.json")
+NODE = 4  # the node workloads: one host of four GPUs
+PLANNED = {"planned": True}  # the run takes the planner's first proposal for its GPUs and global batch (e2e_runner)
 
 
 def _pair(gpus: int, grad_accum: int, layout: str, ours_extra: dict | None = None, lf_layout: str = "",
@@ -399,10 +403,89 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                  + [Run("ours_recompute", "ours", 1, True, 1, 8, "1 GPU, recompute full", recompute)],
                  steps=8, warmup=2, layers=None if smoke else 36, tuning=lora, about=lora_about.format(cut=cut)),
     ]
+    found += _node_workloads(smoke, cut, packed, lora, recompute, graphs, liger_gc)
     if smoke:
         for w in found:
             w.steps, w.warmup = 4, 1
     return {w.name: w for w in found}
+
+
+def _node_workloads(smoke: bool, cut: int, packed: tuple, lora: dict, recompute: dict, graphs: dict,
+                    liger_gc: dict) -> list[Workload]:
+    """One host of four GPUs: the MoE and dense models users bring when they outgrow one GPU, against LLaMA-Factory
+    with DeepSpeed, and the scaling of each parallel dimension 1 -> 2 -> 4 GPUs at one global batch (16 packs)."""
+    n, zero3 = NODE, {"deepspeed": ZERO3}
+    ep, dp = {"expert_model_parallel_size": n}, f"DP{n}"
+    saving = dict(recompute, store_param_remainders=True)
+    planned = Run("ours_planned", "ours", n, True, 1, 4, "the planner's first proposal", PLANNED)
+    long_cut = 131072 // (128 if smoke else 1)
+    return [
+        Workload("moe_node", "moe", cut, packed,
+                 [Run("lf_zero3", "lf", n, True, 1, 4, f"DeepSpeed ZeRO-3, {n} GPUs", zero3),
+                  Run("ours", "ours", n, True, 1, 4, f"EP{n}", ep),
+                  Run("ours_saving", "ours", n, True, 1, 4, f"EP{n}, recompute full, param remainders",
+                      dict(ep, **saving)),
+                  Run(**vars(planned)),
+                  Run("lf_zero2", "lf", n, True, 1, 4, f"DeepSpeed ZeRO-2, {n} GPUs", {"deepspeed": ZERO2})],
+                 steps=8, warmup=3, layers=2 if smoke else 12,
+                 about=f"full fine-tuning of 12 of the 48 layers, {cut}-token packed micro-batches, global batch 16 "
+                       f"(dp {n} x 4; EP{n}: dp {n} for attention, the experts split over the {n} GPUs); `lf_zero3`, "
+                       "`lf_zero2`: LLaMA-Factory with DeepSpeed (its ds_z3_config.json / ds_z2_config.json), "
+                       "gradient checkpointing on (its default); `ours_saving`: full recompute and "
+                       "`store_param_remainders`"),
+        Workload("lora_moe_node", "moe", cut, packed,
+                 [Run("lf_zero3", "lf", n, True, 1, 4, f"DeepSpeed ZeRO-3, {n} GPUs", zero3),
+                  Run("ours", "ours", n, True, 1, 4, f"EP{n}", ep)],
+                 steps=6, warmup=2, layers=None if smoke else 48, tuning=lora,
+                 about=f"LoRA rank 16 on `lora_target: all` of all 48 layers, {cut}-token packed micro-batches, "
+                       f"global batch 16; MFU counts full fine-tuning's 6N FLOPs (see `lora_moe`)"),
+        Workload("dense8b_node", "dense8b", cut, packed,
+                 [Run("lf_zero3", "lf", n, True, 1, 4, f"DeepSpeed ZeRO-3, {n} GPUs", zero3),
+                  Run("ours_tp2", "ours", n, True, 1, 8, "TP2 + SP x DP2",
+                      {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+                  Run("ours_pp2", "ours", n, True, 1, 8, "PP2 x VPP2 x DP2",
+                      {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}),
+                  Run("ours", "ours", n, True, 1, 4, dp),
+                  Run(**vars(planned)),
+                  Run("lf", "lf", n, True, 1, 4, f"DDP, {n} GPUs")],
+                 steps=8, warmup=3, layers=None if smoke else 36,
+                 about=f"full fine-tuning of the whole model (36 layers, 8.2B parameters), {cut}-token packed "
+                       f"micro-batches, global batch 16; `lf`: LLaMA-Factory's DDP (16 bytes per parameter on every "
+                       "GPU), `lf_zero3`: with DeepSpeed ZeRO-3"),
+        Workload("scale_dense", "dense", cut, packed,
+                 [Run("ours", "ours", 1, True, 1, 16, "1 GPU"), Run("ours_dp2", "ours", 2, True, 1, 8, "DP2"),
+                  Run("ours_dp4", "ours", n, True, 1, 4, dp),
+                  Run("ours_tp2_pp2", "ours", n, True, 1, 16, "TP2 + SP x PP2",
+                      {"tensor_model_parallel_size": 2, "sequence_parallel": True,
+                       "pipeline_model_parallel_size": 2}),
+                  Run("ours_cp4", "ours", n, True, 1, 16, f"CP{n}", {"context_parallel_size": n}),
+                  Run("ours_pp2", "ours", 2, True, 1, 16, "PP2 x VPP2",
+                      {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}),
+                  Run("ours_dp4_graphs", "ours", n, True, 1, 4, f"{dp}, CUDA graphs", graphs)],
+                 steps=20, warmup=5,
+                 about=f"{cut}-token packed micro-batches, global batch 16 on every GPU count (the same batches), "
+                       "20 steps: per-GPU tokens/s against one GPU's, and each layout's loss curve against one GPU's"),
+        Workload("scale_moe", "moe", cut, packed,
+                 [Run("ours", "ours", 1, True, 1, 16, "1 GPU"),
+                  Run("ours_ep2", "ours", 2, True, 1, 8, "EP2", {"expert_model_parallel_size": 2}),
+                  Run("ours_ep4", "ours", n, True, 1, 4, f"EP{n}", ep),
+                  Run("ours_pp2_ep2", "ours", n, True, 1, 8, "PP2 x EP2",
+                      {"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2}),
+                  Run("ours_ep4_graphs", "ours", n, True, 1, 4, f"EP{n}, CUDA graphs", dict(ep, **graphs))],
+                 steps=20, warmup=5,
+                 about=f"{cut}-token packed micro-batches, global batch 16 on every GPU count (the same batches), "
+                       "20 steps: per-GPU tokens/s against one GPU's, and each layout's loss curve against one GPU's"),
+        Workload("long_node", "dense", long_cut, ("uniform", int(long_cut * 0.9), long_cut),
+                 [Run("ours_cp4", "ours", n, True, 1, 2, "CP4, recompute full",
+                      {"context_parallel_size": n, **recompute}),
+                  Run("ours_cp2_tp2", "ours", n, True, 1, 2, "CP2 x TP2 + SP, recompute full",
+                      {"context_parallel_size": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True,
+                       **recompute}),
+                  Run("lf_liger", "lf", 1, False, 1, 2, "1 GPU, Liger, gradient checkpointing", liger_gc)],
+                 steps=4, warmup=1,
+                 about=f"one {long_cut}-token row per micro-batch, global batch 2 (dp 1); LLaMA-Factory's best "
+                       "that could fit: one GPU with Liger's fused linear cross-entropy and gradient checkpointing"),
+    ]
 
 
 # ---- assets: tokenizer, random-weight model, synthetic SFT data (cached under --work) -----------------------------

@@ -17,11 +17,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from e2e_workloads import LABELS, VL, model_config, workloads  # noqa: E402
+from e2e_workloads import LABELS, VL, Run, model_config, workloads  # noqa: E402
 
 from llamafactory_mca.parallel import ParallelLayout  # noqa: E402
 from llamafactory_mca.planner.memory import IMAGE_SHARE, Training, estimate  # noqa: E402
-from llamafactory_mca.planner.search import predicted_tokens_per_s  # noqa: E402
+from llamafactory_mca.planner.search import predicted_tokens_per_s, search  # noqa: E402
 
 IMAGE_TOKENS = 256  # per row of the VL workloads (e2e_workloads.image_side)
 ABOUT = ("Every packed run of ours in `benchmarks/results`, predicted from its shape, layout and recipe keys by "
@@ -66,6 +66,31 @@ def image_share(workload) -> float:
     return IMAGE_TOKENS / (IMAGE_TOKENS + text)
 
 
+def _training(workload, extra: dict, cutoff: int):
+    modules = extra.get("recompute_modules")
+    lora_target = extra.get("lora_target", workload.tuning.get("lora_target", ""))
+    return Training(
+        tokens=cutoff, recompute=extra.get("recompute_granularity"),
+        recompute_modules=tuple(modules.split(",")) if modules else ("core_attn",),
+        sequence_parallel=bool(extra.get("sequence_parallel")), lora_rank=workload.tuning.get("lora_rank"),
+        lora_experts="experts" in lora_target, cuda_graphs=bool(extra.get("cuda_graphs")),
+        param_remainders=bool(extra.get("store_param_remainders")),
+        image_share=image_share(workload) if workload.model in VL else IMAGE_SHARE)
+
+
+def planned(config, workload, run, cutoff: int, gpu_memory_gib: float, peak_flops: float) -> tuple[dict, str]:
+    """The planner's first proposal (``llamafactory-mca plan RECIPE --gpus N``) for ``run``'s GPUs and global batch
+    (its ``gpus x micro_batch x grad_accum``): the recipe keys to use and the layout in words."""
+    extra = {k: v for k, v in (run.extra or {}).items() if k != "planned"}
+    found, refused = search(config, run.gpus, run.gpus * run.micro_batch * run.grad_accum,
+                            _training(workload, extra, cutoff), gpu_memory_gib, peak_flops)
+    if not found:
+        raise ValueError(f"the planner proposes nothing for {run.gpus} GPUs of {gpu_memory_gib:g} GiB: {refused}")
+    best = found[0]
+    return {**extra, **best.keys}, f"planner's first: {best.layout.describe()}" + (
+        f", recompute {best.recompute}" if best.recompute else "")
+
+
 def predict(config, workload, run, cutoff: int, peak_flops: float | None) -> dict:
     """The planner's estimate for one declared run of ours (``e2e_workloads.Run``) on ``config``: the memory
     breakdown, and ``tokens_per_s`` where the GPU's peak is known."""
@@ -75,15 +100,7 @@ def predict(config, workload, run, cutoff: int, peak_flops: float | None) -> dic
     layout = ParallelLayout(world_size=run.gpus, tp=tp, pp=pp, vpp=sizes.get("vpp"), cp=cp, ep=ep, etp=1,
                             dp=run.gpus // (tp * pp * cp), expert_dp=run.gpus // (ep * pp),
                             micro_batch_size=run.micro_batch, grad_accum=run.grad_accum)
-    modules = extra.get("recompute_modules")
-    lora_target = extra.get("lora_target", workload.tuning.get("lora_target", ""))
-    training = Training(
-        tokens=cutoff, recompute=extra.get("recompute_granularity"),
-        recompute_modules=tuple(modules.split(",")) if modules else ("core_attn",),
-        sequence_parallel=bool(extra.get("sequence_parallel")), lora_rank=workload.tuning.get("lora_rank"),
-        lora_experts="experts" in lora_target, cuda_graphs=bool(extra.get("cuda_graphs")),
-        param_remainders=bool(extra.get("store_param_remainders")),
-        image_share=image_share(workload) if workload.model in VL else IMAGE_SHARE)
+    training = _training(workload, extra, cutoff)
     if extra.get("mtp_num_layers") == 0:
         config = config.without_mtp()
     out = estimate(config, layout, training)
@@ -110,6 +127,9 @@ def rows() -> list[dict]:
                 decl = next((r for r in spec.runs if r.name == run_name), None)
                 if decl is None or decl.path != "ours" or not run.get("peak_memory_gib") or not decl.packing:
                     continue
+                if decl.extra.get("planned"):  # the planner's proposal, as the run recorded it
+                    decl = Run(decl.name, decl.path, decl.gpus, decl.packing, run["micro_batch"], run["grad_accum"],
+                               run["layout"], run.get("keys", {}))
                 key = (spec.model, w["settings"]["layers"])
                 if key not in configs:
                     configs[key] = mca_config(*key)

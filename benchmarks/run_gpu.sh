@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU benchmarks as we ran them (written for one pair of H200s), phase by phase; each phase takes at most about
+# The GPU benchmarks as we ran them (one GPU, a pair, a host of four), phase by phase; each phase takes at most about
 # 10 minutes. Scratch files (models, runs) go under $WORK (default: $TMPDIR or /tmp).
 #   bash benchmarks/run_gpu.sh <phase> <out_dir>
 # Single-GPU workloads run two at a time, one per GPU, to halve the wall time; two-GPU workloads run alone.
@@ -39,13 +39,32 @@ first_hour_hang() {  # a rank stuck before step 3 over NCCL: the run stops after
     ddp_timeout=20 max_steps=8 > "$out/hang.log" 2>&1
   echo "== hung collective over NCCL: exit $? after $((SECONDS - start)) s"; tail -n 3 "$out/hang.log"
 }
-two_gpus() {  # two GPUs: benchmarks/two_gpus.py's parts (PARTS, default all), then e2e's scaling rows
-  python3 benchmarks/two_gpus.py --out "$out/two_gpus" --work "$work/two_gpus" --parts "${PARTS:-fidelity,resume,faults,paths}" \
-    > "$out/two_gpus.log" 2>&1; echo "== two_gpus: exit $?"; grep -E "^(ok|FAIL)" "$out/two_gpus.log" | cut -c1-200
+multi_gpu() {  # benchmarks/multi_gpu.py's parts (PARTS, default the two-GPU ones)
+  python3 benchmarks/multi_gpu.py --out "$out/multi_gpu" --work "$work/multi_gpu" --parts "${PARTS:-fidelity,resume,faults,paths}" \
+    > "$out/multi_gpu.log" 2>&1; echo "== multi_gpu: exit $?"; grep -E "^(ok|FAIL)" "$out/multi_gpu.log" | cut -c1-300
 }
+gpu_gib() { nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1 | awk '{print int($1 / 1024)}'; }
 case $phase in
   check) check ;;
-  two_gpus) two_gpus ;;  # fidelity (~6 min on 2 H100), then resume + faults (~8 min), then paths: PARTS=... per call
+  two_gpus) multi_gpu ;;  # fidelity (~6 min on 2 H100), then resume + faults (~8 min), then paths: PARTS=... per call
+  node_moe)  # four GPUs: the MoE shape (12 layers) as LLaMA-Factory's ZeRO-3 runs it beside ours at EP4, with the
+    # memory savers and at the planner's first proposal; then the node's faults and resumes (multi_gpu.py's node part).
+    # DeepSpeed's wheel and hjson carried (see two_zero3)
+    bench 0,1,2,3 n1 --workloads moe_node --runs "${RUNS:-lf_zero3,ours,ours_saving,ours_planned}" --gpus 4 --steps 8
+    PARTS=node multi_gpu ;;
+  node_dense)  # four GPUs: the Qwen3-8B shape, LLaMA-Factory's ZeRO-3 beside ours at TP2 x DP2, PP2 x VPP2 x DP2 and the
+    # planner's first (DP4 and LLaMA-Factory's DDP where they can fit, >= 120 GiB); then the MoE pair again
+    runs=lf_zero3,ours_tp2,ours_pp2,ours_planned; [ "$(gpu_gib)" -ge 120 ] && runs=$runs,ours,lf
+    bench 0,1,2,3 n2 --workloads dense8b_node --runs "$runs" --gpus 4 --steps 8
+    bench 0,1,2,3 n1b --workloads moe_node --runs lf_zero3,ours --gpus 4 --steps 8 ;;
+  node_scale)  # four GPUs: 1 -> 2 -> 4 GPUs of the dense and MoE shapes at one global batch, 20 steps (curves against
+    # one GPU's): one-GPU runs side by side, then the two-GPU ones, then the four-GPU layouts
+    bench 0 n3a --workloads scale_dense --runs ours --gpus 1 --steps 20 --warmup 5 &
+    bench 1 n4a --workloads scale_moe --runs ours --gpus 1 --steps 20 --warmup 5 & wait
+    bench 0,1 n3b --workloads scale_dense --runs ours_dp2 --gpus 2 --steps 20 --warmup 5 &
+    bench 2,3 n4b --workloads scale_moe --runs ours_ep2 --gpus 2 --steps 20 --warmup 5 & wait
+    bench 0,1,2,3 n3 --workloads scale_dense --runs "${DENSE:-ours_dp4,ours_tp2_pp2,ours_cp4}" --gpus 4 --steps 20 --warmup 5
+    bench 0,1,2,3 n4 --workloads scale_moe --runs "${MOE:-ours_ep4,ours_pp2_ep2}" --gpus 4 --steps 20 --warmup 5 ;;
   two_dense)  # two GPUs, dense: one GPU, DP2, TP2 + SP and PP2 of ours, LLaMA-Factory on one GPU and its DDP on two
     bench 0 g2 --workloads dense --runs lf,ours --gpus 1
     bench 0,1 g2 --workloads dp2,layouts --gpus 2 ;;
@@ -56,7 +75,7 @@ case $phase in
   two_again)  # two GPUs: the headline ratio (DP2 against one GPU, ours) again, then the VL / LoRA paths and the hang
     bench 0 g2b --workloads dense --runs ours --gpus 1
     bench 0,1 g2b --workloads dp2 --runs ours --gpus 2
-    PARTS=paths two_gpus; first_hour_hang ;;
+    PARTS=paths multi_gpu; first_hour_hang ;;
   two_profile)  # two GPUs: a dense step under the profiler on one GPU, at TP2 + SP and at PP2 (a report per rank)
     python3 benchmarks/profile_step.py --out "$out/profile" >> "$out/profile.log" 2>&1
     echo "== profile 1 GPU: exit $?"

@@ -1,4 +1,4 @@
-"""The scale-out layouts of issue #8 at 4 and 8 processes, each checked against a smaller layout.
+"""The scale-out layouts at 4 and 8 processes, each checked against a smaller layout.
 
     python benchmarks/scale_out.py --out benchmarks/results/scale_out_cpu      # CPU (gloo), tiny models
     python benchmarks/scale_out.py --runs long_cp4 --out ...                  # one layout; the others' results stay
@@ -64,8 +64,9 @@ def run_one(name: str, work: str, assets: dict, gpu: bool) -> dict:
     start = time.time()
     train(work, config, world, {"LLAMAFACTORY_MCA_FAULT": "step:3"}, name="crash", gpu=gpu, timeout=1800)
     result["seconds_to_crash"] = round(time.time() - start, 1)
-    # resume onto another data-parallel size: twice the processes with the same model-parallel sizes (up to 8)
-    resume_world = world * 2 if world * 2 <= 8 else world
+    # resume onto another data-parallel size: twice the processes with the same model-parallel sizes, where the host
+    # has them (8 CPU processes; GPUs: as many as are visible), else the same size
+    resume_world = world * 2 if world * 2 <= _slots(gpu) else world
     accum = keys.get("gradient_accumulation_steps", 8) * world // resume_world
     config = {**config, "overwrite_output_dir": False, "gradient_accumulation_steps": accum}
     done, _ = train(work, config, resume_world, name="resume", gpu=gpu, timeout=1800)
@@ -89,6 +90,15 @@ def run_one(name: str, work: str, assets: dict, gpu: bool) -> dict:
     result["status"] = "ok" if (result["first_steps_match"] and result["resumed_losses_match"] and loads) \
         else "mismatch"
     return result
+
+
+def _slots(gpu: bool) -> int:
+    """Processes the host can run: its visible GPUs, or 8 CPU processes."""
+    if not gpu:
+        return 8
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def make_assets(root: str) -> dict:
@@ -119,6 +129,11 @@ def main() -> None:
         with open(path) as f:
             results = json.load(f)
     for name in args.runs.split(","):
+        if RUNS[name][1] > _slots(args.gpu):
+            results[name] = {"world": RUNS[name][1], "layout": RUNS[name][2],
+                             "status": f"skipped: needs {RUNS[name][1]} processes, the host has {_slots(args.gpu)}"}
+            print(name, results[name]["status"])
+            continue
         work = os.path.join(args.work, name)
         os.makedirs(work, exist_ok=True)
         results[name] = run_one(name, work, assets, args.gpu)

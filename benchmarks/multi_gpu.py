@@ -1,11 +1,13 @@
-"""Two GPUs, through the real command: every layout's loss against one GPU's, resume across GPU counts, faults over
-NCCL, and the VL and LoRA paths at TP2 / EP2. Writes ``two_gpus.json`` and ``two_gpus.md`` to ``--out``.
+"""Two and four GPUs, through the real command: every layout's loss against one GPU's, resume across GPU counts,
+faults over NCCL, and the VL and LoRA paths at TP2 / EP2. Writes ``multi_gpu.json`` and ``multi_gpu.md`` to ``--out``.
 
-Speed and scaling are e2e_bench's (``run_gpu.sh`` phase ``two_scaling``); this is about fidelity and faults, so it
-uses a small model that starts in seconds: Qwen3-shaped (hidden 512, 8 layers, 8 query / 4 KV heads) and its MoE
-twin (8 experts, top 2), bf16, 20 steps of 16 rows (micro-batch 2) at a fine-tuning learning rate (1e-5): at 2e-4
-the tiny set's loss falls below 0.05 within ten steps, where bf16's rounding differences between layouts are several
-percent of the loss and say nothing about the layouts.
+Speed and scaling are e2e_bench's (``run_gpu.sh`` phases ``two_*`` and ``node_*``); this is about fidelity and
+faults, so it uses a small model that starts in seconds: Qwen3-shaped (hidden 512, 8 layers, 8 query / 4 KV heads)
+and its MoE twin (8 experts, top 2), bf16, 20 steps of 16 rows (micro-batch 2) at a fine-tuning learning rate (1e-5):
+at 2e-4 the tiny set's loss falls below 0.05 within ten steps, where bf16's rounding differences between layouts are
+several percent of the loss and say nothing about the layouts.
+
+Two GPUs (parts ``fidelity``, ``resume``, ``faults``, ``paths``):
 
 - fidelity: 1 GPU against DP2, TP2 + SP, PP2, CP2 (dense) and EP2 (MoE) on the same rows: the first step's loss (the
   same weights and batch; bf16 kernels differ by layout, so within 1e-2 relative) and the largest gap over the curve
@@ -15,6 +17,11 @@ percent of the loss and say nothing about the layouts.
 - faults: a rank stuck before step 3 (``ddp_timeout: 20``) ends the run with one line naming it; the launcher killed
   outright and one rank killed with SIGKILL leave no process behind and free both GPUs;
 - VL (Qwen2-VL-shaped tiny model, images) at TP2 + SP and LoRA on the MoE model at EP2: they train.
+
+Four GPUs (part ``node``): twice as many processes as GPUs is one line before any worker starts; a checkpoint writer
+killed with SIGKILL mid-save (EP4) ends the run in one line, the previous checkpoint intact; a checkpoint written on
+four GPUs resumes on two with another layout and the reverse (steps 6-10 within 1% of the writing run's); a rank
+killed with SIGKILL leaves no process and frees the GPUs.
 
 ``--smoke`` runs the same on CPU processes (gloo, fp32) to check the script itself.
 """
@@ -29,6 +36,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -47,12 +55,21 @@ SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_a
 MOE = dict(SHAPE, moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2)
 
 
-def _env(gpus: int, smoke: bool, extra: dict | None = None) -> dict:
+def _env(gpus: int, smoke: bool, extra: dict | None = None, first: int = 0) -> dict:
+    """A run on GPUs ``first .. first + gpus - 1`` (its own rendezvous port, so two runs can share a host)."""
     env = {k: v for k, v in os.environ.items() if k not in ("LLAMAFACTORY_MCA_FAULT",)}
-    env.update(USE_MCA="1", NPROC_PER_NODE=str(gpus), PYTHONUNBUFFERED="1")
-    env["CUDA_VISIBLE_DEVICES"] = "" if smoke else ",".join(str(i) for i in range(gpus))
+    env.update(USE_MCA="1", NPROC_PER_NODE=str(gpus), PYTHONUNBUFFERED="1", MASTER_PORT=str(_free_port()))
+    env["CUDA_VISIBLE_DEVICES"] = "" if smoke else ",".join(str(first + i) for i in range(gpus))
     env.update(extra or {})
     return env
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _recipe(assets: dict, out: str, smoke: bool, **overrides) -> dict:
@@ -67,7 +84,7 @@ def _recipe(assets: dict, out: str, smoke: bool, **overrides) -> dict:
 
 
 def _train(work: str, name: str, config: dict, gpus: int, smoke: bool, env: dict | None = None,
-           timeout: int = 240) -> dict:
+           timeout: int = 240, first: int = 0) -> dict:
     import yaml
 
     folder = os.path.join(work, name)
@@ -79,7 +96,7 @@ def _train(work: str, name: str, config: dict, gpus: int, smoke: bool, env: dict
     start = time.time()
     with open(os.path.join(folder, "run.log"), "w") as log:
         try:
-            result = subprocess.run(["llamafactory-cli", "train", path], env=_env(gpus, smoke, env), stdout=log,
+            result = subprocess.run(["llamafactory-cli", "train", path], env=_env(gpus, smoke, env, first), stdout=log,
                                     stderr=subprocess.STDOUT, timeout=timeout, cwd=folder)
             code = result.returncode
         except subprocess.TimeoutExpired:
@@ -204,9 +221,9 @@ def _gpu_apps() -> list[str]:
     return [line for line in out.splitlines() if line.strip()]
 
 
-def _kill_test(assets: dict, work: str, smoke: bool, name: str, victim: str) -> dict:
-    """Start a long run on 2 GPUs, kill ``victim`` (the launcher, or one rank) with SIGKILL after the first save,
-    and check that no process of the run is left and the GPUs hold nothing."""
+def _kill_test(assets: dict, work: str, smoke: bool, name: str, victim: str, gpus: int = 2) -> dict:
+    """Start a long run on ``gpus`` GPUs, kill ``victim`` (the launcher, or one rank) with SIGKILL after the first
+    save, and check that no process of the run is left and the GPUs hold nothing."""
     import psutil
     import yaml
 
@@ -219,7 +236,7 @@ def _kill_test(assets: dict, work: str, smoke: bool, name: str, victim: str) -> 
         yaml.safe_dump(_recipe(assets, out, smoke, max_steps=100000, save_strategy="steps", save_steps=3,
                                save_total_limit=1), f)
     log = open(os.path.join(folder, "run.log"), "w")
-    proc = subprocess.Popen(["llamafactory-cli", "train", path], env=_env(2, smoke), stdout=log,
+    proc = subprocess.Popen(["llamafactory-cli", "train", path], env=_env(gpus, smoke), stdout=log,
                             stderr=subprocess.STDOUT, cwd=folder, start_new_session=True)
     deadline = time.time() + 180
     while time.time() < deadline and not (os.path.isdir(out) and any(n.startswith("checkpoint-") for n in
@@ -266,6 +283,68 @@ def faults(assets: dict, work: str, smoke: bool) -> list[dict]:
     return rows
 
 
+def node(assets: dict, work: str, smoke: bool) -> list[dict]:
+    """Four GPUs: more processes than GPUs; a checkpoint writer killed mid-save at EP4; that run's previous checkpoint
+    resumed on two GPUs at PP2, and a two-GPU PP2 checkpoint resumed on four at PP2 x EP2 (the same global batch of
+    16 rows: steps 6-10 against the run that wrote the checkpoint); a rank killed with SIGKILL at four GPUs."""
+    rows = [] if smoke else [_too_many_processes(assets, work)]
+    moe, pp2 = {"model_name_or_path": assets["moe"]}, {"pipeline_model_parallel_size": 2}
+    saves = {"save_strategy": "steps", "save_steps": 5, "max_steps": 10}
+    killed = _train(work, "writer_killed", _recipe(assets, os.path.join(work, "writer_killed", "out"), smoke, **moe,
+                                                   **saves, expert_model_parallel_size=4, gradient_accumulation_steps=2),
+                    4, smoke, env={"LLAMAFACTORY_MCA_FAULT": "writer:10@2"})
+    rows.append(_writer_row(killed, os.path.join(work, "writer_killed", "out"), smoke))
+    with ThreadPoolExecutor(2) as pool:  # GPUs 0-1 and 2-3
+        down = pool.submit(_train, work, "resumed_4_to_2", _recipe(
+            assets, os.path.join(work, "resumed_4_to_2", "out"), smoke, **moe, **pp2, max_steps=10,
+            resume_from_checkpoint=os.path.join(work, "writer_killed", "out", "checkpoint-5")), 2, smoke)
+        source = pool.submit(_train, work, "source_2", _recipe(assets, os.path.join(work, "source_2", "out"), smoke,
+                                                               **moe, **pp2, **saves), 2, smoke, first=2)
+        down, source = down.result(), source.result()
+    up = _train(work, "resumed_2_to_4", _recipe(
+        assets, os.path.join(work, "resumed_2_to_4", "out"), smoke, **moe, **pp2, expert_model_parallel_size=2,
+        gradient_accumulation_steps=4, max_steps=10,
+        resume_from_checkpoint=os.path.join(work, "source_2", "out", "checkpoint-5")), 4, smoke)
+    for name, run, ref in (("EP4 on 4 -> PP2 on 2", down, killed), ("PP2 on 2 -> PP2 x EP2 on 4", up, source)):
+        gap = _gap(ref["losses"], run["losses"], range(6, 11))
+        rows.append({"check": f"resume {name}", "rc": run["rc"], "max_rel_gap_steps_6_10": gap,
+                     "seconds": run["seconds"], "ok": run["rc"] == 0 and gap is not None and gap <= 1e-2})
+    rows.append(_kill_test(assets, work, smoke, "kill_rank_4", "rank", gpus=4))
+    return rows
+
+
+def _too_many_processes(assets: dict, work: str) -> dict:
+    import torch
+
+    gpus = torch.cuda.device_count()
+    visible = ",".join(map(str, range(gpus)))
+    run = _train(work, "too_many", _recipe(assets, os.path.join(work, "too_many", "out"), False), 2 * gpus, False,
+                 env={"CUDA_VISIBLE_DEVICES": visible})
+    last = _last_line(run["output"])
+    return {"check": f"NPROC_PER_NODE={2 * gpus} on {gpus} GPUs", "rc": run["rc"], "seconds": run["seconds"],
+            "last_line": last, "ok": run["rc"] not in (0, "timeout") and "Traceback" not in run["output"]
+            and last.startswith("[llamafactory_mca] error: NPROC_PER_NODE=") and f"Set NPROC_PER_NODE={gpus}" in last}
+
+
+def _writer_row(run: dict, out: str, smoke: bool) -> dict:
+    from llamafactory_mca.checkpoints import verify_checkpoint
+    from llamafactory_mca.errors import UserError
+
+    last = _last_line(run["output"])
+    try:
+        verify_checkpoint(os.path.join(out, "checkpoint-5"))
+        intact = True
+    except UserError:
+        intact = False
+    left = sorted(n for n in os.listdir(out) if n.startswith(("tmp-", "checkpoint-10"))) if os.path.isdir(out) else []
+    apps = [] if smoke else _gpu_apps()
+    return {"check": "a checkpoint writer of rank 2 killed with SIGKILL while writing checkpoint-10 (EP4)",
+            "rc": run["rc"], "seconds": run["seconds"], "last_line": last, "checkpoint_5_intact": intact,
+            "left_behind": left, "gpu_apps_after": apps,
+            "ok": run["rc"] not in (0, "timeout") and "Traceback" not in run["output"] and intact and not left
+            and not apps and "saving checkpoint-10 failed: rank 2's checkpoint writer" in last}
+
+
 def paths(assets: dict, work: str, smoke: bool) -> list[dict]:
     rows = []
     vl = dict(model_name_or_path=assets["vl"], dataset="tiny_images", dataset_dir=assets["images"],
@@ -289,8 +368,8 @@ def _cmdline(p) -> list[str]:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# Two GPUs: fidelity, resume, faults ({result['machine']})", ""]
-    for section in ("fidelity", "resume", "faults", "paths"):
+    lines = [f"# Several GPUs: fidelity, resume, faults ({result['machine']})", ""]
+    for section in ("fidelity", "resume", "faults", "paths", "node"):
         rows = result.get(section, [])
         if not rows:
             continue
@@ -312,8 +391,8 @@ def _cell(value) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results/two_gpus")
-    parser.add_argument("--work", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "two_gpus"))
+    parser.add_argument("--out", default="benchmarks/results/multi_gpu")
+    parser.add_argument("--work", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "multi_gpu"))
     parser.add_argument("--parts", default="fidelity,resume,faults,paths")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
@@ -323,17 +402,17 @@ def main() -> None:
 
     machine = "CPU (gloo, fp32)" if args.smoke else f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     result = {"machine": machine, "torch": torch.__version__}
-    path = os.path.join(args.out, "two_gpus.json")
+    path = os.path.join(args.out, "multi_gpu.json")
     if os.path.isfile(path):
         with open(path) as f:
             result.update({k: v for k, v in json.load(f).items() if k not in ("machine", "torch")})
     assets = prepare(args.work)
     for part in args.parts.split(","):
-        parts = {"fidelity": fidelity, "resume": resume, "faults": faults, "paths": paths}
+        parts = {"fidelity": fidelity, "resume": resume, "faults": faults, "paths": paths, "node": node}
         result[part] = parts[part](assets, args.work, args.smoke)
         with open(path, "w") as f:
             json.dump(result, f, indent=2)
-        with open(os.path.join(args.out, "two_gpus.md"), "w") as f:
+        with open(os.path.join(args.out, "multi_gpu.md"), "w") as f:
             f.write(markdown(result))
         for row in result[part]:
             print(("ok  " if row.get("ok") else "FAIL"), json.dumps({k: v for k, v in row.items() if k != "output"}),
