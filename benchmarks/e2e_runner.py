@@ -225,9 +225,9 @@ def _log_problem(run_dir: str) -> tuple[bool, str]:
     except OSError:
         return False, ""
     oom = any("out of memory" in line.lower() or "OutOfMemoryError" in line for line in lines)
-    raised = re.compile(r"^\s*(\[rank\d+\]:\s*)?([\w.]*(Error|Exception)|Traceback)\b")
+    raised = re.compile(r"^\s*(\[rank\d+\]:\s*)?(([\w.]*(Error|Exception)|Traceback)\b|(?:[a-z_]\w*\.)+[A-Z]\w+: )")
     errors = [line.strip() for line in lines if raised.match(line) and "ChildFailedError" not in line
-              and not line.strip().startswith("Traceback")]
+              and "Traceback (most recent call last)" not in line]
     return oom, (errors[-1] if errors else (lines[-1].strip() if lines else ""))[:300]
 
 

@@ -290,9 +290,10 @@ def node(assets: dict, work: str, smoke: bool) -> list[dict]:
     rows = [] if smoke else [_too_many_processes(assets, work)]
     moe, pp2 = {"model_name_or_path": assets["moe"]}, {"pipeline_model_parallel_size": 2}
     saves = {"save_strategy": "steps", "save_steps": 5, "max_steps": 10}
+    ep4 = {"expert_model_parallel_size": 4, "gradient_accumulation_steps": 2}
     killed = _train(work, "writer_killed", _recipe(assets, os.path.join(work, "writer_killed", "out"), smoke, **moe,
-                                                   **saves, expert_model_parallel_size=4, gradient_accumulation_steps=2),
-                    4, smoke, env={"LLAMAFACTORY_MCA_FAULT": "writer:10@2"})
+                                                   **saves, **ep4), 4, smoke,
+                    env={"LLAMAFACTORY_MCA_FAULT": "writer:10@2"})
     rows.append(_writer_row(killed, os.path.join(work, "writer_killed", "out"), smoke))
     with ThreadPoolExecutor(2) as pool:  # GPUs 0-1 and 2-3
         down = pool.submit(_train, work, "resumed_4_to_2", _recipe(

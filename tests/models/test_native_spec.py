@@ -725,6 +725,37 @@ def test_compiled_qk_norm_equals_eager():
     assert not norm.compiles_head_norms(SimpleNamespace(**{**vars(plain), "qk_norm_fusion": False}))
 
 
+def test_compiled_kernels_take_more_variants_than_torchs_default_limit():
+    """A compiled q/k norm sees q and k, packs of other lengths and, under full recompute, both grad modes: an EP4 MoE
+    run with full recompute crashed at step 2 (FailOnRecompileLimitHit: torch allows 8 variants, fullgraph turns the
+    ninth into an error). Here dtypes stand in for the shapes, so that there are surely more than 8."""
+    from llamafactory_mca.models.native import compile_kernel
+
+    def head_norm(x, w):
+        return torch.nn.functional.rms_norm(x, (x.size(-1),), None, 1e-6) * w
+
+    def step_like(kernel):
+        for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+            w = torch.ones(16, dtype=dtype, requires_grad=True)
+            for heads in (4, 2):  # q and k
+                x = torch.randn(40, heads, 16, dtype=dtype)
+                with torch.no_grad():  # the checkpointed forward
+                    kernel(x, w)
+                kernel(x.requires_grad_(), w).sum().backward()  # its recompute
+
+    saved = torch._dynamo.config.recompile_limit
+    try:
+        torch._dynamo.reset()
+        torch._dynamo.config.recompile_limit = 8
+        with pytest.raises(Exception, match="fullgraph"):
+            step_like(torch.compile(head_norm, fullgraph=True, backend="eager"))
+        torch._dynamo.reset()
+        step_like(compile_kernel(head_norm, backend="eager"))
+    finally:
+        torch._dynamo.reset()
+        torch._dynamo.config.recompile_limit = max(saved, torch._dynamo.config.recompile_limit)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_wgrad_accumulation_adds_the_weight_gradient(dtype):
     """apex's wgrad_gemm_accum_fp32 contract (main_grad += dy^T x, in fp32), which Megatron's linears call under

@@ -11,7 +11,23 @@
   MoE experts' compiled add)
 - ``tower_attention.py``: the HF vision towers' attention in one ``varlen_attn`` call per block
 - ``routing.py``: group-limited routing (DeepSeek-V3) with transformers' group score
+
+``compile_kernel`` is how the compiled ones (q/k norms, RoPE) are compiled.
 """
+
+# Variants a compiled kernel may see in one run: q and k (other head counts), packs of other lengths and, under full
+# recompute, both grad modes (the checkpointed forward runs under no_grad, its recompute with grad). torch 2.11 allows
+# 8 per function, and with fullgraph=True the ninth is a crash (an EP4 MoE run with full recompute hit it at step 2).
+RECOMPILE_LIMIT = 64
+
+
+def compile_kernel(fn, **options):
+    """``torch.compile(fn, fullgraph=True, **options)`` with room for the variants a training run brings."""
+    import torch
+
+    if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
+        torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+    return torch.compile(fn, fullgraph=True, **options)
 
 
 def install() -> None:

@@ -18,6 +18,7 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ...errors import UserError
+from . import compile_kernel
 
 
 def _head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -26,7 +27,7 @@ def _head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 @cache
 def _compiled_head_rms_norm():
-    return torch.compile(_head_rms_norm, fullgraph=True)
+    return compile_kernel(_head_rms_norm)
 
 
 class HeadRMSNorm(torch.nn.Module):
@@ -56,7 +57,7 @@ def _zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) ->
 
 @cache
 def _compiled_zero_centred_rms_norm():
-    return torch.compile(_zero_centred_rms_norm, fullgraph=True)
+    return compile_kernel(_zero_centred_rms_norm)
 
 
 class ZeroCenteredRMSNorm(torch.nn.Module):

@@ -21,6 +21,8 @@ from functools import cache
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 
+from . import compile_kernel
+
 MEGATRON_THD_ROPE = rope_utils._apply_rotary_pos_emb_thd  # what native.install() replaces (tests compare)
 
 
@@ -93,7 +95,7 @@ def _rotate(t: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor | None
 
 @cache
 def _compiled_rotate():
-    return torch.compile(_rotate, fullgraph=True)
+    return compile_kernel(_rotate)
 
 
 def _fused(t: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor | None, interleaved: bool) -> torch.Tensor:
