@@ -1,5 +1,6 @@
-"""benchmarks/ on CPU: what the e2e launcher entry counts, one smoke workload through both paths, the delta-rule
-bench in smoke shapes."""
+"""benchmarks/ on CPU: what the e2e launcher entry counts, one smoke workload through both paths, the report's
+verdicts (two GPUs against one, a host of four against LLaMA-Factory), the planner's proposal as a run, the
+delta-rule bench in smoke shapes."""
 
 import importlib.util
 import json
@@ -103,3 +104,49 @@ def test_delta_rule_bench_smoke_compares_the_rules(tmp_path):
     assert {(r["workload"], r["impl"]) for r in rows} >= {(w, i) for w in ("padded", "packed")
                                                           for i in ("transformers", "ours")}
     assert all(r["ms"] > 0 for r in rows) and "| packed | ours |" in (tmp_path / "delta_rule.md").read_text()
+
+
+def test_node_report_counts_no_run_that_strays_and_judges_the_planners_proposal():
+    """A run of ours whose loss does not follow LLaMA-Factory's is a bug, never a speed (PP2 x VPP2 x DP2 on four
+    GPUs was the fastest row once, its loss flat at 12.7); the planner's proposal, run under another run's name, is
+    judged as that run."""
+    e2e_report = _load("e2e_report")
+
+    def run(path, tps, losses, peak, status="ok", layout="-"):
+        return {"path": path, "gpus": 4, "layout": layout, "packing": True, "micro_batch": 1, "grad_accum": 4,
+                "status": status, "tokens_per_second_per_gpu": tps, "losses": losses, "peak_memory_gib": peak}
+
+    runs = {"lf_zero3": run("lf", 1000.0, [12.4, 10.0, 9.9, 9.8], 40.0),
+            "ours": run("ours", 3000.0, [12.4, 10.0, 9.9, 9.8], 48.0),
+            "ours_pp2": run("ours", 9000.0, [12.4, 12.4, 12.4, 12.4], 70.0),
+            "ours_saving": run("ours", 2500.0, [12.4, 10.0, 9.9, 9.8], 35.0),
+            "ours_planned": run("ours", None, [], None, status="skipped: the layout of `ours`", layout="EP4")}
+    found = {t["target"].split(" (")[0].split(":")[0]: t for t in e2e_report._node_targets("moe_node", runs, 0.05)
+             if t}
+    assert found["every run of ours trains as lf_zero3 does"]["measured"] == "`ours_pp2` does not"
+    fastest = next(t for t in found.values() if t["target"].startswith("tokens/s/GPU: the fastest of ours (ours)"))
+    assert fastest["measured"] == "3.00x" and fastest["met"] is False
+    within = next(t for t in found.values() if "peak memory (40.0 GiB)" in t["target"])
+    assert "ours_saving" in within["target"] and within["measured"] == "2.50x"
+    planner = found["the planner's first proposal is the fastest layout measured"]
+    assert planner["met"] is True and "(= `ours`)" in planner["measured"]
+
+
+def test_a_planned_run_takes_the_planners_first_proposal_and_is_not_run_twice():
+    e2e_runner, e2e_workloads, planner_check = _load("e2e_runner"), _load("e2e_workloads"), _load("planner_check")
+    from llamafactory_mca.planner.search import search
+
+    workload = e2e_workloads.workloads(False)["moe_node"]
+    config = planner_check.mca_config("moe", 12)
+    planned = next(r for r in workload.runs if r.name == "ours_planned")
+    info = {"memory_gib": [79.2, 79.2, 79.2, 79.2]}
+    resolved, same = e2e_runner.resolve_planned(workload, planned, config, info, 989e12, False)
+    first = search(config, 4, 16, planner_check._training(workload, {}, workload.cutoff), 79.2, 989e12)[0][0]
+    assert resolved.name == "ours_planned" and same == ""
+    assert (resolved.micro_batch, resolved.grad_accum) == (first.layout.micro_batch_size, first.layout.grad_accum)
+    assert first.layout.dp * resolved.micro_batch * resolved.grad_accum == 16  # the workload's global batch
+    assert resolved.layout.startswith("planner's first: ") and first.layout.describe() in resolved.layout
+    twin = e2e_workloads.Run("twin", "ours", 4, True, resolved.micro_batch, resolved.grad_accum, "-",
+                             dict(resolved.extra))
+    workload.runs.append(twin)
+    assert e2e_runner.resolve_planned(workload, planned, config, info, 989e12, False)[1] == "twin"
