@@ -72,12 +72,21 @@ def _zero_start(path: str, offset: int = 0) -> None:
         f.write(b"\0" * 4096)
 
 
-def _weight_item(checkpoint) -> tuple[str, int]:
-    """The data file and offset of the stored embedding, a tensor every merge reads."""
+def _weight_item(checkpoint) -> tuple[str, int, int]:
+    """The data file, offset and length of the stored embedding, a tensor every merge reads."""
     with open(os.path.join(_dist(checkpoint), ".metadata"), "rb") as f:
         metadata = pickle.load(f)
     info = next(v for k, v in metadata.storage_data.items() if k.fqn == "embedding.word_embeddings.weight")
-    return os.path.join(_dist(checkpoint), info.relative_path), info.offset
+    return os.path.join(_dist(checkpoint), info.relative_path), info.offset, info.length
+
+
+def _flip(path: str, offset: int, count: int = 64) -> None:
+    """``count`` bytes inverted in place: values change, every structure and the size stay."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        data = f.read(count)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in data))
 
 
 def _no_torch_advice(output: str) -> None:
@@ -91,8 +100,11 @@ def _break(checkpoint, what: str) -> str:
         path = _data_file(checkpoint)
         _garble_middle(path)
     elif what == "data, a weight's first 4 KiB zeroed":
-        path, offset = _weight_item(checkpoint)
+        path, offset, _ = _weight_item(checkpoint)
         _zero_start(path, offset)
+    elif what == "data, 64 bytes inside a weight flipped":
+        path, offset, length = _weight_item(checkpoint)
+        _flip(path, offset + length // 2)
     elif what == "common.pt garbled":
         path = os.path.join(_dist(checkpoint), "common.pt")
         _garble_all(path)
@@ -102,7 +114,8 @@ def _break(checkpoint, what: str) -> str:
     return path
 
 
-BREAKS = ("data, middle garbled", "data, a weight's first 4 KiB zeroed", "common.pt garbled", ".metadata garbled")
+BREAKS = ("data, middle garbled", "data, a weight's first 4 KiB zeroed", "data, 64 bytes inside a weight flipped",
+          "common.pt garbled", ".metadata garbled")
 
 
 # ---- a corrupt checkpoint of full size: merge, resume, model_name_or_path ------------------------------------------
@@ -122,9 +135,11 @@ def test_merge_of_a_corrupt_checkpoint_names_the_file_and_leaves_nothing(checkpo
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-4"]  # no output folder, no temporary one
 
 
-@pytest.mark.parametrize("what", ["data, whole file's first 4 KiB zeroed", "common.pt garbled", ".metadata garbled"])
+@pytest.mark.parametrize("what", ["data, whole file's first 4 KiB zeroed", "data, 64 bytes inside a weight flipped",
+                                  "common.pt garbled", ".metadata garbled"])
 def test_resume_from_a_corrupt_checkpoint_names_the_file_and_the_one_to_use(checkpoints, tmp_path, what):
-    """The data file is found by the workers' load (its size is right), the other two by the launcher's check."""
+    """Found by the launcher before any worker starts: the files against their checksums (the metadata's structure
+    first)."""
     source, config = checkpoints
     out = tmp_path / "out"
     shutil.copytree(source, out)
@@ -141,15 +156,46 @@ def test_resume_from_a_corrupt_checkpoint_names_the_file_and_the_one_to_use(chec
     assert sorted(os.listdir(out)) == before
 
 
-def test_a_corrupt_checkpoint_as_model_name_or_path_names_the_file(checkpoints, assets, tmp_path):
+def test_flipped_bytes_in_a_checkpoint_or_an_export_as_model_name_or_path_are_named_before_any_worker(
+        checkpoints, assets, tmp_path):
+    """64 bytes inside a tensor, the size kept: every structure parses, only the checksums written with the folder
+    tell. Our checkpoint, and the Hugging Face weights the run exported into its output_dir."""
     source, _ = checkpoints
     model = tmp_path / "model"
     shutil.copytree(source / "checkpoint-4", model)
-    broken = _break(model, "data, middle garbled")
-    result, output = train(tmp_path, recipe(assets, tmp_path / "out", model_name_or_path=str(model)))
+    broken = _break(model, "data, 64 bytes inside a weight flipped")
+    result, output = train(tmp_path, recipe(assets, tmp_path / "out", model_name_or_path=str(model)), alone=False)
     one_error(result, output, broken, "is corrupt")
-    _no_torch_advice(output)
-    assert not (tmp_path / "out").exists()
+    assert "Initializing" not in output and not (tmp_path / "out").exists()
+    exported = tmp_path / "exported"
+    os.makedirs(exported)
+    for name in os.listdir(source):
+        if os.path.isfile(source / name) and not name.startswith(("trainer_", "all_results", "train_results")):
+            shutil.copy(source / name, exported / name)
+    weights = exported / "model.safetensors"
+    _flip(str(weights), os.path.getsize(weights) // 2)
+    result, output = train(tmp_path, recipe(assets, tmp_path / "out", model_name_or_path=str(exported)), alone=False)
+    one_error(result, output, str(weights), "is corrupt")
+
+
+def test_verify_checks_an_output_dir_and_names_a_corrupt_file_and_old_checkpoints_say_they_cannot_be(checkpoints,
+                                                                                                      tmp_path):
+    source, _ = checkpoints
+    out = tmp_path / "out"
+    shutil.copytree(source, out)
+    result, output = run(["llamafactory-mca", "verify", str(out)], alone=False)
+    assert result.returncode == 0, output
+    for folder in (out / "checkpoint-2", out / "checkpoint-4", out):
+        assert f"{folder}: " in output and "matches its xxh3_128 checksum" in output, output
+    broken = _break(out / "checkpoint-2", "data, 64 bytes inside a weight flipped")
+    result, output = run(["llamafactory-mca", "verify", str(out)], alone=False)
+    one_error(result, output, broken, "is corrupt")
+    os.remove(out / "checkpoint-4" / "mca_manifest.json")  # as written before checksums: it still merges
+    result, output = run(["llamafactory-mca", "merge", "--checkpoint_path", str(out / "checkpoint-4"),
+                          "--output_path", str(tmp_path / "hf")], alone=False)
+    assert result.returncode == 0, output
+    assert output.count("has no mca_manifest.json (written before checkpoints carried checksums): its files cannot "
+                        "be verified") == 1, output
 
 
 def test_a_truncated_checkpoint_as_model_name_or_path_is_refused_before_any_worker(checkpoints, assets, tmp_path):

@@ -23,11 +23,12 @@ import json
 import os
 import re
 import shutil
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UserError
-from . import writers
+from . import manifest, writers
 from .dist_reader import DistCheckpointReader
 from .hf_io import copy_side_files, write_hf_config
 
@@ -153,16 +154,31 @@ def write_folder(path: str, state: dict, side_files: SideFiles, *, extra: Callab
             shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(_save_failed(path, detail)) from err
     torch.distributed.barrier()
+    hashed = _hash_own_files(os.path.join(tmp, DIST_DIR), rank)
     if before_commit is not None:
         before_commit()
     if rank == 0:
         side_files.write(tmp)
         if extra is not None:
             extra(tmp)
+        listed = {os.path.join(DIST_DIR, name): entry for part in hashed for name, entry in part.items()}
+        rest = [name for name in manifest.files_under(tmp) if name not in listed]
+        manifest.write(tmp, {**listed, **manifest.entries(tmp, rest)})
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
     torch.distributed.barrier()
     return path
+
+
+def _hash_own_files(dist_dir: str, rank: int) -> list[dict[str, dict]]:
+    """Collective: each rank hashes the data files it wrote (``__<rank>_<n>.distcp``, still in its page cache), in
+    parallel with the others; rank 0 gets every rank's entries."""
+    import torch
+
+    own = [name for name in os.listdir(dist_dir) if name.startswith(f"__{rank}_")]
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, manifest.entries(dist_dir, own))
+    return gathered
 
 
 def _save_failed(path: str, detail: str) -> str:
@@ -237,6 +253,17 @@ def verify_checkpoint(path: str) -> None:
     except Exception as err:
         raise UserError(f"{config_path} is truncated or corrupt ({type(err).__name__}: {err}).") from err
     DistCheckpointReader(dist).verify()
+
+
+def verify_contents(path: str) -> bool:
+    """The files of ``path`` against its manifest (``manifest.py``): True when they all match. A checkpoint of ours
+    written before checksums gets one line saying it cannot be verified; a Hugging Face folder without a manifest (not
+    written by us) is left to the header checks. A bad file raises a UserError naming it."""
+    if manifest.verify(path):
+        return True
+    if is_ours(path):
+        print(f"[llamafactory_mca] {manifest.unverifiable(path)}", file=sys.stderr, flush=True)
+    return False
 
 
 def newest_intact(output_dir: str, besides: str | None = None) -> str | None:

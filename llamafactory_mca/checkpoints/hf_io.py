@@ -16,6 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import UserError
+from . import manifest
 
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -238,13 +239,15 @@ def write_hf_config(hf_config: dict, directory: str, dtype: torch.dtype | None) 
 
 
 def move_into(staging: str, output: str) -> None:
-    """``staging`` becomes ``output``; into an existing folder (a run's output_dir), its files replace the old
+    """``staging`` (a finished export) becomes ``output``, with a manifest of its weight files (``manifest.py``:
+    loading them later names a corrupt one); into an existing folder (a run's output_dir), its files replace the old
     weights, whose shard names may differ."""
+    manifest.write_for(staging, [n for n in os.listdir(staging) if n.endswith(".safetensors") or n == INDEX_NAME])
     if not os.path.exists(output):
         os.replace(staging, output)
         return
     for name in os.listdir(output):
-        if name.endswith(".safetensors") or name == INDEX_NAME:
+        if name.endswith(".safetensors") or name in (INDEX_NAME, manifest.MANIFEST_NAME):
             os.remove(os.path.join(output, name))
     for name in os.listdir(staging):
         os.replace(os.path.join(staging, name), os.path.join(output, name))

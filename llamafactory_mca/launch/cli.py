@@ -1,4 +1,5 @@
-"""``llamafactory-mca``: train, plan, merge, convert, demo, version — the front ends; the work is in the library.
+"""``llamafactory-mca``: train, plan, merge, convert, verify, demo, version — the front ends; the work is in the
+library.
 
 ``train x.yaml`` is exactly ``USE_MCA=1 llamafactory-cli train x.yaml`` (LLaMA-Factory's launcher, parser and
 dispatch, with our preflight), for people who would rather not set the variable. Everything here imports
@@ -12,9 +13,10 @@ import importlib
 import os
 import sys
 
-COMMANDS = ("train", "plan", "merge", "convert", "demo", "version", "help")
+COMMANDS = ("train", "plan", "merge", "convert", "verify", "demo", "version", "help")
 FRONT_ENDS = {"plan": ("..planner.command", "main"), "merge": ("..tools.merge", "main"),
-              "convert": ("..tools.convert", "main"), "demo": ("..tools.demo", "demo_main")}
+              "convert": ("..tools.convert", "main"), "verify": ("..tools.verify", "main"),
+              "demo": ("..tools.demo", "demo_main")}
 USAGE = """usage: llamafactory-mca <command> [args]
 
   train RECIPE.yaml [key=value ...]  train with Megatron-Core (same as USE_MCA=1 llamafactory-cli train ...)
@@ -24,6 +26,7 @@ USAGE = """usage: llamafactory-mca <command> [args]
                                      a checkpoint (any layout) -> Hugging Face weights, on CPU
   convert --hf_path DIR --output_path DIR [--tensor_model_parallel_size N ...]
                                      pre-shard a Hugging Face model into a Megatron dist checkpoint
+  verify PATH [PATH ...]             a checkpoint, output_dir or exported model against its checksums
   demo [--output_dir DIR]            build a tiny Qwen3-style model, train, merge, generate (CPU or GPU)
   version                            versions of the installed set, and whether they work together
 

@@ -192,7 +192,29 @@ def preflight(argv: list[str]) -> tuple[Any, str]:
     the recipe's keys, the model's files, the datasets, the resume point. Returns the plan and the output_dir.
     Raises UserError."""
     plan, training_args, _ = check_recipe(read_recipe(argv), _recipe_name(argv))
+    check_contents(plan, training_args)
     return plan, training_args.output_dir
+
+
+def check_contents(plan: Any, training_args: Any) -> None:
+    """Every file the workers will read against the checksums written with it (``checkpoints/manifest.py``): the
+    model, adapters, the reference model and the checkpoint to resume. Reads them all (at disk speed, in parallel), so
+    it runs once at launch rather than in ``check_recipe``, which LlamaBoard calls on every Preview."""
+    from ..checkpoints import newest_intact, resolve_resume, verify_contents
+
+    for path in dict.fromkeys((plan.model_path, *plan.adapters, *([plan.reference[0]] if plan.reference else []))):
+        if os.path.isdir(path):
+            verify_contents(path)
+    resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir, plan.record)
+    if resume is None:
+        return
+    try:
+        verify_contents(resume)
+    except UserError as err:
+        other = newest_intact(os.path.dirname(os.path.abspath(resume)), besides=resume)
+        fix = (f"Resume from another checkpoint instead (resume_from_checkpoint: {other})" if other else
+               "No other checkpoint is there: set overwrite_output_dir: true to start over")
+        raise UserError(f"cannot resume from {resume}: {err} {fix}.") from err
 
 
 def check_recipe(recipe: dict[str, Any] | list[str], where: str) -> tuple[Any, Any, Any]:

@@ -13,7 +13,7 @@ from typing import Any
 
 from .. import parallel
 from ..args import MegatronArguments
-from ..checkpoints import DIST_DIR, LAYOUT_KEYS, MCA_CONFIG_NAME, SideFiles, write_folder
+from ..checkpoints import DIST_DIR, LAYOUT_KEYS, MCA_CONFIG_NAME, SideFiles, verify_contents, write_folder
 from ..errors import UserError, user_errors
 from ..hub import resolve_model
 from ..models.auto import AutoConfig, AutoModel
@@ -61,6 +61,7 @@ def main(argv: list[str]) -> int:
         hf_path = resolve_model(known.hf_path, field="--hf_path")
         config = AutoConfig.from_pretrained(hf_path, margs)
         check_model_files(hf_path)
+        verify_contents(hf_path)  # our exports carry checksums
         check_layout(config, ParallelLayout.from_args(margs, world_size=world),
                      margs.pipeline_model_parallel_layout is not None, margs.sequence_parallel)
         if "WORLD_SIZE" in os.environ or needed == 1:

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from ..checkpoints import LAYOUT_KEYS, is_adapter_checkpoint, read_layout
+from ..checkpoints import LAYOUT_KEYS, is_adapter_checkpoint, read_layout, verify_contents
 from ..errors import UserError, user_errors
 from ..hub import resolve_model
 from ..log import setup_logging
@@ -35,6 +35,7 @@ def merge(checkpoint: str, output: str, dtype: torch.dtype | None = None, max_sh
     """Write ``output`` (HF safetensors, config.json, tokenizer files) from ``checkpoint``; returns bytes, seconds
     and the side files copied. Nothing is written unless the checkpoint verifies, and ``output`` appears whole.
     A LoRA run's checkpoint gives its peft adapter, or with ``merge_lora`` the base model with it merged in."""
+    verify_contents(checkpoint)  # a flipped byte would merge into wrong weights without a word
     if is_adapter_checkpoint(checkpoint):
         return _merge_adapter_checkpoint(checkpoint, output, dtype, merge_lora, base_model)
     result = export_hf(checkpoint, output, dtype=dtype, max_shard_bytes=max_shard_bytes)
