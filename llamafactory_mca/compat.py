@@ -3,9 +3,9 @@
 Each fix names the version it was seen in and the condition it is applied under, so it can be
 dropped when that version is no longer supported. Upstream behaviour is changed elsewhere only where it is that
 module's subject: ``cpu_mode.py`` (CUDA's questions answered on a machine without GPUs), ``launch/plugin.py``
-(LLaMA-Factory's parser and launcher under USE_MCA=1), ``checkpoints.py`` (the checkpoint writer's results queue),
-``models/native/`` (faster kernels in place of Megatron's) and ``models/lora/layers.py`` (adapter classes mixed into
-Megatron's linears).
+(LLaMA-Factory's parser and launcher under USE_MCA=1), ``checkpoints/`` (the checkpoint writer's results queue and its
+writer processes, watched), ``models/native/`` (faster kernels in place of Megatron's; torch.compile's recompile limit
+for them) and ``models/lora/layers.py`` (adapter classes mixed into Megatron's linears).
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ def write_folder(path: str, state: dict, side_files: SideFiles, *, extra: Callab
         with writers.watching(in_writer):
             dist_checkpointing.save(state, os.path.join(tmp, DIST_DIR), sharded_strategy=strategy)
     except CheckpointException as err:  # Megatron's finalize raises it on every rank, so all of them are here
-        detail = writers.describe_failure(err)
+        detail = writers.describe_failure()
         if detail is None:
             raise
         if rank == 0:

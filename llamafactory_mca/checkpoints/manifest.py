@@ -19,6 +19,8 @@ import os
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
+import xxhash
+
 from ..errors import UserError
 
 MANIFEST_NAME = "mca_manifest.json"
@@ -29,8 +31,6 @@ _THREADS = min(16, os.cpu_count() or 1)
 
 def file_entry(path: str) -> dict:
     """Size and digest of one file, read in chunks (xxhash releases the GIL on each, so threads run in parallel)."""
-    import xxhash
-
     digest = xxhash.xxh3_128()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):

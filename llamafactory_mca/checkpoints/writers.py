@@ -105,7 +105,7 @@ def _how(exitcode: int) -> str:
     return f"exited with code {exitcode}"
 
 
-def describe_failure(err: BaseException) -> str | None:
+def describe_failure() -> str | None:
     """Collective, after a save raised on every rank: what the ranks' writers say, the same text on each; None when
     no writer of any rank died (the error is something else)."""
     import torch

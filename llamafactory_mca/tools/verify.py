@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..checkpoints import is_ours, list_checkpoints, manifest, verify_checkpoint, verify_contents
+from ..checkpoints import is_ours, list_checkpoints, manifest, verify_checkpoint
 from ..checkpoints.hf_io import check_safetensors_files
 from ..errors import UserError, user_errors
 
@@ -37,7 +37,7 @@ def verify(path: str) -> list[str]:
         return lines
     else:
         raise UserError(f"{path} holds neither a checkpoint of ours nor safetensors weights.")
-    if verify_contents(path):
+    if manifest.verify(path):
         count = len(manifest.listed(path) or {})
         lines.append(f"{path}: {what}, ok: every file listed in {manifest.MANIFEST_NAME} matches its {manifest.HASH} "
                      f"checksum ({count} files)")
