@@ -82,6 +82,22 @@ def test_convert_and_merge_help_explain_every_flag():
         assert action.help, f"{action.option_strings or action.dest} has no help text"
 
 
+def test_version_flag_and_the_plan_commands_refusals(capsys):
+    from importlib.metadata import version
+
+    from llamafactory_mca.errors import UserError
+    from llamafactory_mca.planner.command import _options
+
+    result, output = run(["llamafactory-mca", "--version"], alone=False)
+    assert result.returncode == 0 and output.strip() == f"llamafactory-mca {version('llamafactory-mca')}", output
+    with pytest.raises(UserError, match=r"--gpu-memory -5: give each GPU's memory in GiB"):
+        _options(["x.yaml", "--gpu-memory", "-5"])
+    with pytest.raises(SystemExit):
+        _options(["x.yaml", "--gpu", "2"])  # ambiguous: --gpus or --gpu-memory
+    said = capsys.readouterr().err
+    assert said.startswith("usage: llamafactory-mca plan RECIPE.yaml") and "usage: usage" not in said, said
+
+
 def test_unknown_subcommand_says_so():
     result, output = run(["llamafactory-mca", "trian", "x.yaml"], alone=False)
     assert result.returncode == 2 and "unknown command 'trian' (did you mean 'train'?)" in output

@@ -89,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     if command in ("help", "-h", "--help"):
         print(USAGE)
         return 0
+    if command in ("--version", "-V"):  # the installed package; `version` checks the whole set (seconds)
+        from importlib.metadata import version as installed
+
+        print(f"llamafactory-mca {installed('llamafactory-mca')}")
+        return 0
     close = difflib.get_close_matches(command, COMMANDS, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     print(f"llamafactory-mca: unknown command {command!r}{hint}\n\n{USAGE}", file=sys.stderr)

@@ -26,7 +26,8 @@ fit N GPUs, best first, with the keys to paste. --json: one JSON object as the l
 
 
 def _options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog="llamafactory-mca plan", usage=USAGE, add_help=False)
+    parser = argparse.ArgumentParser(prog="llamafactory-mca plan", usage=USAGE.split("\n")[0].removeprefix("usage: "),
+                                     add_help=False)
     parser.add_argument("--gpus", type=int, default=None)
     parser.add_argument("--gpu-memory", type=float, default=None)
     parser.add_argument("--json", action="store_true")
@@ -34,6 +35,8 @@ def _options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     options, rest = parser.parse_known_args(argv)
     if options.gpus is not None and options.gpus < 1:
         raise UserError(f"--gpus {options.gpus}: give the number of GPUs to plan for, 1 or more.")
+    if options.gpu_memory is not None and options.gpu_memory <= 0:
+        raise UserError(f"--gpu-memory {options.gpu_memory:g}: give each GPU's memory in GiB, e.g. --gpu-memory 80.")
     return options, rest
 
 
