@@ -211,23 +211,26 @@ class DataPlan:
         return self._stand_in
 
     def steps(self, dp_rank: int = 0, dp_size: int = 1, grad_accum: int = 1, multiple_of: int = 1,
-              equal_counts: bool = False, consumed: int = 0, epochs: int | None = None) -> Iterator[Step]:
+              equal_counts: bool = False, consumed: int = 0, epochs: int | None = None,
+              step_before: int | None = None) -> Iterator[Step]:
         """This rank's steps from global position ``consumed`` on (``epochs`` epochs, or forever).
 
         A step covers the next dp × grad_accum global micro-batches, or the rest of the epoch; the rank takes every
         dp-th one starting at its rank. In an epoch's last step ranks may get one fewer, or none: a rank runs what
         it got (a stand-in if nothing), all ranks the same count where collectives inside the step span them
         (``equal_counts``: expert parallelism), rounded up to ``multiple_of`` (the pipeline size under the
-        interleaved schedule); stand-ins make up the difference.
+        interleaved schedule); stand-ins make up the difference. ``step_before``: the global micro-batches of a
+        step of the run that wrote the resume point, for the advice when this layout splits its steps.
         """
         n, per_step = self.num_micro_batches, dp_size * grad_accum
         if n == 0:
             raise UserError(f"the dataset has no row left to train on: {nothing_left(self.stats)}")
         epoch, offset = divmod(consumed, n)
         if offset % per_step:
-            raise UserError(f"resume point {consumed} is not a whole step of dp x gradient_accumulation_steps = "
-                            f"{per_step} micro-batches into its epoch of {n}: the layout changed in a way that "
-                            "splits a step. Resume with the layout the checkpoint was written in.")
+            raise UserError(f"resume point {consumed} is not a whole step of dp {dp_size} x "
+                            f"gradient_accumulation_steps {grad_accum} = {per_step} micro-batches into its epoch of "
+                            f"{n}: this layout changes the global batch and splits a step. "
+                            f"{_keep_the_global_batch(step_before, dp_size)}")
         while epochs is None or epoch < epochs:
             while offset < n:
                 taken = min(per_step, n - offset)
@@ -341,3 +344,14 @@ def empty_rows_warning(stats: dict[str, Any], dataset: str) -> str | None:
     return (f"dataset={dataset}: {' and '.join(parts)} of {stats['rows_kept']} rows; they are trained, as LLaMA-"
             f"Factory's default path trains them, teaching the model {learned}. Remove them from the data if that is "
             "not what they are for.")
+
+
+def _keep_the_global_batch(step_before: int | None, dp_size: int) -> str:
+    """The accumulation that keeps the checkpoint's global batch under ``dp_size``, where one does."""
+    if step_before and step_before % dp_size == 0:
+        return (f"The checkpoint's steps took {step_before} micro-batches: gradient_accumulation_steps: "
+                f"{step_before // dp_size} keeps its global batch at dp {dp_size}.")
+    if step_before:
+        return (f"The checkpoint's steps took {step_before} micro-batches, which dp {dp_size} does not divide: choose "
+                f"a data-parallel size that divides {step_before} (gradient_accumulation_steps: {step_before} / dp).")
+    return "Resume with the data-parallel size and gradient_accumulation_steps the checkpoint was written with."

@@ -66,11 +66,14 @@ class StepFeeder:
     def steps_per_epoch(self) -> int:
         return self.plan.steps_per_epoch(self.layout.dp, self.layout.grad_accum)
 
-    def steps(self, start: int = 0, epochs: int | None = None) -> Iterator[tuple[list[MicroBatch], int]]:
-        """(this rank's micro-batches of the step, global micro-batches consumed after it)."""
+    def steps(self, start: int = 0, epochs: int | None = None, step_before: int | None = None
+              ) -> Iterator[tuple[list[MicroBatch], int]]:
+        """(this rank's micro-batches of the step, global micro-batches consumed after it); ``step_before``: a
+        resumed checkpoint's global micro-batches per step."""
         # expert parallel groups span data-parallel ranks: their all-to-alls need every rank at every micro-batch
         planned = self.plan.steps(ps.get_data_parallel_rank(), self.layout.dp, self.layout.grad_accum,
-                                  self.multiple, equal_counts=self.layout.ep > 1, consumed=start, epochs=epochs)
+                                  self.multiple, equal_counts=self.layout.ep > 1, consumed=start, epochs=epochs,
+                                  step_before=step_before)
         return ahead(((self._step(step.micro_batches), step.consumed) for step in planned), self.prefetch)
 
     def _step(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:

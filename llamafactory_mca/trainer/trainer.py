@@ -284,7 +284,7 @@ class McaTrainer:
         args = self.args
         resume = resolve_resume(resume_from_checkpoint, args.output_dir, self.side_files.run)
         self._attach_reference_logps()
-        consumed = 0
+        consumed, step_before = 0, None
         self.state.max_steps, self.state.num_train_epochs = self.max_steps, self.num_epochs
         self.state.logging_steps, self.state.save_steps = args.logging_steps, args.save_steps
         self.state.eval_steps = args.eval_steps
@@ -296,6 +296,10 @@ class McaTrainer:
             self.state.global_step, self.state.log_history = loaded.global_step, loaded.log_history
             self.state.num_input_tokens_seen = loaded.num_input_tokens_seen
             self.state.total_flos = loaded.total_flos
+            # the written run's global micro-batches per step (checkpoints before it was recorded: while in the first
+            # epoch, every step was whole)
+            step_before = saved.get("micro_batches_per_step") or (
+                consumed // loaded.global_step if loaded.global_step and consumed % loaded.global_step == 0 else None)
             if self.is_world_process_zero():
                 note = self.train_feed.resume_note(saved.get("data_plan"))
                 if note:
@@ -307,7 +311,7 @@ class McaTrainer:
         start_time = time.time()
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         window = _Window()
-        steps = self.train_feed.steps(start=consumed)
+        steps = self.train_feed.steps(start=consumed, step_before=step_before)
         first_step_time = None
         while self.state.global_step < self.max_steps:
             maybe_crash("step", self.state.global_step + 1)
@@ -385,7 +389,8 @@ class McaTrainer:
         path = ckpt.save_checkpoint(
             self.args.output_dir, step, self.model, self.optimizer,
             {"scheduler": self.schedule.state_dict(), "consumed_micro_batches": consumed, "global_step": step,
-             "data_plan": self.train_feed.signature},
+             "data_plan": self.train_feed.signature,
+             "micro_batches_per_step": self.layout.dp * self.layout.grad_accum},
             self.side_files, extra=lambda folder: self.state.save_to_json(
                 os.path.join(folder, checkpoints.TRAINER_STATE_NAME)))
         if self.args.save_hf_model:

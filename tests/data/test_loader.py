@@ -121,6 +121,11 @@ def test_the_last_step_of_an_epoch_takes_what_is_left():
     assert [[b.is_padding for b in s.micro_batches] for s in last] == [[False], [True]]
     with pytest.raises(ValueError, match="not a whole step"):
         next(plan.steps(dp_size=2, grad_accum=2, consumed=6))
+    # written at dp 3 x accumulation 2: the accumulation that keeps 6 micro-batches per step at dp 2 is named
+    with pytest.raises(ValueError, match="took 6 micro-batches: gradient_accumulation_steps: 3 keeps its global"):
+        next(plan.steps(dp_size=2, grad_accum=2, consumed=6, step_before=6))
+    with pytest.raises(ValueError, match="which dp 4 does not divide"):
+        next(plan.steps(dp_size=4, grad_accum=1, consumed=6, step_before=6))
 
 
 def test_equal_rows_fill_a_short_group_with_loss_free_rows():
