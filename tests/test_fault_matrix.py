@@ -346,6 +346,17 @@ def test_a_lora_merge_names_the_tokenizer_files_it_wrote(assets, tmp_path):
 
 # ---- truncated or wholly garbled checkpoints -----------------------------------------------------------------
 
+def test_a_resume_that_splits_the_checkpoints_steps_names_the_accumulation_that_keeps_its_global_batch(checkpoints,
+                                                                                                     tmp_path):
+    source, config = checkpoints
+    out = tmp_path / "out"
+    shutil.copytree(source, out)
+    result, output = train(tmp_path, {**config, "output_dir": str(out), "overwrite_output_dir": False,
+                                      "gradient_accumulation_steps": 3, "max_steps": 6})
+    one_error(result, output, "dp 1 x gradient_accumulation_steps 3", "The checkpoint's steps took 4 micro-batches: "
+              "gradient_accumulation_steps: 4 keeps its global batch at dp 1.")
+
+
 def test_resume_from_a_truncated_checkpoint_names_the_file_and_the_one_to_use(checkpoints, tmp_path):
     source, config = checkpoints
     out = tmp_path / "out"
