@@ -163,6 +163,12 @@ def describe_load_balancing(tc: Any, model_type: str, source: str) -> str:
     return "; ".join(parts)
 
 
+def batch_p2p_safe(pp: int, vpp: int | None) -> bool:
+    """Whether the pipeline's sends and receives may go out as one batch: on GPUs, unless a rank's two neighbours
+    are one rank that a call both sends to twice (PP2 with the interleaved schedule)."""
+    return not cpu_mode_needed() and not (pp == 2 and (vpp or 1) > 1)
+
+
 def _engine_fields(config: McaConfig, args: Any, frozen_base: bool = False) -> dict[str, Any]:
     """TransformerConfig fields that depend on the run, not the model. ``frozen_base``: only adapters train (LoRA)."""
     bf16, fp16 = bool(getattr(args, "bf16", False)), bool(getattr(args, "fp16", False))
@@ -193,9 +199,13 @@ def _engine_fields(config: McaConfig, args: Any, frozen_base: bool = False) -> d
         # schedule; without it Megatron exchanges shapes before each transfer (see StepFeeder._step for why not).
         variable_seq_lengths=(args.allow_variable_seq_lengths() if hasattr(args, "allow_variable_seq_lengths")
                               else True) and getattr(args, "pipeline_model_parallel_size", 1) == 1,
-        # gloo pairs batched sends/receives between the same two ranks out of order (seen with PP2 + VPP on CPU:
-        # activations of one micro-batch reached another); NCCL batches them correctly.
-        batch_p2p_comm=not cpu_mode_needed(),
+        # Batched sends and receives are paired per peer in the order they are posted. At PP2 under the interleaved
+        # schedule a rank's previous and next stage are the same rank, and one call sends to both: rank 0's gradient
+        # (to its previous stage) met rank 1's receive of an activation (from its previous stage), the two swapped.
+        # On four H200s PP2 x VPP2 x DP2 trained on garbage that way (grad norm 1e9 from step 1); gloo on CPU did the
+        # same. Megatron's unbatched path puts the two directions on two process groups.
+        batch_p2p_comm=batch_p2p_safe(getattr(args, "pipeline_model_parallel_size", 1),
+                                      getattr(args, "virtual_pipeline_model_parallel_size", None)),
         apply_rope_fusion=fused and not config.transformer.get("multi_latent_attention")
         and not config.transformer.get("mrope_section"),
         qk_norm_fusion=fused,

@@ -84,3 +84,20 @@ def test_fusion_defaults_follow_where_the_step_waits(name, graphs, frozen_base, 
     config = get_family(hf.model_type).config_from_hf(hf)
     fields = auto._engine_fields(config, SimpleNamespace(bf16=True, run_cuda_graphs=lambda: graphs), frozen_base)
     assert [fields[k] for k in ("gradient_accumulation_fusion", "apply_rope_fusion", "qk_norm_fusion")] == [on] * 3
+
+
+@pytest.mark.parametrize("pp, vpp, batched", [(2, 2, False), (2, None, True), (4, 2, True), (1, None, True)])
+def test_pipeline_sends_are_batched_only_where_each_pairs_unambiguously(pp, vpp, batched, monkeypatch):
+    """At PP2 with the interleaved schedule both neighbours are one rank: batched, an activation and a gradient to it
+    were paired with the wrong receives (a PP2 x VPP2 x DP2 run on four GPUs trained on swapped tensors)."""
+    from types import SimpleNamespace
+
+    from llamafactory_mca.models import auto
+
+    monkeypatch.setattr(auto, "cpu_mode_needed", lambda: False)
+    hf = tiny_hf_config("qwen3")
+    config = get_family(hf.model_type).config_from_hf(hf)
+    args = SimpleNamespace(bf16=True, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp)
+    assert auto._engine_fields(config, args)["batch_p2p_comm"] is batched
+    monkeypatch.setattr(auto, "cpu_mode_needed", lambda: True)
+    assert auto._engine_fields(config, args)["batch_p2p_comm"] is False
