@@ -320,6 +320,17 @@ def _holds_group(value: Any) -> bool:
     return isinstance(value, torch.distributed.ProcessGroup)
 
 
+_LEAVE_BY_RETURNING = False
+
+
+def leave_by_returning() -> None:
+    """This worker was forked by our torchrun (launch/torchrun.py): torch's agent waits for its entry function to
+    return, so ``end_worker`` ends with SystemExit(0), which the agent's wrapper turns into a return; the process
+    then leaves through multiprocessing's os._exit, never finalizing either."""
+    global _LEAVE_BY_RETURNING
+    _LEAVE_BY_RETURNING = True
+
+
 def end_worker() -> None:
     """End a torchrun worker whose work is done, before the interpreter tears itself down.
 
@@ -343,4 +354,6 @@ def end_worker() -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
+    if _LEAVE_BY_RETURNING:
+        raise SystemExit(0)
     os._exit(0)

@@ -149,6 +149,9 @@ def _load_rows(stage: str, template: Any, model_args: Any, data_args: Any, train
     return module
 
 
+LOST_PEER_GRACE_S = 3.0
+
+
 def _run(stage: str, model_args, data_args, training_args, finetuning_args, callbacks=None) -> None:
     """A worker's run: a user error is one message (see errors.py), Ctrl-C a quiet exit."""
     try:
@@ -160,7 +163,9 @@ def _run(stage: str, model_args, data_args, training_args, finetuning_args, call
         if not parallel.lost_peer(err) or debug_enabled():
             raise
         # another rank died (killed, out of memory, crashed): its failure is the news, which the launcher reports;
-        # this rank's traceback from inside a collective would only bury it
+        # this rank's traceback from inside a collective would only bury it. Ranks forked by our torchrun are
+        # reported one failure at a time, the first the agent sees: leave it the time to see the dead rank first.
+        time.sleep(LOST_PEER_GRACE_S)
         raise SystemExit(1) from None
     finally:
         run_lock.release_held()  # torchrun started by hand: rank 0 took the lock (see _train)

@@ -12,10 +12,30 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import yaml
 
 from llamafactory_mca.tools.tiny import alpaca_rows, save_tiny_model, save_tiny_tokenizer, write_alpaca_dataset
 from tests._dist import one_job_at_a_time
+
+
+def command_of(process: psutil.Process) -> str:
+    """A process's command line; empty for one that has exited since it was listed (a short-lived child, or a
+    zombie its parent has not reaped yet)."""
+    try:
+        return " ".join(process.cmdline())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return ""
+
+
+def ranks(processes: list) -> list:
+    """A run's workers among its processes: the children of our torchrun (on a machine without GPUs they are forked
+    from it and share its command line, as what they fork shares theirs)."""
+    launch = [p for p in processes if "llamafactory_mca.launch.torchrun" in command_of(p)]
+    try:
+        return launch[0].children() if launch else []
+    except psutil.NoSuchProcess:
+        return []
 
 
 def make_assets(root: Path) -> dict:

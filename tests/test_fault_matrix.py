@@ -24,7 +24,7 @@ import pytest
 
 from llamafactory_mca.checkpoints import verify_checkpoint
 from llamafactory_mca.errors import UserError
-from tests._cli import cli_env, ok, one_error, recipe, run, train
+from tests._cli import cli_env, command_of, ok, one_error, ranks, recipe, run, train
 from tests._dist import one_job_at_a_time
 
 
@@ -511,21 +511,6 @@ def _alive(processes: list) -> list:
     return [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-def _command(process) -> str:
-    """A process's command line; empty for one that has exited since it was listed (a short-lived child, or a
-    zombie its parent has not reaped yet)."""
-    try:
-        return " ".join(process.cmdline())
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return ""
-
-
-def _ranks(processes: list) -> list:
-    """The workers: the children of our torchrun (what they fork has the same command line)."""
-    launch = [p for p in processes if "llamafactory_mca.launch.torchrun" in _command(p)]
-    return launch[0].children() if launch else []
-
-
 def _saved(out) -> bool:
     return out.is_dir() and any(n.startswith("checkpoint-") for n in os.listdir(out))
 
@@ -541,8 +526,8 @@ def test_a_rank_killed_with_sigkill_takes_everything_of_the_run_with_it(assets, 
         try:
             assert _wait_for(lambda: _saved(out), 120), log.read_text()[-3000:]
             everything = _family(process.pid)
-            assert len(_ranks(everything)) == 2, [_command(p) for p in everything]
-            _ranks(everything)[-1].kill()
+            assert len(ranks(everything)) == 2, [command_of(p) for p in everything]
+            ranks(everything)[-1].kill()
             assert process.wait(timeout=120) != 0
             assert _wait_for(lambda: not _alive(everything), 30), [p.cmdline() for p in _alive(everything)]
         finally:
@@ -566,11 +551,11 @@ def test_saves_leave_no_helper_and_a_writer_killed_mid_save_is_one_line_keeping_
         process, log = _start(tmp_path, config, "run", env={"LLAMAFACTORY_MCA_FAULT": "writer:12@1"})
         assert _wait_for(lambda: _saved(out), 120), log.read_text()[-3000:]
         everything = _family(process.pid)
-        ranks = _ranks(everything)
-        assert len(ranks) == 2 and _wait_for(lambda: not any(r.children() for r in ranks), 30), \
-            [_command(c) for r in ranks for c in r.children()]
+        workers = ranks(everything)
+        assert len(workers) == 2 and _wait_for(lambda: not any(r.children() for r in workers), 30), \
+            [command_of(c) for r in workers for c in r.children()]
         assert process.wait(timeout=180) != 0
-        assert _wait_for(lambda: not _alive(everything), 30), [_command(p) for p in _alive(everything)]
+        assert _wait_for(lambda: not _alive(everything), 30), [command_of(p) for p in _alive(everything)]
     one_error(subprocess.CompletedProcess([], 1), log.read_text(), "saving checkpoint-12 failed: rank 1's checkpoint "
               "writer", "killed by SIGKILL", "unfinished folder was removed", f"{out / 'checkpoint-6'} is the newest "
               "complete checkpoint")

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import yaml
 
-from tests._cli import cli_env, fake_hub_cache, losses, ok, one_error, recipe, run, train
+from tests._cli import cli_env, fake_hub_cache, losses, ok, one_error, ranks, recipe, run, train
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -183,7 +183,7 @@ def test_layout_against_the_world_lists_what_works(assets, tmp_path):
 # ---- 2. hub ids ---------------------------------------------------------------------------------------------------
 
 
-def test_a_hub_id_in_the_cache_trains_offline_as_without_use_mca(assets, tmp_path):
+def test_a_hub_id_in_the_cache_and_paths_with_spaces_train_offline_as_without_use_mca(assets, tmp_path):
     cache = tmp_path / "hub"
     fake_hub_cache(str(cache), "tiny-org/tiny-qwen3", assets["models"]["qwen3"])
     hub_env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
@@ -191,7 +191,9 @@ def test_a_hub_id_in_the_cache_trains_offline_as_without_use_mca(assets, tmp_pat
     # run without their padding (padding_free, the GPUs' default) against LLaMA-Factory's padded rows
     config = recipe(assets, tmp_path / "mca", model_name_or_path="tiny-org/tiny-qwen3", max_steps=1, max_samples=8,
                     per_device_train_batch_size=8, gradient_accumulation_steps=1)
-    result, output = train(tmp_path, {**config, "padding_free": True}, env=hub_env, name="mca")
+    # a space in the recipe's path and in an override, which LLaMA-Factory's launcher used to split apart
+    result, output = train(tmp_path, {**config, "padding_free": True}, env=hub_env, name="mca recipe",
+                           args=(f"output_dir={tmp_path / 'mca run'}",))
     ok(result, output)
     assert "(rows without padding)" in output and "rows without padding, THD" in output
     default = {**config, "output_dir": str(tmp_path / "default")}
@@ -200,7 +202,7 @@ def test_a_hub_id_in_the_cache_trains_offline_as_without_use_mca(assets, tmp_pat
     result, output = run(["llamafactory-cli", "train", str(tmp_path / "default.yaml")], env=env, timeout=300,
                           cwd=tmp_path)
     assert result.returncode == 0, output[-4000:]
-    ours, theirs = losses(tmp_path / "mca")[1], losses(tmp_path / "default")[1]
+    ours, theirs = losses(tmp_path / "mca run")[1], losses(tmp_path / "default")[1]
     assert ours == pytest.approx(theirs, rel=1e-4), (ours, theirs)
 
 
@@ -253,13 +255,10 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 
 
 def _workers(launcher: psutil.Process) -> list[psutil.Process]:
-    """The training processes under a launcher (our torchrun's command line names the script too)."""
-    found = []
-    for p in launcher.children(recursive=True):
-        command = " ".join(p.cmdline())
-        if "llamafactory/launcher.py" in command and "llamafactory_mca.launch.torchrun" not in command:
-            found.append(p)
-    return found
+    try:
+        return ranks(launcher.children(recursive=True))
+    except psutil.NoSuchProcess:
+        return []
 
 
 def _start(tmp_path, config, name):

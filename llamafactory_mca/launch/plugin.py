@@ -91,14 +91,16 @@ def _join_process_group(recipe) -> None:
 
 class _Torchrun:
     """``subprocess`` for LLaMA-Factory's launcher: its ``torchrun ...`` command runs our torchrun (torchrun.py)
-    with the same arguments; everything else is the real module."""
+    with the same arguments, as the user typed them (LLaMA-Factory joins them with spaces and splits the command
+    again, which takes apart a recipe path or a ``key=value`` holding a space); everything else is the real module."""
 
-    def __init__(self, real: types.ModuleType) -> None:
-        self._real = real
+    def __init__(self, real: types.ModuleType, script: str, train_args: list[str]) -> None:
+        self._real, self._script, self._train_args = real, script, train_args
 
     def run(self, command, *args, **kwargs):
-        if command and command[0] == "torchrun":
-            command = [sys.executable, "-m", "llamafactory_mca.launch.torchrun", *command[1:]]
+        if command and command[0] == "torchrun" and self._script in command:
+            options = command[1:command.index(self._script) + 1]
+            command = [sys.executable, "-m", "llamafactory_mca.launch.torchrun", *options, *self._train_args]
             kwargs["check"] = False  # a failed run is reported by torchrun.py, not by a CalledProcessError traceback
         return self._real.run(command, *args, **kwargs)
 
@@ -116,7 +118,7 @@ def _take_over_launch(module: types.ModuleType) -> None:
             from .preflight import run_preflight
 
             run_preflight(sys.argv[2:])
-            module.subprocess = _Torchrun(module.subprocess)
+            module.subprocess = _Torchrun(module.subprocess, module.__file__, sys.argv[2:])
         try:
             original()
         except KeyboardInterrupt:
@@ -205,7 +207,7 @@ def install() -> None:
     skip_the_final_collection()
     other = _other_mcore_adapter()
     sys.meta_path.insert(0, McaFinder())
-    _quiet_worker()
+    quiet_worker()
     if _should_announce():
         from .. import __version__
 
@@ -223,14 +225,18 @@ def skip_the_final_collection() -> None:
     atexit.register(gc.freeze)
 
 
-def _quiet_worker() -> None:
+def quiet_worker() -> None:
     """In a worker (torchrun sets RANK): only rank 0 speaks through LLaMA-Factory's logger, as it does through
-    ours; warnings from every rank stay. Set before LLaMA-Factory's logging reads the variable."""
+    ours; warnings from every rank stay. Set before LLaMA-Factory's logging reads the variable, and on its logger
+    for a rank forked after LLaMA-Factory was imported (launch/torchrun.py)."""
+    import logging
+
     from ..quiet import quiet_third_party
 
     quiet_third_party()
     if os.environ.get("RANK", "0") != "0":
         os.environ.setdefault("LLAMAFACTORY_VERBOSITY", "WARN")
+        logging.getLogger("llamafactory").setLevel(logging.WARNING)
 
 
 def turn_off() -> None:

@@ -11,11 +11,16 @@ It runs torch's own elastic launcher in this process and adds what a user needs 
   instead of torchrun's ChildFailedError report;
 - the workers post where they stand in a status folder of this run, so a rank that waits past ``ddp_timeout`` can
   name the rank it waits for (``watchdog.py``);
-- torchrun's banner about OMP_NUM_THREADS gives way to a sensible default (cores / processes).
+- torchrun's banner about OMP_NUM_THREADS gives way to a sensible default (cores / processes);
+- on a machine without GPUs the ranks are forked from this process once it has imported what they run
+  (:func:`_forked_rank`): a rank spends ~10 s of CPU importing torch, transformers, LLaMA-Factory and Megatron-Core,
+  which for 8 ranks on a 2-core machine was most of a short run. With GPUs they are spawned as torchrun spawns them:
+  a forked rank could not use the CUDA state an import may have created here.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import shutil
@@ -24,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 
 from ..errors import ERROR_FILE_ENV, PREFIX, STATUS_DIR_ENV
 
@@ -50,9 +56,10 @@ _KILLED_HOW = {"SIGKILL": "killed by SIGKILL (the out-of-memory killer's signal,
                "SIGABRT": "aborted (SIGABRT, from native code)"}
 
 
-def _failure_line(err) -> str:
+def _failure_line(err, world: int) -> str:
     """One line for workers that ended without a user error: the first to fail (torchrun stops the others with
-    SIGTERM, which is not news), how it ended, and where to look."""
+    SIGTERM, which is not news), how it ended, and where to look. Spawned ranks are reported all together; forked
+    ones one at a time, so for them the others are the rest of the node's ``world`` ranks (0 when spawned)."""
     first_rank, first = min(err.failures.items(),
                             key=lambda item: (item[1].signal_name() == "SIGTERM", item[1].timestamp, item[0]))
     if first.exitcode < 0:
@@ -61,7 +68,8 @@ def _failure_line(err) -> str:
         look = "A signal leaves no traceback; the system log (dmesg, journalctl -k) names the out-of-memory killer."
     else:
         how, look = f"exited with code {first.exitcode}", "Its traceback is above."
-    others = sorted(rank for rank in err.failures if rank != first_rank)
+    ranks = set(err.failures) | set(range(world))
+    others = sorted(rank for rank in ranks if rank != first_rank)
     stopped = (f" Rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} "
                f"{'were' if len(others) > 1 else 'was'} stopped with it." if others else "")
     return (f"{PREFIX}training failed: rank {first_rank} {how}.{stopped} {look} LLAMAFACTORY_MCA_DEBUG=1 shows "
@@ -91,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["LOGLEVEL"] = "CRITICAL"
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import parse_args
 
     if saved is None:
         os.environ.pop("LOGLEVEL", None)
@@ -100,17 +108,74 @@ def main(argv: list[str] | None = None) -> int:
     if not debug_enabled():  # modules that use plain logging.getLogger inherit from here
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
-        run(parse_args(argv))
+        _launch(parse_args(argv))
         return 0
     except ChildFailedError as err:
         message = _read(error_file)
-        print(message or _failure_line(err), file=sys.stderr, flush=True)
+        print(message or _failure_line(err, _nproc(argv) if _forks_ranks() else 0), file=sys.stderr, flush=True)
         return 1
     except SignalException as err:
         print(f"{PREFIX}stopped by {err.sigval.name}; the workers were stopped too.", file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
+    except KeyboardInterrupt:  # Ctrl-C while this process imports what the ranks will run
+        print(f"{PREFIX}stopped by SIGINT before the workers started.", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _forks_ranks() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def _launch(args) -> None:
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, run
+
+    if not _forks_ranks():
+        run(args)
+        return
+    # torch's run() only adds rendezvous defaults for a command line without --master_port, which LLaMA-Factory's
+    # launcher always passes
+    args.run_path, args.start_method = True, "fork"
+    config, _, script_and_args = config_from_args(args)
+    for module in PRELOAD:
+        importlib.import_module(module)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()  # or a rank would inherit, and print again, what is still buffered here
+    elastic_launch(config=config, entrypoint=_forked_rank)(*script_and_args)
+
+
+# What a rank imports before its first step: LLaMA-Factory's training entry (transformers, peft, trl, datasets) and
+# ours (Megatron-Core, the trainer, the models).
+PRELOAD = ("llamafactory.train.tuner", "llamafactory_mca.workflow", "llamafactory_mca.trainer.trainer",
+           "llamafactory_mca.models.auto")
+
+
+def _forked_rank(script: str, *script_args: str) -> None:
+    """A forked rank, made like a spawned one: the default signal handlers (torch's agent set its own before the
+    fork), line-buffered output (``python -u`` for a spawned rank), only rank 0 speaking (set at interpreter start
+    for a spawned one), its traceback on screen when it crashes (torch.multiprocessing would only hand it to the
+    agent, whose report we replace), and a way out that returns to torch's agent, which waits for the return."""
+    from torch.distributed.run import run_script_path
+
+    from .. import parallel
+    from .plugin import quiet_worker
+
+    for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True)
+    quiet_worker()
+    parallel.leave_by_returning()
+    try:
+        run_script_path(script, *script_args)
+    except Exception:
+        traceback.print_exc()
+        raise
 
 
 def _torch_at_least(major: int, minor: int) -> bool:
