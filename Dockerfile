@@ -1,7 +1,7 @@
 # NGC's PyTorch image: torch, Transformer Engine and flash-attn built together for the image's CUDA, so the TE layer
 # spec is picked up automatically. That torch must stay: `pip install -e .` would resolve this package's own pins
 # (requirements/torch.txt, the torch set CI tests on the package index's wheels) and replace it, and with it break
-# every extension built against it. So this follows README's "With your own torch": the rest of the stack, then this
+# every extension built against it. So this follows docs/install.md's "With your own torch": the rest of the stack, then this
 # package with --no-deps. Not built in CI (no Docker engine there); tests/test_dockerfile.py checks that no install
 # line below can resolve torch.
 FROM nvcr.io/nvidia/pytorch:25.10-py3

@@ -182,6 +182,11 @@ def check_layout(config: Any, layout: ParallelLayout, custom_pipeline_layout: bo
         if tp > 1 and sequence_parallel is False:
             problems.append(f"tensor_model_parallel_size={tp} on a model with experts needs sequence_parallel: true "
                             "(Megatron-Core refuses MoE layers under tensor parallelism without it)")
+    elif ep > 1 or etp > 1:
+        what = f"expert_model_parallel_size={ep}" if ep > 1 else f"expert_tensor_parallel_size={etp}"
+        problems.append(f"{what} on a dense model: it has no experts to spread (set expert_model_parallel_size: 1 "
+                        "and expert_tensor_parallel_size: 1; tensor_model_parallel_size or "
+                        "pipeline_model_parallel_size split a dense model)")
     layers, stages = t["num_layers"], pp * vpp
     if not custom_pipeline_layout and (stages > layers or layers % stages):
         pp_fits = _listing(d // vpp for d in _divisors(layers) if d % vpp == 0)

@@ -118,15 +118,22 @@ def plan_run(stage: str, model_args: Any, data_args: Any, training_args: Any, fi
                    adapters=adapters, reference=reference, notes=notes)
 
 
+def check_finetuning_type(tuning: str) -> None:
+    """Also before LLaMA-Factory's parser, which refuses an unknown value with a bare AssertionError."""
+    if tuning not in SUPPORTED_FINETUNING:
+        qlora = (" (QLoRA is finetuning_type: lora with quantization_bit, which the Megatron path does not "
+                 "support: train LoRA on the bf16 weights)" if "qlora" in str(tuning).lower() else "")
+        raise UserError(f"finetuning_type={tuning!r} is not supported with USE_MCA=1; supported: "
+                        f"{', '.join(SUPPORTED_FINETUNING)}{qlora}. Use one of those, or unset USE_MCA for OFT with "
+                        "LLaMA-Factory's default trainer.")
+
+
 def check_request(stage: str, model_args: Any, data_args: Any, training_args: Any, finetuning_args: Any) -> None:
     """Refuse what the Megatron path does not do, naming the key and the fix."""
     if stage not in SUPPORTED_STAGES:
         raise UserError(f"stage={stage!r} is not supported with USE_MCA=1; supported: {', '.join(SUPPORTED_STAGES)}. "
                          "Unset USE_MCA to run it with LLaMA-Factory's default trainer.")
-    if finetuning_args.finetuning_type not in SUPPORTED_FINETUNING:
-        raise UserError(f"finetuning_type={finetuning_args.finetuning_type!r} is not supported with USE_MCA=1; "
-                         f"supported: {', '.join(SUPPORTED_FINETUNING)}. Use one of those, or unset USE_MCA for "
-                         "OFT with LLaMA-Factory's default trainer.")
+    check_finetuning_type(finetuning_args.finetuning_type)
     if finetuning_args.finetuning_type == "lora":
         check_lora_request(finetuning_args)
     elif getattr(model_args, "adapter_name_or_path", None):

@@ -55,8 +55,10 @@ for elem_id, value in json.loads(sys.argv[1]).items():
 preview = next(engine.runner.preview_train(data))
 args = engine.runner._parse_train_args(data)
 plan_line, experts = describe(args)
+hidden = [name for name in ("packing", "neat_packing", "ds_stage", "ds_offload", "mca_packing")
+          if not manager.get_elem_by_id(f"train.{name}").visible]
 print(json.dumps({"output_box": preview[manager.get_elem_by_id("train.output_box")], "args": args,
-                  "plan_line": plan_line, "experts": experts}, default=str))
+                  "plan_line": plan_line, "experts": experts, "hidden": hidden}, default=str))
 """
 
 
@@ -127,6 +129,10 @@ def test_the_form_becomes_our_recipe_and_is_refused_as_the_cli_refuses(tmp_path,
     assert args["virtual_pipeline_model_parallel_size"] is None and args["recompute_granularity"] is None
     assert "USE_MCA=1 llamafactory-cli train" in page["output_box"]
     assert "--pipeline_model_parallel_size 2" in page["output_box"]
+    # one packing switch, ours; LLaMA-Factory's and DeepSpeed's controls are hidden and write nothing
+    assert page["hidden"] == ["packing", "neat_packing", "ds_stage", "ds_offload"], page["hidden"]
+    assert "--sequence_packing True" in page["output_box"] and "--packing" not in page["output_box"]
+    assert "deepspeed" not in args and "packing" not in args
     assert page["plan_line"].startswith("**world=2 tp=1 pp=2") and "predicted memory per GPU" in page["plan_line"]
     assert "global batch **16** = dp 1 × micro-batch 2 × accumulation 8" in page["plan_line"], page["plan_line"]
     assert page["experts"] is False  # the expert keys stay hidden for a dense model
@@ -145,7 +151,9 @@ def test_the_form_becomes_our_recipe_and_is_refused_as_the_cli_refuses(tmp_path,
     assert result.returncode == 1, output[-3000:]
     line = output.strip().splitlines()[-1]
     assert line.startswith("[llamafactory_mca] error: ") and "tensor_model_parallel_size=3" in line, line
-    assert refused["output_box"] == line.removeprefix("[llamafactory_mca] error: "), (refused["output_box"], line)
+    # the launcher's line, then what the keys it names are called on the page
+    assert refused["output_box"] == line.removeprefix("[llamafactory_mca] error: ") + \
+        ' (on this page: tensor_model_parallel_size is "Tensor parallel")', (refused["output_box"], line)
 
 
 # ---- the page in a real browser ----------------------------------------------------------------------------------

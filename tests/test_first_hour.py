@@ -90,6 +90,14 @@ def test_version_flag_and_the_plan_commands_refusals(capsys):
 
     result, output = run(["llamafactory-mca", "--version"], alone=False)
     assert result.returncode == 0 and output.strip() == f"llamafactory-mca {version('llamafactory-mca')}", output
+    result, output = run(["llamafactory-mca", "version", "--help"], alone=False)  # the help, not the check
+    assert result.returncode == 0 and result.seconds < 5 and output.startswith("usage: llamafactory-mca version")
+    from llamafactory_mca.tools.demo import demo_main
+
+    with pytest.raises(SystemExit):
+        demo_main(["--help"])
+    said = capsys.readouterr().out
+    assert "where the model" in said and "training steps" in said, said
     with pytest.raises(UserError, match=r"--gpu-memory -5: give each GPU's memory in GiB"):
         _options(["x.yaml", "--gpu-memory", "-5"])
     with pytest.raises(SystemExit):
@@ -143,6 +151,8 @@ def test_mixed_precision_advice_is_kept_on_gpus_only(gpu):
     ({"tensor_model_parallel_size": 3}, ["tensor_model_parallel_size=3 does not divide num_attention_heads=4",
                                          "sizes that fit this model: 1, 2"]),
     ({"stage": "rm"}, ["stage='rm' is not supported with USE_MCA=1; supported: pt, sft, dpo"]),
+    ({"finetuning_type": "qlora"}, ["finetuning_type='qlora' is not supported", "QLoRA is finetuning_type: lora"]),
+    ({"expert_model_parallel_size": 2}, ["expert_model_parallel_size=2 on a dense model"]),
 ])
 def test_a_mistake_is_one_message_before_any_worker(overrides, fragments, assets, tmp_path):
     result, output = train(tmp_path, recipe(assets, tmp_path / "out", **overrides), world=None, alone=False)
@@ -172,6 +182,16 @@ def test_a_dataset_file_that_is_not_there_is_named(assets, tmp_path):
     result, output = train(tmp_path, recipe(assets, tmp_path / "out", dataset="mine", dataset_dir=str(data)),
                            alone=False)
     one_error(result, output, f"dataset 'mine': {data / 'mine.json'} does not exist")
+    (data / "mine.json").write_text("[]\n")
+    result, output = train(tmp_path, recipe(assets, tmp_path / "out", dataset="mine", dataset_dir=str(data)),
+                           alone=False)
+    one_error(result, output, f"dataset 'mine': {data / 'mine.json'} holds no rows")
+    # a name dataset_info.json does not have: the names it has, nearest first
+    result, output = train(tmp_path, recipe(assets, tmp_path / "out", dataset="tiny_alpacca"), alone=False)
+    one_error(result, output, "dataset=tiny_alpacca", "It has: tiny_alpaca")
+    # sft rows for dpo
+    result, output = train(tmp_path, recipe(assets, tmp_path / "out", stage="dpo"), alone=False)
+    one_error(result, output, "dataset 'tiny_alpaca' is not a preference dataset", "stage: sft")
 
 
 def test_layout_against_the_world_lists_what_works(assets, tmp_path):

@@ -236,8 +236,9 @@ RECIPES = {"qwen3_dense_sft.yaml": ("dense", 1, 80), "qwen3_long_context_cp2.yam
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_example_recipes_fit_their_hardware(tmp_path, name):
-    """Each recipe, planned with its model's real config.json (from the hub id, through a fake cache), fits the
-    GPUs its header names, and its weights are those of the full model (the shape is not a stand-in)."""
+    """Each recipe, planned with its model's real config.json (from the hub id, through a fake cache) and nothing
+    else, is planned for the GPUs its header names and fits them, and its weights are those of the full model (the
+    shape is not a stand-in). The MoE recipe asked about fewer GPUs than its layout takes is searched there."""
     from transformers import AutoConfig
 
     kind, gpus, memory_gib = RECIPES[name]
@@ -248,14 +249,20 @@ def test_example_recipes_fit_their_hardware(tmp_path, name):
     model = tmp_path / "model"
     AutoConfig.for_model(shape.pop("model_type"), **shape).save_pretrained(model)
     fake_hub_cache(str(tmp_path / "hub"), repo, str(model))
-    result, output = run(["llamafactory-mca", "plan", path, "--gpus", str(gpus), "--gpu-memory", str(memory_gib),
-                          "--json"], env=cli_env(None, {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}),
-                         alone=False)
+    env = cli_env(None, {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
+    result, output = run(["llamafactory-mca", "plan", path, "--json"], env=env, alone=False)
     assert result.returncode == 0, output[-3000:]
     answer = json.loads(result.stdout.strip().splitlines()[-1])
-    assert answer["fits"], answer
+    assert f"on {gpus} GPU(s) (the recipe's Hardware line)" in result.stdout, result.stdout
+    assert answer["fits"] and answer["gpu_memory_gib"] == memory_gib, answer
     print(name, answer["layout"], answer["breakdown"], answer["needs_gib"])
     assert answer["breakdown"]["weights"] > 0.5, answer
+    if name == "qwen3_moe_full.yaml":
+        result, output = run(["llamafactory-mca", "plan", path, "--gpus", "2", "--gpu-memory", "80", "--json"],
+                             env=env, alone=False)
+        assert result.returncode == 0, output[-3000:]
+        answer = json.loads(result.stdout.strip().splitlines()[-1])
+        assert answer["layouts"] == [] and "would fit: " in result.stdout, result.stdout
 
 
 def test_launcher_refuses_a_run_that_does_not_fit(tmp_path, assets):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -139,13 +140,13 @@ def one_line(err: BaseException) -> str:
     return " ".join(str(err).split())
 
 
-def describe(args: dict[str, Any]) -> tuple[str, bool | None]:
+def describe(args: dict[str, Any], lang: str = "en") -> tuple[str, bool | None]:
     """The summary under the group (layout, global batch, memory per GPU) and whether the model has experts (None:
     the checks refused the form, whose message the summary is)."""
     try:
         plan, training_args, finetuning_args = check(args)
     except UserError as err:
-        return f"**Not ready:** {one_line(err)}", None
+        return f"**Not ready:** {on_page(one_line(err), lang)}", None
     layout = plan.layout
     memory = estimate(plan.config, layout, training_of(plan, training_args, finetuning_args))
     budget = visible_gpu_memory_gib()
@@ -156,6 +157,29 @@ def describe(args: dict[str, Any]) -> tuple[str, bool | None]:
             f"{layout.micro_batch_size} × accumulation {layout.grad_accum} · predicted memory per GPU "
             f"**{memory['needs']:.2f} GiB**{fits} (peak {memory['peak']:.2f}: {terms})")
     return text, bool(plan.config.num_experts)
+
+
+# LLaMA-Factory's controls with no say on this path: its packing switches (the group's "Sequence packing" is the one;
+# both on the page wrote `--packing False` beside `--sequence_packing True`) and DeepSpeed's (Megatron shards instead).
+HIDDEN = ("packing", "neat_packing", "ds_stage", "ds_offload")
+# Recipe keys whose element on LLaMA-Factory's page is named otherwise.
+_ELEMENT_OF = {"per_device_train_batch_size": "batch_size", "model_name_or_path": "model_path",
+               "stage": "training_stage"}
+
+
+def on_page(message: str, lang: str) -> str:
+    """A refusal as the page shows it: the launcher's line (the recipe's key names), then what each key it names is
+    called on this page."""
+    from llamafactory.webui.locales import LOCALES
+
+    names = {**{key: name for name, key in KEYS.items()}, **_ELEMENT_OF}
+    named = []
+    for key in dict.fromkeys(re.findall(r"[a-z][a-z0-9_]*[a-z0-9]", message)):
+        entry = LOCALES.get(names.get(key, key), {})
+        label = (entry.get(lang) or entry.get("en") or {}).get("label")
+        if label and label.lower() != key.replace("_", " "):  # not "dataset" is "Dataset"
+            named.append(f"{key} is \"{label}\"")
+    return message + (f" (on this page: {'; '.join(named)})" if named else "")
 
 
 def patch_train_tab(module) -> None:
@@ -177,6 +201,8 @@ def patch_train_tab(module) -> None:
             elems = original(engine)
         finally:
             del engine.manager.get_base_elems  # the class's method again
+        for name in HIDDEN:
+            elems[name].visible = False
         runner = engine.runner
 
         def refresh(data):
@@ -184,7 +210,7 @@ def patch_train_tab(module) -> None:
                 args = runner._parse_train_args(data)
             except (ValueError, KeyError) as err:  # a number field that is not a number
                 return {group["mca_summary"]: f"**Not ready:** {one_line(err)}"}
-            text, experts = describe(args)
+            text, experts = describe(args, data[engine.manager.get_elem_by_id("top.lang")])
             pipeline = int(data[group["mca_pp"]]) > 1
             out = {group["mca_summary"]: text, group["mca_vpp"]: gr.update(visible=pipeline)}
             if experts is not None:
@@ -212,6 +238,8 @@ def patch_runner(module) -> None:
     def _parse_train_args(self, data):
         args = parse(self, data)
         get = lambda elem_id: data[self.manager.get_elem_by_id(elem_id)]  # noqa: E731 (as LLaMA-Factory's)
+        for key in ("packing", "neat_packing", "deepspeed"):  # the hidden controls' keys (see HIDDEN)
+            args.pop(key, None)
         args.update(recipe_keys(lambda name: get(f"train.{name}")))
         args.update(json.loads(get("train.extra_args")))  # the form's extra arguments still have the last word
         return args
@@ -223,7 +251,7 @@ def patch_runner(module) -> None:
         try:
             check(self._parse_train_args(data))
         except UserError as err:
-            return one_line(err)
+            return on_page(one_line(err), data[self.manager.get_elem_by_id("top.lang")])
         return ""
 
     runner._parse_train_args, runner._initialize = _parse_train_args, _initialize

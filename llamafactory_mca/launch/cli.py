@@ -51,7 +51,17 @@ def train(argv: list[str]) -> int:
     return 0
 
 
+VERSION_USAGE = """usage: llamafactory-mca version
+
+Prints the installed torch, torchvision, torchaudio, LLaMA-Factory, Megatron-Core, transformers, peft, ... and
+checks that they work together (imports them: seconds), one line per problem with its fix; exit code 1 if any.
+`llamafactory-mca --version` prints this package's version alone, at once."""
+
+
 def version(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(VERSION_USAGE)
+        return 0
     from .health import check_installation, versions
     from ..quiet import quiet_third_party
 

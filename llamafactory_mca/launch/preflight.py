@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import json
 import logging
 import os
 import sys
@@ -155,8 +156,9 @@ def check_gpus_for(nproc: int, gpus: int) -> None:
                     f"RECIPE --gpus {gpus}` lists the layouts that fit), or make more GPUs visible.")
 
 
-def check_datasets(data_args: Any) -> None:
-    """Every named dataset is in dataset_info.json and, when it is a local file, exists."""
+def check_datasets(data_args: Any, stage: str) -> None:
+    """Every named dataset is in dataset_info.json (else the names it has), of the stage's kind (pairs for dpo) and,
+    when it is a local file, exists and is not empty."""
     from llamafactory.data.parser import get_dataset_list
 
     directory = data_args.dataset_dir
@@ -167,14 +169,44 @@ def check_datasets(data_args: Any) -> None:
         try:
             attrs = get_dataset_list(names, directory)
         except ValueError as err:
-            raise UserError(f"{key}={','.join(names)}: {err}{_data_hint(names, directory)}") from err
+            raise UserError(f"{key}={','.join(names)}: {err}{_known_names(names, directory)}"
+                            f"{_data_hint(names, directory)}") from err
         for name, attr in zip(names, attrs):
+            if stage == "dpo" and not attr.ranking:
+                raise UserError(f"dataset {name!r} is not a preference dataset: stage dpo trains on chosen/rejected "
+                                f"pairs, and dataset_info.json in {directory} does not mark it `\"ranking\": true` "
+                                "(with chosen and rejected columns; see LLaMA-Factory's data/README.md), or use "
+                                "stage: sft for its rows.")
             if attr.load_from != "file" or isinstance(directory, dict) or directory.startswith("REMOTE:"):
                 continue
             path = os.path.join(directory, attr.dataset_name)
             if not os.path.exists(path):
                 raise UserError(f"dataset {name!r}: {path} does not exist (dataset_info.json in {directory} names "
                                 f"the file {attr.dataset_name!r}).{_data_hint([name], directory)}")
+            if os.path.isfile(path) and _empty(path):
+                raise UserError(f"dataset {name!r}: {path} holds no rows; fill it (LLaMA-Factory's data/README.md "
+                                "shows each format) or take it out of the recipe's dataset list.")
+
+
+def _empty(path: str) -> bool:
+    if os.path.getsize(path) > 64:
+        return False
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read().strip() in ("", "[]", "{}")
+
+
+def _known_names(names: list[str], directory: Any) -> str:
+    """The dataset names dataset_info.json has, nearest to the unknown ones first."""
+    path = os.path.join(directory, "dataset_info.json") if isinstance(directory, str) else None
+    try:
+        with open(path, encoding="utf-8") as f:
+            known = list(json.load(f))
+    except (OSError, TypeError, ValueError):
+        return ""
+    close = [c for n in names for c in difflib.get_close_matches(n, known, n=2)]
+    listed = list(dict.fromkeys(close + known))
+    more = f" and {len(listed) - 12} more" if len(listed) > 12 else ""
+    return f" It has: {', '.join(listed[:12])}{more}."
 
 
 def _data_hint(names: list[str], directory: Any) -> str:
@@ -222,11 +254,13 @@ def check_recipe(recipe: dict[str, Any] | list[str], where: str) -> tuple[Any, A
     starts will). Returns the plan and the parsed training and finetuning arguments. Raises UserError."""
     from ..checkpoints import resolve_resume
     from ..parallel import min_world_size
-    from ..plan import check_model_files, plan_run
+    from ..plan import check_finetuning_type, check_model_files, plan_run
     from ..planner.check import check_fits
 
     check_keys(recipe, where)
     check_output_dir_given(recipe, where)
+    if isinstance(recipe, dict) and "finetuning_type" in recipe:
+        check_finetuning_type(recipe["finetuning_type"])
     model_args, data_args, training_args, finetuning_args, _ = parse(recipe)
     world = planned_world_size(min_world_size(
         training_args.tensor_model_parallel_size, training_args.pipeline_model_parallel_size,
@@ -235,7 +269,7 @@ def check_recipe(recipe: dict[str, Any] | list[str], where: str) -> tuple[Any, A
     plan = plan_run(finetuning_args.stage, model_args, data_args, training_args, finetuning_args, world, recipe)
     for path in (plan.model_path, *plan.adapters, *([plan.reference[0]] if plan.reference else [])):
         check_model_files(path)
-    check_datasets(data_args)
+    check_datasets(data_args, finetuning_args.stage)
     resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir, plan.record)
     check_fits(plan, training_args, finetuning_args)
     return plan, training_args, finetuning_args

@@ -15,6 +15,7 @@ import subprocess
 from typing import Any
 
 from ..errors import UserError
+from .advice import cheapest_changes
 from .memory import Training, estimate
 from .search import DEFAULT_PEAK, search
 
@@ -78,8 +79,10 @@ def check_fits(plan: Any, training_args: Any, finetuning_args: Any) -> dict[str,
         keys = ", ".join(f"{k}: {v}" for k, v in found[0].keys.items())
         fix = f"On these {layout.world_size} GPU(s) this fits: {keys} (`llamafactory-mca plan` lists more)."
     else:
-        fix = f"No layout of global batch {layout.global_batch_size} fits {layout.world_size} GPU(s): " \
-              f"{_ADVICE[biggest]}, or more GPUs (`llamafactory-mca plan RECIPE --gpus N`)."
+        changes = cheapest_changes(plan.config, layout, training, budget, DEFAULT_PEAK)
+        fix = f"No layout of global batch {layout.global_batch_size} fits {layout.world_size} GPU(s); " + (
+            f"this would: {'; or '.join(changes)}." if changes else
+            f"{_ADVICE[biggest]}, or more GPUs (`llamafactory-mca plan RECIPE --gpus N`).")
     raise UserError(
         f"this run is predicted to need {memory['needs']:.1f} GiB per GPU and the GPUs have {budget:.0f} GiB "
         f"(the biggest term: {biggest} {memory[biggest]:.1f} GiB; " + ", ".join(

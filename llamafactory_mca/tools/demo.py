@@ -41,14 +41,18 @@ def save_demo_model(model_dir: str) -> str:
 
 
 def demo_main(argv: list[str] | None = None) -> int:
-    import torch
+    parser = argparse.ArgumentParser(prog="llamafactory-mca demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output_dir", default="demo_output",
+                        help="where the model, recipe, checkpoints, merged weights and loss curve go (default: "
+                             "%(default)s, in the current folder)")
+    parser.add_argument("--steps", type=int, default=40,
+                        help="training steps (default: %(default)s; enough for the model to learn its answer)")
+    args = parser.parse_args(argv)
+    import torch  # after --help, which answers without them
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--output_dir", default="demo_output")
-    parser.add_argument("--steps", type=int, default=40)
-    args = parser.parse_args(argv)
     out = os.path.abspath(args.output_dir)
     hf_logging.disable_progress_bar()  # the tiny model's save and load bars say nothing here
     if not os.path.isdir(DATA_DIR):

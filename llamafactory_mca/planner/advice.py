@@ -1,0 +1,78 @@
+"""When a recipe does not fit: the cheapest changes that would, each with what it costs.
+
+Asked by ``llamafactory-mca plan`` and by the launcher's memory check. The changes keep the model and the global
+batch; they are tried in the order a user would reach for them: recompute and the 16-bit remainders of the fp32
+weights cost some speed and nothing else, the optimizer on the CPU costs host memory and more speed, LoRA changes
+what trains; then the smallest number of GPUs on which the layout search finds a layout that fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..parallel import ParallelLayout
+from .memory import Training, estimate
+from .search import search
+
+GPU_COUNTS = (2, 4, 8, 16, 32, 64, 128, 256)
+LORA_RANK = 16  # LLaMA-Factory's examples' rank
+
+
+def _changes(training: Training) -> list[tuple[str, dict[str, Any]]]:
+    """(the recipe keys to set, the Training fields they change), cheapest first; each adds to the ones before it
+    that apply, so the last is all of them."""
+    steps = []
+    if training.recompute != "full":
+        steps.append(("recompute_granularity: full", {"recompute": "full"}))
+    if training.half and not training.param_remainders and training.lora_rank is None:
+        steps.append(("store_param_remainders: true", {"param_remainders": True}))
+    if not training.cpu_offload and training.lora_rank is None:
+        steps.append(("optimizer_cpu_offload: true", {"cpu_offload": True}))
+    if training.lora_rank is None:
+        steps.append((f"finetuning_type: lora (lora_rank: {LORA_RANK})",
+                      {"lora_rank": LORA_RANK, "cpu_offload": False, "param_remainders": False}))
+    return steps
+
+
+def cheapest_changes(config: Any, layout: ParallelLayout, training: Training, budget: float,
+                     peak_flops: float) -> list[str]:
+    """What would fit ``budget`` GiB per GPU: the first change (alone, then together with the cheaper ones) that
+    fits in this layout, and the fewest GPUs on which some layout of the same global batch fits as the recipe is."""
+    found: list[str] = []
+    together: dict[str, Any] = {}
+    names: list[str] = []
+    for name, fields in _changes(training):
+        alone = estimate(config, layout, dataclasses.replace(training, **fields))
+        together.update(fields)
+        names.append(name)
+        combined = estimate(config, layout, dataclasses.replace(training, **together))
+        if alone["needs"] <= budget:
+            found.append(f"{name} ({alone['needs']:.1f} GiB)")
+            break
+        if combined["needs"] <= budget:
+            found.append(f"{' + '.join(names)} ({combined['needs']:.1f} GiB)")
+            break
+    for gpus in (n for n in GPU_COUNTS if n > layout.world_size):
+        fits, _ = search(config, gpus, layout.global_batch_size, training, budget, peak_flops)
+        if fits:
+            keys = ", ".join(f"{k}: {v}" for k, v in fits[0].keys.items())
+            found.append(f"{gpus} GPUs with {keys} ({fits[0].memory['needs']:.1f} GiB)")
+            break
+    return found
+
+
+def change_for_gpus(config: Any, gpus: int, global_batch: int, training: Training, budget: float,
+                    peak_flops: float) -> str | None:
+    """When no layout of the recipe fits ``gpus`` GPUs: the cheapest change (with the ones before it) under which
+    the search finds one, and that layout."""
+    together: dict[str, Any] = {}
+    names: list[str] = []
+    for name, fields in _changes(training):
+        together.update(fields)
+        names.append(name)
+        fits, _ = search(config, gpus, global_batch, dataclasses.replace(training, **together), budget, peak_flops)
+        if fits:
+            keys = ", ".join(f"{k}: {v}" for k, v in fits[0].keys.items())
+            return f"{' + '.join(names)} with {keys} ({fits[0].memory['needs']:.1f} GiB)"
+    return None
