@@ -86,8 +86,9 @@ def test_disable_switch_turns_the_hook_off():
 
 
 def test_disable_switch_trains_on_llamafactorys_default_path(assets, tmp_path):
-    """The documented off switch (docs/install.md), as a user sets it beside USE_MCA=1: LLaMA-Factory's own trainer runs (before, its
-    launcher asked torchrun for 0 processes on a CPU machine and its parser imported mcore_adapter)."""
+    """The documented off switch (docs/install.md), as a user sets it beside USE_MCA=1: LLaMA-Factory's own trainer
+    runs (before, its launcher asked torchrun for 0 processes on a CPU machine and its parser imported
+    mcore_adapter)."""
     out = tmp_path / "out"
     result, output = train(tmp_path, recipe(assets, out, max_steps=1), world=None,
                            env={"LLAMAFACTORY_MCA_DISABLE": "1"})

@@ -55,7 +55,8 @@ class StepFeeder:
         if not saved or saved == mine:
             return None
         why = (f"packed with sequences padded to a multiple of {mine['pad_multiple']} instead of "
-               f"{saved['pad_multiple']} (the tensor parallel size; 2 x context x tensor parallel sizes under context parallelism)"
+               f"{saved['pad_multiple']} (the tensor parallel size; 2 x context x tensor parallel sizes with context "
+               "parallelism)"
                if mine["packing"] and saved.get("packing") and saved.get("pad_multiple") != mine["pad_multiple"]
                else "another dataset, micro-batch size, cutoff_len, packing or seed")
         return (f"this run's micro-batches differ from the checkpoint's ({saved['micro_batches']} -> "
