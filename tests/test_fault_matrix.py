@@ -378,7 +378,8 @@ def test_resume_from_a_wholly_garbled_data_file_names_the_checkpoint_and_the_one
     with open(broken, "r+b") as f:  # same size, garbage inside: only reading it tells
         f.write(os.urandom(size))
     result, output = train(tmp_path, {**config, "output_dir": str(out), "overwrite_output_dir": False})
-    one_error(result, output, f"loading the checkpoint {out / 'checkpoint-4'} failed",
+    # its checksum names it before any worker reads it
+    one_error(result, output, f"cannot resume from {out / 'checkpoint-4'}", "is corrupt",
               f"resume_from_checkpoint: {out / 'checkpoint-2'}")
 
 

@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 import traceback
+import uuid
 
 from ..errors import ERROR_FILE_ENV, PREFIX, STATUS_DIR_ENV
 
@@ -134,11 +135,15 @@ def _launch(args) -> None:
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, run
 
-    if not _forks_ranks():
+    if not _forks_ranks() or args.module or args.no_python:  # a script file is what a forked rank runs
         run(args)
         return
-    # torch's run() only adds rendezvous defaults for a command line without --master_port, which LLaMA-Factory's
-    # launcher always passes
+    # torch's run() adds these rendezvous defaults before it launches (a command line without --master_port, as
+    # convert's; LLaMA-Factory's launcher passes one)
+    if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None):
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
     args.run_path, args.start_method = True, "fork"
     config, _, script_and_args = config_from_args(args)
     for module in PRELOAD:
@@ -159,6 +164,7 @@ def _forked_rank(script: str, *script_args: str) -> None:
     fork), line-buffered output (``python -u`` for a spawned rank), only rank 0 speaking (set at interpreter start
     for a spawned one), its traceback on screen when it crashes (torch.multiprocessing would only hand it to the
     agent, whose report we replace), and a way out that returns to torch's agent, which waits for the return."""
+    # imported by the preload already; kept here, as this module imports nothing heavy at its top (see main)
     from torch.distributed.run import run_script_path
 
     from .. import parallel
