@@ -109,11 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     if not debug_enabled():  # modules that use plain logging.getLogger inherit from here
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
-        _launch(parse_args(argv))
+        args = parse_args(argv)
+        forked = _forks_ranks(args)
+        _launch(args, forked)
         return 0
     except ChildFailedError as err:
         message = _read(error_file)
-        print(message or _failure_line(err, _nproc(argv) if _forks_ranks() else 0), file=sys.stderr, flush=True)
+        print(message or _failure_line(err, _nproc(argv) if forked else 0), file=sys.stderr, flush=True)
         return 1
     except SignalException as err:
         print(f"{PREFIX}stopped by {err.sigval.name}; the workers were stopped too.", file=sys.stderr, flush=True)
@@ -125,17 +127,18 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _forks_ranks() -> bool:
+def _forks_ranks(args) -> bool:
+    """Without GPUs, for a script file (what a forked rank runs); spawned with GPUs, or for ``-m`` (convert)."""
     import torch
 
-    return not torch.cuda.is_available()
+    return not torch.cuda.is_available() and not args.module and not args.no_python
 
 
-def _launch(args) -> None:
+def _launch(args, forked: bool) -> None:
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, run
 
-    if not _forks_ranks() or args.module or args.no_python:  # a script file is what a forked rank runs
+    if not forked:
         run(args)
         return
     # torch's run() adds these rendezvous defaults before it launches (a command line without --master_port, as
