@@ -35,7 +35,9 @@ from .errors import STATUS_DIR_ENV, report
 # Where the main thread stands when it waits for other ranks.
 _COMMUNICATION = ("torch/distributed/", "megatron/core/pipeline_parallel/p2p_communication.py",
                   "megatron/core/distributed/")
-_NOT_WAITING = ("torch/distributed/checkpoint/filesystem.py",)  # writing checkpoint files is work, not a wait
+# writing checkpoint files is work, not a wait; torchrun's frames sit under each rank it forked (launch/torchrun.py)
+_NOT_WAITING = ("torch/distributed/checkpoint/filesystem.py", "torch/distributed/run.py",
+                "torch/distributed/launcher/", "torch/distributed/elastic/")
 _SAVING = "dist_checkpointing/strategies/filesystem_async.py"  # waits for the writer processes it forked
 
 _ACTIVE: Watchdog | None = None
