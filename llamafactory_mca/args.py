@@ -34,6 +34,9 @@ LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "no
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 OPTIMIZERS = ("adam", "sgd")
 PT_BLOCKS = ("documents", "concatenated")
+# The sizes that make a layout: written into every checkpoint (mca_layout.json), accepted by merge and convert.
+LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+               "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size")
 
 
 def _split_csv(value: Any) -> Any:
@@ -156,9 +159,7 @@ class DistributingParallelArguments:
         raise UserError(f"additional_configs={value!r} is neither a dict, a JSON string nor an existing JSON file.")
 
     def _check_parallel_arguments(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                     "expert_model_parallel_size", "expert_tensor_parallel_size",
-                     "virtual_pipeline_model_parallel_size"):
+        for name in LAYOUT_KEYS:
             value = getattr(self, name)
             _require(value is None or (isinstance(value, int) and value >= 1),
                      f"{name}={value!r} must be a positive integer.")

@@ -328,6 +328,19 @@ def _holds_group(value: Any) -> bool:
 _LEAVE_BY_RETURNING = False
 
 
+def interrupt_once() -> None:
+    """Ctrl-C reaches a worker twice: from the terminal, then passed on by torchrun's agent. The second would land
+    in the middle of dropping an unfinished checkpoint, or in the exit's finalizers, with a traceback: the first
+    raises KeyboardInterrupt, later ones are ignored (the agent still ends a worker that does not leave)."""
+    import signal
+
+    def interrupted(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupted)
+
+
 def leave_by_returning() -> None:
     """This worker was forked by our torchrun (launch/torchrun.py): torch's agent waits for its entry function to
     return, so ``end_worker`` ends with SystemExit(0), which the agent's wrapper turns into a return; the process

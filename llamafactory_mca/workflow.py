@@ -154,6 +154,7 @@ LOST_PEER_GRACE_S = 3.0
 
 def _run(stage: str, model_args, data_args, training_args, finetuning_args, callbacks=None) -> None:
     """A worker's run: a user error is one message (see errors.py), Ctrl-C a quiet exit."""
+    parallel.interrupt_once()
     try:
         with user_errors():
             _train(stage, model_args, data_args, training_args, finetuning_args, callbacks)

@@ -11,10 +11,12 @@ accepted so existing commands keep working; the layout is read from the checkpoi
 import sys
 
 from llamafactory_mca.quiet import quiet_third_party
+from llamafactory_mca.tools import flags
 
 
 if __name__ == "__main__":
+    flags.merge("megatron_merge.py").parse_args()  # --help and a wrong flag answer before the merge's imports
     quiet_third_party()  # before Megatron's import-time warnings
-    from llamafactory_mca.tools.merge import main
+    from llamafactory_mca.tools.merge import main  # seconds of imports: after the flags are known good
 
     sys.exit(main(prog="megatron_merge.py"))

@@ -14,6 +14,7 @@ the run stops before any worker starts, in seconds.
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -562,3 +563,38 @@ def test_saves_leave_no_helper_and_a_writer_killed_mid_save_is_one_line_keeping_
               "complete checkpoint")
     assert not any(n.startswith(("tmp-", "checkpoint-12")) for n in os.listdir(out)), os.listdir(out)
     verify_checkpoint(str(out / "checkpoint-6"))
+
+
+def test_ctrl_c_during_start_up_or_a_save_is_one_line_and_keeps_the_last_checkpoint(assets, tmp_path):
+    """Ctrl-C reaches every process of the run at once (the terminal signals its process group): the launcher,
+    torchrun, each rank and their file writers. During start-up (the launcher's imports, its checks, torchrun's
+    imports, the ranks' set-up: wherever the keypress lands) it is one line. In the middle of writing checkpoint-8,
+    the save is all or nothing (no checkpoint-8, no unfinished folder left), checkpoint-4 is intact, and the screen
+    ends in one line."""
+    for delay in (2, 9):
+        with one_job_at_a_time():
+            process, log = _start(tmp_path, recipe(assets, tmp_path / f"early{delay}"), f"early{delay}")
+            time.sleep(delay)
+            os.killpg(process.pid, signal.SIGINT)
+            assert process.wait(timeout=120) == 130, log.read_text()[-3000:]
+        output = log.read_text()
+        last = [line for line in output.splitlines() if line.strip()][-1]
+        assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-4000:]
+        assert last.startswith("[llamafactory_mca] ") and ("SIGINT" in last or "interrupted" in last), output[-4000:]
+    out = tmp_path / "out"
+    config = recipe(assets, out, max_steps=8, save_strategy="steps", save_steps=4, gradient_accumulation_steps=2,
+                    use_distributed_optimizer=True)
+    with one_job_at_a_time():
+        process, log = _start(tmp_path, config, "run", env={"LLAMAFACTORY_MCA_FAULT": "interrupt:8"})
+        assert _wait_for(lambda: _saved(out), 120), log.read_text()[-3000:]
+        everything = _family(process.pid)
+        assert process.wait(timeout=180) == 130, log.read_text()[-3000:]
+        assert _wait_for(lambda: not _alive(everything), 30), [command_of(p) for p in _alive(everything)]
+    output = log.read_text()
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-4000:]
+    assert lines[-1] == "[llamafactory_mca] error: stopped by SIGINT; the workers were stopped too.", output[-4000:]
+    assert output.count("SIGINT") == 1 and "interrupted" not in output, output[-4000:]
+    assert sorted(n for n in os.listdir(out) if n.startswith(("checkpoint-", "tmp-"))) == ["checkpoint-4"], \
+        os.listdir(out)
+    verify_checkpoint(str(out / "checkpoint-4"))

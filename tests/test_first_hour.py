@@ -76,17 +76,24 @@ def test_convert_and_merge_help_explain_every_flag():
     for flag in ("--tensor_model_parallel_size", "--pipeline_model_parallel_size", "--expert_model_parallel_size",
                  "--hf_path", "--output_path"):
         assert flag in output
-    from llamafactory_mca.tools.merge import _parser
+    from llamafactory_mca.tools import flags
 
-    for action in _parser("megatron_merge.py")._actions:
-        assert action.help, f"{action.option_strings or action.dest} has no help text"
+    for name, parser in flags.PARSERS.items():
+        for action in parser()._actions:
+            assert action.help, f"{name}: {action.option_strings or action.dest} has no help text"
+    # --help answers from the flags alone: no command imports torch for it
+    code = ("import sys\nfrom llamafactory_mca.launch.cli import main\n"
+            f"for command in {sorted(flags.PARSERS)}:\n    assert main([command, '--help']) == 0\n"
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    result, output = run([sys.executable, "-c", code], alone=False)
+    assert result.returncode == 0 and output.count("usage: ") == len(flags.PARSERS), output
 
 
 def test_version_flag_and_the_plan_commands_refusals(capsys):
     from importlib.metadata import version
 
     from llamafactory_mca.errors import UserError
-    from llamafactory_mca.planner.command import _options
+    from llamafactory_mca.launch.plan_command import _options
 
     result, output = run(["llamafactory-mca", "--version"], alone=False)
     assert result.returncode == 0 and output.strip() == f"llamafactory-mca {version('llamafactory-mca')}", output

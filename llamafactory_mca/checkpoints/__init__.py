@@ -27,6 +27,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..args import LAYOUT_KEYS
 from ..errors import UserError
 from . import manifest, writers
 from .dist_reader import DistCheckpointReader
@@ -43,8 +44,6 @@ LAYOUT_NAME = "mca_layout.json"  # the layout it was written in
 TRAINER_STATE_NAME = "trainer_state.json"
 RUN_NAME = "mca_run.json"  # a training checkpoint's run: stage, finetuning type, model
 ADAPTER_CONFIG_NAME = "adapter_config.json"  # in a LoRA run's checkpoints: what the adapters are (peft's file)
-LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-               "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size")
 _LAYOUT_ATTRS = ("tp", "pp", "vpp", "ep", "etp", "cp")
 DP_KEY = "data_parallel_size"
 _CHECKPOINT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
@@ -129,8 +128,6 @@ def write_folder(path: str, state: dict, side_files: SideFiles, *, extra: Callab
     writer that dies mid-save ends it on every rank with one UserError, the unfinished folder removed
     (``writers.py``); ``in_writer`` runs first in each writer process (tests' deliberate faults)."""
     import torch
-    from megatron.core import dist_checkpointing
-    from torch.distributed.checkpoint.api import CheckpointException
 
     path = os.path.abspath(path)
     tmp = os.path.join(os.path.dirname(path), f"tmp-{os.path.basename(path)}")
@@ -143,6 +140,23 @@ def write_folder(path: str, state: dict, side_files: SideFiles, *, extra: Callab
     _in_process_results_queue()
     writers.install()
     torch.distributed.barrier()
+    try:
+        _write_and_commit(path, tmp, rank, state, side_files, extra, before_commit, in_writer, strategy)
+    except KeyboardInterrupt:  # Ctrl-C: the save is dropped whole; the newest complete checkpoint stays the one
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    torch.distributed.barrier()
+    return path
+
+
+def _write_and_commit(path: str, tmp: str, rank: int, state: dict, side_files: SideFiles,
+                      extra: Callable[[str], None] | None, before_commit: Callable[[], None] | None,
+                      in_writer: Callable[[], None] | None, strategy: Any) -> None:
+    import torch
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         with writers.watching(in_writer):
             dist_checkpointing.save(state, os.path.join(tmp, DIST_DIR), sharded_strategy=strategy)
@@ -166,8 +180,6 @@ def write_folder(path: str, state: dict, side_files: SideFiles, *, extra: Callab
         manifest.write(tmp, {**listed, **manifest.entries(tmp, rest)})
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
-    torch.distributed.barrier()
-    return path
 
 
 def _hash_own_files(dist_dir: str, rank: int) -> list[dict[str, dict]]:

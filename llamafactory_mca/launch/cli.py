@@ -14,7 +14,7 @@ import os
 import sys
 
 COMMANDS = ("train", "plan", "merge", "convert", "verify", "demo", "version", "help")
-FRONT_ENDS = {"plan": ("..planner.command", "main"), "merge": ("..tools.merge", "main"),
+FRONT_ENDS = {"plan": (".plan_command", "main"), "merge": ("..tools.merge", "main"),
               "convert": ("..tools.convert", "main"), "verify": ("..tools.verify", "main"),
               "demo": ("..tools.demo", "demo_main")}
 USAGE = """usage: llamafactory-mca <command> [args]
@@ -41,9 +41,10 @@ def train(argv: list[str]) -> int:
         print(train_help())
         return 0
     os.environ["USE_MCA"] = "1"
-    from .plugin import install
+    from .plugin import install, quiet_ctrl_c_while_importing
 
     install()
+    quiet_ctrl_c_while_importing()
     from llamafactory.cli import main as lf_main
 
     sys.argv = ["llamafactory-cli", "train", *argv]
@@ -90,7 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         return train(argv)
     if command == "version":
         return version(argv)
-    if command in FRONT_ENDS:  # imported when asked for, so that --help and the others answer at once
+    if command in FRONT_ENDS and any(a in ("-h", "--help") for a in argv):  # from the flags alone, at once
+        from ..tools.flags import PARSERS
+
+        print(PARSERS[command]().format_help())
+        return 0
+    if command in FRONT_ENDS:  # imported when asked for: the others answer at once
         from ..quiet import quiet_third_party
 
         quiet_third_party()  # before Megatron-Core's import-time warnings

@@ -20,6 +20,7 @@ import importlib.util
 import os
 import sys
 import types
+from typing import Any
 
 ADAPTER_NAME = "mcore_adapter"
 WORKFLOW_NAME = "llamafactory.train.mca"
@@ -96,16 +97,47 @@ class _Torchrun:
 
     def __init__(self, real: types.ModuleType, script: str, train_args: list[str]) -> None:
         self._real, self._script, self._train_args = real, script, train_args
+        self.started = False
 
     def run(self, command, *args, **kwargs):
         if command and command[0] == "torchrun" and self._script in command:
             options = command[1:command.index(self._script) + 1]
             command = [sys.executable, "-m", "llamafactory_mca.launch.torchrun", *options, *self._train_args]
-            kwargs["check"] = False  # a failed run is reported by torchrun.py, not by a CalledProcessError traceback
+            kwargs.pop("check", None)  # a failed run is reported by torchrun.py, not by a CalledProcessError traceback
+            self.started = True
+            return _through_ctrl_c(self._real, command, **kwargs)
         return self._real.run(command, *args, **kwargs)
 
     def __getattr__(self, name: str):
         return getattr(self._real, name)
+
+
+def _through_ctrl_c(real: types.ModuleType, command: list[str], **kwargs) -> Any:
+    """Our torchrun, waited for through the first Ctrl-C: the terminal signalled it too, and it stops the workers
+    (a save under way is dropped whole) and says so in one line, where ``subprocess.run`` would kill it a quarter of
+    a second after the keypress, mid-report. A second Ctrl-C stops waiting."""
+    with real.Popen(command, **kwargs) as process:
+        try:
+            return real.CompletedProcess(command, process.wait())
+        except KeyboardInterrupt:
+            pass
+        try:
+            return real.CompletedProcess(command, process.wait())
+        except KeyboardInterrupt:
+            process.kill()
+            raise
+
+
+def quiet_ctrl_c_while_importing() -> None:
+    """The launcher imports LLaMA-Factory (seconds) before its launch, where Ctrl-C is handled: one line meanwhile,
+    not the traceback of whichever import it interrupted."""
+    import signal
+
+    def stop(signum, frame):
+        print("[llamafactory_mca] interrupted before any worker started", file=sys.stderr, flush=True)
+        os._exit(128 + signal.SIGINT)  # in the middle of an import: nothing of this process is worth finishing
+
+    signal.signal(signal.SIGINT, stop)
 
 
 def _take_over_launch(module: types.ModuleType) -> None:
@@ -114,15 +146,21 @@ def _take_over_launch(module: types.ModuleType) -> None:
     original = module.launch
 
     def launch():
-        if len(sys.argv) > 1 and sys.argv[1] == "train":
-            from .preflight import run_preflight
+        import signal
 
-            run_preflight(sys.argv[2:])
-            module.subprocess = _Torchrun(module.subprocess, module.__file__, sys.argv[2:])
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the imports are done: Ctrl-C is handled here
+        torchrun = None
         try:
+            if len(sys.argv) > 1 and sys.argv[1] == "train":
+                from .preflight import run_preflight
+
+                run_preflight(sys.argv[2:])
+                torchrun = module.subprocess = _Torchrun(module.subprocess, module.__file__, sys.argv[2:])
             original()
         except KeyboardInterrupt:
-            print("[llamafactory_mca] interrupted", file=sys.stderr, flush=True)
+            started = torchrun is not None and torchrun.started
+            print(f"[llamafactory_mca] interrupted{'' if started else ' before any worker started'}",
+                  file=sys.stderr, flush=True)
             raise SystemExit(130) from None
 
     module.launch = launch
@@ -271,5 +309,7 @@ def startup_hook() -> None:
             turn_off()
         else:
             install()
+            if os.path.basename(sys.argv[0]) == "llamafactory-cli" and sys.argv[1:2] == ["train"]:
+                quiet_ctrl_c_while_importing()
     except Exception as err:  # never break an interpreter at start-up
         print(f"[llamafactory_mca] activation failed: {err!r}", file=sys.stderr)

@@ -307,12 +307,10 @@ Processes: NPROC_PER_NODE x NNODES (GPUs by default; without GPUs, as many CPU p
 
 def train_help() -> str:
     """The Megatron keys with their help, grouped; imports nothing heavy (answers in well under a second)."""
-    from ..args import DistributingParallelArguments, MegatronArguments
+    from ..args import LAYOUT_KEYS, DistributingParallelArguments, MegatronArguments
 
     groups = {
-        "layout": ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                   "virtual_pipeline_model_parallel_size", "pipeline_model_parallel_layout", "context_parallel_size",
-                   "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel"),
+        "layout": (*LAYOUT_KEYS, "pipeline_model_parallel_layout", "sequence_parallel"),
         "engine": tuple(f.name for f in fields(MegatronArguments)
                         if f.name not in {g.name for g in fields(DistributingParallelArguments)}),
     }

@@ -77,8 +77,15 @@ def _failure_line(err, world: int) -> str:
             "torchrun's full report.")
 
 
+def _stop_before_workers(signum, frame) -> None:
+    """Ctrl-C while this process imports torch's launcher (seconds): one line, not an import's traceback."""
+    print(f"{PREFIX}stopped by SIGINT before the workers started.", file=sys.stderr, flush=True)
+    os._exit(128 + signal.SIGINT)  # nothing made yet: the run folder comes after these imports
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    signal.signal(signal.SIGINT, _stop_before_workers)
     from ..errors import debug_enabled
     from ..quiet import quiet_third_party
 
@@ -88,10 +95,6 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TORCH_NCCL_AVOID_RECORD_STREAMS") == "1" and _torch_at_least(2, 11):
         # LLaMA-Factory's launcher sets it; torch 2.11+ does this by default and warns on every rank that it is set
         del os.environ["TORCH_NCCL_AVOID_RECORD_STREAMS"]
-    run_dir = tempfile.mkdtemp(prefix="llamafactory_mca-")
-    error_file = os.path.join(run_dir, "error")  # workers create it exclusively: the first one to fail wins
-    os.environ[ERROR_FILE_ENV] = error_file
-    os.environ[STATUS_DIR_ENV] = run_dir
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
 
     # torch's elastic loggers take their level from LOGLEVEL when created; ours replace their failure report.
@@ -108,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["LOGLEVEL"] = saved
     if not debug_enabled():  # modules that use plain logging.getLogger inherit from here
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # handled below from here on
+    run_dir = tempfile.mkdtemp(prefix="llamafactory_mca-")
+    error_file = os.path.join(run_dir, "error")  # workers create it exclusively: the first one to fail wins
+    os.environ[ERROR_FILE_ENV] = error_file
+    os.environ[STATUS_DIR_ENV] = run_dir
     try:
         args = parse_args(argv)
         forked = _forks_ranks(args)
@@ -164,9 +172,10 @@ PRELOAD = ("llamafactory.train.tuner", "llamafactory_mca.workflow", "llamafactor
 
 def _forked_rank(script: str, *script_args: str) -> None:
     """A forked rank, made like a spawned one: the default signal handlers (torch's agent set its own before the
-    fork), line-buffered output (``python -u`` for a spawned rank), only rank 0 speaking (set at interpreter start
-    for a spawned one), its traceback on screen when it crashes (torch.multiprocessing would only hand it to the
-    agent, whose report we replace), and a way out that returns to torch's agent, which waits for the return."""
+    fork; Ctrl-C raises once, as in every worker), line-buffered output (``python -u`` for a spawned rank), only
+    rank 0 speaking (set at interpreter start for a spawned one), its traceback on screen when it crashes
+    (torch.multiprocessing would only hand it to the agent, whose report we replace), and a way out that returns to
+    torch's agent, which waits for the return."""
     # imported by the preload already; kept here, as this module imports nothing heavy at its top (see main)
     from torch.distributed.run import run_script_path
 
@@ -175,13 +184,15 @@ def _forked_rank(script: str, *script_args: str) -> None:
 
     for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
         signal.signal(getattr(signal, name), signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    parallel.interrupt_once()
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True)
     quiet_worker()
     parallel.leave_by_returning()
     try:
         run_script_path(script, *script_args)
+    except KeyboardInterrupt:  # before the run's own handling (workflow._run): the agent says it in one line
+        raise SystemExit(128 + signal.SIGINT) from None
     except Exception:
         traceback.print_exc()
         raise

@@ -4,8 +4,6 @@ that training loads directly. Starts the processes the layout needs itself; ``co
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import os
 import subprocess
 import sys
@@ -20,22 +18,7 @@ from ..models.auto import AutoConfig, AutoModel
 from ..parallel import ParallelLayout, check_layout, min_world_size
 from ..plan import check_model_files
 from ..quiet import quiet_third_party
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="llamafactory-mca convert", description="Pre-shard a Hugging Face model into a Megatron dist checkpoint "
-        "that training loads directly (model_name_or_path: OUTPUT_PATH), in the layout given. Starts the processes "
-        "the layout needs itself.", epilog="Other Megatron keys (see `llamafactory-mca train --help`) are accepted as "
-        "--key value.")
-    parser.add_argument("--hf_path", required=True, help="a Hugging Face model folder or hub id")
-    parser.add_argument("--output_path", required=True, help="where the dist checkpoint goes")
-    parser.add_argument("--bf16", action="store_true", help="store bfloat16 weights")
-    parser.add_argument("--fp16", action="store_true", help="store float16 weights")
-    helps = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(MegatronArguments)}
-    for name in LAYOUT_KEYS:
-        parser.add_argument(f"--{name}", type=int, metavar="N", help=helps[name])
-    return parser
+from . import flags
 
 
 def main(argv: list[str]) -> int:
@@ -43,7 +26,7 @@ def main(argv: list[str]) -> int:
     from transformers import HfArgumentParser
 
     quiet_third_party()
-    known, rest = _parser().parse_known_args(argv)
+    known, rest = flags.convert().parse_known_args(argv)
     with user_errors(also=(ValueError,)):
         (margs, unknown) = HfArgumentParser(MegatronArguments).parse_args_into_dataclasses(
             args=rest, return_remaining_strings=True)

@@ -7,7 +7,6 @@ last checkpoint (``llamafactory-mca merge``, in this process) and lets ``transfo
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -15,6 +14,7 @@ import subprocess
 
 import yaml
 
+from . import flags
 from .merge import main as merge_main
 from .tiny import save_tiny_model, save_tiny_tokenizer
 
@@ -41,14 +41,7 @@ def save_demo_model(model_dir: str) -> str:
 
 
 def demo_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="llamafactory-mca demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output_dir", default="demo_output",
-                        help="where the model, recipe, checkpoints, merged weights and loss curve go (default: "
-                             "%(default)s, in the current folder)")
-    parser.add_argument("--steps", type=int, default=40,
-                        help="training steps (default: %(default)s; enough for the model to learn its answer)")
-    args = parser.parse_args(argv)
+    args = flags.demo().parse_args(argv)
     import torch  # after --help, which answers without them
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging

@@ -19,6 +19,7 @@ from ..log import setup_logging
 from ..models.export import export_hf
 from ..models.lora.peft_io import export_adapter, merge_adapter, read_adapter_config
 from ..quiet import quiet_third_party
+from . import flags
 
 
 def _check_flags_against_checkpoint(args: argparse.Namespace, checkpoint: str) -> None:
@@ -75,37 +76,10 @@ def _folder_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if n.endswith(".safetensors"))
 
 
-def _parser(prog: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog, description="Merge a llamafactory_mca checkpoint (any parallel layout) into Hugging "
-        "Face weights, on CPU in one process, one tensor group at a time.",
-        epilog="LLaMA-Factory's merge flags (the parallel sizes, --moe_grouped_gemm) are accepted so existing "
-        "commands keep working; the layout is read from the checkpoint, and a flag that contradicts it is an error.")
-    parser.add_argument("paths", nargs="*", metavar="PATH", help="checkpoint_path output_path, positionally")
-    parser.add_argument("--checkpoint_path", help="an output_dir/checkpoint-N folder written by training")
-    parser.add_argument("--output_path", help="where the Hugging Face model goes (written only when complete)")
-    precision = parser.add_mutually_exclusive_group()
-    precision.add_argument("--bf16", action="store_true", help="write bfloat16 weights (default: as trained)")
-    precision.add_argument("--fp16", action="store_true", help="write float16 weights")
-    for name in LAYOUT_KEYS:
-        parser.add_argument(f"--{name}", type=int, metavar="N", help="accepted for LLaMA-Factory commands; must match "
-                            "the checkpoint")
-    parser.add_argument("--moe_grouped_gemm", type=lambda s: s.lower() in ("1", "true", "yes"), nargs="?",
-                        const=True, default=None, metavar="BOOL", help="accepted; must match the checkpoint")
-    parser.add_argument("--convert_model_max_length", type=int, metavar="N",
-                        help="set max_position_embeddings in the written config.json")
-    parser.add_argument("--max_shard_size_gb", type=float, default=5.0, metavar="GB",
-                        help="largest safetensors file (default 5)")
-    parser.add_argument("--merge_lora", action="store_true", help="a LoRA run's checkpoint: write the base model with "
-                        "the adapter merged in (default: the peft adapter)")
-    parser.add_argument("--base_model", help="a LoRA run's base model (default: the one it trained on)")
-    return parser
-
-
 def main(argv: list[str] | None = None, prog: str = "llamafactory-mca merge") -> int:
     setup_logging()
     quiet_third_party()
-    parser = _parser(prog)
+    parser = flags.merge(prog)
     args = parser.parse_args(argv)
     checkpoint = args.checkpoint_path or (args.paths[0] if args.paths else None)
     output = args.output_path or (args.paths[1] if len(args.paths) > 1 else None)

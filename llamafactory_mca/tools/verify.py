@@ -8,15 +8,12 @@ where we exported it. One line per folder; the first bad file ends the command w
 
 from __future__ import annotations
 
-import argparse
 import os
 
 from ..checkpoints import is_ours, list_checkpoints, manifest, verify_checkpoint
 from ..checkpoints.hf_io import check_safetensors_files
 from ..errors import UserError, user_errors
-
-USAGE = "llamafactory-mca verify PATH [PATH ...]"
-
+from . import flags
 
 def verify(path: str) -> list[str]:
     """One line per folder checked (``path`` and, for an output_dir, its checkpoints); raises UserError."""
@@ -47,9 +44,7 @@ def verify(path: str) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="llamafactory-mca verify", usage=USAGE, description=__doc__.split("\n")[0])
-    parser.add_argument("paths", nargs="+", metavar="PATH")
-    args = parser.parse_args(argv)
+    args = flags.verify().parse_args(argv)
     with user_errors():
         for path in args.paths:
             for line in verify(path):

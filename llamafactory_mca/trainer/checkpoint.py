@@ -45,7 +45,7 @@ from ..checkpoints.dist_reader import DistCheckpointReader, describe_load_failur
 from ..errors import UserError
 from ..models.auto import check_finite
 from . import reshard
-from .faults import kill_writer, maybe_crash
+from .faults import before_commit, kill_writer
 from .optim import inner_optimizers, step_counter, use_fused_adam
 
 
@@ -138,7 +138,7 @@ def save_checkpoint(output_dir: str, step: int, model: Any, optimizer: Any, trai
     state["trainer"] = saved
     strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), _dp_group())
     return write_folder(checkpoint_path(output_dir, step), state, side_files, extra=extra,
-                        before_commit=lambda: maybe_crash("save", step), in_writer=lambda: kill_writer(step),
+                        before_commit=lambda: before_commit(step), in_writer=lambda: kill_writer(step),
                         strategy=strategy)
 
 

@@ -5,6 +5,8 @@
 - ``step:3``: every rank dies before step 3 runs; ``save:4``: in the middle of writing checkpoint-4 (its dist
   checkpoint written, the folder not yet renamed); ``writer:4@1``: a checkpoint writer process of rank 1 is killed
   with SIGKILL as it starts writing checkpoint-4 (what kill -9 or the out-of-memory killer does to one);
+  ``interrupt:4``: Ctrl-C in the middle of writing checkpoint-4 (SIGINT to the run's process group, as a terminal
+  sends it, where ``save:4`` crashes);
 - ``hang:2@1``: rank 1 stops before step 2 (sleeps), as a stuck GPU or a lost node would;
 - ``nan:2``: step 2's loss is NaN; ``nan:2+``: every loss from step 2 on.
 
@@ -47,6 +49,14 @@ def maybe_crash(point: str, step: int) -> None:
     for child in psutil.Process().children(recursive=True):  # checkpoint writers etc. die with us, as in a crash
         child.kill()
     os._exit(17)
+
+
+def before_commit(step: int) -> None:
+    """Between a checkpoint's written files and its folder's rename: the moment a save is most easily torn."""
+    maybe_crash("save", step)
+    if _matches("interrupt", step) and os.environ.get("RANK", "0") == "0":
+        os.killpg(os.getpgrp(), signal.SIGINT)
+        time.sleep(5)  # the signal lands here, mid-save, as a keypress would
 
 
 def kill_writer(step: int) -> None:

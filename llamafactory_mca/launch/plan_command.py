@@ -14,27 +14,15 @@ import sys
 from typing import Any
 
 from ..errors import UserError, user_errors
-from .advice import GPU_COUNTS, change_for_gpus, cheapest_changes
-from .check import TERMS, training_of
-from .memory import estimate
-from .search import DEFAULT_PEAK, predicted_tokens_per_s, search
-
-USAGE = """usage: llamafactory-mca plan RECIPE.yaml [key=value ...] [--gpus N] [--gpu-memory GIB] [--json]
-
-What the recipe needs per GPU (weights, gradients, optimizer states, activations, logits) in its own layout, and
-whether it fits --gpu-memory (default: the visible GPU's). With --gpus N: the layouts of the same global batch that
-fit N GPUs, best first, with the keys to paste. --json: one JSON object as the last line.
-"""
+from ..planner.advice import GPU_COUNTS, change_for_gpus, cheapest_changes
+from ..planner.check import TERMS, training_of
+from ..planner.memory import estimate
+from ..planner.search import DEFAULT_PEAK, predicted_tokens_per_s, search
+from ..tools import flags
 
 
 def _options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog="llamafactory-mca plan", usage=USAGE.split("\n")[0].removeprefix("usage: "),
-                                     add_help=False)
-    parser.add_argument("--gpus", type=int, default=None)
-    parser.add_argument("--gpu-memory", type=float, default=None)
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--top", type=int, default=5)
-    options, rest = parser.parse_known_args(argv)
+    options, rest = flags.plan().parse_known_args(argv)
     if options.gpus is not None and options.gpus < 1:
         raise UserError(f"--gpus {options.gpus}: give the number of GPUs to plan for, 1 or more.")
     if options.gpu_memory is not None and options.gpu_memory <= 0:
@@ -88,7 +76,7 @@ def plan_command(argv: list[str]) -> dict[str, Any]:
     """The estimate (and the search) as a dict; prints the human-readable lines."""
     # LLaMA-Factory's parser, through the launcher's own recipe reading so that a plan reads exactly what training
     # would: imported only now, after main() has installed our hook (its argument classes are chosen at import)
-    from ..launch.preflight import check_keys, parse, read_recipe
+    from .preflight import check_keys, parse, read_recipe
     from ..plan import plan_run
     from ..parallel import min_world_size
 
@@ -153,11 +141,11 @@ def plan_command(argv: list[str]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or any(a in ("-h", "--help") for a in argv):
-        print(USAGE)
+    if not argv:
+        print(flags.plan().format_help())
         return 0
     os.environ["USE_MCA"] = "1"
-    from ..launch.plugin import install
+    from .plugin import install
     from ..quiet import quiet_third_party
 
     install()
