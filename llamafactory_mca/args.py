@@ -119,6 +119,13 @@ class DistributingParallelArguments:
         default=None, metadata={"help": "The language-model loss from the bf16 logits without Megatron's fp32 copy of "
                                         "them (models/native/cross_entropy.py); default on. false: Megatron's."}
     )
+    chunked_cross_entropy: bool | None = field(
+        default=None, metadata={"help": "The output layer and the loss a chunk of 4,096 tokens at a time, never the "
+                                        "whole logits (forward and backward; TP and PP too): default on where a "
+                                        "micro-batch's bf16 logits would pass 4 GiB per GPU (long rows), as Liger's "
+                                        "fused linear cross-entropy. false: the logits at once (faster when they "
+                                        "fit)."}
+    )
     mtp_num_layers: int | None = field(
         default=None, metadata={"help": "Multi-token-prediction layers (DeepSeek-V3, GLM-4.5): unset trains the "
                                         "checkpoint's (full pt, sft); 0 leaves them out (LoRA, freeze and dpo runs "

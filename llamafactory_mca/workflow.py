@@ -32,7 +32,7 @@ from .models import spec
 from .models.auto import AutoModel, describe_load_balancing
 from .models.freeze import apply_freeze, apply_multimodal_freeze
 from .models.lora.peft_io import setup_lora
-from .models.native import tower_attention
+from .models.native import logit_chunks, tower_attention
 from .plan import RunPlan, plan_run
 from .planner.check import training_of
 from .planner.memory import estimate
@@ -97,6 +97,15 @@ def _describe_mtp(tc: Any) -> str:
         else ""
 
 
+def _describe_loss(plan: RunPlan, transformer_config: Any) -> str:
+    layout = plan.layout
+    native = getattr(transformer_config, "native_cross_entropy", True) is not False and \
+        not transformer_config.cross_entropy_loss_fusion
+    return logit_chunks.describe(plan.cutoff_len * layout.micro_batch_size // layout.cp,
+                                 plan.config.padded_vocab_size(layout.tp) // layout.tp, native,
+                                 getattr(transformer_config, "chunked_cross_entropy", None))
+
+
 def _summary(plan: RunPlan, model: Any, trainer: McaTrainer, train_plan: DataPlan, training_args: Any,
              finetuning_args: Any, startup: str) -> str:
     """The startup summary (rank 0)."""
@@ -108,7 +117,8 @@ def _summary(plan: RunPlan, model: Any, trainer: McaTrainer, train_plan: DataPla
         model_type=config.hf_model_type + _describe_mtp(model.transformer_config),
         params_total=model_parameter_count(config), params_on_rank=on_rank,
         kernels=spec.describe_kernels(model.transformer_config)
-        + (f"; {tower_attention.describe(plan.tower.projector)}" if plan.vision else ""),
+        + (f"; {tower_attention.describe(plan.tower.projector)}" if plan.vision else "") + "; " + _describe_loss(
+            plan, model.transformer_config),
         tokens_per_step=trainer.tokens_per_step(),
         steps=trainer.max_steps, data_stats=format_stats(train_plan.stats),
         memory=memory_estimate_gib(on_rank, training_args, plan.layout.dp, trainable),

@@ -56,7 +56,9 @@ CASES = [
                                       "overlap_param_gather": True}, 2),
     ("dp4-packed", "qwen3", {"sequence_packing": True}, 2),
     ("tp2-sp", "qwen3", {"tensor_model_parallel_size": 2, "sequence_parallel": True}, 4),
-    ("tp2-pp2", "qwen3", {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, 8),
+    # the output layer and loss fused over row chunks (chunked_cross_entropy): the logits never whole
+    ("tp2-pp2-chunked", "qwen3", {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                                  "chunked_cross_entropy": True}, 8),
     ("cp2", "qwen3", {"context_parallel_size": 2}, 4),
     ("cp2-packed", "qwen3", {"context_parallel_size": 2, "sequence_packing": True}, 4),
     ("moe-dp4", "qwen3_moe", {}, 2),
@@ -73,7 +75,7 @@ CASES = [
     ("glm-dp4", "glm4_moe", {}, 2),
     ("glm-ep2", "glm4_moe", {"expert_model_parallel_size": 2}, 2),
     ("glm-tp2-pp2-sp", "glm4_moe", {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
-                                    "sequence_parallel": True}, 8),
+                                    "sequence_parallel": True, "chunked_cross_entropy": True}, 8),
     # DeepSeek-V3's multi-latent attention: padded, and packed (value heads narrower than query/key heads) with EP2
     ("ds-dp4", "deepseek_v3", {}, 2),
     ("ds-ep2-packed", "deepseek_v3", {"expert_model_parallel_size": 2, "sequence_packing": True}, 2),

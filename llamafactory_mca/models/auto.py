@@ -26,6 +26,7 @@ from .config import McaConfig, rope_inv_freq
 from .export import export_hf
 from .families import get_family
 from .loading import dims_for, load_hf_weights
+from .native.cross_entropy import DeferredLogits
 from .lora.layers import adapter_state
 
 
@@ -343,7 +344,10 @@ def _mask_vocab_padding(chunk: torch.nn.Module, vocab_size: int) -> None:
 
     def hook(module, inputs, output):
         logits = output[0] if isinstance(output, tuple) else output
-        logits[..., start:] = float("-inf")  # in place: the linear layer saved nothing that depends on it
+        if isinstance(logits, DeferredLogits):  # fused with the loss, which leaves the padding out
+            logits.valid = start
+        else:
+            logits[..., start:] = float("-inf")  # in place: the linear layer saved nothing that depends on it
         return output
 
     chunk.output_layer.register_forward_hook(hook)

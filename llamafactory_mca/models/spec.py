@@ -62,7 +62,7 @@ logger = logging.getLogger(__name__)
 
 _QK_NORM = ModuleSpec(module=NativeNorm, params={"mark_sequence_parallel": False, "per_head": True})
 # recipe keys of the native spec and model, set on the TransformerConfig they read
-NATIVE_OPTIONS = ("moe_local_dispatch", "native_cross_entropy", "qk_norm_fusion")
+NATIVE_OPTIONS = ("moe_local_dispatch", "native_cross_entropy", "chunked_cross_entropy", "qk_norm_fusion")
 _TE_ONLY_BACKENDS = ("flash", "fused", "unfused")
 
 

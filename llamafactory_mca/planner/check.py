@@ -40,6 +40,7 @@ def training_of(plan: Any, training_args: Any, finetuning_args: Any) -> Training
                     cpu_offload=bool(training_args.optimizer_cpu_offload),
                     lora_rank=finetuning_args.lora_rank if lora else None, lora_experts=lora and "experts" in target,
                     native_cross_entropy=training_args.native_cross_entropy is not False,
+                    chunked_cross_entropy=training_args.chunked_cross_entropy,
                     half=bool(training_args.bf16 or training_args.fp16),
                     param_remainders=bool(training_args.store_param_remainders),
                     cuda_graphs=bool(training_args.cuda_graphs),  # the recipe's, also planned on a CPU

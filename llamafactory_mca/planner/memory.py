@@ -21,6 +21,7 @@ import re
 from typing import Any
 
 from ..models.mapping import is_moe_layer
+from ..models.native.logit_chunks import logit_rows
 from ..parallel import ParallelLayout
 from ..trainer.metrics import attention_sizes
 
@@ -48,6 +49,7 @@ class Training:
     lora_rank: int | None = None  # LoRA on every linear of attention and dense MLP (lora_target: all)
     lora_experts: bool = False  # and on the experts (lora_target: all,experts)
     native_cross_entropy: bool = True
+    chunked_cross_entropy: bool | None = None  # None: models/native/logit_chunks.py decides by size
     half: bool = True  # bf16 / fp16 weights with fp32 main weights; False: fp32 throughout (no main copy)
     param_remainders: bool = False  # store_param_remainders: the fp32 main weights as 16-bit remainders
     cuda_graphs: bool = False
@@ -230,8 +232,11 @@ def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[st
         activations += tower_activations * in_flight
         logits = 0.0
         if last:
-            logits = tokens * s["vocab"] / layout.tp * (LOGIT_BYTES if training.native_cross_entropy else
-                                                         LOGIT_BYTES + 4) * (1 + s["mtp"])
+            local_vocab = s["vocab"] / layout.tp
+            rows = logit_rows(tokens, local_vocab, training.chunked_cross_entropy if training.native_cross_entropy
+                              else False)
+            logits = rows * local_vocab * (LOGIT_BYTES if training.native_cross_entropy else
+                                           LOGIT_BYTES + 4) * (1 + s["mtp"])
         stages.append({"weights": params * (2 if training.half else 4) / GIB, "grads": trainable * 4 / GIB,
                        "optimizer": optimizer / GIB,
                        "activations": activations / GIB, "logits": logits / GIB})

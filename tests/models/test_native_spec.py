@@ -855,6 +855,53 @@ def test_native_cross_entropy_equals_megatrons(tp):
         assert finite and loss_err < 1e-6 and grad_err < 1e-6, rank_res
 
 
+def _chunked_loss_run(tp: int) -> dict:
+    """The output layer and loss fused over row chunks against the logits at once, on one model: per-token losses
+    and every parameter's gradient, under TP with sequence parallelism, the vocabulary padding masked (part of the
+    last slice) and chunks that do not divide the rows."""
+    from megatron.core import parallel_state as ps
+
+    from llamafactory_mca import parallel
+    from llamafactory_mca.models import spec
+    from llamafactory_mca.models.auto import _mask_vocab_padding
+    from llamafactory_mca.models.native import cross_entropy
+
+    parallel.initialize(_layout(world=tp, tp=tp), seed=3)
+    cross_entropy.CHUNK_ROWS = 5
+    config = _config(tp=tp, sp=tp > 1)
+    model = cross_entropy.LanguageModel(config, spec.get_block_spec(config), vocab_size=VOCAB, max_sequence_length=64,
+                                        position_embedding_type="rope", rotary_base=10000)
+    _mask_vocab_padding(model, VOCAB - 5)
+    tokens = _inputs()[0]
+    labels = torch.roll(tokens, -1, dims=1) % (VOCAB - 5)
+    labels[0, :3] = -100
+    weights = torch.randn(labels.shape, generator=torch.Generator().manual_seed(7))
+    handed = []
+    model.output_layer.register_forward_hook(lambda module, inputs, output: handed.append(type(output[0]).__name__))
+    res = {}
+    for chunked in (False, True):
+        model.zero_grad()
+        config.chunked_cross_entropy = chunked
+        loss = model(tokens, _positions(tokens), None, labels=labels)
+        (loss * weights).sum().backward()
+        grads = _grads(model)
+        if tp > 1:  # sequence-parallel norms' gradients are partial per rank until the optimizer reduces them
+            grads = {n: g for n, g in grads.items() if "layernorm" not in n and "norm" not in n.split(".")[-2]}
+        res[chunked] = (loss.detach(), grads)
+    plain, fused = res[False], res[True]
+    return {"loss": _rel_diff(fused[0], plain[0]), "same_params": sorted(fused[1]) == sorted(plain[1]),
+            "grads": max(_rel_diff(fused[1][n], plain[1][n]) for n in plain[1]),
+            "output_grad": _rel_diff(fused[1]["output_layer.weight"], plain[1]["output_layer.weight"]),
+            "handed": handed, "rank": ps.get_tensor_model_parallel_rank()}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_chunked_output_layer_and_loss_equal_the_logits_at_once(tp):
+    for rank_res in run_distributed(_chunked_loss_run, tp, tp):
+        assert rank_res["handed"] == ["Tensor", "DeferredLogits"] and rank_res["same_params"], rank_res
+        assert rank_res["loss"] < 1e-6 and rank_res["grads"] < 1e-5 and rank_res["output_grad"] < 1e-5, rank_res
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_zero_centred_rmsnorm_is_qwen3_nexts(dtype):
     """``layernorm_zero_centered_gamma``: scale 1 + weight, as transformers' Qwen3-Next / Qwen3.5 norms: equal

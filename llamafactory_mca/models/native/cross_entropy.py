@@ -20,6 +20,12 @@ import torch
 import torch.distributed as dist
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                    gather_from_sequence_parallel_region)
+
+from .logit_chunks import CHUNK_ROWS, chunks_logits
+from .wgrad import placeholder_grad, wgrad_gemm_accum_fp32
 
 _EAGER_ROWS = 1024  # rows per chunk when not compiled: bounds the fp32 temporary at rows x vocab
 
@@ -58,39 +64,53 @@ def _rows(n: int, device: torch.device):
     return [(i, min(i + step, n)) for i in range(0, n, step)]
 
 
+def _local_targets(target: torch.Tensor, vocab: int, valid: int, group) -> tuple[torch.Tensor, int]:
+    """Targets as columns of this rank's vocabulary slice (``vocab`` wide, its first ``valid`` real), -1 where the
+    slice does not hold them (other ranks' tokens, -100 padding); and the TP world size."""
+    world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+    local = target - (dist.get_rank(group) if world > 1 else 0) * vocab
+    return torch.where((local >= 0) & (local < valid), local, -1), world
+
+
+def _combine(row_max: torch.Tensor, sum_exp: torch.Tensor, hit: torch.Tensor, local: torch.Tensor, world: int,
+             group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row loss and log-sum-exp from each rank's (max, sum of exp, target logit): one MAX and two SUM
+    all-reduces under TP, as in Megatron's."""
+    if world > 1:
+        # a rank whose slice is all vocabulary padding (logits -inf: a vocabulary under tp x 128 / 2, as in tiny
+        # test models) adds nothing to the sum; its exp(-inf - -inf) would be NaN
+        sum_exp = torch.where(row_max == float("-inf"), 0.0, sum_exp)
+        global_max = row_max.clone()
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+        sum_exp.mul_((row_max - global_max).exp())
+        row_max = global_max
+        dist.all_reduce(sum_exp, group=group)
+    # the target's logit relative to the row max; 0 where no rank holds the target (-100), as in Megatron's
+    predicted = torch.where(local >= 0, hit - row_max, 0.0)
+    if world > 1:
+        dist.all_reduce(predicted, group=group)
+    log_sum = sum_exp.log()
+    return log_sum - predicted, log_sum + row_max
+
+
+def _target_logits(logits: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    return logits.gather(-1, local.clamp(min=0).unsqueeze(-1)).squeeze(-1).float()
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor:
         shape = target.shape
         logits2d, target = logits.reshape(-1, logits.size(-1)), target.reshape(-1)
-        world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
-        vocab = logits2d.size(-1)
-        start = (dist.get_rank(group) if world > 1 else 0) * vocab
-        local = target - start
-        local = torch.where((local >= 0) & (local < vocab), local, -1)
+        local, world = _local_targets(target, logits2d.size(-1), logits2d.size(-1), group)
         stats, _ = _kernels(logits.device)
         row_max = torch.empty(target.numel(), dtype=torch.float32, device=logits.device)
         sum_exp = torch.empty_like(row_max)
         for a, b in _rows(target.numel(), logits.device):
             row_max[a:b], sum_exp[a:b] = stats(logits2d[a:b])
-        if world > 1:
-            # a rank whose slice is all vocabulary padding (logits -inf: a vocabulary under tp x 128 / 2, as in tiny
-            # test models) adds nothing to the sum; its exp(-inf - -inf) would be NaN
-            sum_exp = torch.where(row_max == float("-inf"), 0.0, sum_exp)
-            global_max = row_max.clone()
-            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
-            sum_exp.mul_((row_max - global_max).exp())
-            row_max = global_max
-            dist.all_reduce(sum_exp, group=group)
-        # the target's logit relative to the row max; 0 where no rank holds the target (-100), as in Megatron's
-        hit = logits2d.gather(-1, local.clamp(min=0).unsqueeze(-1)).squeeze(-1).float() - row_max
-        predicted = torch.where(local >= 0, hit, 0.0)
-        if world > 1:
-            dist.all_reduce(predicted, group=group)
-        log_sum = sum_exp.log()
-        lse = log_sum + row_max
+        loss, lse = _combine(row_max, sum_exp, _target_logits(logits2d, local), local, world, group)
         ctx.save_for_backward(logits, lse, local)
-        return (log_sum - predicted).reshape(shape)
+        return loss.reshape(shape)
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
@@ -102,6 +122,79 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         for a, b in _rows(local.numel(), logits.device):
             out[a:b] = grad(logits2d[a:b], lse[a:b], grad_loss[a:b], local[a:b])
         return out.view_as(logits), None, None
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Per-token loss of ``hidden @ weight[:valid].T`` against global ``target`` ids, a chunk of rows at a time:
+    forward keeps (max, sum of exp) per row; backward recomputes each chunk's logits, turns them into
+    ``softmax - onehot`` and multiplies out the input and weight gradients. The weight's gradient goes into DDP's
+    fp32 ``main_grad`` directly where the config fuses gradient accumulation, as Megatron's linear does."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, valid: int, group,
+                fuse_wgrad: bool) -> torch.Tensor:
+        local, world = _local_targets(target, weight.size(0), valid, group)
+        rows = hidden.size(0)
+        row_max = torch.full((rows,), float("-inf"), dtype=torch.float32, device=hidden.device)
+        sum_exp, hit = torch.zeros_like(row_max), torch.zeros_like(row_max)
+        stats, _ = _kernels(hidden.device)
+        for a, b in _chunks(rows, valid):
+            logits = hidden[a:b] @ weight[:valid].t()
+            row_max[a:b], sum_exp[a:b] = stats(logits)
+            hit[a:b] = _target_logits(logits, local[a:b])
+        loss, lse = _combine(row_max, sum_exp, hit, local, world, group)
+        ctx.save_for_backward(hidden, weight, lse, local)
+        ctx.valid, ctx.fuse_wgrad = valid, fuse_wgrad
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        hidden, weight, lse, local = ctx.saved_tensors
+        valid, grad_loss = ctx.valid, grad_loss.float()
+        into_main = ctx.fuse_wgrad and hasattr(weight, "main_grad")
+        d_hidden = torch.zeros_like(hidden)
+        d_weight = None if into_main else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        _, grad = _kernels(hidden.device)
+        for a, b in _chunks(hidden.size(0), valid):
+            g = grad(hidden[a:b] @ weight[:valid].t(), lse[a:b], grad_loss[a:b], local[a:b])
+            d_hidden[a:b] = g @ weight[:valid]
+            if into_main:
+                wgrad_gemm_accum_fp32(hidden[a:b], g, weight.main_grad[:valid])
+            else:
+                d_weight[:valid] += (g.t() @ hidden[a:b]).float()
+        d_weight = placeholder_grad(weight, hidden.dtype) if into_main else d_weight.to(weight.dtype)
+        return d_hidden, d_weight, None, None, None, None
+
+
+def _chunks(rows: int, valid: int):
+    step = CHUNK_ROWS if valid else rows  # a slice of vocabulary padding alone: nothing to compute
+    return [(i, min(i + step, rows)) for i in range(0, rows, step)] if valid else []
+
+
+class DeferredLogits:
+    """What the output layer hands the loss when the two are fused: the (gathered) input and the weight. Its
+    ``valid`` columns are the real vocabulary of this rank's slice (models/auto.py masks the padding)."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor) -> None:
+        self.hidden, self.weight, self.valid = hidden, weight, weight.size(0)
+
+
+class FusedLossOutputLayer(ColumnParallelLinear):
+    """Megatron's output layer, which hands the loss its input instead of the logits while ``defer`` is set
+    (``LanguageModel._postprocess``, for a training forward that chunks its logits)."""
+
+    defer = False
+
+    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
+        if not self.defer:
+            return super().forward(input_, weight, runtime_gather_output)
+        weight = self.weight if weight is None else weight
+        if self.sequence_parallel:  # the whole sequence on each rank, its gradient reduce-scattered back
+            input_ = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True,
+                                                          group=self.tp_group)
+        else:  # each rank's input gradient covers its vocabulary slice: summed over TP in the backward
+            input_ = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        return DeferredLogits(input_, weight), None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None) -> torch.Tensor:
@@ -116,12 +209,29 @@ class NativeCrossEntropy:
     Megatron's own path stays where asked for: ``native_cross_entropy: false`` in the recipe, or Megatron's
     ``cross_entropy_loss_fusion`` (its TE or native fused kernels)."""
 
-    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor | DeferredLogits
+                                    ) -> torch.Tensor:
+        if isinstance(logits, DeferredLogits):  # [s, b, h] hidden states; the loss comes back [b, s]
+            s, b, h = logits.hidden.shape
+            loss = _LinearCrossEntropy.apply(logits.hidden.reshape(s * b, h), logits.weight,
+                                             labels.transpose(0, 1).reshape(-1), logits.valid, self.pg_collection.tp,
+                                             self.config.gradient_accumulation_fusion)
+            return loss.view(s, b).transpose(0, 1).contiguous()
         if not getattr(self.config, "native_cross_entropy", True) or self.config.cross_entropy_loss_fusion:
             return super().compute_language_model_loss(labels, logits)
         # labels [b, s], logits [s, b, v]; the loss comes back [b, s] as Megatron's does
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.pg_collection.tp)
         return loss.transpose(0, 1).contiguous()
+
+    def _chunks_logits(self, hidden_states: torch.Tensor) -> bool:
+        """A training forward's loss through the output layer a chunk at a time (``chunked_cross_entropy``)."""
+        if not isinstance(self.output_layer, FusedLossOutputLayer) or self.config.cross_entropy_loss_fusion \
+                or not getattr(self.config, "native_cross_entropy", True):
+            return False
+        tokens = hidden_states.shape[0] * hidden_states.shape[1] * (
+            self.pg_collection.tp.size() if self.output_layer.sequence_parallel else 1)
+        return chunks_logits(tokens, self.output_layer.output_size_per_partition,
+                             getattr(self.config, "chunked_cross_entropy", None))
 
 
 class LanguageModel(NativeCrossEntropy, GPTModel):
@@ -137,6 +247,8 @@ class LanguageModel(NativeCrossEntropy, GPTModel):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        if self.post_process and type(self.output_layer) is ColumnParallelLinear:
+            self.output_layer.__class__ = FusedLossOutputLayer  # behaviour only: the same module, parameters, keys
         multiplier = getattr(self.config, "embedding_multiplier", None)
         if multiplier and self.pre_process:
             self.embedding.register_forward_hook(
@@ -168,6 +280,12 @@ class LanguageModel(NativeCrossEntropy, GPTModel):
 
     def _postprocess(self, *args, **kwargs):
         layers = self.config.mtp_num_layers
+        if kwargs.get("labels") is not None and self._chunks_logits(kwargs["hidden_states"]):
+            self.output_layer.defer = True  # the MTP layers' losses too
+            try:
+                return super()._postprocess(*args, **kwargs)
+            finally:
+                self.output_layer.defer = False
         if not layers or kwargs.get("labels") is not None:
             return super()._postprocess(*args, **kwargs)
         self.config.mtp_num_layers = None  # the flag _postprocess reads; restored at once

@@ -34,7 +34,7 @@ from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from megatron.core.transformer.moe import grouped_gemm_util
 from megatron.core.transformer.moe.experts import GroupedMLP
 
-from .wgrad import add_into_main_grad
+from .wgrad import add_into_main_grad, placeholder_grad
 
 logger = logging.getLogger(__name__)
 
@@ -214,14 +214,7 @@ class _GroupedMMIntoMainGrad(torch.autograd.Function):
         grad = grad.contiguous()
         grad_x = torch._grouped_mm(grad, param.view(ctx.shape).transpose(-2, -1), offs=offs)
         add_into_main_grad(param.main_grad.view(ctx.shape), torch._grouped_mm(x.t(), grad, offs=offs))
-        if hasattr(param, "grad_added_to_main_grad"):
-            # As Megatron's linears: a placeholder keeps DDP's hook on the main backward thread, and the flag
-            # tells it the gradient is already in main_grad.
-            placeholder = (torch.zeros if getattr(param, "zero_out_wgrad", False) else torch.empty)(
-                param.shape, dtype=x.dtype, device=x.device)
-            param.grad_added_to_main_grad = True
-            return grad_x, placeholder, None, None
-        return grad_x, None, None, None
+        return grad_x, placeholder_grad(param, x.dtype), None, None
 
 
 def _loop_mm(x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,17 @@ def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, 
     main_grad.addmm_(grad_output.t(), total_input)
 
 
+def placeholder_grad(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """What a backward returns for a weight whose gradient it added to ``main_grad`` itself, as Megatron's linears
+    do: where DDP marks the parameter (``grad_added_to_main_grad``), a placeholder keeps DDP's hook on the main
+    backward thread and the flag tells it the gradient is already there; else no gradient."""
+    if not hasattr(param, "grad_added_to_main_grad"):
+        return None
+    param.grad_added_to_main_grad = True
+    return (torch.zeros if getattr(param, "zero_out_wgrad", False) else torch.empty)(param.shape, dtype=dtype,
+                                                                                    device=param.device)
+
+
 def add_into_main_grad(main_grad: torch.Tensor, grad: torch.Tensor) -> None:
     """main_grad += grad, in one vectorised kernel where the dtypes differ on a GPU."""
     if main_grad.is_cuda and grad.dtype != main_grad.dtype:
