@@ -225,7 +225,9 @@ class NativeCrossEntropy:
 
     def _chunks_logits(self, hidden_states: torch.Tensor) -> bool:
         """A training forward's loss through the output layer a chunk at a time (``chunked_cross_entropy``)."""
-        if not isinstance(self.output_layer, FusedLossOutputLayer) or self.config.cross_entropy_loss_fusion \
+        # a stage before the last has no output layer (its _postprocess hands the hidden states on)
+        if not isinstance(getattr(self, "output_layer", None), FusedLossOutputLayer) \
+                or self.config.cross_entropy_loss_fusion \
                 or not getattr(self.config, "native_cross_entropy", True):
             return False
         tokens = hidden_states.shape[0] * hidden_states.shape[1] * (
