@@ -167,8 +167,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def _chunks(rows: int, valid: int):
-    step = CHUNK_ROWS if valid else rows  # a slice of vocabulary padding alone: nothing to compute
-    return [(i, min(i + step, rows)) for i in range(0, rows, step)] if valid else []
+    if not valid:  # a slice of vocabulary padding alone: nothing to compute
+        return []
+    return [(i, min(i + CHUNK_ROWS, rows)) for i in range(0, rows, CHUNK_ROWS)]
 
 
 class DeferredLogits:
