@@ -154,7 +154,8 @@ def run(args, env=None, timeout=120, cwd=None, alone=True):
 def _run_alone(args, alone: bool = True, **kwargs) -> subprocess.CompletedProcess:
     """``subprocess.run`` as the only multi-process job (``one_job_at_a_time``) unless not ``alone``;
     ``result.seconds``: the command's own time, not the wait for its turn."""
-    with one_job_at_a_time() if alone else contextlib.nullcontext():
+    processes = int((kwargs.get("env") or os.environ).get("NPROC_PER_NODE") or 1)
+    with one_job_at_a_time(processes) if alone else contextlib.nullcontext():
         start = time.perf_counter()
         result = subprocess.run(args, **kwargs)
         result.seconds = time.perf_counter() - start

@@ -12,6 +12,7 @@ import fcntl
 import os
 import socket
 import tempfile
+import time
 import traceback
 
 import torch
@@ -19,14 +20,23 @@ import torch.multiprocessing as mp
 
 
 _HELD = 0
+SMALL = 2  # processes: a job of at most this many shares the machine with one other such job
+
+
+def _slot_files() -> list:
+    return [open(os.path.join(tempfile.gettempdir(), f"llamafactory_mca-tests-{os.getuid()}.{i}.lock"), "w")
+            for i in range(2)]
 
 
 @contextlib.contextmanager
-def one_job_at_a_time():
-    """One multi-process job (a gloo run here, a real command in tests/_cli.py) at a time across pytest-xdist's
-    workers. Ranks step in lockstep: two jobs of 4-8 ranks on a 2-core machine stall each other at every collective
-    (most of their time went to the scheduler), where one job alone keeps both cores busy; single-process tests still
-    run beside it. Reentrant within a process."""
+def one_job_at_a_time(processes: int | None = None):
+    """Multi-process jobs (a gloo run here, a real command in tests/_cli.py) across pytest-xdist's workers: one job
+    of more than two processes at a time, or two of at most two. Ranks step in lockstep: two jobs of 4-8 ranks on a
+    2-core machine stall each other at every collective (most of their time went to the scheduler), where one job
+    alone keeps both cores busy. A small job is mostly start-up, one process at a time (the launcher's imports and
+    checks, then torchrun's), which leaves the second core idle; two of them overlap there. ``processes``: how many
+    the job runs (None: as a large job). Single-process tests still run beside either. Reentrant within a
+    process."""
     global _HELD
     if _HELD:
         _HELD += 1
@@ -35,14 +45,35 @@ def one_job_at_a_time():
         finally:
             _HELD -= 1
         return
-    with open(os.path.join(tempfile.gettempdir(), f"llamafactory_mca-tests-{os.getuid()}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    files = _slot_files()
+    try:
+        if processes is not None and processes <= SMALL:
+            taken = [_one_free_slot(files)]
+        else:
+            for f in files:  # in order, as every large job takes them: no two wait on each other
+                fcntl.flock(f, fcntl.LOCK_EX)
+            taken = files
         _HELD = 1
         try:
             yield
         finally:
             _HELD = 0
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            for f in taken:
+                fcntl.flock(f, fcntl.LOCK_UN)
+    finally:
+        for f in files:
+            f.close()
+
+
+def _one_free_slot(files: list):
+    while True:
+        for f in files:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return f
+            except BlockingIOError:
+                pass
+        time.sleep(0.2)
 
 
 def free_port() -> int:
@@ -73,7 +104,7 @@ def run_distributed(fn, world_size: int, *args, retries: int = 3) -> list:
     if not torch.cuda.is_available():  # on a GPU machine an import initialises CUDA, which a forked rank cannot use
         ctx.set_forkserver_preload(PRELOAD)
     _start_server()
-    with one_job_at_a_time():
+    with one_job_at_a_time(world_size):
         return _run(ctx, fn, world_size, args, retries)
 
 
