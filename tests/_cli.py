@@ -154,7 +154,8 @@ def run(args, env=None, timeout=120, cwd=None, alone=True):
 def _run_alone(args, alone: bool = True, **kwargs) -> subprocess.CompletedProcess:
     """``subprocess.run`` as the only multi-process job (``one_job_at_a_time``) unless not ``alone``;
     ``result.seconds``: the command's own time, not the wait for its turn."""
-    processes = int((kwargs.get("env") or os.environ).get("NPROC_PER_NODE") or 1)
+    count = (kwargs.get("env") or os.environ).get("NPROC_PER_NODE") or "1"
+    processes = int(count) if count.isdigit() else None  # a test's deliberately bad value: as a large job
     with one_job_at_a_time(processes) if alone else contextlib.nullcontext():
         start = time.perf_counter()
         result = subprocess.run(args, **kwargs)
