@@ -147,6 +147,8 @@ def targets(name: str, data: dict, everything: dict, tol: float) -> list[dict]:
         found += _node_targets(name, runs, tol)
     elif name.startswith("scale_"):
         found += _scaling_targets(runs)
+    elif name == "moe_recipe_node":
+        found += _prediction_targets(runs)
     elif name == "long_node":
         for run in ("ours_cp4", "ours_cp2_tp2"):
             found.append(_ratio_target(f"(for reference) tokens/s/GPU: {run} vs LLaMA-Factory's best that could fit "
@@ -235,6 +237,34 @@ def _planner_target(runs: dict, best: str | None) -> dict | None:
     behind = "" if name == best else f": {gap:+.0%} against `{best}`"
     return {"target": "the planner's first proposal is the fastest layout measured",
             "measured": f"{planned['layout']} (= `{name}`){behind}", "met": name == best, "value": round(gap, 4)}
+
+
+PREDICTION = {"tokens": 0.2, "memory": 0.1}  # the planner's tolerances: tokens/s within 20%, peak within 10%
+
+
+def _prediction_targets(runs: dict) -> list[dict | None]:
+    """Each measured layout against the planner's estimate of it, and whether the planner orders them as measured:
+    a proposal is only worth following if the faster prediction is the faster run."""
+    measured = {n: r for n, r in runs.items() if r["path"] == "ours" and _ok(r) and r.get("predicted_tokens_per_s")}
+    found: list[dict | None] = []
+    for name, r in measured.items():
+        for what, got, want in (("tokens", r["tokens_per_second_per_gpu"], r["predicted_tokens_per_s"]),
+                                ("memory", r.get("peak_memory_gib"), r.get("predicted_peak_gib"))):
+            if got and want:
+                error = want / got - 1
+                label, fmt = ("tokens/s/GPU", ",.0f") if what == "tokens" else ("peak memory", ".1f")
+                found.append({"target": f"{name}: predicted {label} within {PREDICTION[what]:.0%} of measured",
+                              "measured": f"{want:{fmt}} predicted, {got:{fmt}} measured ({error:+.0%})",
+                              "met": abs(error) <= PREDICTION[what], "value": round(error, 4)})
+    order = sorted(measured, key=lambda n: -measured[n]["predicted_tokens_per_s"])
+    if len(order) > 1:
+        fastest = sorted(measured, key=lambda n: -measured[n]["tokens_per_second_per_gpu"])
+        found.append({"target": "the planner orders the layouts as measured (fastest first)",
+                      "measured": f"predicted {' > '.join(order)}; measured {' > '.join(fastest)}",
+                      "met": order == fastest})
+    best = max(measured, key=lambda n: measured[n]["tokens_per_second_per_gpu"], default=None)
+    found.append(_planner_target(runs, best))
+    return found
 
 
 def _scaling_targets(runs: dict) -> list[dict | None]:

@@ -57,6 +57,14 @@ case $phase in
     runs=lf_zero3,ours_tp2,ours_pp2,ours_planned; [ "$(gpu_gib)" -ge 120 ] && runs=$runs,ours,lf
     bench 0,1,2,3 n2 --workloads dense8b_node --runs "$runs" --gpus 4 --steps 8
     bench 0,1,2,3 n1b --workloads moe_node --runs lf_zero3,ours --gpus 4 --steps 8 ;;
+  node_plan)  # four GPUs: half of the MoE recipe (24 layers) in the recipe's layout, the planner's 8-GPU proposal and
+    # its first for this host, each against the planner's estimate (~8 min on 4 H200s)
+    bench 0,1,2,3 n5 --workloads moe_recipe_node --gpus 4 --steps 8 ;;
+  node_fixes)  # four GPUs: the rows that failed before their fixes (PP2 x VPP2 x DP2 of the 8B shape, the MoE memory
+    # savers at EP4) beside LLaMA-Factory's ZeRO-3 and our EP4
+    bench 0,1,2,3 n2 --workloads dense8b_node --runs "${DENSE:-ours_pp2}" --gpus 4 --steps 8
+    bench 0,1,2,3 n1 --workloads moe_node --runs "${RUNS:-lf_zero3,ours,ours_saving}" --gpus 4 --steps 8 ;;
+  node_faults) PARTS=node multi_gpu ;;  # four GPUs: multi_gpu.py's node part
   node_scale)  # four GPUs: 1 -> 2 -> 4 GPUs of the dense and MoE shapes at one global batch, 20 steps (curves against
     # one GPU's): one-GPU runs side by side, then the two-GPU ones, then the four-GPU layouts
     bench 0 n3a --workloads scale_dense --runs ours --gpus 1 --steps 20 --warmup 5 &

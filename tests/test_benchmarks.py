@@ -132,6 +132,25 @@ def test_node_report_counts_no_run_that_strays_and_judges_the_planners_proposal(
     assert planner["met"] is True and "(= `ours`)" in planner["measured"]
 
 
+def test_recipe_report_judges_each_prediction_and_the_planners_order():
+    e2e_report = _load("e2e_report")
+
+    def run(tps, predicted, peak, predicted_peak, layout="-"):
+        return {"path": "ours", "gpus": 4, "layout": layout, "status": "ok", "tokens_per_second_per_gpu": tps,
+                "predicted_tokens_per_s": predicted, "peak_memory_gib": peak, "predicted_peak_gib": predicted_peak}
+
+    runs = {"ours_recipe": run(5000.0, 5500, 70.0, 71.0), "ours_pp4_vpp2": run(4000.0, 6800, 72.0, 90.0),
+            "ours_planned": run(6000.0, 7000, 80.0, 82.0, layout="planner's first: world=4")}
+    found = {t["target"]: t for t in e2e_report._prediction_targets(runs) if t}
+    assert found["ours_recipe: predicted tokens/s/GPU within 20% of measured"]["met"] is True
+    pp4 = found["ours_pp4_vpp2: predicted tokens/s/GPU within 20% of measured"]
+    assert pp4["met"] is False and pp4["measured"] == "6,800 predicted, 4,000 measured (+70%)"
+    assert found["ours_pp4_vpp2: predicted peak memory within 10% of measured"]["met"] is False
+    order = found["the planner orders the layouts as measured (fastest first)"]
+    assert order["met"] is False and "measured ours_planned > ours_recipe > ours_pp4_vpp2" in order["measured"]
+    assert found["the planner's first proposal is the fastest layout measured"]["met"] is True
+
+
 def test_a_planned_run_takes_the_planners_first_proposal_and_is_not_run_twice():
     e2e_runner, e2e_workloads, planner_check = _load("e2e_runner"), _load("e2e_workloads"), _load("planner_check")
     from llamafactory_mca.planner.search import search
