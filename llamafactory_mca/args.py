@@ -34,6 +34,7 @@ LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "no
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 OPTIMIZERS = ("adam", "sgd")
 PT_BLOCKS = ("documents", "concatenated")
+MOE_BALANCING = ("llamafactory", "checkpoint")
 # The sizes that make a layout: written into every checkpoint (mca_layout.json), accepted by merge and convert.
 LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size")
@@ -343,11 +344,19 @@ class MegatronArguments(DistributingParallelArguments):
                           "path, documents joined and cut into cutoff_len blocks (attention crosses documents; each "
                           "tokenizer batch's remainder is dropped)."},
     )
+    moe_balancing: str = field(
+        default="llamafactory",
+        metadata={"help": "MoE only. llamafactory: as LLaMA-Factory's default path, a load-balancing loss only where "
+                          "moe_aux_loss_coef sets its weight, and a sigmoid router's expert bias used as loaded, never "
+                          "updated. checkpoint: Megatron's practice, the checkpoint's router_aux_loss_coef trains and "
+                          "the expert bias follows each step's loads."},
+    )
 
     def __post_init__(self) -> None:
         DistributingParallelArguments.__post_init__(self)
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
         _one_of("pt_blocks", self.pt_blocks, PT_BLOCKS)
+        _one_of("moe_balancing", self.moe_balancing, MOE_BALANCING)
         if self.overlap_param_gather:
             _require(self.use_distributed_optimizer and self.overlap_grad_reduce,
                      f"overlap_param_gather=True needs use_distributed_optimizer=True and overlap_grad_reduce=True "

@@ -340,19 +340,24 @@ def test_sft_packed_matches_llamafactory_and_merges(family, finetuning, assets, 
         assert not torch.equal(start[name], end[name]), name
 
 
-def test_moe_load_balancing_loss_is_named_trained_and_logged_apart(assets, tmp_path):
-    """A Qwen3-MoE checkpoint carrying router_aux_loss_coef 0.5: where the recipe is silent the run trains with it and
-    the summary names it; moe_aux_loss_coef: 0 (LLaMA-Factory's key) trains without it. Both runs' step 1 sees the same
-    weights and rows, so the same logged loss: the language-model loss, the load-balancing loss apart (the progress
-    line, trainer_state.json; trainer_log.jsonl keeps LLaMA-Factory's keys). Step 2 differs: the term trained the
-    first run's routers."""
+def test_moe_balancing_trains_as_llamafactorys_default_path_unless_asked(assets, tmp_path):
+    """A Qwen3-MoE checkpoint carrying router_aux_loss_coef 0.5. Where the recipe is silent no load-balancing loss
+    trains, as in LLaMA-Factory's default path: ten steps of both paths over the same eight rows (one global batch of
+    all of them each step: row order cannot matter) give the same losses. ``moe_balancing: checkpoint`` trains the
+    checkpoint's term, named in the summary and logged apart (the progress line, trainer_state.json;
+    trainer_log.jsonl keeps LLaMA-Factory's keys): step 1's loss is the same language-model loss, step 2 differs
+    (the term trained the routers)."""
+    import yaml
+
     from llamafactory_mca.tools.tiny import save_tiny_model, save_tiny_tokenizer
+    from tests._cli import cli_env, run
 
     model = save_tiny_model("qwen3_moe", str(tmp_path / "model"), vocab_size=assets["vocab"], router_aux_loss_coef=0.5)
     save_tiny_tokenizer(model)
     runs = {}
-    for name, extra in (("checkpoint", {}), ("off", {"moe_aux_loss_coef": 0})):
-        result, output = train(tmp_path, recipe(assets, tmp_path / name, model_name_or_path=model, **extra), name=name)
+    for name, extra in (("default", {"max_steps": 10}), ("checkpoint", {"moe_balancing": "checkpoint"})):
+        config = recipe(assets, tmp_path / name, model_name_or_path=model, max_samples=8, **extra)
+        result, output = train(tmp_path, config, name=name)
         ok(result, output)
         with open(tmp_path / name / "trainer_state.json") as f:
             history = [entry for entry in json.load(f)["log_history"] if "loss" in entry]
@@ -360,14 +365,24 @@ def test_moe_load_balancing_loss_is_named_trained_and_logged_apart(assets, tmp_p
             keys = {key for line in f for key in json.loads(line)}
         assert "loss" in keys and not any("moe" in key or "balancing" in key for key in keys), keys
         runs[name] = losses(tmp_path / name), history, output
-    (on, on_history, on_output), (off, off_history, off_output) = runs["checkpoint"], runs["off"]
+    (ours, plain_history, plain_output), (on, on_history, on_output) = runs["default"], runs["checkpoint"]
+    assert ("MoE         no load-balancing loss, as in LLaMA-Factory's default path (moe_aux_loss_coef sets a weight; "
+            "moe_balancing: checkpoint trains the checkpoint's router_aux_loss_coef)") in plain_output
+    assert "| load_balancing_loss " not in plain_output
+    assert not any("moe/load_balancing_loss" in e for e in plain_history)
     assert ("MoE         load-balancing loss aux_loss x 0.5 (the checkpoint's router_aux_loss_coef), logged apart as "
             "load_balancing_loss: loss is the language-model loss") in on_output
     assert "| load_balancing_loss " in on_output and all(0.5 < e["moe/load_balancing_loss"] < 4 for e in on_history)
-    assert "MoE         no load-balancing loss (moe_aux_loss_coef: 0)" in off_output
-    assert "| load_balancing_loss " not in off_output and not any("moe/load_balancing_loss" in e for e in off_history)
-    assert on[1] == pytest.approx(off[1], rel=1e-6), (on, off)
-    assert abs(on[2] - off[2]) > 1e-6, (on, off)
+    assert on[1] == pytest.approx(ours[1], rel=1e-6) and abs(on[2] - ours[2]) > 1e-6, (on, ours)
+
+    default = recipe(assets, tmp_path / "lf", model_name_or_path=model, max_samples=8, max_steps=10)
+    (tmp_path / "lf.yaml").write_text(yaml.safe_dump(default))
+    env = {k: v for k, v in cli_env(None).items() if k != "USE_MCA"}
+    result, log = run(["llamafactory-cli", "train", str(tmp_path / "lf.yaml")], env=env, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, log[-4000:]
+    theirs = losses(tmp_path / "lf")
+    assert sorted(theirs) == sorted(ours) == list(range(1, 11))
+    assert all(abs(ours[k] - theirs[k]) <= 1e-3 * theirs[k] for k in theirs), (ours, theirs)
 
 
 def _weights(directory) -> dict:
@@ -406,6 +421,7 @@ def test_deepseek_style_moe_dpo_trains(family, assets, tmp_path):
         assert "seq_aux_loss x 0.01 (moe_aux_loss_coef), logged apart as seq_load_balancing_loss" in output
         assert "| seq_load_balancing_loss " in output, output[-3000:]
     else:
-        assert "MoE         routing balanced by the expert bias (aux-loss-free); no load-balancing loss" in output
+        assert ("MoE         routing with the checkpoint's expert bias, held as loaded (LLaMA-Factory's default path; "
+                "moe_balancing: checkpoint updates it); no load-balancing loss") in output
     said = "holds no weights for them" if family == "glm4_moe" else "layer(s) are not trained in a dpo run"
     assert output.count(said) == 1, output[-3000:]

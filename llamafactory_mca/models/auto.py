@@ -116,14 +116,16 @@ _TRACKED_AS = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_bala
 
 
 def resolve_load_balancing(config: McaConfig, args: Any, moe_aux_loss_coef: float | None) -> tuple[McaConfig, str]:
-    """The router's load-balancing loss for this run, and where its coefficient came from (for the summary).
+    """The router's load balancing for this run, and where its weight came from (for the summary).
 
-    LLaMA-Factory's ``moe_aux_loss_coef``, where the recipe sets it, decides the coefficient, as Megatron's
-    ``moe_aux_loss_coeff`` does (set both, they must agree). Where the recipe says neither, the checkpoint's
-    ``router_aux_loss_coef`` stays (Megatron's practice), while LLaMA-Factory's default path trains without the
-    term: transformers adds it only with ``output_router_logits``, which only that key turns on. Sigmoid routing
-    (DeepSeek-V3, GLM-4.5) balances through its expert bias without an auxiliary loss; a coefficient asked for there
-    adds DeepSeek-V3's sequence-wise one (``seq_aux_loss``) unless ``moe_router_load_balancing_type`` says otherwise.
+    LLaMA-Factory's default path trains no load-balancing loss unless ``moe_aux_loss_coef`` is set (transformers
+    adds the term only with ``output_router_logits``, which only that key turns on), and never updates a sigmoid
+    router's correction bias (a buffer to transformers). That is the default here too, so both paths train the same
+    model from the same recipe. ``moe_balancing: checkpoint`` keeps Megatron's practice instead: the checkpoint's
+    ``router_aux_loss_coef`` and the expert bias updated towards balanced loads. ``moe_aux_loss_coef`` (or Megatron's
+    ``moe_aux_loss_coeff``; set both, they must agree) sets the weight either way. Sigmoid routing (DeepSeek-V3,
+    GLM-4.5) has no auxiliary loss of its own: a weight asked for there adds DeepSeek-V3's sequence-wise one
+    (``seq_aux_loss``) unless ``moe_router_load_balancing_type`` says otherwise.
     """
     if not config.num_experts:
         return config, ""
@@ -131,9 +133,16 @@ def resolve_load_balancing(config: McaConfig, args: Any, moe_aux_loss_coef: floa
     if theirs is not None and ours is not None and float(theirs) != float(ours):
         raise UserError(f"moe_aux_loss_coef={theirs} (LLaMA-Factory's key) and moe_aux_loss_coeff={ours} (Megatron's) "
                         "disagree on the load-balancing loss weight: set one of them.")
+    from_checkpoint = getattr(args, "moe_balancing", "llamafactory") == "checkpoint"
+    transformer = dict(config.transformer)
+    if transformer.get("moe_router_enable_expert_bias") and not from_checkpoint:
+        transformer["moe_router_bias_update_rate"] = 0.0
     if theirs is None and ours is None:
-        return config, "the checkpoint's router_aux_loss_coef"
-    transformer = dict(config.transformer, moe_aux_loss_coeff=float(theirs if theirs is not None else ours))
+        if from_checkpoint:
+            return dataclasses.replace(config, transformer=transformer), "the checkpoint's router_aux_loss_coef"
+        transformer["moe_aux_loss_coeff"] = 0.0
+        return dataclasses.replace(config, transformer=transformer), "LLaMA-Factory's default"
+    transformer["moe_aux_loss_coeff"] = float(theirs if theirs is not None else ours)
     if (transformer["moe_aux_loss_coeff"] and transformer.get("moe_router_load_balancing_type") == "none"
             and getattr(args, "moe_router_load_balancing_type", None) is None):
         transformer["moe_router_load_balancing_type"] = "seq_aux_loss"
@@ -142,21 +151,28 @@ def resolve_load_balancing(config: McaConfig, args: Any, moe_aux_loss_coef: floa
 
 
 def describe_load_balancing(tc: Any, model_type: str, source: str) -> str:
-    """The summary's MoE line: which load-balancing loss trains, its weight and where that came from, how it is logged,
-    and where it differs from LLaMA-Factory's default path."""
+    """The summary's MoE line: which load balancing trains, its weight and where that came from, how it is logged,
+    where it differs from LLaMA-Factory's default path, and the key that changes it."""
     kind, coeff = tc.moe_router_load_balancing_type, tc.moe_aux_loss_coeff
     weight = f"{coeff:g}" if isinstance(coeff, (int, float)) else str(coeff)
-    parts = ["routing balanced by the expert bias (aux-loss-free)"] if tc.moe_router_enable_expert_bias else []
-    from_checkpoint = source.startswith("the checkpoint")
-    if kind == "none" or not coeff:
-        why = "" if from_checkpoint else f" ({source}: 0)" if not coeff else " (moe_router_load_balancing_type: none)"
+    parts = []
+    if tc.moe_router_enable_expert_bias:
+        parts.append("routing balanced by the expert bias, updated each step (aux-loss-free)"
+                     if tc.moe_router_bias_update_rate else
+                     "routing with the checkpoint's expert bias, held as loaded (LLaMA-Factory's default path; "
+                     "moe_balancing: checkpoint updates it)")
+    if source == "LLaMA-Factory's default":
+        parts.append("no load-balancing loss, as in LLaMA-Factory's default path (moe_aux_loss_coef sets a weight; "
+                     "moe_balancing: checkpoint trains the checkpoint's router_aux_loss_coef)")
+    elif kind == "none" or not coeff:
+        why = "" if source.startswith("the checkpoint") else f" ({source}: 0)" if not coeff else \
+            " (moe_router_load_balancing_type: none)"
         parts.append(f"no load-balancing loss{why}" + ("" if coeff else ", as in LLaMA-Factory's default path"))
     else:
         parts.append(f"load-balancing loss {kind} x {weight} ({source}), logged apart as "
                      f"{_TRACKED_AS.get(str(kind), str(kind))}: loss is the language-model loss")
-        if from_checkpoint:
-            parts.append(f"LLaMA-Factory's default path trains {model_type} without it; moe_aux_loss_coef: 0 does "
-                         "the same here")
+        if source.startswith("the checkpoint"):
+            parts.append(f"LLaMA-Factory's default path trains {model_type} without it (moe_balancing: llamafactory)")
         elif model_type not in LLAMAFACTORY_AUX_LOSS_TYPES:
             parts.append(f"LLaMA-Factory's default path ignores moe_aux_loss_coef for {model_type}")
     if tc.moe_z_loss_coeff:

@@ -1,6 +1,7 @@
-"""The router's load-balancing loss a run trains with: LLaMA-Factory's moe_aux_loss_coef decides it where the recipe
-sets it, the checkpoint's router_aux_loss_coef otherwise, and the summary says which (and where LLaMA-Factory's default
-path differs). Sigmoid routing (DeepSeek-V3, GLM-4.5) stays aux-loss-free unless a coefficient is asked for."""
+"""The router's load balancing a run trains with: as LLaMA-Factory's default path by default (no load-balancing loss
+unless moe_aux_loss_coef sets its weight, a sigmoid router's expert bias never updated), Megatron's practice with
+``moe_balancing: checkpoint`` (the checkpoint's router_aux_loss_coef, the bias updated); the summary says which and
+the key that changes it."""
 
 import pytest
 
@@ -20,12 +21,21 @@ def planned(name: str, coef: float | None, checkpoint: float = 0.001, **recipe):
     return tc, describe_load_balancing(tc, config.hf_model_type, source)
 
 
-def test_the_checkpoints_coefficient_stays_and_is_named():
+def test_by_default_no_load_balancing_loss_trains_as_in_llamafactorys_default_path():
     tc, said = planned("qwen3_moe", None)
+    assert (tc.moe_router_load_balancing_type, tc.moe_aux_loss_coeff) == ("aux_loss", 0.0)
+    assert said == ("no load-balancing loss, as in LLaMA-Factory's default path (moe_aux_loss_coef sets a weight; "
+                    "moe_balancing: checkpoint trains the checkpoint's router_aux_loss_coef)")
+
+
+def test_moe_balancing_checkpoint_trains_the_checkpoints_coefficient_and_names_it():
+    tc, said = planned("qwen3_moe", None, moe_balancing="checkpoint")
     assert (tc.moe_router_load_balancing_type, tc.moe_aux_loss_coeff) == ("aux_loss", 0.001)
     assert said == ("load-balancing loss aux_loss x 0.001 (the checkpoint's router_aux_loss_coef), logged apart as "
                     "load_balancing_loss: loss is the language-model loss; LLaMA-Factory's default path trains "
-                    "qwen3_moe without it; moe_aux_loss_coef: 0 does the same here")
+                    "qwen3_moe without it (moe_balancing: llamafactory)")
+    with pytest.raises(UserError, match="moe_balancing='megatron'"):
+        MegatronArguments(moe_balancing="megatron")
 
 
 @pytest.mark.parametrize("coef,weight,words", [
@@ -47,12 +57,16 @@ def test_families_llamafactory_ignores_the_key_for_are_named():
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
-def test_sigmoid_routing_stays_aux_loss_free_unless_asked(family):
+def test_sigmoid_routing_keeps_its_loaded_bias_unless_asked(family):
     tc, said = planned(family, None)
-    assert (tc.moe_router_load_balancing_type, tc.moe_aux_loss_coeff, tc.moe_router_enable_expert_bias) == \
-        ("none", 0.0, True)
-    assert said == ("routing balanced by the expert bias (aux-loss-free); no load-balancing loss, as in "
-                    "LLaMA-Factory's default path")
+    assert (tc.moe_router_load_balancing_type, tc.moe_aux_loss_coeff, tc.moe_router_enable_expert_bias,
+            tc.moe_router_bias_update_rate) == ("none", 0.0, True, 0.0)
+    assert said.startswith("routing with the checkpoint's expert bias, held as loaded (LLaMA-Factory's default path; "
+                           "moe_balancing: checkpoint updates it); no load-balancing loss, as in LLaMA-Factory's")
+    tc, said = planned(family, None, moe_balancing="checkpoint")  # Megatron's aux-loss-free balancing
+    assert (tc.moe_aux_loss_coeff, tc.moe_router_bias_update_rate) == (0.0, 1e-3)
+    assert said == ("routing balanced by the expert bias, updated each step (aux-loss-free); no load-balancing loss, "
+                    "as in LLaMA-Factory's default path")
     tc, said = planned(family, 1e-4)  # DeepSeek-V3's sequence-wise loss beside the bias
     assert (tc.moe_router_load_balancing_type, tc.moe_aux_loss_coeff, tc.moe_router_enable_expert_bias) == \
         ("seq_aux_loss", 1e-4, True)
