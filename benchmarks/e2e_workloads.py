@@ -441,11 +441,12 @@ def _node_workloads(smoke: bool, cut: int, packed: tuple, lora: dict, recompute:
                       {"pipeline_model_parallel_size": 4, "virtual_pipeline_model_parallel_size": 2, **recompute}),
                   Run(**vars(planned))],
                  steps=8, warmup=3, layers=8 if smoke else 24,
-                 about=f"half of `examples/megatron/qwen3_moe_full.yaml` on half of its GPUs: 24 of the 48 layers on "
-                       f"{n} GPUs hold as many parameters per GPU as the whole model on the recipe's 8, and global batch "
-                       "16 keeps its 8 micro-batches per pipeline. The planner predicts 1,920 tokens/s/GPU for the "
-                       "recipe's PP2 x EP4 and 3,505 for its first proposal PP8 x VPP2 on 8 x 80 GiB; here the same "
-                       "two layouts on half the GPUs (and the planner's first for this host) against its predictions"),
+                 about=f"half of `examples/megatron/qwen3_moe_full.yaml` on half of its GPUs: 24 of the 48 layers "
+                       f"on {n} GPUs hold as many parameters per GPU as the whole model on the recipe's 8, and global "
+                       "batch 16 keeps its 8 micro-batches per pipeline. The planner predicts 1,920 tokens/s/GPU for "
+                       "the recipe's PP2 x EP4 and 3,505 for its first proposal PP8 x VPP2 on 8 x 80 GiB; here the "
+                       "same two layouts on half the GPUs (and the planner's first for this host) against its "
+                       "predictions"),
         Workload("lora_moe_node", "moe", cut, packed,
                  [Run("lf_zero3", "lf", n, True, 1, 4, f"DeepSpeed ZeRO-3, {n} GPUs", zero3),
                   Run("ours", "ours", n, True, 1, 4, f"EP{n}", ep)],

@@ -347,9 +347,9 @@ class MegatronArguments(DistributingParallelArguments):
     moe_balancing: str = field(
         default="llamafactory",
         metadata={"help": "MoE only. llamafactory: as LLaMA-Factory's default path, a load-balancing loss only where "
-                          "moe_aux_loss_coef sets its weight, and a sigmoid router's expert bias used as loaded, never "
-                          "updated. checkpoint: Megatron's practice, the checkpoint's router_aux_loss_coef trains and "
-                          "the expert bias follows each step's loads."},
+                          "moe_aux_loss_coef sets its weight, and a sigmoid router's expert bias used as loaded, "
+                          "never updated. checkpoint: Megatron's practice, the checkpoint's router_aux_loss_coef "
+                          "trains and the expert bias follows each step's loads."},
     )
 
     def __post_init__(self) -> None:

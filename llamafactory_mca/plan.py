@@ -30,9 +30,9 @@ from .models.lora.layers import check_lora_request
 from .models.lora.peft_io import check_lora_plan
 from .models.multimodal import check_vision_layout
 from .parallel import ParallelLayout, check_layout, cuda_graph_layout_needs
+from .stages import check_no_generation, check_stage
 from .trainer.loss import PreferenceConfig
 
-SUPPORTED_STAGES = ("pt", "sft", "dpo")
 SUPPORTED_FINETUNING = ("full", "freeze", "lora")
 
 
@@ -130,9 +130,8 @@ def check_finetuning_type(tuning: str) -> None:
 
 def check_request(stage: str, model_args: Any, data_args: Any, training_args: Any, finetuning_args: Any) -> None:
     """Refuse what the Megatron path does not do, naming the key and the fix."""
-    if stage not in SUPPORTED_STAGES:
-        raise UserError(f"stage={stage!r} is not supported with USE_MCA=1; supported: {', '.join(SUPPORTED_STAGES)}. "
-                         "Unset USE_MCA to run it with LLaMA-Factory's default trainer.")
+    check_stage(stage)
+    check_no_generation(training_args)
     check_finetuning_type(finetuning_args.finetuning_type)
     if finetuning_args.finetuning_type == "lora":
         check_lora_request(finetuning_args)

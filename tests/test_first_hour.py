@@ -157,7 +157,11 @@ def test_mixed_precision_advice_is_kept_on_gpus_only(gpu):
     ({"lerning_rate": 1e-4}, ["unknown key", "'lerning_rate' (did you mean 'learning_rate'?)"]),
     ({"tensor_model_parallel_size": 3}, ["tensor_model_parallel_size=3 does not divide num_attention_heads=4",
                                          "sizes that fit this model: 1, 2"]),
-    ({"stage": "rm"}, ["stage='rm' is not supported with USE_MCA=1; supported: pt, sft, dpo"]),
+    ({"stage": "ppo"}, ["stage='ppo' is not supported with USE_MCA=1; supported: pt, sft, dpo",
+                        "for preference tuning without rollouts use stage: dpo"]),
+    ({"predict_with_generate": True}, ["predict_with_generate is not supported with USE_MCA=1",
+                                       "merge the checkpoint (llamafactory-mca merge)"]),
+    ({"do_predict": True}, ["do_predict=True is not supported with USE_MCA=1", "Set do_predict: false"]),
     ({"finetuning_type": "qlora"}, ["finetuning_type='qlora' is not supported", "QLoRA is finetuning_type: lora"]),
     ({"expert_model_parallel_size": 2}, ["expert_model_parallel_size=2 on a dense model"]),
 ])
@@ -170,7 +174,7 @@ def test_a_mistake_is_one_message_before_any_worker(overrides, fragments, assets
 
 
 def test_debug_variable_shows_the_traceback(assets, tmp_path):
-    result, output = train(tmp_path, recipe(assets, tmp_path / "out", stage="rm"),
+    result, output = train(tmp_path, recipe(assets, tmp_path / "out", stage="ppo"),
                            env={"LLAMAFACTORY_MCA_DEBUG": "1"})
     assert result.returncode != 0 and "Traceback" in output and "UserError" in output
 

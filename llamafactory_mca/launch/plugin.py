@@ -63,10 +63,16 @@ def _guard_train_args(module: types.ModuleType) -> None:
     parse = module.get_train_args
 
     def get_train_args(args=None):
-        if os.environ.get("LOCAL_RANK") is not None:  # a worker: our process group first, see _join_process_group
-            _join_process_group(module.read_args(args))
-        parsed = parse(args)
+        # here, not at the top: the startup hook of every Python process must not import Megatron (plan does)
         from ..plan import check_request
+        from ..stages import check_recipe
+
+        recipe = module.read_args(args)
+        if os.environ.get("LOCAL_RANK") is not None:  # a worker: our process group first, see _join_process_group
+            _join_process_group(recipe)
+        if isinstance(recipe, dict):
+            check_recipe(recipe)
+        parsed = parse(args)
 
         model_args, data_args, training_args, finetuning_args = parsed[:4]
         check_request(finetuning_args.stage, model_args, data_args, training_args, finetuning_args)

@@ -25,6 +25,7 @@ from dataclasses import fields
 from typing import Any
 
 from ..errors import UserError, user_errors
+from ..stages import INSTEAD
 
 # LLaMA-Factory's demo sets: in its repository's data/ folder, not in the pip package.
 LLAMAFACTORY_DATA = ("identity", "alpaca_en_demo", "alpaca_zh_demo", "dpo_en_demo", "dpo_zh_demo", "kto_en_demo",
@@ -89,6 +90,9 @@ def check_keys(recipe: dict[str, Any] | list[str], where: str) -> None:
     unknown = [k for k in _given_keys(recipe) if k not in valid]
     if not unknown:
         return
+    for key in unknown:
+        if key in INSTEAD:  # LLaMA-Factory's keys the Megatron path's arguments leave out on purpose
+            raise UserError(f"{key} is not supported with USE_MCA=1: {INSTEAD[key]}. Remove {key} from {where}.")
     parts = []
     for key in unknown:
         close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
