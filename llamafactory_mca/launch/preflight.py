@@ -160,6 +160,31 @@ def check_gpus_for(nproc: int, gpus: int) -> None:
                     f"RECIPE --gpus {gpus}` lists the layouts that fit), or make more GPUs visible.")
 
 
+def check_reporting(training_args: Any, finetuning_args: Any) -> None:
+    """Each tracker ``report_to`` names (and LLaMA-Factory's ``use_swanlab``) installed: otherwise every rank would
+    fail in its callback's constructor after loading the data. ``report_to: all`` takes only what is installed."""
+    from ..trainer.reporting import PACKAGES, missing_package
+
+    for name in training_args.report_to or []:
+        if name not in PACKAGES:
+            raise UserError(f"report_to={name} is not a tracker transformers knows: use {', '.join(PACKAGES)} "
+                            "or none.")
+        package = missing_package(name)
+        if package:
+            raise UserError(f"report_to={name} needs {package}, which is not installed: pip install {package}, or "
+                            f"drop {name} from report_to.")
+    if getattr(finetuning_args, "use_swanlab", False) and missing_package("swanlab"):
+        raise UserError("use_swanlab=true needs swanlab, which is not installed: pip install swanlab, or set "
+                        "use_swanlab: false.")
+    if "wandb" in (training_args.report_to or []):
+        watch, log_model = os.environ.get("WANDB_WATCH", "false"), os.environ.get("WANDB_LOG_MODEL", "false")
+        if watch in ("all", "parameters", "gradients") or log_model == "end":
+            what = f"WANDB_WATCH={watch}" if watch in ("all", "parameters", "gradients") else "WANDB_LOG_MODEL=end"
+            raise UserError(f"{what} is not supported with USE_MCA=1: W&B would watch or save a transformers model, "
+                            "and each rank holds a Megatron part of one. Unset it (WANDB_LOG_MODEL=checkpoint "
+                            "uploads the checkpoint folders).")
+
+
 def check_datasets(data_args: Any, stage: str) -> None:
     """Every named dataset is in dataset_info.json (else the names it has), of the stage's kind (pairs for dpo) and,
     when it is a local file, exists and is not empty."""
@@ -266,6 +291,7 @@ def check_recipe(recipe: dict[str, Any] | list[str], where: str) -> tuple[Any, A
     if isinstance(recipe, dict) and "finetuning_type" in recipe:
         check_finetuning_type(recipe["finetuning_type"])
     model_args, data_args, training_args, finetuning_args, _ = parse(recipe)
+    check_reporting(training_args, finetuning_args)
     world = planned_world_size(min_world_size(
         training_args.tensor_model_parallel_size, training_args.pipeline_model_parallel_size,
         training_args.context_parallel_size, training_args.expert_model_parallel_size,
@@ -305,6 +331,8 @@ USAGE = """usage: llamafactory-mca train RECIPE.yaml [key=value ...]
 Trains with Megatron-Core. A recipe is a LLaMA-Factory YAML (model_name_or_path, stage, dataset, template,
 cutoff_len, output_dir, per_device_train_batch_size, gradient_accumulation_steps, learning_rate, ...; see
 LLaMA-Factory's documentation) plus the Megatron keys below. key=value after the recipe overrides it.
+Experiment trackers: report_to (tensorboard, wandb, mlflow, swanlab, ... or all; rank 0 writes), logging_dir for
+TensorBoard, LLaMA-Factory's use_swanlab.
 Processes: NPROC_PER_NODE x NNODES (GPUs by default; without GPUs, as many CPU processes as the layout needs).
 """
 

@@ -47,6 +47,7 @@ from .loss import PreferenceConfig, collect_pair_logps, dpo_loss, lm_loss
 from .metrics import flops_per_sequence_set, gpu_memory_gib, peak_flops
 from .optim import LRSchedule, build_optimizer, wrap_ddp
 from .progress import ProgressCallback, forget_logs_after
+from .reporting import ReportedModel, reporting_callbacks
 
 
 logger = logging.getLogger(__name__)
@@ -111,8 +112,10 @@ class McaTrainer:
         self.state = TrainerState(is_local_process_zero=args.local_process_index == 0,
                                   is_world_process_zero=torch.distributed.get_rank() == 0)
         self.control = TrainerControl()
-        handlers = [DefaultFlowCallback, ProgressCallback] + list(callbacks or [])
-        self.callback_handler = CallbackHandler(handlers, model, tokenizer, self.optimizer, self.schedule)
+        # Hugging Face's order: the flow, the trackers report_to names, then LLaMA-Factory's (trainer_log.jsonl)
+        handlers = [DefaultFlowCallback, ProgressCallback] + reporting_callbacks(args) + list(callbacks or [])
+        self.callback_handler = CallbackHandler(handlers, ReportedModel(model), tokenizer, self.optimizer,
+                                                self.schedule)
         self.peak_flops = peak_flops()
         self._inject_nan, self._nonfinite_run = False, 0
         self.control = self.callback_handler.on_init_end(args, self.state, self.control)
