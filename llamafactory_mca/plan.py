@@ -175,7 +175,7 @@ def check_cuda_graphs(stage: str, finetuning_args: Any, packing: bool, config: M
         # (what it needs, holds, why)
         ("variable_seq_lengths unset", not args.variable_seq_lengths, "a graph replays one length"),
         ("packing: true", packing, "packs are what get one size per micro-batch"),
-        ("stage: sft or pt", stage != "dpo", "DPO's reference pass and pairs run other shapes"),
+        ("stage: sft or pt", stage in ("sft", "pt"), "DPO's reference pass and pairs run other shapes"),
         ("lora_dropout: 0", finetuning_args.finetuning_type != "lora" or not finetuning_args.lora_dropout,
          "LoRA's dropout inside a replayed graph is not verified yet"),
         ("a text model", not config.vision_language,
@@ -199,7 +199,7 @@ def check_cuda_graphs(stage: str, finetuning_args: Any, packing: bool, config: M
 def plan_mtp(config: McaConfig, stage: str, finetuning_type: str, args: Any) -> tuple[McaConfig, str | None]:
     """The model's multi-token-prediction layers for this run, and a note when they are left out unasked: trained in
     full pt and sft; left out in LoRA runs (a peft adapter has no place for them, and the base model keeps its own),
-    freeze runs (they train chosen decoder layers only) and dpo runs (their loss is next-token prediction, not a
+    freeze runs (they train chosen decoder layers only) and dpo and rm runs (their loss is next-token prediction, not a
     preference), unless the recipe sets ``mtp_num_layers``. A vision-language model's MTP layer needs the image
     features, which live on the first pipeline stage, and sits on the last: under pipelining it is left out
     (``resolve_mtp``)."""
@@ -210,8 +210,8 @@ def plan_mtp(config: McaConfig, stage: str, finetuning_type: str, args: Any) -> 
         return resolve_mtp(config, asked, pipeline), (
             f"{apart}: it is not trained in this run, and the exported model has none, like LLaMA-Factory's default "
             "path's. pipeline_model_parallel_size: 1 trains it.")
-    if config.mtp_num_layers and asked is None and (stage == "dpo" or finetuning_type != "full"):
-        why = "dpo" if stage == "dpo" and finetuning_type == "full" else \
+    if config.mtp_num_layers and asked is None and (stage in ("dpo", "rm") or finetuning_type != "full"):
+        why = stage if stage in ("dpo", "rm") and finetuning_type == "full" else \
             "LoRA" if finetuning_type == "lora" else finetuning_type
         exported = ("the base model keeps them" if why == "LoRA" else
                     "the exported model has none, like LLaMA-Factory's default path's")
@@ -242,9 +242,10 @@ def check_model_fits(config: Any, stage: str, layout: Any, custom_pipeline_layou
     ``custom_pipeline_layout``: a pipeline_model_parallel_layout places the layers, not the even split (the model
     build then checks where the deepstack layers went)."""
     if config.vision_language:
-        if stage == "dpo":
-            raise UserError(f"{config.hf_model_type}: DPO on vision-language models is not supported with USE_MCA=1 "
-                            "yet; sft and pt are. Unset USE_MCA to run it with LLaMA-Factory's default trainer.")
+        if stage in ("dpo", "rm"):
+            raise UserError(f"{config.hf_model_type}: stage {stage} on vision-language models is not supported with "
+                            "USE_MCA=1 yet; sft and pt are. Unset USE_MCA to run it with LLaMA-Factory's default "
+                            "trainer.")
         check_vision_layout(config, layout, custom_pipeline_layout)
 
 

@@ -1,4 +1,4 @@
-"""run_pt / run_sft / run_dpo, reached through LLaMA-Factory's own dispatch under USE_MCA=1.
+"""run_pt / run_sft / run_dpo / run_rm, reached through LLaMA-Factory's own dispatch under USE_MCA=1.
 
 LLaMA-Factory does what it is good at — tokenizer, template, dataset_info.json, cutoff_len,
 mask_history, train_on_prompt, val_size — and hands us tokenized rows; we plan micro-batches, build
@@ -28,7 +28,7 @@ from .data.rows import one_thread_per_worker, split_documents
 from .errors import UserError, debug_enabled, user_errors
 from .hub import resolve_model
 from .log import setup_logging
-from .models import spec
+from .models import spec, value_head
 from .models.auto import AutoModel, describe_load_balancing
 from .models.freeze import apply_freeze, apply_multimodal_freeze
 from .models.lora.peft_io import setup_lora
@@ -56,6 +56,10 @@ def run_dpo(model_args, data_args, training_args, finetuning_args, callbacks=Non
     _run("dpo", model_args, data_args, training_args, finetuning_args, callbacks)
 
 
+def run_rm(model_args, data_args, training_args, finetuning_args, callbacks=None):
+    _run("rm", model_args, data_args, training_args, finetuning_args, callbacks)
+
+
 def _at(model_args: Any, path: str) -> Any:
     """``model_args`` naming the resolved folder (a copy: the parsed arguments stay as the recipe wrote them)."""
     resolved = copy.copy(model_args)
@@ -76,8 +80,9 @@ def _data_plans(plan: RunPlan, template: Any, tokenizer_module: dict, model_args
                     pad_token_id=pad_id)
     vision = VisionInputs(template.mm_plugin, processor, plan.config.hf_config, video_span=plan.video_span) \
         if plan.vision else None
+    reward = plan.stage == "rm"
     train_plan = DataPlan(dataset_module["train_dataset"], BatchingConfig.from_args(training_args, **batching),
-                          log=False, vision=vision, template_tokens=frame)
+                          log=False, vision=vision, template_tokens=frame, reward=reward)
     check_trainable(train_plan.stats, dataset=",".join(data_args.dataset or []))
     warning = empty_rows_warning(train_plan.stats, dataset=",".join(data_args.dataset or []))
     if warning and torch.distributed.get_rank() == 0:
@@ -87,7 +92,7 @@ def _data_plans(plan: RunPlan, template: Any, tokenizer_module: dict, model_args
         raise UserError("several eval datasets (eval_dataset with a dict) are not supported with USE_MCA=1.")
     eval_plan = None if eval_dataset is None else DataPlan(
         eval_dataset, BatchingConfig.from_args(training_args, for_eval=True, **batching), log=False, vision=vision,
-        template_tokens=frame)
+        template_tokens=frame, reward=reward)
     return train_plan, eval_plan
 
 
@@ -134,19 +139,20 @@ def _load_rows(stage: str, template: Any, model_args: Any, data_args: Any, train
     """LLaMA-Factory's tokenized rows, one sequence per row, shifted later inside each sequence.
 
     sft/dpo: LLaMA-Factory truncates each row (its own way: mask_history, train_on_prompt) to cutoff_len + 1
-    tokens, so that the shift loses nothing. pt: whole documents, split here into cutoff_len pieces
+    tokens, so that the shift loses nothing; rm: to cutoff_len, as its rm stage does (nothing is shifted). pt: whole
+    documents, split here into cutoff_len pieces
     (``split_documents``), or, with ``pt_blocks: concatenated``, LLaMA-Factory's own cutoff_len blocks.
     """
     documents = stage == "pt" and training_args.pt_blocks == "documents"
     concatenated = stage == "pt" and not documents
     saved = data_args.cutoff_len, data_args.packing, data_args.neat_packing
-    data_args.cutoff_len = 2**31 - 1 if documents else cutoff_len if concatenated else cutoff_len + 1
+    data_args.cutoff_len = 2**31 - 1 if documents else cutoff_len if concatenated or stage == "rm" else cutoff_len + 1
     data_args.packing, data_args.neat_packing = concatenated, False
     workers = data_args.preprocessing_num_workers
     try:
         with one_thread_per_worker(workers):
             module = get_dataset(template, model_args, data_args, training_args,
-                                 stage="rm" if stage == "dpo" else stage, **tokenizer_module)
+                                 stage="rm" if stage in ("dpo", "rm") else stage, **tokenizer_module)
     except ValueError as err:  # LLaMA-Factory's word for data it cannot use (format, columns, no valid samples)
         raise UserError(f"LLaMA-Factory could not prepare dataset={','.join(data_args.dataset or [])}: {err}") from err
     finally:
@@ -223,7 +229,7 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
     data_ready = time.monotonic()
 
     model = AutoModel.from_pretrained(plan.model_path, training_args, model_args.trust_remote_code, config=plan.config,
-                                      frozen_base=plan.finetuning_type == "lora")
+                                      frozen_base=plan.finetuning_type == "lora", value_head=stage == "rm")
     adapter_config = None
     if plan.finetuning_type == "lora":
         adapter_config = setup_lora(model, finetuning_args, list(plan.adapters), plan.model_path, training_args.seed,
@@ -232,6 +238,8 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
         if plan.finetuning_type == "freeze":
             apply_freeze(model, finetuning_args)
         apply_multimodal_freeze(model, finetuning_args)
+    if stage == "rm":
+        value_head.train_whole(model.chunks, plan.adapters)
 
     preference = None
     if stage == "dpo":
@@ -245,6 +253,7 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
         reference=plan.reference,
         side_files=SideFiles(plan.config, plan.layout, grouped, tokenizer, processor, adapter_config=adapter_config,
                              run=plan.record),
+        reward=stage == "rm",
     )
     if rank == 0:
         now = time.monotonic()
@@ -259,4 +268,4 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
     trainer.save_state()
     if trainer.is_world_process_zero() and finetuning_args.plot_loss:
         keys = ["loss"] + (["eval_loss"] if eval_plan is not None else [])
-        plot_loss(training_args.output_dir, keys=keys + (["rewards/accuracies"] if stage == "dpo" else []))
+        plot_loss(training_args.output_dir, keys=keys + (["rewards/accuracies"] if stage in ("dpo", "rm") else []))

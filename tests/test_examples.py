@@ -124,7 +124,7 @@ def test_every_example_is_covered():
                                                        "qwen3_dense_sft.yaml", "qwen3_dpo.yaml",
                                                        "qwen3_long_context_cp2.yaml", "qwen3_moe_full.yaml",
                                                        "qwen3_moe_lora.yaml", "qwen3_next_full.yaml",
-                                                       "qwen3_vl_moe_full.yaml"]
+                                                       "qwen3_rm.yaml", "qwen3_vl_moe_full.yaml"]
     for example in EXAMPLES:
         with open(example) as f:
             assert yaml.safe_load(f)["model_name_or_path"] in FAMILY, example

@@ -36,7 +36,7 @@ from .packing import (
     round_up,
     round_up_array,
 )
-from .rows import PAIRWISE, RowTable, columns_for, detect_kind, fetch_samples, scan_rows
+from .rows import PAIRWISE, REWARD, RowTable, columns_for, detect_kind, fetch_samples, scan_rows
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -114,17 +114,18 @@ class DataPlan:
     """Which rows form which micro-batch, for every epoch; collation on demand."""
 
     def __init__(self, dataset: Dataset, config: BatchingConfig, log: bool = True, vision: Any = None,
-                 template_tokens: np.ndarray | None = None) -> None:
+                 template_tokens: np.ndarray | None = None, reward: bool = False) -> None:
         """``vision``: a ``data.multimodal.VisionInputs`` for vision-language models (pixels, 3-D positions).
         ``template_tokens``: the ids the chat template adds around a row's text (``data/content.py``), to count the
-        rows with no text of their own; without them every token counts as the dataset's."""
+        rows with no text of their own; without them every token counts as the dataset's. ``reward``: pairs for a
+        reward model (``rows.REWARD``)."""
         if not hasattr(dataset, "select_columns") or not hasattr(dataset, "__len__"):
             raise TypeError(
                 f"DataPlan needs a map-style datasets.Dataset, got {type(dataset).__name__}; streaming datasets "
                 "cannot be planned, shuffled or resumed exactly. Set streaming: false."
             )
         self.config, self.vision = config, vision
-        self.kind = detect_kind(dataset.column_names)
+        self.kind = detect_kind(dataset.column_names, reward)
         self.table: RowTable = scan_rows(dataset, self.kind, config.cutoff_len, template_tokens=template_tokens)
         self._dataset = dataset.select_columns(columns_for(self.kind, dataset.column_names))
         self._kept = np.flatnonzero(self.table.keep)
@@ -142,7 +143,7 @@ class DataPlan:
 
     @property
     def pairwise(self) -> bool:
-        return self.kind == PAIRWISE
+        return self.kind in (PAIRWISE, REWARD)
 
     @property
     def capacity(self) -> int:

@@ -84,7 +84,8 @@ def _ref_logps(samples: list[Sample]) -> tuple[torch.Tensor | None, torch.Tensor
 def _data_tokens(samples: list[Sample]) -> int:
     """The dataset tokens these samples train: each sequence's positions plus its last token (a target only),
     which a piece continuing a document shares with the piece before it."""
-    return sum(len(tokens) + (0 if sample.continues else 1) for sample in samples if not sample.filler
+    return sum(len(tokens) + (0 if sample.continues or sample.unshifted else 1) for sample in samples
+               if not sample.filler
                for tokens, _ in sample.sequences)
 
 

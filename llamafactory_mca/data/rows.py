@@ -3,6 +3,10 @@
 Our workflow asks ``get_dataset`` for ``cutoff_len + 1`` tokens per row because the shift happens here,
 inside each sequence: ``tokens = ids[:-1]`` and ``targets = labels[1:]`` (pretraining: ``ids[1:]``). A row
 therefore gives at most ``cutoff_len`` positions, and no target ever belongs to a neighbouring sequence.
+
+A reward model's pairs (``reward``: LLaMA-Factory's rm rows, tokenized to ``cutoff_len`` as its own rm stage does)
+are not shifted: every token is a position, and the one target of a sequence marks its last token, the one its
+score is read at (``trainer/loss.py``'s ``reward_loss``) wherever packing, padding or context parallelism puts it.
 """
 
 from __future__ import annotations
@@ -21,20 +25,21 @@ if TYPE_CHECKING:
     from datasets import Dataset
 
 
-PT, SFT, PAIRWISE = "pt", "sft", "pairwise"
+PT, SFT, PAIRWISE, REWARD = "pt", "sft", "pairwise", "reward"
 DOCUMENT_START = "document_start"  # pt pieces (split_documents): False where a piece continues a document
 MEDIA_COLUMNS = ("images", "videos")  # LLaMA-Factory keeps a row's images and videos (paths) beside its tokens
-_PREFIXES = {PT: ("",), SFT: ("",), PAIRWISE: ("chosen_", "rejected_")}
+_PREFIXES = {PT: ("",), SFT: ("",), PAIRWISE: ("chosen_", "rejected_"), REWARD: ("chosen_", "rejected_")}
 
 
-def detect_kind(column_names: list[str]) -> str:
-    """``pairwise`` (LLaMA-Factory's "rm" processing, used for DPO), ``sft`` (has labels) or ``pt``."""
+def detect_kind(column_names: list[str], reward: bool = False) -> str:
+    """``pairwise`` (LLaMA-Factory's "rm" processing, used for DPO; ``reward`` with ``reward``: a reward model's),
+    ``sft`` (has labels) or ``pt``."""
     if "chosen_input_ids" in column_names:
         missing = [f"{p}{c}" for p in _PREFIXES[PAIRWISE] for c in ("input_ids", "labels")
                    if f"{p}{c}" not in column_names]
         if missing:
             raise ValueError(f"Pairwise dataset lacks columns {missing}; got {column_names}.")
-        return PAIRWISE
+        return REWARD if reward else PAIRWISE
     if "input_ids" not in column_names:
         raise ValueError(f"Dataset has no input_ids column (got {column_names}); is it tokenized?")
     return SFT if "labels" in column_names else PT
@@ -77,8 +82,9 @@ class RowTable:
 
     @property
     def data_tokens(self) -> np.ndarray:
-        """Per row, the dataset tokens it trains: positions, plus each sequence's last token unless shared."""
-        return self.lengths.sum(axis=1) + np.where(self.continues, 0, self.sequences_per_row)
+        """Per row, the dataset tokens it trains: positions, plus each sequence's last token unless shared (or a
+        position itself: ``REWARD``)."""
+        return self.lengths.sum(axis=1) + np.where(self.continues | (self.kind == REWARD), 0, self.sequences_per_row)
 
     @property
     def empty(self) -> np.ndarray:
@@ -139,17 +145,20 @@ def scan_rows(dataset: Dataset, kind: str, cutoff_len: int, batch_size: int = 10
         for prefix in prefixes:
             ids = table.column(f"{prefix}input_ids").combine_chunks()
             count = _list_lengths(ids)
-            positions = np.clip(np.minimum(count, cutoff_len + 1) - 1, 0, None)
+            unshifted = kind == REWARD
+            positions = np.minimum(count, cutoff_len) if unshifted else np.clip(np.minimum(count, cutoff_len + 1) - 1,
+                                                                                 0, None)
             seq_lengths.append(positions)
-            # LLaMA-Factory already cut rows to cutoff_len + 1 tokens: reaching the limit means truncated
-            seq_truncated.append(np.zeros(len(count), dtype=bool) if split else count >= cutoff_len + 1)
+            # LLaMA-Factory already cut rows to cutoff_len + 1 tokens (reward: cutoff_len): reaching it means truncated
+            seq_truncated.append(np.zeros(len(count), dtype=bool) if split else count >= cutoff_len + 1 - unshifted)
             own_tokens = own_tokens + _count_per_row(ids, 0, cutoff_len, own)
             if kind == PT:
                 seq_losses.append(positions)
                 own_loss = own_loss + _count_per_row(ids, 1, cutoff_len, own)
             else:
                 trained, trained_own = _loss_counts(table.column(f"{prefix}labels").combine_chunks(), cutoff_len, own)
-                seq_losses.append(trained)
+                # a reward model's one target per sequence (its score); the answer's own tokens still tell empty ones
+                seq_losses.append((positions > 0).astype(np.int64) if unshifted else trained)
                 own_loss = own_loss + trained_own
         lengths.append(np.stack(seq_lengths, axis=1))
         losses.append(np.stack(seq_losses, axis=1))
@@ -187,19 +196,27 @@ class Sample:
     sequences: list[tuple[np.ndarray, np.ndarray]]
     ref_logps: tuple[float, float] | None = None
     continues: bool = False  # a pt piece after the first of its document
+    unshifted: bool = False  # a reward model's sequences: every token a position, the last one's target its score
     filler: bool = False  # a loss-free stand-in row that keeps a short group's shape (collate_padded)
     images: list = field(default_factory=list)  # vision-language rows: as LLaMA-Factory's mm plugin reads them
     videos: list = field(default_factory=list)
 
 
 def make_sample(row: dict[str, Any], kind: str, cutoff_len: int) -> Sample:
-    """Truncate to ``cutoff_len + 1`` tokens, then shift inside the sequence."""
+    """Truncate to ``cutoff_len + 1`` tokens, then shift inside the sequence (reward: ``cutoff_len`` tokens, the
+    last one's target set)."""
     sequences = []
     for prefix in _PREFIXES[kind]:
+        if kind == REWARD:
+            ids = np.asarray(row[f"{prefix}input_ids"][:cutoff_len], dtype=np.int64)
+            targets = np.full(len(ids), IGNORE_INDEX, dtype=np.int64)
+            targets[-1:] = ids[-1:]
+            sequences.append((ids, targets))
+            continue
         ids = np.asarray(row[f"{prefix}input_ids"][: cutoff_len + 1], dtype=np.int64)
         labels = ids if kind == PT else np.asarray(row[f"{prefix}labels"][: cutoff_len + 1], dtype=np.int64)
         sequences.append((ids[:-1], labels[1:]))
-    return Sample(sequences, continues=kind == PT and row.get(DOCUMENT_START, True) is False,
+    return Sample(sequences, continues=kind == PT and row.get(DOCUMENT_START, True) is False, unshifted=kind == REWARD,
                   images=list(row.get("images") or []), videos=list(row.get("videos") or []))
 
 

@@ -29,7 +29,7 @@ _TRUE = ("1", "true", "y", "yes", "on")
 # What each aliased name exposes, and where it comes from.
 _EXPORTS = {
     ADAPTER_NAME: ("llamafactory_mca.training_args", ("TrainingArguments", "Seq2SeqTrainingArguments")),
-    WORKFLOW_NAME: ("llamafactory_mca.workflow", ("run_pt", "run_sft", "run_dpo")),
+    WORKFLOW_NAME: ("llamafactory_mca.workflow", ("run_pt", "run_sft", "run_dpo", "run_rm")),
 }
 
 
@@ -55,6 +55,7 @@ class _AliasLoader(importlib.abc.Loader):
 
 PARSER_NAME = "llamafactory.hparams.parser"
 LAUNCHER_NAME = "llamafactory.launcher"
+TUNER_NAME = "llamafactory.train.tuner"
 
 
 def _guard_train_args(module: types.ModuleType) -> None:
@@ -79,6 +80,20 @@ def _guard_train_args(module: types.ModuleType) -> None:
         return parsed
 
     module.get_train_args = get_train_args
+
+
+def _route_rm(module: types.ModuleType) -> None:
+    """LLaMA-Factory's tuner hands only pt, sft and dpo to its Megatron workflows and sends rm to its own trainer
+    even under USE_MCA=1: a USE_MCA run's rm goes to ours."""
+    own = module.run_rm
+
+    def run_rm(model_args, data_args, training_args, finetuning_args, callbacks=None):
+        if not getattr(finetuning_args, "use_mca", False):
+            return own(model_args, data_args, training_args, finetuning_args, callbacks)
+        workflow = importlib.import_module(_EXPORTS[WORKFLOW_NAME][0])
+        return workflow.run_rm(model_args, data_args, training_args, finetuning_args, callbacks)
+
+    module.run_rm = run_rm
 
 
 def _join_process_group(recipe) -> None:
@@ -182,7 +197,8 @@ def _board(name: str):
 
 BOARD_MODULES = ("llamafactory.webui.locales", "llamafactory.webui.components.train", "llamafactory.webui.runner",
                  "llamafactory.webui.control", "llamafactory.webui.components.export")
-_PATCHES = {PARSER_NAME: _guard_train_args, LAUNCHER_NAME: _take_over_launch, **{n: _board(n) for n in BOARD_MODULES}}
+_PATCHES = {PARSER_NAME: _guard_train_args, LAUNCHER_NAME: _take_over_launch, TUNER_NAME: _route_rm,
+            **{n: _board(n) for n in BOARD_MODULES}}
 
 
 class _PatchingLoader(importlib.abc.Loader):

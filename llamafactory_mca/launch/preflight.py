@@ -201,11 +201,11 @@ def check_datasets(data_args: Any, stage: str) -> None:
             raise UserError(f"{key}={','.join(names)}: {err}{_known_names(names, directory)}"
                             f"{_data_hint(names, directory)}") from err
         for name, attr in zip(names, attrs):
-            if stage == "dpo" and not attr.ranking:
-                raise UserError(f"dataset {name!r} is not a preference dataset: stage dpo trains on chosen/rejected "
-                                f"pairs, and dataset_info.json in {directory} does not mark it `\"ranking\": true` "
-                                "(with chosen and rejected columns; see LLaMA-Factory's data/README.md), or use "
-                                "stage: sft for its rows.")
+            if stage in ("dpo", "rm") and not attr.ranking:
+                raise UserError(f"dataset {name!r} is not a preference dataset: stage {stage} trains on "
+                                f"chosen/rejected pairs, and dataset_info.json in {directory} does not mark it "
+                                "`\"ranking\": true` (with chosen and rejected columns; see LLaMA-Factory's "
+                                "data/README.md), or use stage: sft for its rows.")
             if attr.load_from != "file" or isinstance(directory, dict) or directory.startswith("REMOTE:"):
                 continue
             path = os.path.join(directory, attr.dataset_name)

@@ -28,6 +28,7 @@ from .families import get_family
 from .loading import dims_for, load_hf_weights
 from .native.cross_entropy import DeferredLogits
 from .lora.layers import adapter_state
+from . import value_head as vhead
 
 
 logger = logging.getLogger(__name__)
@@ -303,10 +304,15 @@ class McaModel:
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.validation import StrictHandling
 
-        from ..checkpoints.dist_reader import named_load_errors  # with megatron's: no torch DCP to plan a run
+        from ..checkpoints.dist_reader import DistCheckpointReader, named_load_errors  # no torch DCP to plan a run
 
+        wanted = self.sharded_state_dict()
+        if vhead.heads(self.chunks) and vhead.WEIGHT_KEY not in DistCheckpointReader(directory):
+            # a reward model from a checkpoint of another stage: its value head starts new
+            wanted = {k: {n: v for n, v in part.items() if not n.startswith(vhead.PREFIX)}
+                      for k, part in wanted.items()}
         with named_load_errors(directory):
-            state = dist_checkpointing.load(self.sharded_state_dict(), directory,
+            state = dist_checkpointing.load(wanted, directory,
                                             strict=StrictHandling.ASSUME_OK_UNEXPECTED if not strict
                                             else StrictHandling.RAISE_UNEXPECTED)
         for i, chunk in enumerate(self.chunks):
@@ -426,22 +432,30 @@ class AutoModel:
 
     @staticmethod
     def from_pretrained(path: str, args: Any = None, trust_remote_code: bool = False,
-                        config: McaConfig | None = None, frozen_base: bool = False) -> McaModel:
+                        config: McaConfig | None = None, frozen_base: bool = False, value_head: bool = False
+                        ) -> McaModel:
         """``config``: the run's plan of the model at ``path`` (``plan.RunPlan.config``), if made already; otherwise
-        read from ``path`` with the multi-token prediction ``args`` asks for."""
+        read from ``path`` with the multi-token prediction ``args`` asks for. ``value_head``: a reward model's, on the
+        last stage (``value_head.py``)."""
         start = time.perf_counter()
         if config is None:
             config = resolve_mtp(AutoConfig.from_pretrained(path, args, trust_remote_code),
                                  getattr(args, "mtp_num_layers", None),
                                  getattr(args, "pipeline_model_parallel_size", 1) or 1)
         model = AutoModel.from_config(config, args, frozen_base)
+        attach = (lambda: vhead.attach(model.chunks, config.hf_config, model.transformer_config,
+                                       getattr(args, "seed", 42))) if value_head else (lambda: None)
         dist = checkpoints.dist_checkpoint_dir(path) if checkpoints.is_ours(path) else None
         if dist is not None:
+            attach()  # a checkpoint of ours holds the head with the rest
             model.load_dist_checkpoint(dist, strict=False)
             what = f"dist checkpoint {dist}"
         else:
             src = model.load_hf_weights(path)
+            attach()  # beside the HF weights, in value_head.safetensors (or new)
             what = f"{len(src.files_opened)} safetensors file(s), {src.bytes_read / 2**20:.1f} MiB read on this rank"
+            if value_head and vhead.load_file_into(model.chunks, path):
+                what += f", {vhead.V_HEAD_SAFE_WEIGHTS_NAME}"
         if torch.distributed.get_rank() == 0:
             import resource
 

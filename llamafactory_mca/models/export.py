@@ -24,6 +24,7 @@ from .config import McaConfig
 from .families import get_family
 from .loading import dims_for
 from .mapping import fill, is_mtp_only, split_expert, stored_mtp_name, te_norm_name
+from .value_head import write_file as write_value_head
 
 
 def stored_keys(pattern: str) -> list[str]:
@@ -128,6 +129,7 @@ def export_hf(checkpoint: str, output: str, dtype: torch.dtype | None = None,
             writer.add(name, tensor)
         writer.finish()
         write_hf_config(config.hf_config, staging, dtype or stored_dtype)
+        write_value_head(reader, staging, dtype)  # a reward model's, as LLaMA-Factory writes it
         copied = copy_side_files(checkpoint, staging)
         move_into(staging, output)
     finally:

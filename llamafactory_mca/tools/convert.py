@@ -14,6 +14,7 @@ from ..args import MegatronArguments
 from ..checkpoints import DIST_DIR, LAYOUT_KEYS, MCA_CONFIG_NAME, SideFiles, verify_contents, write_folder
 from ..errors import UserError, user_errors
 from ..hub import resolve_model
+from ..models import value_head
 from ..models.auto import AutoConfig, AutoModel
 from ..parallel import ParallelLayout, check_layout, min_world_size
 from ..plan import check_model_files
@@ -60,7 +61,8 @@ def convert_rank(hf_path: str, output: str, margs: Any) -> int:
 
     layout = parallel.ParallelLayout.from_args(margs)
     parallel.initialize(layout)
-    model = AutoModel.from_pretrained(hf_path, margs)
+    # a reward model's value head (value_head.safetensors beside the weights) comes along, for rm runs to start from
+    model = AutoModel.from_pretrained(hf_path, margs, value_head=value_head.read_file(hf_path) is not None)
     write_folder(output, model.sharded_state_dict(), SideFiles(model.config, layout, hf_source=hf_path))
     if torch.distributed.get_rank() == 0:
         print(f"Megatron dist checkpoint written to {output} ({MCA_CONFIG_NAME}, {DIST_DIR}/)")

@@ -8,6 +8,9 @@ rows were packed.
 
 DPO losses follow LLaMA-Factory's (sigmoid with label smoothing, hinge, ipo, orpo, simpo, pref_ftx).
 A pair's log-probabilities are sums over its sequence, all-reduced over context-parallel ranks.
+
+The reward model's loss is LLaMA-Factory's PairwiseTrainer's: -logsigmoid(chosen score - rejected score), a pair's
+scores read at the last token of each sequence (the one target ``data/rows.py`` gives a reward model's sequence).
 """
 
 from __future__ import annotations
@@ -115,6 +118,31 @@ def dpo_loss(cfg: PreferenceConfig, batch, token_losses: torch.Tensor):
         ref_chosen, ref_rejected = batch.ref_chosen_logps.float(), batch.ref_rejected_logps.float()
     losses, chosen_rewards, rejected_rewards = preference_losses(cfg, chosen, rejected, ref_chosen, ref_rejected,
                                                                  averages[0::2])
+    return _pair_outputs(losses, counts, lambda valid: {
+        "rewards/chosen": (chosen_rewards * valid).sum(),
+        "rewards/rejected": (rejected_rewards * valid).sum(),
+        "rewards/accuracies": ((chosen_rewards > rejected_rewards).float() * valid).sum(),
+        "rewards/margins": ((chosen_rewards - rejected_rewards) * valid).sum(),
+        "logps/chosen": (chosen.detach() * valid).sum(),
+        "logps/rejected": (rejected.detach() * valid).sum(),
+    })
+
+
+def reward_loss(batch, values: torch.Tensor):
+    """Megatron loss function for a reward model's micro-batch of pairs: ``values`` [b, s] from the value head, each
+    sequence scored at its one loss-mask position. Its accuracy (the share of pairs whose chosen answer scores higher,
+    LLaMA-Factory's rm metric) is logged under DPO's name, which LLaMA-Factory's trainer_log.jsonl writes as
+    ``accuracy``."""
+    scores, counts = sequence_logps(-values, batch.loss_mask, batch.seq_ids, 2 * batch.num_pairs)
+    chosen, rejected = scores[0::2], scores[1::2]
+    losses = -F.logsigmoid(chosen - rejected)
+    return _pair_outputs(losses, counts, lambda valid: {
+        "rewards/accuracies": ((chosen > rejected).float() * valid).sum(),
+    })
+
+
+def _pair_outputs(losses: torch.Tensor, counts: torch.Tensor, metrics):
+    """(loss sum, pair count, logged) from per-pair losses; ``metrics(valid)``: the logged sums besides the loss."""
     # A real pair has targets on both sides; the rows that fill a short micro-batch and the stand-ins that keep
     # ranks in step have none, and must add nothing.
     valid = ((counts[0::2] > 0) & (counts[1::2] > 0)).float()
@@ -124,16 +152,8 @@ def dpo_loss(cfg: PreferenceConfig, batch, token_losses: torch.Tensor):
     n = valid.sum()
     count = (n if ps.get_context_parallel_rank() == 0 else n * 0).to(torch.int)
     total = (losses * valid).sum() / cp
-    sums_logged = {
-        "loss": (losses * valid).sum().detach(),
-        "rewards/chosen": (chosen_rewards * valid).sum(),
-        "rewards/rejected": (rejected_rewards * valid).sum(),
-        "rewards/accuracies": ((chosen_rewards > rejected_rewards).float() * valid).sum(),
-        "rewards/margins": ((chosen_rewards - rejected_rewards) * valid).sum(),
-        "logps/chosen": (chosen.detach() * valid).sum(),
-        "logps/rejected": (rejected.detach() * valid).sum(),
-    }
-    logged = {k: torch.stack([v.float(), n]) for k, v in sums_logged.items()}  # [sum, count], averaged later
+    sums_logged = {"loss": (losses * valid).sum().detach(), **metrics(valid)}
+    logged = {k: torch.stack([v.detach().float(), n]) for k, v in sums_logged.items()}  # [sum, count], averaged later
     if cp > 1 and ps.get_context_parallel_rank() != 0:
         logged = {k: torch.zeros_like(v) for k, v in logged.items()}
     return total, count, logged

@@ -43,7 +43,7 @@ from . import checkpoint as ckpt
 from .faults import maybe_crash, maybe_hang, nan_loss
 from .feeder import StepFeeder
 from .graphs import eager_layers
-from .loss import PreferenceConfig, collect_pair_logps, dpo_loss, lm_loss
+from .loss import PreferenceConfig, collect_pair_logps, dpo_loss, lm_loss, reward_loss
 from .metrics import flops_per_sequence_set, gpu_memory_gib, peak_flops
 from .optim import LRSchedule, build_optimizer, wrap_ddp
 from .progress import ProgressCallback, forget_logs_after
@@ -93,8 +93,9 @@ class McaTrainer:
     def __init__(self, model: Any, args: Any, layout: Any, train_data: Any, eval_data: Any = None,
                  tokenizer: Any = None, processor: Any = None, callbacks: list | None = None,
                  preference: PreferenceConfig | None = None, reference: tuple[str, Any] | None = None,
-                 side_files: SideFiles | None = None) -> None:
-        self.model, self.args, self.layout = model, args, layout
+                 side_files: SideFiles | None = None, reward: bool = False) -> None:
+        """``reward``: a reward model's run (the model's value head scores each sequence, ``reward_loss``)."""
+        self.model, self.args, self.layout, self.reward = model, args, layout, reward
         self.train_data, self.eval_data = train_data, eval_data
         self.train_feed = StepFeeder(train_data, layout, fixed_shapes=bool(getattr(args, "cuda_graphs", False)),
                                      prefetch=args.run_prefetch_steps())
@@ -154,7 +155,7 @@ class McaTrainer:
         positions, extra = batch.model_inputs(first_stage=has_tower)
         if self.model.transformer_config.mtp_num_layers:  # multi-token prediction's loss counts these targets
             extra = {**extra, "loss_mask": batch.loss_mask}
-        output = model_chunk(batch.tokens, positions, None, labels=batch.model_labels,
+        output = model_chunk(batch.tokens, positions, None, labels=None if self.reward else batch.model_labels,
                              packed_seq_params=batch.packed_seq_params(), **extra)
         if self._inject_nan:
             output = output * float("nan")
@@ -162,6 +163,8 @@ class McaTrainer:
             return output, partial(collect_pair_logps, self.preference, batch)
         if self.preference is not None:
             return output, partial(dpo_loss, self.preference, batch)
+        if self.reward:
+            return output, partial(reward_loss, batch)
         return output, partial(lm_loss, batch.loss_mask)
 
     def _run_schedule(self, micro_batches: list, forward_only: bool, chunks: list | None = None,

@@ -44,6 +44,7 @@ from ..freeze import EXTRA_MODULES
 from ..loading import global_layer_names, dims_for
 from ..mapping import DictSource, Dims, GroupedRows, Op, WeightTable
 from ..native.experts import NativeGroupedMLP, grouped_mm
+from ..value_head import PREFIX as VALUE_HEAD_PREFIX
 
 EXPERTS_WORD = "experts"  # lora_target word for the routed experts (peft target_parameters)
 EXPERT_PIECES = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
@@ -552,9 +553,10 @@ def is_adapter_key(name: str) -> bool:
 
 
 def adapter_state(state: dict, additional: tuple[str, ...] = ()) -> dict:
-    """The adapters' (and ``additional_target`` modules') entries of a model's sharded state dict."""
-    prefixes = tuple(EXTRA_MODULES[m] for m in additional)
-    return {k: v for k, v in state.items() if is_adapter_key(k) or (prefixes and k.startswith(prefixes))}
+    """The adapters' (and ``additional_target`` modules', and a reward model's value head's: trained whole)
+    entries of a model's sharded state dict."""
+    prefixes = tuple(EXTRA_MODULES[m] for m in additional) + (VALUE_HEAD_PREFIX,)
+    return {k: v for k, v in state.items() if is_adapter_key(k) or k.startswith(prefixes)}
 
 
 def _global_module_name(name: str, layer_names: dict[str, str], first_expert: int) -> str:

@@ -26,6 +26,7 @@ from ..families import get_family
 from ..freeze import EXTRA_MODULES
 from ..loading import dims_for, local_targets
 from ..mapping import DictSource
+from ..value_head import V_HEAD_SAFE_WEIGHTS_NAME, write_file as write_value_head
 from .layers import (EXPERT_PIECES, LoraGroupedExpertsMixin, LoraSettings, TargetLinear, apply_lora, lora_modules,
                      merge_lora, meta_hf_model, plan_targets, refuse_split_experts, refuse_split_pieces)
 
@@ -156,6 +157,7 @@ def export_adapter(checkpoint: str, output: str, dtype: torch.dtype | None = Non
     try:
         os.makedirs(staging)
         save_file(tensors, os.path.join(staging, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        write_value_head(reader, staging, dtype)  # a reward model's, beside its adapter as LLaMA-Factory writes it
         with open(os.path.join(staging, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
             json.dump(adapter_config, f, indent=2, sort_keys=True)
         copied = copy_side_files(checkpoint, staging)  # tokenizer files; no config.json: peft reads the base's
@@ -278,6 +280,9 @@ def merge_adapter(adapter: str, base_model: str, output: str, dtype: torch.dtype
     try:
         merged.to(dtype or getattr(config, "dtype", None) or torch.float32).save_pretrained(staging)
         copied = copy_side_files(adapter, staging)
+        if os.path.isfile(os.path.join(adapter, V_HEAD_SAFE_WEIGHTS_NAME)):  # a reward model's head, kept beside it
+            shutil.copy(os.path.join(adapter, V_HEAD_SAFE_WEIGHTS_NAME), staging)
+            copied.append(V_HEAD_SAFE_WEIGHTS_NAME)
         move_into(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -282,6 +282,8 @@ class LanguageModel(NativeCrossEntropy, GPTModel):
         return (out[0], torch.stack((out[1], window)), *out[2:])
 
     def _postprocess(self, *args, **kwargs):
+        if getattr(self, "value_head", None) is not None:  # a reward model (models/value_head.py): no logits
+            return self.value_head(kwargs["hidden_states"])
         layers = self.config.mtp_num_layers
         if kwargs.get("labels") is not None and self._chunks_logits(kwargs["hidden_states"]):
             self.output_layer.defer = True  # the MTP layers' losses too
