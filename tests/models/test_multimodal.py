@@ -135,7 +135,7 @@ def test_what_vision_language_training_cannot_do_yet_is_refused(tmp_path):
     config = AutoConfig.from_pretrained(save_tiny_model("qwen2_vl", str(tmp_path / "hf")))
     layout = SimpleNamespace(cp=1, pp=1, vpp=None)
     check_model_fits(config, "sft", layout)
-    with pytest.raises(UserError, match="DPO on vision-language models"):
+    with pytest.raises(UserError, match="stage dpo on vision-language models"):
         check_model_fits(config, "dpo", layout)
     with pytest.raises(UserError, match="context_parallel_size=2 is not supported"):
         check_model_fits(config, "sft", SimpleNamespace(cp=2, pp=1, vpp=None))
