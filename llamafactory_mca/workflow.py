@@ -118,7 +118,7 @@ def _summary(plan: RunPlan, model: Any, trainer: McaTrainer, train_plan: DataPla
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     config = plan.config
     return startup_summary(
-        layout=plan.layout, args=training_args,
+        layout=plan.layout, args=training_args, packed=plan.packing,
         model_type=config.hf_model_type + _describe_mtp(model.transformer_config),
         params_total=model_parameter_count(config), params_on_rank=on_rank,
         kernels=spec.describe_kernels(model.transformer_config)

@@ -83,7 +83,9 @@ def test_sft_epoch_with_a_short_last_step_trains_what_llamafactory_trains(assets
 
 def test_pt_first_step_loss_is_llamafactory_corrected_for_its_unpredicted_first_label(assets, tmp_path):
     """LLaMA-Factory's default path divides a block's summed loss by all n labels, the first included, which is never
-    predicted (the HF Trainer counts labels before the shift): it reports (n - 1) / n of the per-token mean."""
+    predicted (the HF Trainer counts labels before the shift): it reports (n - 1) / n of the per-token mean. The
+    recipe does not ask for packing: LLaMA-Factory packs pt by itself, and the plan, which decides it, says so in the
+    summary."""
     text = _document(0, 6)
     n = _tokens(assets["models"]["qwen3"], text)  # the document is exactly one block
     data = _pt_data(tmp_path / "data", [text])
@@ -91,6 +93,7 @@ def test_pt_first_step_loss_is_llamafactory_corrected_for_its_unpredicted_first_
                     cutoff_len=n, max_steps=1, per_device_train_batch_size=1, gradient_accumulation_steps=1)
     result, output = train(tmp_path, config)
     ok(result, output)
+    assert "tokens per step (packed)" in output, output[-3000:]
     ours = losses(tmp_path / "mca")[1]
     _default_path(tmp_path, config, "default")
     theirs = losses(tmp_path / "default")[1]

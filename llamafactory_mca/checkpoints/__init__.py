@@ -53,6 +53,13 @@ def checkpoint_path(output_dir: str, step: int) -> str:
     return os.path.join(output_dir, f"{PREFIX}-{step}")
 
 
+def read_config(folder: str) -> McaConfig:
+    """The model config of a folder of ours (a checkpoint or a converted model)."""
+    from ..models.config import McaConfig  # here: reading or verifying a folder's files needs no Megatron
+
+    return McaConfig.from_json_file(os.path.join(folder, MCA_CONFIG_NAME))
+
+
 def is_ours(path: str) -> bool:
     """A folder written by us (training or convert), as opposed to a Hugging Face model folder."""
     return os.path.isfile(os.path.join(path, MCA_CONFIG_NAME))

@@ -44,7 +44,7 @@ class AutoConfig:
                             f"({os.path.join(path, 'hf')} with save_hf_model, or llamafactory-mca merge "
                             f"--checkpoint_path {path} --output_path ADAPTER_DIR).")
         if checkpoints.is_ours(path):
-            config = McaConfig.read(path)
+            config = checkpoints.read_config(path)
             get_family(config.hf_model_type)  # fails clearly for an unknown type
             return config
         if not os.path.isfile(os.path.join(path, "config.json")):

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
-from ..checkpoints import MCA_CONFIG_NAME
 from ..errors import UserError
 from .mapping import in_linear_attention_layers, in_moe_layers, is_linear_attention_layer, is_moe_layer
 from .spec import NATIVE_OPTIONS, prepare_config
@@ -67,18 +65,13 @@ class McaConfig:
     sliding_window: int | None = None  # HF's; the layers and reach are the transformer's window_size fields
     hf_config: dict[str, Any] = field(default_factory=dict)  # the source config.json, for the way back
 
-    # ---- persistence (the file's name and writing it: checkpoints/) -------------------------------------------
+    # ---- persistence (the file's name, reading and writing a folder's: checkpoints/) ---------------------------
     @classmethod
     def from_json_file(cls, path: str) -> McaConfig:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
-
-    @classmethod
-    def read(cls, folder: str) -> McaConfig:
-        """The config of a folder of ours (a checkpoint or a converted model)."""
-        return cls.from_json_file(os.path.join(folder, MCA_CONFIG_NAME))
 
     # ---- Megatron ----------------------------------------------------------------------------------------------
     @property

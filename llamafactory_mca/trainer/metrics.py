@@ -211,7 +211,7 @@ def gpu_memory_gib() -> tuple[float, float]:
     return torch.cuda.max_memory_allocated() / 1024**3, torch.cuda.max_memory_reserved() / 1024**3
 
 
-def startup_summary(*, layout: Any, args: Any, model_type: str, params_total: int, params_on_rank: int,
+def startup_summary(*, layout: Any, args: Any, packed: bool, model_type: str, params_total: int, params_on_rank: int,
                     kernels: str, tokens_per_step: int | None, steps: int, data_stats: str,
                     memory: dict[str, float], planned: dict[str, float] | None = None, tuning: str | None = None,
                     moe: str | None = None, startup: str | None = None) -> str:
@@ -226,7 +226,7 @@ def startup_summary(*, layout: Any, args: Any, model_type: str, params_total: in
         f"  batch       global {layout.global_batch_size} = dp {layout.dp} x micro batch {layout.micro_batch_size}"
         f" x grad accumulation {layout.grad_accum}"
         + (f"; ~{tokens_per_step:,} tokens per step" if tokens_per_step else "")
-        + (" (packed)" if args.sequence_packing else " (rows without padding)" if args.run_padding_free()
+        + (" (packed)" if packed else " (rows without padding)" if args.run_padding_free()
            else " (padded to the longest row)"),
         f"  steps       {steps}; lr {args.learning_rate:g} ({schedule}), warmup "
         f"{args.get_warmup_steps(steps)}, weight decay {args.weight_decay:g}, max grad norm {args.max_grad_norm:g}",

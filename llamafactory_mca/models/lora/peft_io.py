@@ -16,11 +16,10 @@ from typing import Any
 
 import torch
 
-from ...checkpoints import ADAPTER_CONFIG_NAME as ADAPTER_CONFIG, dist_checkpoint_dir, verify_checkpoint
+from ...checkpoints import ADAPTER_CONFIG_NAME as ADAPTER_CONFIG, dist_checkpoint_dir, read_config, verify_checkpoint
 from ...checkpoints.dist_reader import DistCheckpointReader
 from ...checkpoints.hf_io import copy_side_files, move_into
 from ...errors import UserError
-from ..config import McaConfig
 from ..export import read_tensor
 from ..families import get_family
 from ..freeze import EXTRA_MODULES
@@ -127,7 +126,7 @@ def export_adapter(checkpoint: str, output: str, dtype: torch.dtype | None = Non
     from safetensors.torch import save_file
 
     verify_checkpoint(checkpoint)
-    config = McaConfig.read(checkpoint)
+    config = read_config(checkpoint)
     adapter_config = read_adapter_config(checkpoint)
     settings = LoraSettings.from_peft(adapter_config)
     reader = DistCheckpointReader(dist_checkpoint_dir(checkpoint))
