@@ -103,6 +103,8 @@ def _describe_mtp(tc: Any) -> str:
 
 
 def _describe_loss(plan: RunPlan, transformer_config: Any) -> str:
+    if plan.stage == "rm":  # no logits: the value head scores each sequence's last token
+        return "loss: -logsigmoid(chosen - rejected) over the value head's scores (no logits)"
     layout = plan.layout
     native = getattr(transformer_config, "native_cross_entropy", True) is not False and \
         not transformer_config.cross_entropy_loss_fusion

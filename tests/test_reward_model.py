@@ -78,6 +78,7 @@ def test_rm_first_loss_is_llamafactorys_and_its_head_is_exported(reward_model, a
     ours = losses(tmp_path / "out")
     assert abs(ours[1] - theirs) <= 1e-4 * theirs, (ours[1], theirs)
     assert ours[4] < ours[1], ours
+    assert "loss: -logsigmoid(chosen - rejected) over the value head's scores (no logits)" in output
     with open(tmp_path / "out" / "trainer_log.jsonl") as f:
         assert all(0.0 <= json.loads(line)["accuracy"] <= 1.0 for line in f)
     exported = _head(tmp_path / "out")
