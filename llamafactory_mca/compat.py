@@ -1,17 +1,51 @@
-"""Version workarounds for Megatron-Core, gated on what is installed.
+"""Version workarounds for Megatron-Core, gated on what is installed, and the list of every place we change an
+upstream package's behaviour.
 
-Each fix names the version it was seen in and the condition it is applied under, so it can be
-dropped when that version is no longer supported. Upstream behaviour is changed elsewhere only where it is that
-module's subject: ``cpu_mode.py`` (CUDA's questions answered on a machine without GPUs), ``launch/plugin.py``
-(LLaMA-Factory's parser and launcher under USE_MCA=1), ``checkpoints/`` (the checkpoint writer's results queue and its
-writer processes, watched), ``models/native/`` (faster kernels in place of Megatron's; torch.compile's recompile limit
-for them) and ``models/lora/layers.py`` (adapter classes mixed into Megatron's linears).
+Each fix here names the version it was seen in and the condition it is applied under, so it can be dropped when that
+version is no longer supported. Upstream behaviour is changed elsewhere only where it is that module's subject; all
+of them are listed in ``UPSTREAM_CHANGES`` with the versions they were written against (``WRITTEN_AGAINST``, the
+pins CI proves): another installed version gets one line at start-up (:func:`version_note`) naming what may no
+longer hold, rather than a failure deep in a rank.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from functools import cache, partial
+
+WRITTEN_AGAINST = {"llamafactory": "0.9.5", "megatron-core": "0.16.1", "transformers": "5.6.0"}
+# (package, where, what of it we change)
+UPSTREAM_CHANGES = (
+    ("llamafactory", "launch/plugin.py", "its parser (our checks), launcher (our torchrun) and tuner (rm to ours)"),
+    ("llamafactory", "launch/board.py", "LlamaBoard's private _parse_train_args and _initialize (the Megatron keys)"),
+    ("megatron-core", "compat.py", "the router's te_general_gemm, clip_grads' norm and scale, MLA's TE check, MTP's "
+                                   "packed roll and its recompute's arguments"),
+    ("megatron-core", "cpu_mode.py", "CUDA streams, events, the RNG tracker and MoE's device moves, on CPUs"),
+    ("megatron-core", "trainer/param_remainders.py", "the distributed optimizer's Adam (fp32 masters as remainders)"),
+    ("megatron-core", "models/native/", "the layer spec's attention, norms, RoPE, experts and loss"),
+    ("megatron-core", "models/lora/layers.py", "adapter classes mixed into the parallel linears"),
+    ("megatron-core", "checkpoints/writers.py", "the checkpoint writer's results queue and processes, watched"),
+    ("transformers", "trainer/reporting.py", "the tracker callbacks, handed our model's config and size"),
+)
+
+
+def version_note() -> str | None:
+    """One line when an installed package is not the version our changes to it were written against."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    drift = []
+    for package, written in WRITTEN_AGAINST.items():
+        try:
+            installed = version(package)
+        except PackageNotFoundError:
+            continue
+        if installed != written:
+            where = ", ".join(f"{place} ({what})" for name, place, what in UPSTREAM_CHANGES if name == package)
+            drift.append(f"{package} {installed} (written against {written}: {where})")
+    if not drift:
+        return None
+    return ("[llamafactory_mca] note: " + "; ".join(drift) + ". These changes may no longer hold: if a run fails "
+            "inside them, install the versions in requirements/stack.txt.")
 
 
 

@@ -107,3 +107,26 @@ def test_our_commands_refuse_the_disable_switch_in_one_line(tmp_path, command):
     result, output = run(args, env={**env, "LLAMAFACTORY_MCA_DISABLE": "1"}, cwd=tmp_path)
     one_error(result, output, "LLAMAFACTORY_MCA_DISABLE=1 turns the Megatron-Core backend off",
               f"`llamafactory-mca {command}` is that backend", "unset LLAMAFACTORY_MCA_DISABLE")
+
+
+def test_another_upstream_version_is_one_line_naming_what_may_no_longer_hold(monkeypatch):
+    """Every change we make to LLaMA-Factory, Megatron-Core and transformers is listed with the version it was
+    written against, the versions CI pins; another installed version is named at start-up with the places that
+    change it, and the pinned set says nothing."""
+    import importlib.metadata
+    import re
+
+    from llamafactory_mca import compat
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "requirements", "stack.txt")) as f:
+        pins = dict(re.findall(r"^([\w-]+)==([\w.]+)$", f.read(), re.M))
+    assert {k: pins[k] for k in compat.WRITTEN_AGAINST} == compat.WRITTEN_AGAINST
+    assert {package for package, _, _ in compat.UPSTREAM_CHANGES} == set(compat.WRITTEN_AGAINST)
+    installed = dict(compat.WRITTEN_AGAINST)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: installed[name])
+    assert compat.version_note() is None
+    installed["megatron-core"] = "0.17.0"
+    note = compat.version_note()
+    assert note.startswith("[llamafactory_mca] note: megatron-core 0.17.0 (written against 0.16.1: compat.py (")
+    assert "trainer/param_remainders.py (the distributed optimizer's Adam" in note and "llamafactory " not in note
+    assert note.endswith("install the versions in requirements/stack.txt.") and "\n" not in note

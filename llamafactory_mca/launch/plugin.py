@@ -22,6 +22,8 @@ import sys
 import types
 from typing import Any
 
+from ..compat import version_note
+
 ADAPTER_NAME = "mcore_adapter"
 WORKFLOW_NAME = "llamafactory.train.mca"
 _TRUE = ("1", "true", "y", "yes", "on")
@@ -275,6 +277,9 @@ def install() -> None:
         if other:
             line += f" (ROLL's mcore_adapter at {other} is installed too and is not used)"
         print(line, file=sys.stderr)
+        note = version_note()
+        if note:
+            print(note, file=sys.stderr)
 
 
 def skip_the_final_collection() -> None:
