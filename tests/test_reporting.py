@@ -2,8 +2,8 @@
 
 One two-process run reports to every tracker whose package is installed here (CI installs tensorboard, wandb and
 swanlab: the ``test`` extra; mlflow where it is installed), each to a local folder, and each must hold one run with
-the scalars of ``trainer_state.json``'s log history, step by step (the loss also that of ``trainer_log.jsonl``), and the run's
-arguments. A tracker whose package is missing is one line from the launcher.
+the scalars of ``trainer_state.json``'s log history, step by step (the loss also that of ``trainer_log.jsonl``),
+and the run's arguments. A tracker whose package is missing is one line from the launcher.
 """
 
 import importlib.util
