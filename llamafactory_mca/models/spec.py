@@ -53,7 +53,7 @@ from .native.dispatch import LocalDispatchLayer, local_dispatch_applies
 from .native.experts import NativeGroupedMLP, describe_experts
 from .native.gated_delta import NativeGatedDeltaNet
 from .native.gated_delta import describe_kernel as describe_delta_rule
-from .native.kernels import varlen_attn_available, varlen_windows_available
+from .native.kernels import cudnn_attention_device, varlen_attn_available, varlen_windows_available
 from .native import rope as native_rope
 from .native.norm import NativeNorm, compiles_head_norms, compiles_zero_centred_norms
 from .native.sublayers import NativeSelfAttention, needs_sublayers
@@ -239,6 +239,8 @@ def describe_kernels(config: TransformerConfig) -> str:
     else:
         packed = "varlen_attn" if varlen_attn_available() else "per-sequence SDPA"
         attention = f"native (SDPA padded, {packed} packed"
+        if cudnn_attention_device():
+            attention += ", cuDNN for causal rows and one-sequence packs"
         attention += f", CP{config.context_parallel_size} K/V all-gather)" if config.context_parallel_size > 1 else ")"
         experts = describe_experts() if config.moe_grouped_gemm else "sequential loop"
         local = local_dispatch_applies(config, *_expert_parallel_sizes(config))

@@ -219,6 +219,34 @@ def test_varlen_segments_match_causal_attention(cp, window):
         torch.testing.assert_close(out[:, 0], reference(a, b).reshape(b - a, -1), atol=2e-2, rtol=2e-2)
 
 
+def test_one_sequence_through_cudnn_equals_varlen():
+    """A packed micro-batch of one sequence (and a padded causal batch) through cuDNN's fused attention where the GPU
+    takes it: output and q/k/v gradients equal varlen_attn's (flash) to bf16 tolerance."""
+    from llamafactory_mca.models.native.kernels import make_plan, one_sequence, padded_attention, segment_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(4096, h, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+               for h in (16, 8, 8))
+    grad = torch.randn(4096, 16, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    plan = make_plan([4096], [4096], torch.device("cuda"))
+    ref = segment_attention(q, k, v, plan, 128 ** -0.5)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+    if torch.cuda.get_device_capability()[0] < 9:
+        assert one_sequence(q, k, v, 128 ** -0.5) is None
+        pytest.skip("cuDNN attention is used from compute capability 9 (Hopper) on")
+    out = one_sequence(q, k, v, 128 ** -0.5)
+    assert out is not None, f"cuDNN not taken: torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}"
+    torch.testing.assert_close(out.view_as(ref), ref, atol=2e-2, rtol=2e-2)
+    for mine, theirs in zip(torch.autograd.grad(out, (q, k, v), grad.view_as(out)), ref_grads):
+        assert ((mine.float() - theirs.float()).abs().max() / theirs.float().abs().max()).item() < 2e-2
+    padded = padded_attention(q.view(2048, 2, 16, 128), k.view(2048, 2, 8, 128), v.view(2048, 2, 8, 128),
+                              128 ** -0.5, True)
+    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.FLASH_ATTENTION]):
+        flash = F.scaled_dot_product_attention(*(t.view(2048, 2, -1, 128).permute(1, 2, 0, 3) for t in (q, k, v)),
+                                               is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(padded, flash.permute(2, 0, 1, 3).reshape(2048, 2, -1), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("window", [None, 100])
 def test_varlen_sinks_match_the_scores_path(window):
     """Attention sinks through varlen_attn (its forward's log-sum-exp, its backward handed the sink-adjusted output

@@ -39,8 +39,8 @@ from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, is
 
 from ...errors import UserError
 from . import context_parallel as cp_utils
-from .kernels import (SegmentPlan, image_look_ahead_mask, masked_attention, padded_attention, sbhd_to_thd,
-                      segment_attention, varlen_usable)
+from .kernels import (SegmentPlan, image_look_ahead_mask, masked_attention, one_sequence, padded_attention,
+                      sbhd_to_thd, segment_attention, varlen_usable)
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
@@ -151,6 +151,11 @@ class NativeDotProductAttention(MegatronModule):
 
     def _packed(self, query, key, value, params: PackedSeqParams) -> torch.Tensor:
         cu_seqlens = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        if self.cp_size == 1 and self.window is None and self.softmax_offset is None and cu_seqlens.numel() == 2 \
+                and params.max_seqlen_q == query.size(0):  # one sequence (long rows): cuDNN where it takes it
+            out = one_sequence(query, key, value, self.softmax_scale)
+            if out is not None:
+                return out
         if self.cp_size == 1 and varlen_usable(query, self.window):
             # The kernel takes the boundaries as they are, on the device: no host read, so nothing here stops a
             # CUDA graph capture, and empty sequences (a graphed run's unused slots) cost nothing.
