@@ -14,6 +14,7 @@ import os
 import time
 from typing import Any
 
+import psutil
 import torch
 from llamafactory.data import get_dataset, get_template_and_fix_tokenizer
 from llamafactory.extras.ploting import plot_loss
@@ -205,6 +206,7 @@ def _resolve_once_per_node(name: str, model_args: Any, field: str) -> str:
 def _train(stage: str, model_args, data_args, training_args, finetuning_args, callbacks=None) -> None:
     """A worker's run, built from the plan: data, model, trainer, then LLaMA-Factory's bookkeeping."""
     started = time.monotonic()
+    imports = time.time() - psutil.Process().create_time()  # this worker's interpreter and imports, before the run
     setup_logging()
     quiet_transformers()
     parallel.init_distributed(training_args.ddp_timeout)
@@ -259,8 +261,8 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
     )
     if rank == 0:
         now = time.monotonic()
-        startup = (f"data {data_ready - started:.1f} s (read, tokenized, planned), model {now - data_ready:.1f} s "
-                   "(built, loaded)")
+        startup = (f"imports {imports:.1f} s, data {data_ready - started:.1f} s (read, tokenized, planned), model "
+                   f"{now - data_ready:.1f} s (built, loaded); step 1 compiles and captures what it needs")
         logger.info("\n" + _summary(plan, model, trainer, train_plan, training_args, finetuning_args, startup))
 
     result = trainer.train(training_args.resume_from_checkpoint)

@@ -203,6 +203,15 @@ class McaTrainer:
             warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
             self.optimizer.zero_grad()
 
+    def _first_step_note(self, seconds: float) -> None:
+        """Step 1 is where kernels compile and CUDA graphs are captured: say how long it took, and that a later launch
+        on this machine finds the compiled kernels in torch's cache (on a fresh machine's empty cache they cost
+        about 10 s on an H200)."""
+        if self.is_world_process_zero():
+            cached = " (compiled kernels stay in torch's compile cache for the next launch on this machine)" \
+                if torch.cuda.is_available() else ""
+            logger.info("Step 1 took %.1f s%s", seconds, cached)
+
     def train_step(self, micro_batches: list) -> dict[str, float]:
         self._zero_grad()
         self._inject_nan = nan_loss(self.state.global_step + 1)
@@ -328,7 +337,9 @@ class McaTrainer:
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             logged = self.train_step([b.to(self.device) for b in micro_batches])
             seconds = time.perf_counter() - tick
-            first_step_time = first_step_time or time.time() - start_time
+            if first_step_time is None:
+                first_step_time = time.time() - start_time
+                self._first_step_note(first_step_time)
             work = self._step_work(micro_batches)
             window.add(logged, seconds, work)
             self.state.num_input_tokens_seen += int(work[0])  # every step: a checkpoint between logs is exact
