@@ -91,16 +91,19 @@ def test_rm_first_loss_is_llamafactorys_and_its_head_is_exported(reward_model, a
 @pytest.mark.parametrize("layout", [
     # the head replicated on both TP ranks, its input gathered from the sequence-parallel halves; padded rows
     dict(tensor_model_parallel_size=2, sequence_parallel=True),
-    # the head on the last stage only; packed; its checkpoint (written by that stage) merges with the head
-    dict(pipeline_model_parallel_size=2, sequence_packing=True, save_strategy="steps", save_steps=2),
+    # the head on the last stage only; packed; its checkpoint (written by that stage) merges with the head, and the
+    # run resumed from step 2 on one process (no pipeline) logs step 3's loss as the PP2 run did
+    dict(pipeline_model_parallel_size=2, sequence_packing=True, save_strategy="steps", save_steps=2, max_steps=3),
     # LoRA: the adapters and the whole head train; the head is saved beside the peft adapter
     dict(finetuning_type="lora", lora_target="all", lora_rank=4, learning_rate=1e-2),
-], ids=["tp2_sp", "pp2", "dp2_lora"])
+    # freeze: the last layer and the whole head train
+    dict(finetuning_type="freeze", freeze_trainable_layers=1),
+], ids=["tp2_sp", "pp2_resumed_on_one", "dp2_lora", "dp2_freeze"])
 def test_rm_layouts_start_from_llamafactorys_loss(layout, reward_model, assets, tmp_path):
     """Two processes in each layout (dp 2 where nothing else splits the model): step 1's loss is LLaMA-Factory's (a
     zero-initialised LoRA adapter changes nothing yet), and the loss falls."""
     model, theirs = reward_model
-    config = _rm_recipe(assets, model, tmp_path / "out", max_steps=2, **layout)
+    config = _rm_recipe(assets, model, tmp_path / "out", **{"max_steps": 2, **layout})
     if "finetuning_type" in layout:
         config["gradient_accumulation_steps"] = 2  # dp 2 x micro batch 2 x 2 = the eight pairs
     result, output = train(tmp_path, config, world=2)
@@ -110,8 +113,15 @@ def test_rm_layouts_start_from_llamafactorys_loss(layout, reward_model, assets, 
     assert ours[2] < ours[1], ours
     _head(tmp_path / "out")
     if "finetuning_type" in layout:
-        assert os.path.isfile(tmp_path / "out" / "adapter_model.safetensors")
         assert not torch.equal(_head(tmp_path / "out")["v_head.summary.weight"], _head(model)["v_head.summary.weight"])
+    if layout.get("finetuning_type") == "lora":
+        assert os.path.isfile(tmp_path / "out" / "adapter_model.safetensors")
     if "save_steps" in layout:
-        _merge(tmp_path / "out" / "checkpoint-2", tmp_path / "merged")
+        _merge(tmp_path / "out" / "checkpoint-3", tmp_path / "merged")
         assert all(torch.equal(_head(tmp_path / "out")[k], _head(tmp_path / "merged")[k]) for k in HEAD_KEYS)
+        resumed = _rm_recipe(assets, model, tmp_path / "resumed", max_steps=3, sequence_packing=True,
+                             resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+        result, output = train(tmp_path, resumed, name="resumed")
+        ok(result, output)
+        again = losses(tmp_path / "resumed")
+        assert again[3] == pytest.approx(ours[3], rel=1e-4), (again, ours)
