@@ -51,6 +51,7 @@ class RunPlan:
     custom_pipeline_layout: bool
     adapters: tuple[str, ...] = ()  # LoRA: adapter folders to merge or continue, in order
     reference: tuple[str, McaConfig] | None = None  # DPO's ref_model: its folder and config
+    preference: PreferenceConfig | None = None  # DPO's loss and its settings
     notes: tuple[str, ...] = ()  # what the plan left out and why, said once by rank 0
 
     @property
@@ -113,9 +114,12 @@ def plan_run(stage: str, model_args: Any, data_args: Any, training_args: Any, fi
                 raise UserError(f"adapter_name_or_path={path!r} is not a peft adapter folder (it does not exist).")
             adapters += (resolve(path, model_args, field="adapter_name_or_path"),)
         check_lora_plan(config, finetuning_args, list(adapters), layout.etp, layout.tp)
+    preference = PreferenceConfig(loss=finetuning_args.pref_loss, beta=finetuning_args.pref_beta,
+                                  label_smoothing=finetuning_args.dpo_label_smoothing, ftx=finetuning_args.pref_ftx,
+                                  simpo_gamma=finetuning_args.simpo_gamma) if stage == "dpo" else None
     return RunPlan(stage=stage, finetuning_type=tuning, layout=layout, packing=packing, cutoff_len=cutoff_len,
                    model_path=model_path, config=config, balancing=balancing, custom_pipeline_layout=custom,
-                   adapters=adapters, reference=reference, notes=notes)
+                   adapters=adapters, reference=reference, preference=preference, notes=notes)
 
 
 def check_finetuning_type(tuning: str) -> None:

@@ -38,7 +38,6 @@ from .plan import RunPlan, plan_run
 from .planner.check import training_of
 from .planner.memory import estimate
 from .quiet import quiet_transformers
-from .trainer.loss import PreferenceConfig
 from .trainer.metrics import count_parameters, memory_estimate_gib, model_parameter_count, startup_summary
 from .trainer.trainer import McaTrainer
 
@@ -245,15 +244,10 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
     if stage == "rm":
         value_head.train_whole(model.chunks, plan.adapters)
 
-    preference = None
-    if stage == "dpo":
-        preference = PreferenceConfig(loss=finetuning_args.pref_loss, beta=finetuning_args.pref_beta,
-                                      label_smoothing=finetuning_args.dpo_label_smoothing,
-                                      ftx=finetuning_args.pref_ftx, simpo_gamma=finetuning_args.simpo_gamma)
     grouped = getattr(model.transformer_config, "moe_grouped_gemm", None) if plan.config.num_experts else None
     trainer = McaTrainer(
         model=model, args=training_args, layout=plan.layout, train_data=train_plan, eval_data=eval_plan,
-        tokenizer=tokenizer, processor=processor, callbacks=callbacks, preference=preference,
+        tokenizer=tokenizer, processor=processor, callbacks=callbacks, preference=plan.preference,
         reference=plan.reference,
         side_files=SideFiles(plan.config, plan.layout, grouped, tokenizer, processor, adapter_config=adapter_config,
                              run=plan.record),
