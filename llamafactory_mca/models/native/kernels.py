@@ -150,9 +150,10 @@ def cudnn_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether cuDNN's fused attention takes these ``[b, h, s, d]`` operands causally: a GPU of compute capability 9
     or later (on Ampere cuDNN is not faster than flash), and SDPA's own cuDNN checks (dtype, head dims, cuDNN
     version). torch 2.11's cuDNN attention over cumulative lengths measured wrong gradients, so packed batches of
-    several sequences keep varlen_attn."""
+    several sequences keep varlen_attn. Not while a CUDA graph is being captured: cuDNN under capture is unmeasured
+    here, and the graphed layers replay flash."""
     backends = torch.backends.cuda
-    if not q.is_cuda or not cudnn_attention_device(q.device.index):
+    if not q.is_cuda or not cudnn_attention_device(q.device.index) or torch.cuda.is_current_stream_capturing():
         return False
     return backends.can_use_cudnn_attention(backends.SDPAParams(q, k, v, None, 0.0, True, k.size(1) != q.size(1)),
                                             False)
