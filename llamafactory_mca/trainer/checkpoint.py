@@ -44,6 +44,7 @@ from ..checkpoints import (
 from ..checkpoints.dist_reader import DistCheckpointReader, describe_load_failure
 from ..errors import UserError
 from ..models.auto import check_finite
+from ..parallel import ParallelLayout
 from . import reshard
 from .faults import before_commit, kill_writer
 from .optim import inner_optimizers, step_counter, use_fused_adam
@@ -145,7 +146,8 @@ def save_checkpoint(output_dir: str, step: int, model: Any, optimizer: Any, trai
 _BUCKETS, _MODEL_SPACE = "dp_reshardable", "model_space"  # how a checkpoint holds the optimizer's state
 
 
-def _optimizer_source(path: str, directory: str, saved: dict, optimizer: Any, model_state: dict, layout: Any):
+def _optimizer_source(path: str, directory: str, saved: dict, optimizer: Any, model_state: dict,
+                      layout: ParallelLayout):
     """None to load the optimizer's state as saved (Megatron's own load), else where to read it in model space."""
     reader = DistCheckpointReader(directory)
     written = saved.get("optimizer_format") or (
@@ -169,7 +171,7 @@ def _optimizer_source(path: str, directory: str, saved: dict, optimizer: Any, mo
                     f"model_name_or_path: {path}.")
 
 
-def load_checkpoint(path: str, model: Any, optimizer: Any | None, layout: Any) -> dict:
+def load_checkpoint(path: str, model: Any, optimizer: Any | None, layout: ParallelLayout) -> dict:
     """Restore model, optimizer and (same TP/PP layout) RNG states; returns the saved trainer state."""
     directory = dist_checkpoint_dir(path)
     common = dist_checkpointing.load_common_state_dict(directory)

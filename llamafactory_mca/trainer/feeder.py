@@ -16,8 +16,9 @@ from collections.abc import Iterator
 
 from megatron.core import parallel_state as ps
 
-from ..data import MicroBatch
+from ..data import DataPlan, MicroBatch
 from ..data.context_parallel import for_context_parallel_rank
+from ..parallel import ParallelLayout
 
 
 class StepFeeder:
@@ -28,7 +29,7 @@ class StepFeeder:
     micro-batch count that is a multiple of the pipeline size under the interleaved schedule, the CP split.
     """
 
-    def __init__(self, plan: Any, layout: Any, fixed_shapes: bool = False, prefetch: int = 0) -> None:
+    def __init__(self, plan: DataPlan, layout: ParallelLayout, fixed_shapes: bool = False, prefetch: int = 0) -> None:
         """``fixed_shapes``: every packed micro-batch described by the same shapes (CUDA graphs replay them);
         ``prefetch``: steps collated ahead on a background thread."""
         self.plan = plan

@@ -9,6 +9,7 @@ import torch
 
 from ..models.config import attention_shape
 from ..models.mapping import is_moe_layer
+from ..parallel import ParallelLayout
 
 
 # Dense bf16 peak (no sparsity) by device name; MFU is reported only where the peak is known.
@@ -211,8 +212,8 @@ def gpu_memory_gib() -> tuple[float, float]:
     return torch.cuda.max_memory_allocated() / 1024**3, torch.cuda.max_memory_reserved() / 1024**3
 
 
-def startup_summary(*, layout: Any, args: Any, packed: bool, model_type: str, params_total: int, params_on_rank: int,
-                    kernels: str, tokens_per_step: int | None, steps: int, data_stats: str,
+def startup_summary(*, layout: ParallelLayout, args: Any, packed: bool, model_type: str, params_total: int,
+                    params_on_rank: int, kernels: str, tokens_per_step: int | None, steps: int, data_stats: str,
                     memory: dict[str, float], planned: dict[str, float] | None = None, tuning: str | None = None,
                     moe: str | None = None, startup: str | None = None) -> str:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (gloo)"

@@ -39,6 +39,7 @@ from ..models.auto import AutoModel
 from ..models.export import export_hf
 from ..models.lora.layers import set_lora_enabled
 from ..models.lora.peft_io import export_adapter
+from ..parallel import ParallelLayout
 from . import checkpoint as ckpt
 from .faults import maybe_crash, maybe_hang, nan_loss
 from .feeder import StepFeeder
@@ -90,7 +91,7 @@ def _drop_kept_graphs(chunks: list) -> None:
 
 
 class McaTrainer:
-    def __init__(self, model: Any, args: Any, layout: Any, train_data: Any, eval_data: Any = None,
+    def __init__(self, model: Any, args: Any, layout: ParallelLayout, train_data: Any, eval_data: Any = None,
                  tokenizer: Any = None, processor: Any = None, callbacks: list | None = None,
                  preference: PreferenceConfig | None = None, reference: tuple[str, Any] | None = None,
                  side_files: SideFiles | None = None, reward: bool = False) -> None:
