@@ -123,7 +123,7 @@ def test_lora_dpo_reference_is_the_base(assets, lora_run, tmp_path):
     ({"adapter_name_or_path": "/no/such/adapter"}, "is not a peft adapter folder"),
 ])
 def test_lora_mistakes_are_one_line(overrides, message, assets, tmp_path):
-    result, output = train(tmp_path, recipe(assets, tmp_path / "out", **{**LORA, **overrides}))
+    result, output = train(tmp_path, recipe(assets, tmp_path / "out", **{**LORA, **overrides}), alone=False)
     one_error(result, output, message)
     assert not (tmp_path / "out").exists()
 
