@@ -98,7 +98,9 @@ def test_rm_first_loss_is_llamafactorys_and_its_head_is_exported(reward_model, a
     dict(finetuning_type="lora", lora_target="all", lora_rank=4, learning_rate=1e-2),
     # freeze: the last layer and the whole head train
     dict(finetuning_type="freeze", freeze_trainable_layers=1),
-], ids=["tp2_sp", "pp2_resumed_on_one", "dp2_lora", "dp2_freeze"])
+    # context parallel: each sequence split over two ranks, its last token's score read where that token lives
+    dict(context_parallel_size=2, sequence_packing=True),
+], ids=["tp2_sp", "pp2_resumed_on_one", "dp2_lora", "dp2_freeze", "cp2"])
 def test_rm_layouts_start_from_llamafactorys_loss(layout, reward_model, assets, tmp_path):
     """Two processes in each layout (dp 2 where nothing else splits the model): step 1's loss is LLaMA-Factory's (a
     zero-initialised LoRA adapter changes nothing yet), and the loss falls."""
