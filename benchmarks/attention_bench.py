@@ -21,7 +21,6 @@ or with the key/value heads repeated (the ``_rep`` rows); each kernel runs in it
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import statistics
@@ -31,6 +30,9 @@ import sys
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from llamafactory_mca.models.native.kernels import SegmentPlan, segment_attention  # noqa: E402
 
 CASES = {
     "dense_4k": dict(heads=16, kv_heads=8, dim=128, tokens=4096, single=False),
@@ -49,13 +51,9 @@ def _lengths(total: int, seed: int = 0) -> list[int]:
 
 
 def _flash_varlen(q, k, v, cu, max_len):
-    from torch.nn.attention.varlen import varlen_attn
-
-    params = inspect.signature(varlen_attn).parameters
-    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-    if k.size(1) != q.size(1) and "enable_gqa" in params:
-        kwargs["enable_gqa"] = True
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+    """Our packed path as it runs today: ``segment_attention`` over the pack's boundaries (varlen_attn on a GPU)."""
+    plan = SegmentPlan(cu_q=cu, cu_k=cu, max_q=max_len, max_k=max_len, q_lens=(), k_lens=())
+    return segment_attention(q, k, v, plan, q.size(-1) ** -0.5)
 
 
 class _CudnnVarlen(torch.autograd.Function):

@@ -239,8 +239,8 @@ def describe_kernels(config: TransformerConfig) -> str:
     else:
         packed = "varlen_attn" if varlen_attn_available() else "per-sequence SDPA"
         attention = f"native (SDPA padded, {packed} packed"
-        if cudnn_attention_device():
-            attention += ", cuDNN for causal rows and one-sequence packs"
+        if cudnn_attention_device() and getattr(config, "cuda_graph_impl", "none") != "local":
+            attention += ", cuDNN for causal rows and one-sequence packs"  # graphed layers keep flash
         attention += f", CP{config.context_parallel_size} K/V all-gather)" if config.context_parallel_size > 1 else ")"
         experts = describe_experts() if config.moe_grouped_gemm else "sequential loop"
         local = local_dispatch_applies(config, *_expert_parallel_sizes(config))

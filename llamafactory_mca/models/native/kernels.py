@@ -92,9 +92,7 @@ def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d] views
     gqa = key.size(2) != hq
     if mask is None and causal and window is None and not dropout_p and cudnn_usable(q, k, v):
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        return out.permute(2, 0, 1, 3).reshape(sq, b, hq * value.size(-1))
+        return _cudnn_causal(q, k, v, scale).permute(2, 0, 1, 3).reshape(sq, b, hq * value.size(-1))
     if query.is_cuda and mask is None and causal and not dropout_p and (
             not _sdpa_fused(q, k, v, gqa) or (window is not None and varlen_usable(query, window))):
         # No fused SDPA kernel takes these operands (the math fallback would materialise [b, h, s, s]), or a
@@ -140,10 +138,16 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 def one_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor | None:
     """A packed ``[t, h, d]`` micro-batch that is one causal sequence, through cuDNN as one padded row; None where
     cuDNN does not take it (the caller runs varlen_attn)."""
-    q, k, v = (t.unsqueeze(1) for t in (query, key, value))  # [t, 1, h, d]
-    if not cudnn_usable(*(t.permute(1, 2, 0, 3) for t in (q, k, v))):
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # [1, h, t, d] views
+    if not cudnn_usable(q, k, v):
         return None
-    return padded_attention(q, k, v, scale, causal=True).reshape(query.size(0), -1)
+    return _cudnn_causal(q, k, v, scale)[0].transpose(0, 1).reshape(query.size(0), -1)
+
+
+def _cudnn_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[b, h, s, d]`` causal attention through SDPA's cuDNN backend (``cudnn_usable`` said it takes them)."""
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.size(1) != q.size(1))
 
 
 def cudnn_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
