@@ -243,8 +243,7 @@ def _kill_test(assets: dict, work: str, smoke: bool, name: str, victim: str, gpu
                                                                    os.listdir(out))):
         time.sleep(0.5)
     everything = _processes_of(proc.pid)
-    launch = [p for p in everything if "llamafactory_mca.launch.torchrun" in " ".join(_cmdline(p))]
-    ranks = launch[0].children() if launch else []  # the workers themselves, not what they forked
+    ranks = everything[0].children() if everything else []  # the launcher's: the workers, not what they forked
     target = proc.pid if victim == "launcher" else (ranks[-1].pid if ranks else proc.pid)
     os.kill(target, signal.SIGKILL)
     start = time.time()
@@ -359,13 +358,6 @@ def paths(assets: dict, work: str, smoke: bool) -> list[dict]:
         rows.append({"check": name, "rc": run["rc"], "seconds": run["seconds"], "first_loss": got.get(1),
                      "last_loss": got.get(6), "ok": run["rc"] == 0 and len(got) == 6 and got[6] < got[1]})
     return rows
-
-
-def _cmdline(p) -> list[str]:
-    try:
-        return p.cmdline()
-    except Exception:
-        return []
 
 
 def markdown(result: dict) -> str:

@@ -52,8 +52,9 @@ _HELD: list[RunLock] = []  # taken by this process and not yet released
 
 
 def release_held() -> None:
-    """Release every lock this process still holds (a worker's way out, whatever ended its run)."""
-    for lock in list(_HELD):
+    """Release every lock this process still holds (a worker's way out, whatever ended its run); a rank forked from
+    the launcher inherits the launcher's, which stays the launcher's to release."""
+    for lock in [lock for lock in _HELD if lock.pid == os.getpid()]:
         lock.release()
 
 

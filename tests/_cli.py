@@ -28,12 +28,11 @@ def command_of(process: psutil.Process) -> str:
         return ""
 
 
-def ranks(processes: list) -> list:
-    """A run's workers among its processes: the children of our torchrun (on a machine without GPUs they are forked
-    from it and share its command line, as what they fork shares theirs)."""
-    launch = [p for p in processes if "llamafactory_mca.launch.torchrun" in command_of(p)]
+def ranks(launcher: int) -> list:
+    """A run's workers: the children of its launcher (``llamafactory-cli train``, where torch's agent runs; on a
+    machine without GPUs they are forked from it and share its command line), not what they fork themselves."""
     try:
-        return launch[0].children() if launch else []
+        return psutil.Process(launcher).children()
     except psutil.NoSuchProcess:
         return []
 

@@ -366,7 +366,7 @@ def test_llamaboard_trains_and_aborts_in_a_browser(tmp_path, record_property):
             page.click("Start")
             _wait("the second run's first checkpoint", lambda: list_checkpoints(str(second)), 300)
             running = _run_processes(board)
-            assert len(running) >= 4, running  # llamafactory-cli, torchrun, two ranks
+            assert len(running) >= 3, running  # llamafactory-cli (torch's agent runs in it), two ranks
             page.shot("second-run")
             page.click("Abort")
             _wait("the page to report the abort", lambda: "Aborted" in page.text() or "Finished." in page.text(), 60)

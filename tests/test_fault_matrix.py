@@ -528,8 +528,8 @@ def test_a_rank_killed_with_sigkill_takes_everything_of_the_run_with_it(assets, 
         try:
             assert _wait_for(lambda: _saved(out), 120), log.read_text()[-3000:]
             everything = _family(process.pid)
-            assert len(ranks(everything)) == 2, [command_of(p) for p in everything]
-            ranks(everything)[-1].kill()
+            assert len(ranks(process.pid)) == 2, [command_of(p) for p in everything]
+            ranks(process.pid)[-1].kill()
             assert process.wait(timeout=120) != 0
             assert _wait_for(lambda: not _alive(everything), 30), [p.cmdline() for p in _alive(everything)]
         finally:
@@ -553,7 +553,7 @@ def test_saves_leave_no_helper_and_a_writer_killed_mid_save_is_one_line_keeping_
         process, log = _start(tmp_path, config, "run", env={"LLAMAFACTORY_MCA_FAULT": "writer:12@1"})
         assert _wait_for(lambda: _saved(out), 120), log.read_text()[-3000:]
         everything = _family(process.pid)
-        workers = ranks(everything)
+        workers = ranks(process.pid)
         assert len(workers) == 2 and _wait_for(lambda: not any(r.children() for r in workers), 30), \
             [command_of(c) for r in workers for c in r.children()]
         assert process.wait(timeout=180) != 0

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -286,10 +287,7 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 
 
 def _workers(launcher: psutil.Process) -> list[psutil.Process]:
-    try:
-        return ranks(launcher.children(recursive=True))
-    except psutil.NoSuchProcess:
-        return []
+    return ranks(launcher.pid)
 
 
 def _start(tmp_path, config, name):
@@ -312,18 +310,19 @@ def test_killed_launchers_stop_their_workers_and_one_live_run_per_output_dir(ass
         # a second run on the same output_dir is refused, naming the live one
         result, output = train(tmp_path, config, world=2, name="second")
         one_error(result, output, f"output_dir='{out}' is in use by another run: pid {first.pid}")
-        # torchrun killed outright: its workers notice and stop
-        torchrun = next(p for p in launcher.children() if "llamafactory_mca.launch.torchrun" in " ".join(p.cmdline()))
-        torchrun.kill()
+        # the launcher stopped (kill's SIGTERM): torch's agent in it stops the workers, it lets go of its lock
+        launcher.terminate()
         _wait_for(lambda: not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers), 30,
                   "the workers to stop")
-        first.wait(timeout=30)
-        assert not (out / ".llamafactory_mca.lock").exists()  # the launcher let go of its lock on the way out
+        assert first.wait(timeout=30) == 128 + signal.SIGTERM
+        assert first_log.read_text().strip().splitlines()[-1] == \
+            "[llamafactory_mca] error: stopped by SIGTERM; the workers were stopped too."
+        assert not (out / ".llamafactory_mca.lock").exists()
     finally:
         for p in [launcher, *launcher.children(recursive=True)] if launcher.is_running() else []:
             p.kill()
 
-    # the launcher itself killed outright: its torchrun stops the workers; its lock stays behind, stale
+    # the launcher killed outright: its workers see it gone and stop; its lock stays behind, stale
     third, _ = _start(tmp_path, config, "third")
     launcher = psutil.Process(third.pid)
     _wait_for(lambda: len(_workers(launcher)) == 2, 120, "workers")

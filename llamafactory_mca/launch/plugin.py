@@ -20,7 +20,6 @@ import importlib.util
 import os
 import sys
 import types
-from typing import Any
 
 from ..compat import version_note
 
@@ -114,9 +113,10 @@ def _join_process_group(recipe) -> None:
 
 
 class _Torchrun:
-    """``subprocess`` for LLaMA-Factory's launcher: its ``torchrun ...`` command runs our torchrun (torchrun.py)
-    with the same arguments, as the user typed them (LLaMA-Factory joins them with spaces and splits the command
-    again, which takes apart a recipe path or a ``key=value`` holding a space); everything else is the real module."""
+    """``subprocess`` for LLaMA-Factory's launcher: its ``torchrun ...`` command runs our torchrun (torchrun.py) in
+    this process, with the same arguments as the user typed them (LLaMA-Factory joins them with spaces and splits the
+    command again, which takes apart a recipe path or a ``key=value`` holding a space); everything else is the real
+    module."""
 
     def __init__(self, real: types.ModuleType, script: str, train_args: list[str]) -> None:
         self._real, self._script, self._train_args = real, script, train_args
@@ -124,31 +124,17 @@ class _Torchrun:
 
     def run(self, command, *args, **kwargs):
         if command and command[0] == "torchrun" and self._script in command:
+            from . import torchrun
+
             options = command[1:command.index(self._script) + 1]
-            command = [sys.executable, "-m", "llamafactory_mca.launch.torchrun", *options, *self._train_args]
-            kwargs.pop("check", None)  # a failed run is reported by torchrun.py, not by a CalledProcessError traceback
+            os.environ.update(kwargs.get("env") or {})  # what LLaMA-Factory's launcher adds for its torchrun
             self.started = True
-            return _through_ctrl_c(self._real, command, **kwargs)
+            return self._real.CompletedProcess(command, torchrun.main([*options, *self._train_args],
+                                                                      in_launcher=True))
         return self._real.run(command, *args, **kwargs)
 
     def __getattr__(self, name: str):
         return getattr(self._real, name)
-
-
-def _through_ctrl_c(real: types.ModuleType, command: list[str], **kwargs) -> Any:
-    """Our torchrun, waited for through the first Ctrl-C: the terminal signalled it too, and it stops the workers
-    (a save under way is dropped whole) and says so in one line, where ``subprocess.run`` would kill it a quarter of
-    a second after the keypress, mid-report. A second Ctrl-C stops waiting."""
-    with real.Popen(command, **kwargs) as process:
-        try:
-            return real.CompletedProcess(command, process.wait())
-        except KeyboardInterrupt:
-            pass
-        try:
-            return real.CompletedProcess(command, process.wait())
-        except KeyboardInterrupt:
-            process.kill()
-            raise
 
 
 def quiet_ctrl_c_while_importing() -> None:

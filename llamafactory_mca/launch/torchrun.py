@@ -1,10 +1,13 @@
-"""Our torchrun: under USE_MCA=1, LLaMA-Factory's launcher starts ``python -m llamafactory_mca.launch.torchrun``
-where it would start ``torchrun``, with the same arguments (plugin.py swaps the command).
+"""Our torchrun: under USE_MCA=1, where LLaMA-Factory's launcher would start ``torchrun`` it calls :func:`main` with
+the same arguments, in the launching process (plugin.py swaps the command): that process has imported torch,
+transformers, LLaMA-Factory's arguments and Megatron-Core for its checks already, and a second interpreter would
+import them again before the first worker starts. ``python -m llamafactory_mca.launch.torchrun`` is the same for a
+command of its own (``convert``).
 
-It runs torch's own elastic launcher in this process and adds what a user needs from it:
+It runs torch's own elastic launcher and adds what a user needs from it:
 
-- the workers stop when this process dies (their watchdog sees the parent go), and this process stops its
-  workers when the command that started it dies;
+- the workers stop when this process dies (their watchdog sees the parent go); run as a command of its own, this
+  process stops its workers when the command that started it dies;
 - a user error raised in a worker is printed once, after torchrun's shutdown, as the last thing on screen
   (workers write it to ``LLAMAFACTORY_MCA_ERROR_FILE``); a crashed worker keeps its own traceback and is
   followed by one line naming the rank and exit code (or the signal that killed it, which leaves no traceback),
@@ -83,9 +86,12 @@ def _stop_before_workers(signum, frame) -> None:
     os._exit(128 + signal.SIGINT)  # nothing made yet: the run folder comes after these imports
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, in_launcher: bool = False) -> int:
+    """torchrun's arguments; ``in_launcher``: called by the launching process, whose exit handlers (the output_dir
+    lock's release) must run however the run ends, and which has no parent to watch."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    signal.signal(signal.SIGINT, _stop_before_workers)
+    if not in_launcher:
+        signal.signal(signal.SIGINT, _stop_before_workers)
     from ..errors import debug_enabled
     from ..quiet import quiet_third_party
 
@@ -95,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TORCH_NCCL_AVOID_RECORD_STREAMS") == "1" and _torch_at_least(2, 11):
         # LLaMA-Factory's launcher sets it; torch 2.11+ does this by default and warns on every rank that it is set
         del os.environ["TORCH_NCCL_AVOID_RECORD_STREAMS"]
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    if not in_launcher:
+        threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
 
     # torch's elastic loggers take their level from LOGLEVEL when created; ours replace their failure report.
     saved = os.environ.get("LOGLEVEL")
@@ -109,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.pop("LOGLEVEL", None)
     else:
         os.environ["LOGLEVEL"] = saved
-    if not debug_enabled():  # modules that use plain logging.getLogger inherit from here
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    if not debug_enabled():
+        _quiet_elastic_loggers()
     signal.signal(signal.SIGINT, signal.default_int_handler)  # handled below from here on
     run_dir = tempfile.mkdtemp(prefix="llamafactory_mca-")
     error_file = os.path.join(run_dir, "error")  # workers create it exclusively: the first one to fail wins
@@ -133,6 +140,14 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGINT
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _quiet_elastic_loggers() -> None:
+    """torch's elastic loggers, made before LOGLEVEL was set above (the launcher's imports may have made them), and
+    those that use plain logging.getLogger, which inherit from their parent."""
+    prefix = "torch.distributed.elastic"
+    for name in [prefix, *(n for n in logging.root.manager.loggerDict if n.startswith(prefix + "."))]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def _forks_ranks(args) -> bool:
@@ -182,9 +197,14 @@ def _forked_rank(script: str, *script_args: str) -> None:
     from .. import parallel
     from .plugin import quiet_worker
 
+    import torch
+
     for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
         signal.signal(getattr(signal, name), signal.SIG_DFL)
     parallel.interrupt_once()
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))  # the process forking us imported torch before main set it
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True)
     quiet_worker()
