@@ -5,6 +5,7 @@
     python benchmarks/profile_step.py --next --layers 3 --out DIR  # Qwen3-Next-80B-A3B shape
     python benchmarks/profile_step.py --baseline --out DIR # megatron-core's own fallbacks instead of ours (below)
     python benchmarks/profile_step.py --smoke --out DIR    # tiny shape, CPU
+    python benchmarks/profile_step.py --megatron-step --out DIR  # Megatron's optimizer step (gradients scaled apart)
     torchrun --nproc-per-node 2 benchmarks/profile_step.py --tp 2 --out DIR  # TP2 + SP; --pp 2; --moe --ep 2
 
 Random weights, one GPU (or a TP / PP / EP layout under torchrun, a report per rank), bf16, the native layer spec,
@@ -44,6 +45,8 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     parser.add_argument("--ep", type=int, default=1, help="expert parallel size (with --moe or --next)")
     parser.add_argument("--baseline", action="store_true", help="megatron-core's fallbacks instead of ours")
+    parser.add_argument("--megatron-step", action="store_true", help="Megatron's optimizer step instead of ours "
+                        "(OptimizerStep): the token division and the clipping as passes over the gradients")
     parser.add_argument("--off", default="", help="comma-separated recipe keys of ours set to false (one change "
                                                   "left out at a time: native_cross_entropy, ...)")
     parser.add_argument("--on", default="", help="comma-separated recipe keys set to true (gradient_accumulation_"
@@ -62,7 +65,7 @@ def main() -> None:
     from llamafactory_mca.models.families import get_family
     from llamafactory_mca.data import MicroBatch
     from llamafactory_mca.trainer.loss import lm_loss
-    from llamafactory_mca.trainer.optim import build_optimizer, wrap_ddp
+    from llamafactory_mca.trainer.optim import OptimizerStep, build_optimizer, wrap_ddp
 
     shape = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=args.layers, num_attention_heads=16,
                  num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)
@@ -108,6 +111,8 @@ def main() -> None:
         _megatron_fallbacks()
     wrapped = wrap_ddp(model.chunks, model.transformer_config, targs)
     optimizer = build_optimizer(wrapped, model.transformer_config, targs)
+    step_optimizer = optimizer.step if args.megatron_step else \
+        OptimizerStep(optimizer, wrapped, model.transformer_config).step  # as McaTrainer steps
     device = torch.device("cuda") if gpu else torch.device("cpu")
     length = tokens // seqs
     cu = torch.arange(0, tokens + 1, length, dtype=torch.int32)
@@ -135,7 +140,7 @@ def main() -> None:
         optimizer.zero_grad()
         get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches), model=wrapped[0],
                                     num_microbatches=micro, seq_length=tokens, micro_batch_size=1)
-        optimizer.step()
+        step_optimizer()
 
     for _ in range(2):
         step()
@@ -169,11 +174,13 @@ def main() -> None:
     name += "".join(f"_{k}{n}" for k, n in (("tp", args.tp), ("pp", args.pp), ("ep", args.ep)) if n > 1)
     name += f"_rank{rank}" if world > 1 else ""
     name += "".join(f"_no_{k}" for k in off) + "".join(f"_with_{k}" for k in on)
+    name += "_megatron_step" if args.megatron_step else ""
     lines = [f"# One optimizer step of our path, {name} ({'GPU ' + torch.cuda.get_device_name() if gpu else 'CPU'})",
              "", f"{type(hf).__name__} {shape}, {micro} packed micro-batches of {tokens} tokens ({seqs} sequences "
              f"each), bf16; torch {torch.__version__}"
              + ("; megatron-core's fallbacks (--baseline)" if args.baseline else "")
-             + "".join(f"; {k}: false" for k in off) + "".join(f"; {k}: true" for k in on),
+             + "".join(f"; {k}: false" for k in off) + "".join(f"; {k}: true" for k in on)
+             + ("; Megatron's optimizer step (--megatron-step)" if args.megatron_step else ""),
              "", f"- step time {seconds * 1e3:.1f} ms; {micro * tokens / seconds / sharing:,.0f} tokens/s/GPU",
              f"- GPU kernel time {kernel_us / 1e3:.1f} ms per step = {kernel_us / 1e6 / seconds:.0%} of the step"
              if gpu else "- (CPU run)",

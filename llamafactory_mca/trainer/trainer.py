@@ -46,7 +46,7 @@ from .feeder import StepFeeder
 from .graphs import eager_layers
 from .loss import PreferenceConfig, collect_pair_logps, dpo_loss, lm_loss, reward_loss
 from .metrics import flops_per_sequence_set, gpu_memory_gib, peak_flops
-from .optim import LRSchedule, build_optimizer, wrap_ddp
+from .optim import LRSchedule, OptimizerStep, build_optimizer, wrap_ddp
 from .progress import ProgressCallback, forget_logs_after
 from .reporting import ReportedModel, reporting_callbacks
 
@@ -109,6 +109,7 @@ class McaTrainer:
         tc = model.transformer_config
         self.wrapped = wrap_ddp(model.chunks, tc, args)
         self.optimizer = build_optimizer(self.wrapped, tc, args)
+        self.optimizer_step = OptimizerStep(self.optimizer, self.wrapped, tc)
         self.max_steps, self.num_epochs = self._plan_steps()
         self.schedule = LRSchedule(self.optimizer, args, self.max_steps)
         self.state = TrainerState(is_local_process_zero=args.local_process_index == 0,
@@ -227,7 +228,7 @@ class McaTrainer:
             logged["grad_norm"] = float("nan")
             self._zero_grad()
         else:
-            ok, grad_norm, _ = self.optimizer.step()
+            ok, grad_norm = self.optimizer_step.step()
             skipped = not ok
             if ok:
                 self.schedule.step()

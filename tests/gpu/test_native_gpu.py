@@ -336,6 +336,31 @@ def test_bf16_grouped_mm_experts_equal_sequential():
     assert res["fused_dw1"] <= 1e-2 and res["fused_dw2"] <= 1e-2, res
 
 
+@pytest.mark.parametrize("k,n", [(256, 384), (96, 200)])
+def test_grouped_wgrad_adds_into_main_grad_in_fp32(k, n):
+    """The experts' Triton weight-gradient GEMM: main_grad[e] += x_e^T g_e over ragged groups (an empty expert, groups
+    that are no multiple of the 64-row step, sizes that are no multiple of the tiles), against fp32 matmuls; an
+    expert without rows is left as it was."""
+    from llamafactory_mca.models.native.grouped_wgrad import grouped_wgrad_accumulate
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    counts = [70, 0, 1, 256, 129, 64]
+    rows = sum(counts)
+    x = torch.randn(rows + 5, k, device="cuda", generator=gen).bfloat16()  # rows past the last group are no expert's
+    g = torch.randn(rows + 5, n, device="cuda", generator=gen).bfloat16()
+    ends = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    main_grad = torch.randn(len(counts), k, n, device="cuda", generator=gen)
+    expected = main_grad.clone()
+    start = 0
+    for e, c in enumerate(counts):
+        expected[e] += x[start:start + c].float().t() @ g[start:start + c].float()
+        start += c
+    untouched = main_grad[1].clone()
+    grouped_wgrad_accumulate(x, g, ends, main_grad)
+    assert torch.equal(main_grad[1], untouched)
+    torch.testing.assert_close(main_grad, expected, rtol=1e-5, atol=1e-4)
+
+
 def _attention_memory(token_counts) -> dict:
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType

@@ -771,18 +771,6 @@ def test_wgrad_accumulation_adds_the_weight_gradient(dtype):
     torch.testing.assert_close(main_grad.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_compiled_main_grad_add_equals_torchs():
-    """The MoE experts' fp32 += bf16 kernel (compiled here on CPU, as on GPUs) adds exactly what DDP's add does."""
-    from llamafactory_mca.models.native import wgrad
-
-    gen = torch.Generator().manual_seed(0)
-    grad = torch.randn(3, 40, 24, generator=gen).bfloat16()
-    main_grad = torch.randn(3, 40, 24, generator=gen)
-    expected = main_grad + grad
-    wgrad._compiled_add()(main_grad, grad)
-    assert torch.equal(main_grad, expected)
-
-
 def test_compiled_cross_entropy_kernels_equal_eager():
     """The loss's two kernels as GPUs run them (compiled here on CPU), at two row counts: the second makes the rows
     symbolic while the vocabulary stays a constant."""

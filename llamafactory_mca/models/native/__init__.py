@@ -7,8 +7,8 @@
 - ``experts.py``: grouped MoE experts on ``torch._grouped_mm``; ``dispatch.py``: their sync-free token routing
 - ``rope.py``: packed (THD) RoPE without host syncs
 - ``cross_entropy.py``: the language-model loss from bf16 logits (no fp32 copy), and GPTModel with it
-- ``wgrad.py``: weight-gradient accumulation into fp32 main_grad without apex (torch's addmm with out_dtype; the
-  MoE experts' compiled add)
+- ``wgrad.py``: weight-gradient accumulation into fp32 main_grad without apex (torch's addmm with out_dtype; for
+  the MoE experts ``grouped_wgrad.py``'s Triton GEMM on GPUs, a compiled add elsewhere)
 - ``tower_attention.py``: the HF vision towers' attention in one ``varlen_attn`` call per block
 - ``routing.py``: group-limited routing (DeepSeek-V3) with transformers' group score
 

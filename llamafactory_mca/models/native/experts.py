@@ -16,8 +16,9 @@ initialisation, and ``sharded_state_dict``, which writes per-expert ``linear_fc1
   Megatron's TE experts do); each expert whole on its rank (``expert_tensor_parallel_size: 1``), written as the
   per-expert ``linear_fc1/2.bias`` a SequentialMLP checkpoint holds;
 - with ``gradient_accumulation_fusion`` the weights' gradients go into DDP's fp32 ``main_grad`` inside the
-  backward (``_GroupedMMIntoMainGrad``), as Megatron's linears do with that key, in one vectorised add instead of
-  DDP's mixed-dtype one — the experts hold most of a MoE model's weights, so this is most of its gradient traffic.
+  backward (``_GroupedMMIntoMainGrad``), as Megatron's linears do with that key: on GPUs one Triton GEMM that adds
+  into it (``grouped_wgrad.py``), elsewhere a vectorised add instead of DDP's mixed-dtype one — the experts hold
+  most of a MoE model's weights, so this is most of its gradient traffic.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from megatron.core.transformer.moe import grouped_gemm_util
 from megatron.core.transformer.moe.experts import GroupedMLP
 
-from .wgrad import add_into_main_grad, placeholder_grad
+from .wgrad import add_grouped_wgrad, placeholder_grad
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +214,7 @@ class _GroupedMMIntoMainGrad(torch.autograd.Function):
         x, param, offs = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = torch._grouped_mm(grad, param.view(ctx.shape).transpose(-2, -1), offs=offs)
-        add_into_main_grad(param.main_grad.view(ctx.shape), torch._grouped_mm(x.t(), grad, offs=offs))
+        add_grouped_wgrad(param.main_grad.view(ctx.shape), x, grad, offs)
         return grad_x, placeholder_grad(param, x.dtype), None, None
 
 

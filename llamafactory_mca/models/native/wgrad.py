@@ -10,15 +10,12 @@ micro-batch. ``models.native.install`` puts this module in apex's place when ape
 On CPU there is no ``out_dtype`` addmm; the fallback upcasts and accumulates with ``addmm_`` (CPU runs keep the
 fusion off anyway: Megatron's linear allocates its placeholder gradient with ``torch.cuda.current_device()``).
 
-Grouped MoE experts have no accumulating GEMM (``torch._grouped_mm`` writes its own dtype), so their weight
-gradient is a bf16 tensor added to ``main_grad`` by ``add_into_main_grad``: the same bytes as DDP's hook, but
-DDP's ``main_grad.add_(grad)`` mixes fp32 and bf16, which torch runs as a cast-per-element kernel without vector
-loads, while the compiled add is one vectorised pass.
+Grouped MoE experts have no accumulating GEMM in torch (``torch._grouped_mm`` writes its own dtype): on CUDA ours
+is a Triton kernel into fp32 (``grouped_wgrad.py``); on CPU, and into a bf16 ``main_grad``, their weight gradient is
+computed and then added.
 """
 
 from __future__ import annotations
-
-from functools import cache
 
 import torch
 
@@ -52,22 +49,15 @@ def placeholder_grad(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | 
                                                                                     device=param.device)
 
 
-def add_into_main_grad(main_grad: torch.Tensor, grad: torch.Tensor) -> None:
-    """main_grad += grad, in one vectorised kernel where the dtypes differ on a GPU."""
-    if main_grad.is_cuda and grad.dtype != main_grad.dtype:
-        _compiled_add()(main_grad, grad)
+def add_grouped_wgrad(main_grad: torch.Tensor, x: torch.Tensor, grad: torch.Tensor, ends: torch.Tensor) -> None:
+    """``main_grad[e] += x[rows of e]^T @ grad[rows of e]`` for a grouped GEMM's weight (``ends``: its ``offs``)."""
+    if main_grad.is_cuda and main_grad.dtype == torch.float32:  # bf16 main grads: accumulate_allreduce_grads_in_fp32
+        # Triton comes with CUDA builds of torch only
+        from .grouped_wgrad import grouped_wgrad_accumulate
+
+        grouped_wgrad_accumulate(x, grad, ends, main_grad)
     else:
-        main_grad.add_(grad)
-
-
-def _add(main_grad: torch.Tensor, grad: torch.Tensor) -> None:
-    main_grad.add_(grad)
-
-
-@cache
-def _compiled_add():
-    # One compiled graph per weight shape (a MoE layer has two); both are reused by every layer.
-    return torch.compile(_add, fullgraph=True, dynamic=False)
+        main_grad.add_(torch._grouped_mm(x.t(), grad, offs=ends))
 
 
 def available() -> bool:
