@@ -70,7 +70,7 @@ def versions() -> dict:
 
 
 def peak_flops_for(name: str) -> float | None:
-    from llamafactory_mca.trainer.metrics import PEAK_BF16_FLOPS
+    from llamafactory_mca.models.cost import PEAK_BF16_FLOPS
 
     for key, value in sorted(PEAK_BF16_FLOPS.items(), key=lambda kv: -len(kv[0])):
         if key in name:
@@ -233,7 +233,7 @@ def _log_problem(run_dir: str) -> tuple[bool, str]:
 
 def summarize(run_dir: str, run: Run, warmup: int, flops_config, peak: float | None) -> dict:
     """Throughput, MFU, memory, time to first step and losses from the ranks' files."""
-    from llamafactory_mca.trainer.metrics import flops_per_sequence_set
+    from llamafactory_mca.models.cost import flops_per_sequence_set
 
     ranks = []
     metrics = os.path.join(run_dir, "metrics")

@@ -165,7 +165,7 @@ def main() -> None:
     # device time of the kernels themselves (an aten op's self device time repeats its kernels')
     kernel_us = sum(e.self_device_time_total for e in events
                     if e.device_type == torch.autograd.DeviceType.CUDA) / args.steps if gpu else 0.0
-    from llamafactory_mca.trainer.metrics import flops_per_sequence_set, peak_flops
+    from llamafactory_mca.models.cost import flops_per_sequence_set, peak_flops
 
     flops = flops_per_sequence_set(config.transformer, config.vocab_size, [length] * seqs * micro)
     peak = peak_flops()

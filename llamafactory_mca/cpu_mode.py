@@ -189,6 +189,10 @@ def apply_cpu_mode() -> None:
     if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
         token_dispatcher.maybe_move_tensor_to_cpu = _move_to_cpu
 
+    # torch.compile on a CPU (Megatron's fused functions: its ``jit_fuser`` is torch.compile) builds C++ kernels with
+    # inductor in every rank at step 1: an 8-rank recipe on a 2-core machine spent 25 of its 62 s there. Eager CPU
+    # kernels compute the same, and a CPU has no launch overhead to save.
+    torch._dynamo.config.disable = True
     _MODE = _CudaToCpu()
     _MODE.__enter__()
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")

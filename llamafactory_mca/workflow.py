@@ -38,7 +38,8 @@ from .plan import RunPlan, plan_run
 from .planner.check import training_of
 from .planner.memory import estimate
 from .quiet import quiet_transformers
-from .trainer.metrics import count_parameters, memory_estimate_gib, model_parameter_count, startup_summary
+from .models.cost import model_parameter_count
+from .trainer.metrics import count_parameters, memory_estimate_gib, startup_summary
 from .trainer.trainer import McaTrainer
 
 
@@ -256,7 +257,9 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
     if rank == 0:
         now = time.monotonic()
         startup = (f"imports {imports:.1f} s, data {data_ready - started:.1f} s (read, tokenized, planned), model "
-                   f"{now - data_ready:.1f} s (built, loaded); step 1 compiles and captures what it needs")
+                   f"{now - data_ready:.1f} s (built, loaded); "
+                   + ("step 1 compiles and captures what it needs" if torch.cuda.is_available()
+                      else "nothing is compiled on CPUs (eager kernels)"))
         logger.info("\n" + _summary(plan, model, trainer, train_plan, training_args, finetuning_args, startup))
 
     result = trainer.train(training_args.resume_from_checkpoint)

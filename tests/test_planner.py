@@ -234,35 +234,64 @@ RECIPES = {"qwen3_dense_sft.yaml": ("dense", 1, 80), "qwen3_long_context_cp2.yam
            "glm4_5v_lora.yaml": ("glm_vl", 8, 80), "gemma3_27b_full.yaml": ("gemma_vl", 8, 80)}
 
 
+# Plans each recipe given on the command line (a JSON list of the plan command's arguments) in one process: the plan
+# command's own main, each answer after a marker line.
+_PLAN_EACH = ("import json, sys\n"
+              "from llamafactory_mca.launch.plan_command import main\n"
+              "for argv in json.loads(sys.argv[1]):\n"
+              "    print('@@ ' + ' '.join(argv), flush=True)\n"
+              "    main(argv)\n")
+MOE_ON_TWO = ["--gpus", "2", "--gpu-memory", "80"]
+
+
+@pytest.fixture(scope="module")
+def planned_recipes(tmp_path_factory):
+    """Every recipe of RECIPES planned with its model's real config.json, from its hub id through a fake cache, as
+    ``llamafactory-mca plan RECIPE --json`` plans it (one process for all: the command's start-up is most of its
+    time); the MoE recipe also on two GPUs. {(recipe, extra args): (the printed lines, the JSON answer)}."""
+    from transformers import AutoConfig
+
+    root = tmp_path_factory.mktemp("plans")
+    argvs, kinds = [], {}
+    for name, (kind, _, _) in sorted(RECIPES.items()):
+        path = os.path.join(ROOT, "examples", "megatron", name)
+        with open(path) as f:
+            repo = yaml.safe_load(f)["model_name_or_path"]
+        if repo not in kinds:  # the dense recipes share Qwen3-1.7B
+            shape = dict(SHAPES[kind] if isinstance(kind, str) else kind)
+            model = root / "models" / name
+            AutoConfig.for_model(shape.pop("model_type"), **shape).save_pretrained(model)
+            fake_hub_cache(str(root / "hub"), repo, str(model))
+        assert kinds.setdefault(repo, kind) == kind, (repo, kind)
+        argvs.append([path, "--json"] + (MOE_ON_TWO if name == "qwen3_moe_full.yaml" else []))
+        if name == "qwen3_moe_full.yaml":
+            argvs.insert(-1, [path, "--json"])
+    env = cli_env(None, {"HF_HUB_CACHE": str(root / "hub"), "HF_HUB_OFFLINE": "1"})
+    result, output = run([sys.executable, "-c", _PLAN_EACH, json.dumps(argvs)], env=env, timeout=600, alone=False)
+    assert result.returncode == 0, output[-3000:]
+    answers = {}
+    for block in result.stdout.split("@@ ")[1:]:
+        head, _, body = block.partition("\n")
+        lines = body.strip().splitlines()
+        path, *extra = head.split()
+        answers[(os.path.basename(path), tuple(a for a in extra if a != "--json"))] = (body, json.loads(lines[-1]))
+    return answers
+
+
 @pytest.mark.parametrize("name", sorted(RECIPES))
-def test_example_recipes_fit_their_hardware(tmp_path, name):
+def test_example_recipes_fit_their_hardware(planned_recipes, name):
     """Each recipe, planned with its model's real config.json (from the hub id, through a fake cache) and nothing
     else, is planned for the GPUs its header names and fits them, and its weights are those of the full model (the
     shape is not a stand-in). The MoE recipe asked about fewer GPUs than its layout takes is searched there."""
-    from transformers import AutoConfig
-
-    kind, gpus, memory_gib = RECIPES[name]
-    path = os.path.join(ROOT, "examples", "megatron", name)
-    with open(path) as f:
-        repo = yaml.safe_load(f)["model_name_or_path"]
-    shape = dict(SHAPES[kind] if isinstance(kind, str) else kind)
-    model = tmp_path / "model"
-    AutoConfig.for_model(shape.pop("model_type"), **shape).save_pretrained(model)
-    fake_hub_cache(str(tmp_path / "hub"), repo, str(model))
-    env = cli_env(None, {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
-    result, output = run(["llamafactory-mca", "plan", path, "--json"], env=env, alone=False)
-    assert result.returncode == 0, output[-3000:]
-    answer = json.loads(result.stdout.strip().splitlines()[-1])
-    assert f"on {gpus} GPU(s) (the recipe's Hardware line)" in result.stdout, result.stdout
+    _, gpus, memory_gib = RECIPES[name]
+    output, answer = planned_recipes[(name, ())]
+    assert f"on {gpus} GPU(s) (the recipe's Hardware line)" in output, output
     assert answer["fits"] and answer["gpu_memory_gib"] == memory_gib, answer
     print(name, answer["layout"], answer["breakdown"], answer["needs_gib"])
     assert answer["breakdown"]["weights"] > 0.5, answer
     if name == "qwen3_moe_full.yaml":
-        result, output = run(["llamafactory-mca", "plan", path, "--gpus", "2", "--gpu-memory", "80", "--json"],
-                             env=env, alone=False)
-        assert result.returncode == 0, output[-3000:]
-        answer = json.loads(result.stdout.strip().splitlines()[-1])
-        assert answer["layouts"] == [] and "would fit: " in result.stdout, result.stdout
+        output, answer = planned_recipes[(name, tuple(MOE_ON_TWO))]
+        assert answer["layouts"] == [] and "would fit: " in output, output
 
 
 def test_launcher_refuses_a_run_that_does_not_fit(tmp_path, assets):

@@ -34,7 +34,7 @@ def _gpu() -> tuple[float | None, float, str, int]:
     """(memory GiB of the visible GPU or None, bf16 peak FLOP/s, its name, how many): an H100's peak without one."""
     import torch
 
-    from ..trainer.metrics import peak_flops
+    from ..models.cost import peak_flops
 
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)

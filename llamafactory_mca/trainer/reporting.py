@@ -22,7 +22,7 @@ from typing import Any
 
 from transformers.integrations import TensorBoardCallback, get_reporting_integration_callbacks
 
-from .metrics import model_parameter_count
+from ..models.cost import model_parameter_count
 
 # integration -> (modules it imports, what to pip install); any one module of a tuple of alternatives will do
 PACKAGES: dict[str, tuple[tuple[str, ...], str]] = {

@@ -45,7 +45,8 @@ from .faults import maybe_crash, maybe_hang, nan_loss
 from .feeder import StepFeeder
 from .graphs import eager_layers
 from .loss import PreferenceConfig, collect_pair_logps, dpo_loss, lm_loss, reward_loss
-from .metrics import flops_per_sequence_set, gpu_memory_gib, peak_flops
+from ..models.cost import flops_per_sequence_set, peak_flops
+from .metrics import gpu_memory_gib
 from .optim import LRSchedule, OptimizerStep, build_optimizer, wrap_ddp
 from .progress import ProgressCallback, forget_logs_after
 from .reporting import ReportedModel, reporting_callbacks

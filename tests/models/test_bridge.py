@@ -377,7 +377,7 @@ def test_parameter_count_is_the_hf_models(tiny_models):
     from transformers import AutoModelForCausalLM
 
     from llamafactory_mca.models.auto import AutoConfig
-    from llamafactory_mca.trainer.metrics import model_parameter_count
+    from llamafactory_mca.models.cost import model_parameter_count
 
     for name, path in tiny_models.items():
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -944,7 +944,7 @@ def test_startup_summary_names_the_sliding_windows():
 
 def test_flops_count_the_pairs_a_sliding_window_sees():
     """MFU's attention term: a window of W tokens sees s·W - W²/2 causal pairs of a longer sequence, on its layers."""
-    from llamafactory_mca.trainer.metrics import core_attention_flops
+    from llamafactory_mca.models.cost import core_attention_flops
 
     t = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16)
     full = core_attention_flops(t, [32, 4])
