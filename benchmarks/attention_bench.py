@@ -31,8 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from llamafactory_mca.models.native.kernels import SegmentPlan, segment_attention  # noqa: E402
+
 
 CASES = {
     "dense_4k": dict(heads=16, kv_heads=8, dim=128, tokens=4096, single=False),

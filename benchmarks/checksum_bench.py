@@ -20,9 +20,11 @@ import subprocess
 import sys
 import time
 
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from llamafactory_mca.checkpoints import manifest  # noqa: E402
+
 
 CHUNK = 64 << 20
 

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -12,7 +12,6 @@ import os
 from typing import Any
 
 import numpy as np
-
 from e2e_workloads import workloads
 
 

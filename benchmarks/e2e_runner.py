@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 import yaml
-
 from e2e_workloads import (
     LABELS,
     MOE_KINDS,

@@ -38,6 +38,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -49,6 +50,7 @@ from llamafactory_mca.tools.tiny import (  # noqa: E402
     write_alpaca_dataset,
     write_image_dataset,
 )
+
 
 SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=4, head_dim=64)

@@ -14,6 +14,7 @@ import math
 import os
 import sys
 
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,6 +23,7 @@ from e2e_workloads import LABELS, VL, Run, model_config, workloads  # noqa: E402
 from llamafactory_mca.parallel import ParallelLayout  # noqa: E402
 from llamafactory_mca.planner.memory import IMAGE_SHARE, Training, estimate  # noqa: E402
 from llamafactory_mca.planner.search import predicted_tokens_per_s, search  # noqa: E402
+
 
 IMAGE_TOKENS = 256  # per row of the VL workloads (e2e_workloads.image_side)
 ABOUT = ("Every packed run of ours in `benchmarks/results`, predicted from its shape, layout and recipe keys by "

@@ -60,12 +60,12 @@ def main() -> None:
     from transformers import Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
 
     from llamafactory_mca import parallel
-    from llamafactory_mca.training_args import TrainingArguments
+    from llamafactory_mca.data import MicroBatch
     from llamafactory_mca.models.auto import AutoModel
     from llamafactory_mca.models.families import get_family
-    from llamafactory_mca.data import MicroBatch
     from llamafactory_mca.trainer.loss import lm_loss
     from llamafactory_mca.trainer.optim import OptimizerStep, build_optimizer, wrap_ddp
+    from llamafactory_mca.training_args import TrainingArguments
 
     shape = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=args.layers, num_attention_heads=16,
                  num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)

@@ -19,7 +19,6 @@ from typing import Any
 from .errors import UserError
 
 
-
 logger = logging.getLogger(__name__)
 
 DISPATCHERS = ("allgather", "alltoall")

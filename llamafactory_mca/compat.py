@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 from functools import cache, partial
 
+
 WRITTEN_AGAINST = {"llamafactory": "0.9.5", "megatron-core": "0.16.1", "transformers": "5.6.0"}
 # (package, where, what of it we change)
 UPSTREAM_CHANGES = (

@@ -17,6 +17,7 @@ import os
 import sys
 from collections.abc import Iterator
 
+
 ERROR_FILE_ENV = "LLAMAFACTORY_MCA_ERROR_FILE"
 STATUS_DIR_ENV = "LLAMAFACTORY_MCA_STATUS_DIR"  # where each worker posts where it stands (watchdog.py)
 DEBUG_ENV = "LLAMAFACTORY_MCA_DEBUG"

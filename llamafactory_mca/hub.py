@@ -21,6 +21,7 @@ from typing import Any
 
 from .errors import UserError
 
+
 RESOLVED_ENV = "LLAMAFACTORY_MCA_RESOLVED"
 # What training needs from a model repository: weights, configs, tokenizer, chat template, remote code.
 ALLOW_PATTERNS = ["*.safetensors", "*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py"]
@@ -102,8 +103,12 @@ def _download(name: str, model_args: Any, field: str) -> str:
                             f"not be downloaded from {hub} ({err}). Check the id and your network, or point {field} "
                             "at a local folder.") from err
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError, \
-        RevisionNotFoundError
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     try:
         return snapshot_download(name, revision=revision, cache_dir=cache_dir,

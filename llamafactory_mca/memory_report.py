@@ -14,6 +14,7 @@ import os
 
 import torch
 
+
 ENV, ENV_STEPS = "LLAMAFACTORY_MCA_MEMORY_REPORT", "LLAMAFACTORY_MCA_MEMORY_REPORT_STEPS"
 OURS = ("llamafactory_mca/", "megatron/", "torch/optim/", "transformers/")
 _recording = False

@@ -33,6 +33,7 @@ from .parallel import ParallelLayout, check_layout, cuda_graph_layout_needs
 from .stages import check_no_generation, check_stage
 from .trainer.loss import PreferenceConfig
 
+
 SUPPORTED_FINETUNING = ("full", "freeze", "lora")
 
 

@@ -18,6 +18,7 @@ import warnings
 
 from .errors import debug_enabled
 
+
 # (category, message regex) of warnings that only restate "no TE / no apex" or are library-internal deprecations.
 _WARNINGS = (
     (UserWarning, r".*(Transformer Engine|Apex|apex) (and Apex )?(is|are) not installed"),

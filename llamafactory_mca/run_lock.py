@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from .errors import UserError
 
+
 LOCK_NAME = ".llamafactory_mca.lock"
 HELD_ENV = "LLAMAFACTORY_MCA_LOCK"  # set by the launcher: its workers need not take the lock again
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from .errors import UserError
 
+
 SUPPORTED_STAGES = ("pt", "sft", "dpo", "rm")
 # what works instead, for what LLaMA-Factory runs and the Megatron path does not
 INSTEAD = {

@@ -32,6 +32,7 @@ import types
 
 from .errors import STATUS_DIR_ENV, report
 
+
 # Where the main thread stands when it waits for other ranks.
 _COMMUNICATION = ("torch/distributed/", "megatron/core/pipeline_parallel/p2p_communication.py",
                   "megatron/core/distributed/")

@@ -31,6 +31,7 @@ from .hub import resolve_model
 from .log import setup_logging
 from .models import spec, value_head
 from .models.auto import AutoModel, describe_load_balancing
+from .models.cost import model_parameter_count
 from .models.freeze import apply_freeze, apply_multimodal_freeze
 from .models.lora.peft_io import setup_lora
 from .models.native import logit_chunks, tower_attention
@@ -38,7 +39,6 @@ from .plan import RunPlan, plan_run
 from .planner.check import training_of
 from .planner.memory import estimate
 from .quiet import quiet_transformers
-from .models.cost import model_parameter_count
 from .trainer.metrics import count_parameters, memory_estimate_gib, startup_summary
 from .trainer.trainer import McaTrainer
 

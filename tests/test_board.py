@@ -32,6 +32,7 @@ from llamafactory_mca.tools.tiny import save_tiny_model
 from tests._cli import cli_env, run
 from tests._dist import free_port, one_job_at_a_time
 
+
 pytestmark = pytest.mark.slow
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"

@@ -10,6 +10,7 @@ import os
 import re
 import shlex
 
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH_SET = ("torch", "torchvision", "torchaudio")
 

@@ -18,8 +18,18 @@ import shutil
 import pytest
 import yaml
 
-from llamafactory_mca.tools.tiny import (GEMMA_TOKENS, GLM_TOKENS, GPT_OSS_TOKENS, TINY_VL, SENTENCES, TOPICS,
-                                         save_tiny_model, save_tiny_tokenizer, save_tiny_vl_model, write_image_dataset)
+from llamafactory_mca.tools.tiny import (
+    GEMMA_TOKENS,
+    GLM_TOKENS,
+    GPT_OSS_TOKENS,
+    SENTENCES,
+    TINY_VL,
+    TOPICS,
+    save_tiny_model,
+    save_tiny_tokenizer,
+    save_tiny_vl_model,
+    write_image_dataset,
+)
 from tests._cli import cli_env, fake_hub_cache, losses, ok, run
 
 

@@ -27,8 +27,13 @@ MERGE = os.path.join(ROOT, "scripts", "megatron_merge.py")
 
 
 def test_installed_torch_set_agrees_with_itself_and_the_pins():
-    from llamafactory_mca.launch.health import (TORCH_SET, _module_version, check_installation, pinned,
-                                                torch_set_problems)
+    from llamafactory_mca.launch.health import (
+        TORCH_SET,
+        _module_version,
+        check_installation,
+        pinned,
+        torch_set_problems,
+    )
 
     installed = {name: _module_version(name) for name in TORCH_SET}
     assert torch_set_problems(installed) == [], installed

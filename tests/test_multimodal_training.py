@@ -15,6 +15,7 @@ from llamafactory_mca.tools.tiny import save_tiny_vl_model, write_image_dataset
 from tests._cli import cli_env, losses, ok, recipe, run, train
 from tests.models._bridge import hf_tensors
 
+
 pytestmark = pytest.mark.slow
 
 

@@ -18,6 +18,7 @@ from llamafactory_mca.planner.memory import Training, estimate
 from llamafactory_mca.planner.search import predicted_tokens_per_s, search
 from tests._cli import cli_env, fake_hub_cache, make_assets, one_error, recipe, run
 
+
 GIB = 1024**3
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))

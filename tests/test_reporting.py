@@ -18,7 +18,7 @@ import pytest
 from llamafactory_mca.errors import UserError
 from llamafactory_mca.launch import preflight
 from llamafactory_mca.trainer import reporting
-from tests._cli import losses, ok, one_error, recipe, run, cli_env, train
+from tests._cli import cli_env, losses, ok, one_error, recipe, run, train
 
 
 pytestmark = pytest.mark.slow

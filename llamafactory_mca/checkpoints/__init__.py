@@ -33,6 +33,7 @@ from . import manifest, writers
 from .dist_reader import DistCheckpointReader
 from .hf_io import copy_side_files, write_hf_config
 
+
 if TYPE_CHECKING:
     from ..models.config import McaConfig
 

@@ -23,6 +23,7 @@ import xxhash
 
 from ..errors import UserError
 
+
 MANIFEST_NAME = "mca_manifest.json"
 HASH = "xxh3_128"
 _CHUNK = 16 << 20

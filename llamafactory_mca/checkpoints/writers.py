@@ -18,6 +18,7 @@ import signal
 from collections.abc import Callable, Iterator
 from typing import Any
 
+
 POLL_SECONDS = 0.5
 _in_writer: Callable[[], None] | None = None  # runs first in every writer of the save in progress (faults.py)
 _failure: str | None = None  # this rank's dead writer in the save in progress, for describe_failure

@@ -10,6 +10,7 @@ from .loader import BatchingConfig, DataPlan, Step, check_trainable, empty_rows_
 from .packing import collate_packed, collate_padded, pack_window_ffd
 from .rows import PAIRWISE, PT, SFT, RowTable, Sample, detect_kind, scan_rows
 
+
 __all__ = [
     "IGNORE_INDEX",
     "PAIRWISE",

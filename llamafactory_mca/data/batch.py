@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+
 if TYPE_CHECKING:
     from megatron.core.packed_seq_params import PackedSeqParams
 

@@ -15,6 +15,7 @@ import torch
 
 from .batch import MicroBatch
 
+
 _TOKEN_FIELDS = ("tokens", "labels", "loss_mask", "position_ids", "seq_ids", "rope_positions")
 
 

@@ -19,8 +19,8 @@ rows share a pack changes only how the loss of a micro-batch is normalised, not 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -37,6 +37,7 @@ from .packing import (
     round_up_array,
 )
 from .rows import PAIRWISE, REWARD, RowTable, columns_for, detect_kind, fetch_samples, scan_rows
+
 
 if TYPE_CHECKING:
     from datasets import Dataset

@@ -18,6 +18,7 @@ import torch
 from .batch import MicroBatch
 from .rows import Sample
 
+
 IMAGE, VIDEO = 1, 2  # mm_token_type_ids of transformers' get_rope_index
 
 

@@ -21,6 +21,7 @@ import torch
 
 from .batch import IGNORE_INDEX
 
+
 if TYPE_CHECKING:
     from datasets import Dataset
 

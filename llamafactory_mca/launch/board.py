@@ -38,6 +38,7 @@ from ..planner.memory import estimate
 from ..tools.merge import merge
 from .preflight import check_recipe
 
+
 # Element name -> the recipe key it sets; the widgets and their defaults (our recipes') are in megatron_group.
 KEYS = {
     "mca_tp": "tensor_model_parallel_size", "mca_pp": "pipeline_model_parallel_size",

@@ -13,6 +13,7 @@ import importlib
 import os
 import sys
 
+
 COMMANDS = ("train", "plan", "merge", "convert", "verify", "demo", "version", "help")
 FRONT_ENDS = {"plan": (".plan_command", "main"), "merge": ("..tools.merge", "main"),
               "convert": ("..tools.convert", "main"), "verify": ("..tools.verify", "main"),
@@ -63,8 +64,8 @@ def version(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(VERSION_USAGE)
         return 0
-    from .health import check_installation, versions
     from ..quiet import quiet_third_party
+    from .health import check_installation, versions
 
     quiet_third_party()
     for name, value in versions().items():

@@ -12,6 +12,7 @@ import importlib
 import importlib.metadata
 import re
 
+
 TORCH_SET = ("torch", "torchvision", "torchaudio")
 
 

@@ -76,9 +76,9 @@ def plan_command(argv: list[str]) -> dict[str, Any]:
     """The estimate (and the search) as a dict; prints the human-readable lines."""
     # LLaMA-Factory's parser, through the launcher's own recipe reading so that a plan reads exactly what training
     # would: imported only now, after main() has installed our hook (its argument classes are chosen at import)
-    from .preflight import check_keys, parse, read_recipe
-    from ..plan import plan_run
     from ..parallel import min_world_size
+    from ..plan import plan_run
+    from .preflight import check_keys, parse, read_recipe
 
     options, rest = _options(argv)
     recipe = read_recipe(rest)
@@ -145,8 +145,8 @@ def main(argv: list[str]) -> int:
         print(flags.plan().format_help())
         return 0
     os.environ["USE_MCA"] = "1"
-    from .plugin import install
     from ..quiet import quiet_third_party
+    from .plugin import install
 
     install()
     quiet_third_party()

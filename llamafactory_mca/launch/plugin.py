@@ -23,6 +23,7 @@ import types
 
 from ..compat import version_note
 
+
 ADAPTER_NAME = "mcore_adapter"
 WORKFLOW_NAME = "llamafactory.train.mca"
 _TRUE = ("1", "true", "y", "yes", "on")

@@ -27,6 +27,7 @@ from typing import Any
 from ..errors import UserError, user_errors
 from ..stages import INSTEAD
 
+
 # LLaMA-Factory's demo sets: in its repository's data/ folder, not in the pip package.
 LLAMAFACTORY_DATA = ("identity", "alpaca_en_demo", "alpaca_zh_demo", "dpo_en_demo", "dpo_zh_demo", "kto_en_demo",
                      "glaive_toolcall_en_demo", "glaive_toolcall_zh_demo", "mllm_demo", "c4_demo", "wiki_demo")

@@ -192,12 +192,11 @@ def _forked_rank(script: str, *script_args: str) -> None:
     (torch.multiprocessing would only hand it to the agent, whose report we replace), and a way out that returns to
     torch's agent, which waits for the return."""
     # imported by the preload already; kept here, as this module imports nothing heavy at its top (see main)
+    import torch
     from torch.distributed.run import run_script_path
 
     from .. import parallel
     from .plugin import quiet_worker
-
-    import torch
 
     for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
         signal.signal(getattr(signal, name), signal.SIG_DFL)

@@ -22,13 +22,13 @@ from ..compat import has_transformer_engine
 from ..cpu_mode import cpu_mode_needed
 from ..errors import UserError
 from . import spec
+from . import value_head as vhead
 from .config import McaConfig, rope_inv_freq
 from .export import export_hf
 from .families import get_family
 from .loading import dims_for, load_hf_weights
-from .native.cross_entropy import DeferredLogits
 from .lora.layers import adapter_state
-from . import value_head as vhead
+from .native.cross_entropy import DeferredLogits
 
 
 logger = logging.getLogger(__name__)

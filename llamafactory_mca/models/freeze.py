@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 from ..errors import UserError
 from .families import get_family
+
 
 # LLaMA-Factory names the HF modules of a decoder layer and of the model; these are their Megatron names.
 LAYER_MODULES = {"self_attn": "self_attention", "linear_attn": "self_attention", "mlp": "mlp",

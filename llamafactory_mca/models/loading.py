@@ -10,8 +10,8 @@ sequential experts, Megatron's legacy grouped experts (weight1/weight2) and TE's
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from megatron.core import parallel_state as ps

@@ -33,6 +33,7 @@ from .mapping import Op, Rename, WeightTable
 from .native import tower_attention
 from .native.cross_entropy import LanguageModel
 
+
 VISION_PREFIX = "vision."  # our name of the tower inside a model chunk
 
 

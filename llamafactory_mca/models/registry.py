@@ -6,8 +6,8 @@ imports every family and looks them up (``families.get_family``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 
 if TYPE_CHECKING:

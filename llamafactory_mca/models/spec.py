@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from megatron.core import parallel_state as ps
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
@@ -31,22 +32,25 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe import grouped_gemm_util
 from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlockSubmodules,
+    get_mtp_layer_spec_for_backend,
+    mtp_on_this_rank,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import L2Norm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules, get_transformer_layer_offset
-from megatron.core import parallel_state as ps
-from megatron.core.transformer.moe import grouped_gemm_util
-from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
-from megatron.core.transformer.multi_token_prediction import (MultiTokenPredictionBlockSubmodules,
-                                                               get_mtp_layer_spec_for_backend, mtp_on_this_rank)
 
 from ..compat import has_transformer_engine
 from ..errors import UserError
-from .mapping import NORM_ALIASES, is_linear_attention_layer, is_moe_layer
 from . import native
+from .mapping import NORM_ALIASES, is_linear_attention_layer, is_moe_layer
+from .native import rope as native_rope
 from .native import wgrad
 from .native.attention import NativeDotProductAttention, check_supported
 from .native.dispatch import LocalDispatchLayer, local_dispatch_applies
@@ -54,9 +58,9 @@ from .native.experts import NativeGroupedMLP, describe_experts
 from .native.gated_delta import NativeGatedDeltaNet
 from .native.gated_delta import describe_kernel as describe_delta_rule
 from .native.kernels import cudnn_attention_device, varlen_attn_available, varlen_windows_available
-from .native import rope as native_rope
 from .native.norm import NativeNorm, compiles_head_norms, compiles_zero_centred_norms
 from .native.sublayers import NativeSelfAttention, needs_sublayers
+
 
 logger = logging.getLogger(__name__)
 

@@ -23,6 +23,7 @@ import torch
 from llamafactory.extras.constants import V_HEAD_SAFE_WEIGHTS_NAME
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
+
 PREFIX = "value_head."  # the chunk's module name: its keys in our checkpoints
 TRL_PREFIX = "v_head."  # trl's, in value_head.safetensors
 WEIGHT_KEY = f"{PREFIX}summary.weight"

@@ -15,6 +15,7 @@ from ..parallel import ParallelLayout
 from .memory import Training, estimate
 from .search import search
 
+
 GPU_COUNTS = (2, 4, 8, 16, 32, 64, 128, 256)
 LORA_RANK = 16  # LLaMA-Factory's examples' rank
 

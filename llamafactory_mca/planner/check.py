@@ -19,6 +19,7 @@ from .advice import cheapest_changes
 from .memory import Training, estimate
 from .search import DEFAULT_PEAK, search
 
+
 MEMORY_ENV = "LLAMAFACTORY_MCA_GPU_MEMORY"
 SKIP_ENV = "LLAMAFACTORY_MCA_SKIP_MEMORY_CHECK"
 TERMS = ("weights", "grads", "optimizer", "activations", "logits")

@@ -20,10 +20,11 @@ import json
 import re
 from typing import Any
 
+from ..models.cost import attention_sizes
 from ..models.mapping import is_moe_layer
 from ..models.native.logit_chunks import logit_rows
 from ..parallel import ParallelLayout
-from ..models.cost import attention_sizes
+
 
 GIB = 1024**3
 ACTIVATION_FIT = 1.1  # measured / counted, per layer (norm and RoPE temporaries, the allocator's rounding)

@@ -20,10 +20,11 @@ import math
 from typing import Any
 
 from ..errors import UserError
+from ..models.cost import PEAK_BF16_FLOPS, core_attention_flops, flops_per_sequence_set, routed_expert_flops
 from ..models.multimodal import check_vision_layout
 from ..parallel import ParallelLayout, check_layout, cuda_graph_layout_needs
-from ..models.cost import PEAK_BF16_FLOPS, core_attention_flops, flops_per_sequence_set, routed_expert_flops
 from .memory import Training, estimate, vision_tower
+
 
 # the share of the GPU's peak each kind of work reaches, and the host's time per layer and micro-batch
 EFFICIENCY = {"dense": 0.42, "experts": 0.114, "vision": 0.22}

@@ -11,6 +11,7 @@ import dataclasses
 
 from ..args import LAYOUT_KEYS, MegatronArguments
 
+
 PLAN_USAGE = "llamafactory-mca plan RECIPE.yaml [key=value ...] [--gpus N] [--gpu-memory GIB] [--json]"
 
 

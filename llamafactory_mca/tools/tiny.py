@@ -355,8 +355,15 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
     as the hub ships them: the tokenizer knows the vision tokens, the config's token ids are the tokenizer's, and the
     image processor cuts the tower's patches (tiny: 4 pixels merged 2 x 2, so a 32 x 32 image is 16 tokens; Gemma 3:
     every image 16 pixels, pooled into ``mm_tokens_per_image`` tokens, 4)."""
-    from transformers import (AutoTokenizer, Gemma3ImageProcessor, Gemma3Processor, Glm4vProcessor,
-                              Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor)
+    from transformers import (
+        AutoTokenizer,
+        Gemma3ImageProcessor,
+        Gemma3Processor,
+        Glm4vProcessor,
+        Qwen2_5_VLProcessor,
+        Qwen2VLProcessor,
+        Qwen3VLProcessor,
+    )
     from transformers.models.glm4v import Glm4vImageProcessor, Glm4vVideoProcessor
     from transformers.models.qwen2_vl import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
     from transformers.models.qwen3_vl import Qwen3VLVideoProcessor

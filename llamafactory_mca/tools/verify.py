@@ -15,6 +15,7 @@ from ..checkpoints.hf_io import check_safetensors_files
 from ..errors import UserError, user_errors
 from . import flags
 
+
 def verify(path: str) -> list[str]:
     """One line per folder checked (``path`` and, for an output_dir, its checkpoints); raises UserError."""
     if not os.path.isdir(path):

@@ -29,8 +29,8 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
     FullyParallelSaveStrategyWrapper,
 )
-from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..checkpoints import (
     SideFiles,

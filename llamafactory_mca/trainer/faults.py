@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 
+
 FAULT_ENV = "LLAMAFACTORY_MCA_FAULT"
 
 

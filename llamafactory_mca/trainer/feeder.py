@@ -11,8 +11,8 @@ import functools
 import hashlib
 import queue
 import threading
-from typing import Any
 from collections.abc import Iterator
+from typing import Any
 
 from megatron.core import parallel_state as ps
 

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
+
 _MANAGER = "cudagraph_manager"  # the attribute megatron-core's layers test to route a call through their graphs
 
 

@@ -23,6 +23,7 @@ import megatron.core.optimizer as megatron_optimizer
 import torch
 from torch.optim.adam import adam
 
+
 CHUNK = 1 << 25  # elements rebuilt in fp32 at a time: 128 MiB of temporaries per tensor, whatever the model's size
 _HALF = 1 << 15
 _SHIFT = 1 << 16

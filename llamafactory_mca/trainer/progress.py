@@ -6,8 +6,8 @@ import json
 import os
 
 from llamafactory.extras.constants import TRAINER_LOG
-from transformers import TrainerCallback
 from tqdm.auto import tqdm
+from transformers import TrainerCallback
 
 
 def forget_logs_after(output_dir: str, step: int) -> int:

@@ -24,6 +24,7 @@ from transformers.integrations import TensorBoardCallback, get_reporting_integra
 
 from ..models.cost import model_parameter_count
 
+
 # integration -> (modules it imports, what to pip install); any one module of a tuple of alternatives will do
 PACKAGES: dict[str, tuple[tuple[str, ...], str]] = {
     "tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"),

@@ -35,6 +35,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from ..checkpoints.dist_reader import DistCheckpointReader
 from ..errors import UserError
 
+
 STATES = ("param", "exp_avg", "exp_avg_sq")  # fp32 main parameter and Adam's moments
 
 

@@ -23,19 +23,23 @@ from typing import Any
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.moe.moe_utils import (
+    clear_aux_losses_tracker,
+    get_moe_layer_wise_logging_tracker,
+    reduce_aux_losses_tracker_across_ranks,
+)
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 from transformers import TrainerCallback, TrainerControl, TrainerState
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metrics, save_state
 from transformers.trainer_utils import TrainOutput
-from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker,
-                                                      reduce_aux_losses_tracker_across_ranks)
-from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from .. import checkpoints, memory_report, watchdog
 from ..checkpoints import SideFiles, checkpoint_path, is_adapter_checkpoint, resolve_resume
 from ..data.loader import nothing_left
 from ..errors import UserError
 from ..models.auto import AutoModel
+from ..models.cost import flops_per_sequence_set, peak_flops
 from ..models.export import export_hf
 from ..models.lora.layers import set_lora_enabled
 from ..models.lora.peft_io import export_adapter
@@ -45,7 +49,6 @@ from .faults import maybe_crash, maybe_hang, nan_loss
 from .feeder import StepFeeder
 from .graphs import eager_layers
 from .loss import PreferenceConfig, collect_pair_logps, dpo_loss, lm_loss, reward_loss
-from ..models.cost import flops_per_sequence_set, peak_flops
 from .metrics import gpu_memory_gib
 from .optim import LRSchedule, OptimizerStep, build_optimizer, wrap_ddp
 from .progress import ProgressCallback, forget_logs_after

@@ -9,6 +9,7 @@ from llamafactory_mca.errors import UserError
 from llamafactory_mca.tools.tiny import alpaca_rows
 from tests.data.fixtures import sft_row, tokenized_with_frame
 
+
 EMPTY = {"instruction": "", "input": "", "output": ""}
 
 

@@ -10,6 +10,7 @@ import torch
 
 from tests._cli import losses, ok, recipe, train
 
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 

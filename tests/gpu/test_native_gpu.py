@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from tests._dist import run_distributed
 
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 VOCAB, SEQ, BATCH = 256, 256, 2

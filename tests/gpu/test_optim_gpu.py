@@ -9,6 +9,7 @@ import torch
 from llamafactory_mca.trainer.optim import use_fused_adam
 from tests._optim import adam_pair, assert_same, step_both, switch_and_train
 
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 

@@ -16,6 +16,7 @@ from tests._cli import losses, ok, recipe, train
 from tests.models._bridge import hf_tensors
 from tests.models._delta_rule import transformers_rule_per_sequence
 
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 LENGTHS = (1, 37, 64, 200, 3, 130)  # a single token, chunk-sized, ragged
 

@@ -356,8 +356,8 @@ def test_every_hf_key_maps_exactly_once(tiny_models):
     experts once each: its name once, from expert 0)."""
     from llamafactory_mca.models.auto import AutoConfig
     from llamafactory_mca.models.export import _index_ranges
-    from llamafactory_mca.models.mapping import fill, split_expert
     from llamafactory_mca.models.families import get_family
+    from llamafactory_mca.models.mapping import fill, split_expert
 
     for name, path in tiny_models.items():
         config = AutoConfig.from_pretrained(path)

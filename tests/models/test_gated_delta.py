@@ -11,6 +11,7 @@ import torch
 from tests._dist import run_distributed
 from tests.models._delta_rule import transformers_rule_per_sequence
 
+
 HIDDEN, NK, NV, DK, DV, KERNEL = 64, 2, 4, 8, 12, 4
 LENGTHS = (10, 18, 2, 12)  # one sequence shorter than the convolution
 HF_PREFIX = "model.layers.0.linear_attn."

@@ -12,6 +12,7 @@ from llamafactory_mca.tools.tiny import save_tiny_model
 from tests._dist import run_distributed
 from tests.models._bridge import hf_tensors
 
+
 LAYOUTS = [("dp2", {}), ("tp2-sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
            ("pp2", {"pipeline_model_parallel_size": 2})]
 

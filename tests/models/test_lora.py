@@ -13,6 +13,7 @@ from tests._dist import run_distributed
 from tests.models._bridge import INPUT, pipeline_logits
 from tests.models._lora import EXPERT_PARAMS, hf_causal_lm, make_peft_adapter, model_with_adapter
 
+
 # family: (lora_target as peft sees it, experts too, modules_to_save = LLaMA-Factory's additional_target)
 ADAPTERS = {"qwen3": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False,
                       ["lm_head"]),

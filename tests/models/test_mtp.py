@@ -13,6 +13,7 @@ from tests._dist import run_distributed
 from tests.models._bridge import hf_tensors
 from tests.models._vision import image_and_video_row
 
+
 FAMILIES = ["deepseek_v3", "glm4_moe", "qwen3_next"]
 VL_FAMILIES = ["qwen3_5", "qwen3_5_moe"]
 INPUT = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(1))

@@ -13,6 +13,7 @@ from tests.models._bridge import hf_tensors
 from tests.models._lora import model_with_adapter
 from tests.models._vision import IMAGE_GRID, image_and_video_row
 
+
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v_moe"]
 
 

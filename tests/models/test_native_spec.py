@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from tests._dist import run_distributed
 
+
 VOCAB, SEQ, BATCH = 128, 16, 2
 THD_LENGTHS = (8, 12, 4, 8)  # each a multiple of 2·cp for cp=2
 TOL = dict(atol=1e-5, rtol=1e-5)

@@ -3,8 +3,22 @@
 from ...errors import UserError
 from ..registry import FAMILIES
 from . import (  # noqa: F401
-    deepseek_v3, gemma3, glm4_moe, glm4v_moe, gpt_oss, llama, mistral, mixtral, qwen2, qwen2_moe, qwen2_vl, qwen3,
-    qwen3_5, qwen3_moe, qwen3_next, qwen3_vl,
+    deepseek_v3,
+    gemma3,
+    glm4_moe,
+    glm4v_moe,
+    gpt_oss,
+    llama,
+    mistral,
+    mixtral,
+    qwen2,
+    qwen2_moe,
+    qwen2_vl,
+    qwen3,
+    qwen3_5,
+    qwen3_moe,
+    qwen3_next,
+    qwen3_vl,
 )
 from .base import Family
 

@@ -12,10 +12,31 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
-from ..config import (AttentionShape, McaConfig, attention_shape, check_rope, layer_typed_rope, rope_attention_scaling,
-                      rope_settings, window_fields)
-from ..mapping import (HF_LAYER, LAYER, GroupedRows, Op, Rename, WeightTable, dense_layer, embeddings, gated_mlp,
-                       mtp_module_names, mtp_ops, stacked_expert_biases, stacked_experts)
+from ..config import (
+    AttentionShape,
+    McaConfig,
+    attention_shape,
+    check_rope,
+    layer_typed_rope,
+    rope_attention_scaling,
+    rope_settings,
+    window_fields,
+)
+from ..mapping import (
+    HF_LAYER,
+    LAYER,
+    GroupedRows,
+    Op,
+    Rename,
+    WeightTable,
+    dense_layer,
+    embeddings,
+    gated_mlp,
+    mtp_module_names,
+    mtp_ops,
+    stacked_expert_biases,
+    stacked_experts,
+)
 from ..multimodal import VisionLanguageModel, vision_ops
 from ..native.cross_entropy import LanguageModel
 

@@ -15,6 +15,7 @@ from ..mapping import HF_LAYER, LAYER, Op, Rename, gated_mlp
 from ..registry import register
 from .base import DecoderFamily, MoE, MultiTokenPrediction, SharedExpert, refuse
 
+
 _ATTENTION = "self_attn."
 
 

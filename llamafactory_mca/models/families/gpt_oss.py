@@ -9,7 +9,7 @@ from typing import Any
 
 from ..config import McaConfig
 from ..registry import register
-from .base import (AttentionSinks, ClampedSwiGLU, DecoderFamily, LinearBiases, MoE, SlidingWindow, refuse)
+from .base import AttentionSinks, ClampedSwiGLU, DecoderFamily, LinearBiases, MoE, SlidingWindow, refuse
 
 
 @register("gpt_oss")

@@ -5,6 +5,7 @@ multi-token-prediction layer stored under ``mtp.`` (docs/qwen3-next-notes.md).""
 from ..registry import register
 from .base import DecoderFamily, GatedDeltaNet, MoE, MultiTokenPrediction, QKNorm, SharedExpert
 
+
 # one layer under ``mtp.``, sharing the model's embedding and output layer (Qwen3.5 too)
 QWEN_MTP = MultiTokenPrediction(count="mtp_num_hidden_layers", under_mtp=True)
 

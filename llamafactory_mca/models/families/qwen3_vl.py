@@ -5,6 +5,7 @@ decoder layers (``models/multimodal.py``)."""
 from ..registry import register
 from .base import DecoderFamily, MoE, QKNorm, Vision
 
+
 QWEN3_VL = Vision(tower_prefix="model.visual.", text_prefix="model.language_model.", interleaved_mrope=True)
 
 

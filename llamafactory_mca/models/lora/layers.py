@@ -41,10 +41,11 @@ from ...compat import has_transformer_engine
 from ...errors import UserError
 from ..families import get_family
 from ..freeze import EXTRA_MODULES
-from ..loading import global_layer_names, dims_for
+from ..loading import dims_for, global_layer_names
 from ..mapping import DictSource, Dims, GroupedRows, Op, WeightTable
 from ..native.experts import NativeGroupedMLP, grouped_mm
 from ..value_head import PREFIX as VALUE_HEAD_PREFIX
+
 
 EXPERTS_WORD = "experts"  # lora_target word for the routed experts (peft target_parameters)
 EXPERT_PIECES = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}

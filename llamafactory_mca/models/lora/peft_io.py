@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from ...checkpoints import ADAPTER_CONFIG_NAME as ADAPTER_CONFIG, dist_checkpoint_dir, read_config, verify_checkpoint
+from ...checkpoints import ADAPTER_CONFIG_NAME as ADAPTER_CONFIG
+from ...checkpoints import dist_checkpoint_dir, read_config, verify_checkpoint
 from ...checkpoints.dist_reader import DistCheckpointReader
 from ...checkpoints.hf_io import copy_side_files, move_into
 from ...errors import UserError
@@ -25,9 +26,22 @@ from ..families import get_family
 from ..freeze import EXTRA_MODULES
 from ..loading import dims_for, local_targets
 from ..mapping import DictSource
-from ..value_head import V_HEAD_SAFE_WEIGHTS_NAME, write_file as write_value_head
-from .layers import (EXPERT_PIECES, LoraGroupedExpertsMixin, LoraSettings, TargetLinear, apply_lora, lora_modules,
-                     merge_lora, meta_hf_model, plan_targets, refuse_split_experts, refuse_split_pieces)
+from ..value_head import V_HEAD_SAFE_WEIGHTS_NAME
+from ..value_head import write_file as write_value_head
+from .layers import (
+    EXPERT_PIECES,
+    LoraGroupedExpertsMixin,
+    LoraSettings,
+    TargetLinear,
+    apply_lora,
+    lora_modules,
+    merge_lora,
+    meta_hf_model,
+    plan_targets,
+    refuse_split_experts,
+    refuse_split_pieces,
+)
+
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."

@@ -34,13 +34,25 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, is_layer_window_attention,
-                                             make_sharded_tensors_for_checkpoint)
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    is_layer_window_attention,
+    make_sharded_tensors_for_checkpoint,
+)
 
 from ...errors import UserError
 from . import context_parallel as cp_utils
-from .kernels import (SegmentPlan, image_look_ahead_mask, masked_attention, one_sequence, padded_attention,
-                      sbhd_to_thd, segment_attention, varlen_usable)
+from .kernels import (
+    SegmentPlan,
+    image_look_ahead_mask,
+    masked_attention,
+    one_sequence,
+    padded_attention,
+    sbhd_to_thd,
+    segment_attention,
+    varlen_usable,
+)
+
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
 

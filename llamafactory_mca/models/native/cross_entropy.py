@@ -21,11 +21,14 @@ import torch.distributed as dist
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import ColumnParallelLinear
-from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                    gather_from_sequence_parallel_region)
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
 
 from .logit_chunks import CHUNK_ROWS, chunks_logits
 from .wgrad import placeholder_grad, wgrad_gemm_accum_fp32
+
 
 _EAGER_ROWS = 1024  # rows per chunk when not compiled: bounds the fp32 temporary at rows x vocab
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+
 CHUNK = 64
 
 

@@ -37,6 +37,7 @@ from megatron.core.transformer.moe.experts import GroupedMLP
 
 from .wgrad import add_grouped_wgrad, placeholder_grad
 
+
 logger = logging.getLogger(__name__)
 
 

@@ -42,6 +42,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from ...errors import UserError
 from .delta_rule import chunked_delta_rule
 
+
 # the parameters outside the parallel linears and the norm; all split by heads on dim 0
 _OWN_TP_SPLIT = {"conv1d.weight": 0, "dt_bias": 0, "A_log": 0}
 FLA_HINT = "pip install flash-linear-attention (Triton kernels for the gated delta rule; GPUs only)"

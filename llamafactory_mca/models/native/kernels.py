@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+
 logger = logging.getLogger(__name__)
 
 

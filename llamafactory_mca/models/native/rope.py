@@ -23,6 +23,7 @@ from megatron.core.models.common.embeddings import rope_utils
 
 from . import compile_kernel
 
+
 MEGATRON_THD_ROPE = rope_utils._apply_rotary_pos_emb_thd  # what native.install() replaces (tests compare)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.moe import moe_utils
 
+
 MEGATRON_GROUP_LIMITED_TOPK = moe_utils.group_limited_topk  # what ``install`` replaces
 GROUP_SCORE_EXPERTS = 2  # transformers: a group's score is the sum of its two best experts' scores
 

@@ -17,6 +17,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .kernels import bidirectional_varlen, varlen_attn_available, varlen_usable
 
+
 ATTENTION = "mca_varlen_flash"  # "flash" in the name is what the towers test (is_flash_attention_requested)
 
 
