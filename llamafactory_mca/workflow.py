@@ -39,7 +39,7 @@ from .plan import RunPlan, plan_run
 from .planner.check import training_of
 from .planner.memory import estimate
 from .quiet import quiet_transformers
-from .trainer.metrics import count_parameters, memory_estimate_gib, startup_summary
+from .trainer.metrics import count_parameters, startup_summary
 from .trainer.trainer import McaTrainer
 
 
@@ -129,7 +129,6 @@ def _summary(plan: RunPlan, model: Any, trainer: McaTrainer, train_plan: DataPla
             plan, model.transformer_config),
         tokens_per_step=trainer.tokens_per_step(),
         steps=trainer.max_steps, data_stats=format_stats(train_plan.stats),
-        memory=memory_estimate_gib(on_rank, training_args, plan.layout.dp, trainable),
         planned=estimate(config, plan.layout, training_of(plan, training_args, finetuning_args)),
         tuning=f"{model.lora.describe()}: {trainable / 1e6:,.2f}M trainable parameters on this rank "
                f"({100 * trainable / max(on_rank, 1):.2f}%)" if model.lora else None,

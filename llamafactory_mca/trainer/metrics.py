@@ -1,4 +1,5 @@
-"""Numbers for people: memory estimates and the startup summary (FLOPs and parameter counts: ``models/cost.py``)."""
+"""Numbers for people: the startup summary and the GPU's memory peaks (FLOPs and parameter counts: ``models/cost.py``;
+the memory estimate: ``planner/memory.py``)."""
 
 from __future__ import annotations
 
@@ -13,28 +14,6 @@ def count_parameters(chunks: list[torch.nn.Module]) -> int:
     return sum(p.numel() for chunk in chunks for p in chunk.parameters())
 
 
-def memory_estimate_gib(params_on_rank: int, args: Any, dp: int, trainable: int | None = None) -> dict[str, float]:
-    """Weights + gradients + optimizer states per GPU (activations come on top and depend on the data). Frozen
-    parameters (``trainable`` of them train) have neither gradients nor optimizer states."""
-    trainable = params_on_rank if trainable is None else trainable
-    weight_bytes = 2 if (args.bf16 or args.fp16) else 4
-    grad_bytes = 4 if (args.accumulate_allreduce_grads_in_fp32 or weight_bytes == 4) else weight_bytes
-    states = 12 if args.optimizer == "adam" else 8  # fp32 main params + moments (sgd: + momentum)
-    if weight_bytes == 4:
-        states -= 4  # fp32 training has no separate main copy
-    elif getattr(args, "store_param_remainders", False):
-        states -= 2  # the main copy's lower half only
-    if args.use_distributed_optimizer:
-        states /= dp
-    gib = 1024**3
-    result = {"weights": params_on_rank * weight_bytes / gib, "grads": trainable * grad_bytes / gib,
-              "optimizer": trainable * states / gib}
-    if args.optimizer_cpu_offload:
-        result["optimizer"] = 0.0
-    result["total"] = sum(result.values())
-    return result
-
-
 def gpu_memory_gib() -> tuple[float, float]:
     """(peak allocated, peak reserved) since the last reset, in GiB; zeros on CPU."""
     if not torch.cuda.is_available():
@@ -44,8 +23,9 @@ def gpu_memory_gib() -> tuple[float, float]:
 
 def startup_summary(*, layout: ParallelLayout, args: Any, packed: bool, model_type: str, params_total: int,
                     params_on_rank: int, kernels: str, tokens_per_step: int | None, steps: int, data_stats: str,
-                    memory: dict[str, float], planned: dict[str, float] | None = None, tuning: str | None = None,
-                    moe: str | None = None, startup: str | None = None) -> str:
+                    planned: dict[str, float], tuning: str | None = None, moe: str | None = None,
+                    startup: str | None = None) -> str:
+    """``planned``: the planner's estimate (``planner.memory.estimate``), the one place memory is priced."""
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (gloo)"
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     schedule = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
@@ -72,11 +52,11 @@ def startup_summary(*, layout: ParallelLayout, args: Any, packed: bool, model_ty
         f"  recompute   {args.recompute_granularity or 'off'}"
         + (f" ({args.recompute_method}, {args.recompute_num_layers} layers)" if args.recompute_granularity == "full"
            else f" ({', '.join(args.recompute_modules or ['core_attn'])})" if args.recompute_granularity else ""),
-        f"  parameters  {params_on_rank / 1e6:,.1f}M on this rank: weights {memory['weights']:.2f}, grads "
-        f"{memory['grads']:.2f}, optimizer {memory['optimizer']:.2f} GiB",
-        *([f"  memory      predicted peak per GPU {planned['peak']:.2f} GiB (largest stage: activations "
-           f"{planned['activations']:.2f}, logits {planned['logits']:.2f}; {planned['needs']:.2f} GiB with the "
-           "allocator's headroom; `llamafactory-mca plan` has the breakdown)"] if planned else []),
+        f"  parameters  {params_on_rank / 1e6:,.1f}M on this rank",
+        f"  memory      predicted peak per GPU {planned['peak']:.2f} GiB (largest stage: weights "
+        f"{planned['weights']:.2f}, grads {planned['grads']:.2f}, optimizer {planned['optimizer']:.2f}, activations "
+        f"{planned['activations']:.2f}, logits {planned['logits']:.2f}; {planned['needs']:.2f} GiB with the "
+        "allocator's headroom; `llamafactory-mca plan` has the breakdown)",
         f"  {data_stats}",
         *([f"  startup     {startup}"] if startup else []),
         "=" * 100,
