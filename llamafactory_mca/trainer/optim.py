@@ -100,26 +100,15 @@ class OptimizerStep:
     def __init__(self, optimizer: Any, wrapped: list[DistributedDataParallel], tc: Any) -> None:
         self.optimizer = optimizer
         self.wrapped = wrapped
-        self._tokens: torch.Tensor | None = None
-        tc.finalize_model_grads_func = self.finalize_model_grads
-
-    def finalize_model_grads(self, model: list, num_tokens: torch.Tensor | None = None, pg_collection: Any = None,
-                             force_all_reduce: bool = False) -> None:
-        """Megatron's, but the step's token count is kept for the step instead of applied to the gradients (the
-        count summed as Megatron sums it: from the last pipeline stage, over data and context parallel ranks)."""
-        finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
-        self._tokens = None
-        if num_tokens is not None:
-            pp = pg_collection.pp if pg_collection is not None else parallel_state.get_pipeline_model_parallel_group()
-            dp_cp = (pg_collection.dp_cp if pg_collection is not None
-                     else parallel_state.get_data_parallel_group(with_context_parallel=True))
-            torch.distributed.broadcast(num_tokens, src=get_pp_last_rank(pp), group=pp)
-            torch.distributed.all_reduce(num_tokens, group=dp_cp)
-            self._tokens = num_tokens
+        # the config keeps only the counter: a method of this object there would tie the model (through the config)
+        # to the optimizer and DDP in a cycle that only the garbage collector breaks, holding a finished layout's
+        # process groups for longer
+        self.tokens = _StepTokens()
+        tc.finalize_model_grads_func = self.tokens.finalize_model_grads
 
     def step(self) -> tuple[bool, float | None]:
         """(whether the parameters were updated, the gradient norm as Megatron reports it)."""
-        tokens, self._tokens = self._tokens, None
+        tokens, self.tokens.count = self.tokens.count, None
         count = float(tokens) if tokens is not None else 0.0  # Megatron's `if num_tokens > 0` syncs here too
         scale = 1.0 / count if count > 0 else 1.0
         adams = _fused_adams(self.optimizer)
@@ -143,6 +132,27 @@ class OptimizerStep:
             for adam in adams:
                 adam.grad_scale = None
         return ok, grad_norm
+
+
+class _StepTokens:
+    """The step's loss tokens, from Megatron's finalize to the optimizer step."""
+
+    def __init__(self) -> None:
+        self.count: torch.Tensor | None = None
+
+    def finalize_model_grads(self, model: list, num_tokens: torch.Tensor | None = None, pg_collection: Any = None,
+                             force_all_reduce: bool = False) -> None:
+        """Megatron's, but the step's token count is kept for the step instead of applied to the gradients (the
+        count summed as Megatron sums it: from the last pipeline stage, over data and context parallel ranks)."""
+        finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+        self.count = None
+        if num_tokens is not None:
+            pp = pg_collection.pp if pg_collection is not None else parallel_state.get_pipeline_model_parallel_group()
+            dp_cp = (pg_collection.dp_cp if pg_collection is not None
+                     else parallel_state.get_data_parallel_group(with_context_parallel=True))
+            torch.distributed.broadcast(num_tokens, src=get_pp_last_rank(pp), group=pp)
+            torch.distributed.all_reduce(num_tokens, group=dp_cp)
+            self.count = num_tokens
 
 
 def _fused_adams(optimizer: Any) -> list[torch.optim.AdamW] | None:
