@@ -17,8 +17,8 @@ initialisation, and ``sharded_state_dict``, which writes per-expert ``linear_fc1
   per-expert ``linear_fc1/2.bias`` a SequentialMLP checkpoint holds;
 - with ``gradient_accumulation_fusion`` the weights' gradients go into DDP's fp32 ``main_grad`` inside the
   backward (``_GroupedMMIntoMainGrad``), as Megatron's linears do with that key: on GPUs one Triton GEMM that adds
-  into it (``grouped_wgrad.py``), elsewhere a vectorised add instead of DDP's mixed-dtype one — the experts hold
-  most of a MoE model's weights, so this is most of its gradient traffic.
+  into it (``grouped_wgrad.py``) instead of a bf16 gradient that DDP's hook adds in a second pass (on CPU, the
+  gradient and an add) — the experts hold most of a MoE model's weights, so this is most of its gradient traffic.
 """
 
 from __future__ import annotations
