@@ -174,7 +174,9 @@ def launch(run: Run, recipe_path: str, run_dir: str, timeout: int, smoke: bool) 
                ENTRY, recipe_path]
     else:
         cmd = [sys.executable, ENTRY, recipe_path]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("USE_MCA", "LLAMAFACTORY_MCA_", "E2E_BENCH_"))}
+    # LLAMAFACTORY_MCA_DEBUG passes (tracebacks, which kernels compiled and how long); our other switches do not
+    env = {k: v for k, v in os.environ.items() if k == "LLAMAFACTORY_MCA_DEBUG"
+           or not k.startswith(("USE_MCA", "LLAMAFACTORY_MCA_", "E2E_BENCH_"))}
     env.update(NPROC_PER_NODE=str(run.gpus), CUDA_VISIBLE_DEVICES=_visible_devices(run.gpus, smoke),
                HF_DATASETS_CACHE=os.path.join(run_dir, "datasets_cache"),  # every run tokenizes from scratch
                E2E_BENCH_OUT=metrics, E2E_BENCH_EXIT="1", E2E_BENCH_PACKED="1" if run.packing else "0")

@@ -242,12 +242,12 @@ def workloads(smoke: bool) -> dict[str, Workload]:
     graphs = {"cuda_graphs": True}  # every layer replayed as a CUDA graph (packs of one size)
     fused = dict(apply_rope_fusion=True, qk_norm_fusion=True, gradient_accumulation_fusion=True)  # graphs' defaults
     unfused = {key: False for key in fused}
-    fused_run = Run("ours_fused", "ours", 1, True, 1, 8, "1 GPU, compiled RoPE and q/k norms, wgrad into main_grad",
+    fused_run = Run("ours_fused", "ours", 1, True, 1, 8, "1 GPU, Triton RoPE and q/k norms, wgrad into main_grad",
                     fused)
     graph_runs = [Run("ours_graphs", "ours", 1, True, 1, 8, "1 GPU, CUDA graphs", graphs),
                   Run("ours_graphs_fused", "ours", 1, True, 1, 8, "1 GPU, CUDA graphs, wgrad into main_grad",
                       dict(graphs, gradient_accumulation_fusion=True)),  # weight gradients GEMMed into main_grad
-                  # graphs without the fusions they turn on by default (wgrad into main_grad, compiled RoPE, q/k norms)
+                  # graphs without the fusions they turn on by default (wgrad into main_grad, Triton RoPE, q/k norms)
                   Run("ours_graphs_unfused", "ours", 1, True, 1, 8, "1 GPU, CUDA graphs, no fusions",
                       dict(graphs, **unfused)),
                   Run("ours_graphs_mb2", "ours", 1, True, 2, 4, "1 GPU, CUDA graphs, 2 packs per micro-batch", graphs)]

@@ -244,6 +244,7 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
     if stage == "rm":
         value_head.train_whole(model.chunks, plan.adapters)
 
+    model_ready = time.monotonic()
     grouped = getattr(model.transformer_config, "moe_grouped_gemm", None) if plan.config.num_experts else None
     trainer = McaTrainer(
         model=model, args=training_args, layout=plan.layout, train_data=train_plan, eval_data=eval_plan,
@@ -256,7 +257,7 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
     if rank == 0:
         now = time.monotonic()
         startup = (f"imports {imports:.1f} s, data {data_ready - started:.1f} s (read, tokenized, planned), model "
-                   f"{now - data_ready:.1f} s (built, loaded); "
+                   f"{model_ready - data_ready:.1f} s (built, loaded), optimizer {now - model_ready:.1f} s; "
                    + ("step 1 compiles and captures what it needs" if torch.cuda.is_available()
                       else "nothing is compiled on CPUs (eager kernels)"))
         logger.info("\n" + _summary(plan, model, trainer, train_plan, training_args, finetuning_args, startup))

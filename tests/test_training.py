@@ -99,7 +99,7 @@ def test_fusion_keys_train_what_the_plain_path_trains(assets, tmp_path):
                         eval_strategy="steps", eval_steps=2, apply_rope_fusion=fused, qk_norm_fusion=fused)
         result, output = train(tmp_path, config, name=name)
         ok(result, output)
-        assert ("compiled: RoPE and q/k norms" in output) == fused, output[-3000:]
+        assert ("Triton: RoPE and q/k norms" in output) == fused, output[-3000:]
         runs[fused] = losses(tmp_path / name)
     assert runs[True].keys() == {1, 2, 3} and runs[True] == runs[False]
 

@@ -193,12 +193,12 @@ def _engine_fields(config: McaConfig, args: Any, frozen_base: bool = False) -> d
     dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
     graphs = getattr(args, "run_cuda_graphs", lambda: False)()
     # Fusions without TE: each weight gradient GEMMed into main_grad (torch's addmm with out_dtype, native/wgrad.py),
-    # RoPE and the q/k norms compiled (native/rope.py, native/norm.py). They cut GPU time but a call costs more host
-    # time, so they are on where a step waits on the GPU (graphed layers, MoE) and off where it waits on the host
-    # (eager dense; LoRA, whose frozen base computes no weight gradients): on one H200, dense graphed +15%, MoE eager
-    # +8% (+16% since the experts' gradients go into main_grad too), dense eager -7% (benchmarks/results/h200_fusions),
-    # LoRA MoE -8% (h200_expert_grads/lora_moe). Multi-latent attention and multimodal RoPE keep the unfused rotation
-    # by default; a recipe may set each key.
+    # RoPE and the q/k norms fused (Triton: native/rope_triton.py, native/norm_triton.py; torch.compile when measured
+    # below). They cut GPU time but a call costs more host time, so they are on where a step waits on the GPU (graphed
+    # layers, MoE) and off where it waits on the host (eager dense; LoRA, whose frozen base computes no weight
+    # gradients): on one H200, dense graphed +15%, MoE eager +8% (+16% since the experts' gradients go into main_grad
+    # too), dense eager -7% (benchmarks/results/h200_fusions), LoRA MoE -8% (h200_expert_grads/lora_moe). Multi-latent
+    # attention and multimodal RoPE keep the unfused rotation by default; a recipe may set each key.
     fused = not cpu_mode_needed() and (graphs or (bool(config.num_experts) and not frozen_base))
     fields: dict[str, Any] = dict(
         bf16=bf16, fp16=fp16, params_dtype=dtype, pipeline_dtype=dtype,
@@ -443,6 +443,7 @@ class AutoModel:
                                  getattr(args, "mtp_num_layers", None),
                                  getattr(args, "pipeline_model_parallel_size", 1) or 1)
         model = AutoModel.from_config(config, args, frozen_base)
+        built = time.perf_counter()
         attach = (lambda: vhead.attach(model.chunks, config.hf_config, model.transformer_config,
                                        getattr(args, "seed", 42))) if value_head else (lambda: None)
         dist = checkpoints.dist_checkpoint_dir(path) if checkpoints.is_ours(path) else None
@@ -460,6 +461,7 @@ class AutoModel:
             import resource
 
             peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # KiB on Linux
-            logger.info("Loaded %s (%s) in %.1fs from %s; peak host memory of rank 0 so far %.2f GiB",
-                        config.hf_model_type, what, time.perf_counter() - start, path, peak_rss)
+            logger.info("Loaded %s (%s) in %.1f s (built %.1f s, weights %.1f s) from %s; peak host memory of rank 0 "
+                        "so far %.2f GiB", config.hf_model_type, what, time.perf_counter() - start, built - start,
+                        time.perf_counter() - built, path, peak_rss)
         return model

@@ -273,8 +273,8 @@ def describe_kernels(config: TransformerConfig) -> str:
     qk_norms = (choice == "native" and getattr(config, "qk_layernorm", False)
                 and not getattr(config, "qk_l2_norm", False) and compiles_head_norms(config))
     zero_centred = choice == "native" and compiles_zero_centred_norms(config)
-    compiled = [name for name, on in (("RoPE", rope), ("q/k norms", qk_norms), ("(1 + w) norms", zero_centred)) if on]
-    line += f"; compiled: {' and '.join(compiled)}" if compiled else ""
+    fused = [name for name, on in (("RoPE", rope), ("q/k norms", qk_norms), ("(1 + w) norms", zero_centred)) if on]
+    line += f"; Triton: {' and '.join(fused)}" if fused else ""
     return line + ("; every layer a CUDA graph (forward and backward, captured in step 1)"
                    if getattr(config, "cuda_graph_impl", "none") == "local" else "")
 

@@ -3,9 +3,11 @@ the memory estimate: ``planner/memory.py``)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
+from torch._dynamo.utils import calculate_time_spent, get_compilation_metrics  # private: torch's only count
 
 from ..parallel import ParallelLayout
 
@@ -19,6 +21,25 @@ def gpu_memory_gib() -> tuple[float, float]:
     if not torch.cuda.is_available():
         return 0.0, 0.0
     return torch.cuda.max_memory_allocated() / 1024**3, torch.cuda.max_memory_reserved() / 1024**3
+
+
+def compile_seconds() -> float:
+    """Seconds torch.compile has spent in this process so far (forward and backward graphs): what a cold compile
+    cache adds to step 1."""
+    return calculate_time_spent().get("total_wall_time", 0.0)
+
+
+def compile_records() -> list[str]:
+    """One line per graph torch.compile built in this process (forward and backward), slowest first: which kernels a
+    cold compile cache costs (shown with LLAMAFACTORY_MCA_DEBUG=1)."""
+    lines = []
+    for m in get_compilation_metrics():
+        us = m.backward_cumulative_compile_time_us if m.is_forward is False else None
+        seconds = us / 1e6 if us is not None else (m.entire_frame_compile_time_s or 0.0)
+        if seconds >= 0.005:  # (torch also records cache hits and runtime events, at no cost)
+            where = f"{m.co_name} ({os.path.basename(m.co_filename or '?')})" if m.co_name else "(a backward graph)"
+            lines.append((seconds, f"{seconds:6.2f} s  {where}"))
+    return [line for _, line in sorted(lines, reverse=True)]
 
 
 def startup_summary(*, layout: ParallelLayout, args: Any, packed: bool, model_type: str, params_total: int,

@@ -37,7 +37,7 @@ from transformers.trainer_utils import TrainOutput
 from .. import checkpoints, memory_report, watchdog
 from ..checkpoints import SideFiles, checkpoint_path, is_adapter_checkpoint, resolve_resume
 from ..data.loader import nothing_left
-from ..errors import UserError
+from ..errors import UserError, debug_enabled
 from ..models.auto import AutoModel
 from ..models.cost import flops_per_sequence_set, peak_flops
 from ..models.export import export_hf
@@ -49,7 +49,7 @@ from .faults import maybe_crash, maybe_hang, nan_loss
 from .feeder import StepFeeder
 from .graphs import eager_layers
 from .loss import PreferenceConfig, collect_pair_logps, dpo_loss, lm_loss, reward_loss
-from .metrics import gpu_memory_gib
+from .metrics import compile_records, compile_seconds, gpu_memory_gib
 from .optim import LRSchedule, OptimizerStep, build_optimizer, wrap_ddp
 from .progress import ProgressCallback, forget_logs_after
 from .reporting import ReportedModel, reporting_callbacks
@@ -214,9 +214,12 @@ class McaTrainer:
         on this machine finds the compiled kernels in torch's cache (on a fresh machine's empty cache they cost
         about 10 s on an H200)."""
         if self.is_world_process_zero():
-            cached = " (compiled kernels stay in torch's compile cache for the next launch on this machine)" \
-                if torch.cuda.is_available() else ""
+            compiling = compile_seconds()
+            cached = (f", {compiling:.1f} s of it compiling kernels (torch.compile; they stay in torch's compile "
+                      "cache for the next launch on this machine)") if torch.cuda.is_available() else ""
             logger.info("Step 1 took %.1f s%s", seconds, cached)
+            if debug_enabled() and compiling:
+                logger.info("Compiled graphs, slowest first:\n%s", "\n".join(compile_records()))
 
     def train_step(self, micro_batches: list) -> dict[str, float]:
         self._zero_grad()

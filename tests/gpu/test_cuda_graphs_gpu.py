@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("model, fused, lora", [("qwen3", True, None), ("qwen3_moe", True, None),
                                                ("qwen3", True, "all"), ("qwen3_moe", True, "all,experts")])
 def test_graphed_layers_train_what_eager_layers_train(model, fused, lora, assets, tmp_path):
-    """``fused``: both runs GEMM weight gradients into main_grad and run the compiled RoPE and q/k norms (the graphed
+    """``fused``: both runs GEMM weight gradients into main_grad and run the Triton RoPE and q/k norms (the graphed
     default); without it both run without them, so that the first, eager, step of each is the same computation.
     ``lora``: the base frozen, the adapters (on the grouped experts too) inside the graphed layers."""
     curves = {}

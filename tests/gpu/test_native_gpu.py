@@ -362,6 +362,43 @@ def test_grouped_wgrad_adds_into_main_grad_in_fp32(k, n):
     torch.testing.assert_close(main_grad, expected, rtol=1e-5, atol=1e-4)
 
 
+def test_triton_norm_and_rope_against_fp32():
+    """The q/k norm, the (1 + weight) norm and RoPE as Triton kernels, bf16 on the GPU, against the eager functions in
+    fp32 on the same bf16 inputs and output gradient (forward and backward, q read from a strided view of a fused
+    QKV, packed positions and padded): within bf16 rounding; the weight gradient reduced over 8k-16k rows."""
+    from llamafactory_mca.models.native import norm, norm_triton, rope, rope_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def close(triton_fn, eager_fn, x, *extra):
+        inputs = [x.bfloat16(), *[e.bfloat16() for e in extra]]
+        grad, out = None, []
+        for fn, dtype in ((triton_fn, torch.bfloat16), (eager_fn, torch.float32)):
+            xs = [i.detach().to(dtype).requires_grad_() for i in inputs]
+            y = fn(*xs)
+            grad = torch.randn(y.shape, device="cuda", generator=gen).bfloat16() if grad is None else grad
+            y.backward(grad.to(dtype))
+            out.append([y.float(), *[i.grad.float() for i in xs]])
+        for a, b in zip(*out, strict=True):
+            assert (a - b).abs().max().item() <= 1e-2 * max(1.0, b.abs().max().item()), (a - b).abs().max()
+
+    qkv = torch.randn(1024, 1, 4, 4 * 128, device="cuda", generator=gen)
+    weight = 1 + torch.randn(128, device="cuda", generator=gen) / 4
+    q = lambda x: x[..., :256].unflatten(-1, (2, 128)).flatten(2, 3)  # noqa: E731 (Megatron's q view: 8 heads)
+    close(lambda x, w: norm_triton.rms_norm(q(x), w, 1e-6), lambda x, w: norm._head_rms_norm(q(x), w, 1e-6), qkv,
+          weight)
+    close(lambda x, w: norm_triton.rms_norm(x, w, 1e-6, 1.0), lambda x, w: norm._zero_centred_rms_norm(x, w, 1e-6),
+          torch.randn(512, 2, 2048, device="cuda", generator=gen), weight.repeat(16) / 4)
+    cu = torch.tensor([0, 100, 612, 1024], device="cuda")
+    positions = rope.thd_positions(cu, 1024, 1, 0, False)
+    freqs = torch.randn(2048, 1, 1, 128, device="cuda", generator=gen) * 4
+    close(lambda x: rope_triton.rotate(q(x).squeeze(1), freqs, positions),
+          lambda x: rope._rotate(q(x).squeeze(1), freqs, positions, False), qkv)
+    close(lambda x: rope_triton.rotate(x, freqs[:64, :, :, :64], None),
+          lambda x: rope._rotate(x, freqs[:64, :, :, :64], None, False),
+          torch.randn(64, 2, 8, 128, device="cuda", generator=gen))
+
+
 def _attention_memory(token_counts) -> dict:
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType

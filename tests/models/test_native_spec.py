@@ -596,7 +596,7 @@ def test_prepare_config_turns_off_or_refuses(caplog):
     assert kwargs["apply_rope_fusion"] is True and kwargs["attention_backend"] is AttnBackend.auto
     assert kwargs["bias_activation_fusion"] is False and kwargs["gradient_accumulation_fusion"] is False  # CPU run
     with caplog.at_level(logging.INFO, logger="llamafactory_mca.models.spec"):
-        for unsupported in ("multi_latent_attention", "rotary_interleaved"):  # the compiled RoPE does neither
+        for unsupported in ("multi_latent_attention", "rotary_interleaved"):  # the fused RoPE does neither
             assert spec.prepare_config({"apply_rope_fusion": True, unsupported: True})["apply_rope_fusion"] is False
     assert "apply_rope_fusion=True turned off" in caplog.text
     assert spec.prepare_config({"attention_backend": "local"})["attention_backend"] is AttnBackend.local
@@ -662,11 +662,10 @@ def test_thd_rope_without_host_sync_equals_megatrons(cp, per_position):
 
 
 @pytest.mark.parametrize("cp", [1, 2])
-@pytest.mark.parametrize("compiled", [False, True])
-def test_fused_rope_slots_equal_the_unfused_rope(cp, compiled, monkeypatch):
-    """``apply_rope_fusion`` without TE: megatron-core's dispatcher reaches our fused slots, whose rotation (eager, and
-    compiled as on GPUs) equals its unfused one in value and gradient, packed (every CP rank, frequencies per offset
-    and per packed position) and padded."""
+def test_fused_rope_slots_equal_the_unfused_rope(cp):
+    """``apply_rope_fusion`` without TE: megatron-core's dispatcher reaches our fused slots, whose rotation (eager on
+    CPU tensors; the Triton kernel's is compared with it below) equals its unfused one in value and gradient, packed
+    (every CP rank, frequencies per offset and per packed position) and padded."""
     from types import SimpleNamespace
 
     from megatron.core.models.common.embeddings import rope_utils
@@ -674,8 +673,7 @@ def test_fused_rope_slots_equal_the_unfused_rope(cp, compiled, monkeypatch):
     from llamafactory_mca.models.native import install, rope
 
     install()
-    if compiled:
-        monkeypatch.setattr(rope, "_fused", lambda t, f, p, i: rope._compiled_rotate()(t, f, p, i))
+    assert rope.compiled_in_use()
     lengths = [8 * cp, 16 * cp, 4 * cp, 12 * cp]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     g = torch.Generator().manual_seed(0)
@@ -701,25 +699,74 @@ def test_fused_rope_slots_equal_the_unfused_rope(cp, compiled, monkeypatch):
          cp_group=SimpleNamespace(size=lambda: 1, rank=lambda: 0))
 
 
-def test_compiled_qk_norm_equals_eager():
-    """``qk_norm_fusion``: the compiled per-head RMSNorm (compiled here on CPU, as on GPUs) gives the eager one's
-    values and gradients, the weight's reduction over every (token, head) row included."""
-    from llamafactory_mca.models.native import norm
+_TRITON_AGAINST_EAGER = """
+import torch
+from megatron.core.models.common.embeddings import rope_utils
+from llamafactory_mca.models.native import norm, norm_triton, rope, rope_triton
 
-    g = torch.Generator().manual_seed(0)
-    x, weight = torch.randn(64, 4, 16, generator=g), 1 + torch.randn(16, generator=g) / 4
+def same(triton_fn, eager_fn, *inputs):
     results = []
-    for fn in (norm._head_rms_norm, norm._compiled_head_rms_norm()):
-        xs, ws = x.clone().requires_grad_(), weight.clone().requires_grad_()
-        out = fn(xs, ws, 1e-6)
+    for fn in (triton_fn, eager_fn):
+        xs = [x.clone().requires_grad_(x.is_floating_point() and x.dim() > 0) for x in inputs]
+        out = fn(*xs)
         out.backward(torch.cos(out.detach()))
-        results.append((out.detach(), xs.grad, ws.grad))
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b)
-    assert norm.HeadRMSNorm(16, 1e-6, "cpu", torch.float32, fused=True)(x).shape == x.shape  # eager on CPU tensors
-    # what the startup summary and NativeNorm ask: zero-centred q/k norms (Qwen3-Next, Qwen3.5) are never compiled
+        results.append((out.detach(), *[x.grad for x in xs if x.requires_grad]))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+g = torch.Generator().manual_seed(0)
+qkv = torch.randn(12, 2, 2, 4 * 16, generator=g)  # [s, b, groups, (2 q + k + v) heads x 16], as Megatron splits it
+views = {"whole": lambda x: x, "q": lambda x: x[..., :32].unflatten(-1, (2, 16)).flatten(2, 3),
+         "k": lambda x: x[..., 32:48]}  # q and k: strided views, as the kernels get them
+for x, view in ((torch.randn(64, 4, 16, generator=g), "whole"), (torch.randn(9, 20, generator=g), "whole"),
+                (qkv, "q"), (qkv, "k")):
+    part = views[view]
+    w = 1 + torch.randn(part(x).size(-1), generator=g) / 4
+    same(lambda x, w: norm_triton.rms_norm(part(x), w, 1e-6), lambda x, w: norm._head_rms_norm(part(x), w, 1e-6),
+         x, w)
+    same(lambda x, w: norm_triton.rms_norm(part(x), w, 1e-6, offset=1.0),
+         lambda x, w: norm._zero_centred_rms_norm(part(x), w, 1e-6), x, w / 4)
+
+cu = torch.tensor([0, 8, 20, 24, 40])
+for rotary, dim in ((16, 16), (8, 16), (12, 20)):  # whole, half and partial rotary widths
+    for cp_size, cp_rank in ((1, 0), (2, 1)):
+        positions = rope.thd_positions(cu, 40 // cp_size, cp_size, cp_rank, False)
+        t, freqs = torch.randn(len(positions), 3, dim, generator=g), torch.randn(48, 1, 1, rotary, generator=g)
+        same(lambda t: rope_triton.rotate(t, freqs, positions), lambda t: rope._rotate(t, freqs, positions, False), t)
+    padded = torch.randn(10, 2, 3, dim, generator=g)
+    for freqs in (torch.randn(10, 1, 1, rotary, generator=g), torch.randn(10, 2, 1, rotary, generator=g)):
+        same(lambda t: rope_triton.rotate(t, freqs, None), lambda t: rope._rotate(t, freqs, None, False), padded)
+    freqs = torch.randn(12, 1, 1, rotary, generator=g)  # and a strided view of the fused QKV
+    same(lambda x: rope_triton.rotate(x[..., :dim], freqs, None), lambda x: rope._rotate(x[..., :dim], freqs, None,
+                                                                                        False), qkv)
+print("triton kernels equal eager")
+"""
+
+
+def test_triton_norms_and_rope_equal_the_eager_ones():
+    """``qk_norm_fusion`` and ``apply_rope_fusion`` on GPUs run Triton kernels (``norm_triton.py``,
+    ``rope_triton.py``); here they run in Triton's interpreter on CPU against the eager functions CPU runs use, in
+    value and gradient: per-head and hidden-width rows, the (1 + weight) scale, q and k read where the fused QKV
+    split left them (strided), packed RoPE at each CP rank's positions and padded RoPE, rotary width whole, half and
+    partial. tests/gpu compares them in bf16."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}  # read when the kernels are defined: a process of its own
+    result = subprocess.run([sys.executable, "-c", _TRITON_AGAINST_EAGER], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0 and "triton kernels equal eager" in result.stdout, result.stderr[-3000:]
+
+
+def test_qk_norm_fusion_applies_to_plain_per_head_norms():
+    """What the startup summary and NativeNorm ask: zero-centred q/k norms (Qwen3-Next, Qwen3.5) are not the per-head
+    fused norm (they are the (1 + w) one); CPU tensors run the eager function."""
     from types import SimpleNamespace
 
+    from llamafactory_mca.models.native import norm
+
+    x = torch.randn(64, 4, 16)
+    assert norm.HeadRMSNorm(16, 1e-6, "cpu", torch.float32, fused=True)(x).shape == x.shape
     plain = SimpleNamespace(qk_norm_fusion=True, normalization="RMSNorm", layernorm_zero_centered_gamma=False)
     assert norm.compiles_head_norms(plain)
     assert not norm.compiles_head_norms(SimpleNamespace(**{**vars(plain), "layernorm_zero_centered_gamma": True}))
@@ -727,9 +774,10 @@ def test_compiled_qk_norm_equals_eager():
 
 
 def test_compiled_kernels_take_more_variants_than_torchs_default_limit():
-    """A compiled q/k norm sees q and k, packs of other lengths and, under full recompute, both grad modes: an EP4 MoE
-    run with full recompute crashed at step 2 (FailOnRecompileLimitHit: torch allows 8 variants, fullgraph turns the
-    ninth into an error). Here dtypes stand in for the shapes, so that there are surely more than 8."""
+    """A compiled kernel sees other head counts, packs of other lengths and, under full recompute, both grad modes: an
+    EP4 MoE run with full recompute crashed at step 2 in the then compiled q/k norm (FailOnRecompileLimitHit: torch
+    allows 8 variants, fullgraph turns the ninth into an error). Here dtypes stand in for the shapes, so that there are
+    surely more than 8."""
     from llamafactory_mca.models.native import compile_kernel
 
     def head_norm(x, w):
@@ -755,6 +803,20 @@ def test_compiled_kernels_take_more_variants_than_torchs_default_limit():
     finally:
         torch._dynamo.reset()
         torch._dynamo.config.recompile_limit = max(saved, torch._dynamo.config.recompile_limit)
+
+
+def test_step_one_note_counts_compile_time():
+    """The line after step 1 says how much of it torch.compile took, and LLAMAFACTORY_MCA_DEBUG=1 lists the graphs:
+    a function compiled here shows up by name, its seconds counted in the total."""
+    from llamafactory_mca.trainer.metrics import compile_records, compile_seconds
+
+    def doubled_sine(x):
+        return (2 * x).sin()
+
+    before = compile_seconds()
+    torch.compile(doubled_sine, backend="eager")(torch.randn(4))
+    assert compile_seconds() > before
+    assert any(line.endswith("doubled_sine (test_native_spec.py)") for line in compile_records()), compile_records()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -985,7 +1047,7 @@ def test_gemma3_config_carries_its_scales_and_refuses_what_it_cannot_honour(monk
     plain = mca.to_transformer_config({}, use_cpu_initialization=True)
     assert not NativeNorm(plain, 64).fused and "(1 + w) norms" not in spec.describe_kernels(plain)
     fused = mca.to_transformer_config({}, use_cpu_initialization=True, qk_norm_fusion=True)
-    assert NativeNorm(fused, 64).fused and "compiled: (1 + w) norms" in spec.describe_kernels(fused)
+    assert NativeNorm(fused, 64).fused and "Triton: (1 + w) norms" in spec.describe_kernels(fused)
     for overrides, message in [({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
                                ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
                                ({"hidden_activation": "gelu"}, "hidden_act='gelu'"),

@@ -12,10 +12,12 @@
 - ``tower_attention.py``: the HF vision towers' attention in one ``varlen_attn`` call per block
 - ``routing.py``: group-limited routing (DeepSeek-V3) with transformers' group score
 
-``compile_kernel`` is how the compiled ones (q/k norms, RoPE) are compiled.
+- ``norm_triton.py``, ``rope_triton.py``: the q/k norms, (1 + weight) norms and RoPE as Triton kernels on GPUs
+
+``compile_kernel`` is how the compiled ones (the loss's row passes, the MoE combine) are compiled.
 """
 
-# Variants a compiled kernel may see in one run: q and k (other head counts), packs of other lengths and, under full
+# Variants a compiled kernel may see in one run: other head counts or widths, packs of other lengths and, under full
 # recompute, both grad modes (the checkpointed forward runs under no_grad, its recompute with grad). torch 2.11 allows
 # 8 per function, and with fullgraph=True the ninth is a crash (an EP4 MoE run with full recompute hit it at step 2).
 RECOMPILE_LIMIT = 64

@@ -26,6 +26,7 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
+from . import compile_kernel
 from .logit_chunks import CHUNK_ROWS, chunks_logits
 from .wgrad import placeholder_grad, wgrad_gemm_accum_fp32
 
@@ -52,7 +53,7 @@ def _compiled(name: str):
     # Automatic dynamic shapes: the first row count compiles static and a later different one makes only the rows
     # symbolic. The vocabulary stays a constant, so each element's column is a division by a constant; with
     # ``dynamic=True`` it was a division by a runtime value and both kernels ran at a fifth of the memory bandwidth.
-    return torch.compile({"stats": _row_stats, "grad": _grad}[name], dynamic=None)
+    return compile_kernel({"stats": _row_stats, "grad": _grad}[name], dynamic=None)
 
 
 def _kernels(device: torch.device) -> tuple:

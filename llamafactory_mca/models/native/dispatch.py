@@ -34,6 +34,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from . import compile_kernel
 from .sublayers import PostNormMLP
 
 
@@ -111,7 +112,7 @@ def _gather_sum(rows: torch.Tensor, rows_of_token: torch.Tensor, topk: int) -> t
 @functools.cache
 def _compiled_sum():
     # one kernel: the gathered rows are summed as they are read, never written out
-    return torch.compile(_gather_sum, fullgraph=True)
+    return compile_kernel(_gather_sum)
 
 
 class _Spread(torch.autograd.Function):

@@ -12,22 +12,15 @@ PyTorch's fused kernels on GPU. ``layernorm_zero_centered_gamma`` (scale 1 + wei
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ...errors import UserError
-from . import compile_kernel
+from .norm_triton import rms_norm
 
 
 def _head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.nn.functional.rms_norm(x, (x.size(-1),), None, eps) * weight
-
-
-@cache
-def _compiled_head_rms_norm():
-    return compile_kernel(_head_rms_norm)
 
 
 class HeadRMSNorm(torch.nn.Module):
@@ -36,8 +29,8 @@ class HeadRMSNorm(torch.nn.Module):
     torch's fused RMSNorm reduces the weight's gradient over every (token, head) row inside its backward kernel,
     which is slow for a 128-wide norm over 65k rows (perf-notes: q-norm 305 us); the separate multiply leaves that
     reduction to a plain sum (240 us). Same values, same parameter (``weight``) and state-dict key as
-    ``torch.nn.RMSNorm``. ``fused`` (the ``qk_norm_fusion`` key): the same function compiled on GPUs, one kernel
-    each way plus the weight's reduction, at a compiled call's host cost (worth it under CUDA graphs)."""
+    ``torch.nn.RMSNorm``. ``fused`` (the ``qk_norm_fusion`` key): one Triton kernel each way on GPUs
+    (``norm_triton.py``), which reads q and k where the QKV split left them."""
 
     def __init__(self, hidden_size: int, eps: float, device, dtype, fused: bool = False) -> None:
         super().__init__()
@@ -46,8 +39,9 @@ class HeadRMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        norm = _compiled_head_rms_norm() if self.fused and x.is_cuda else _head_rms_norm
-        return norm(x, self.weight, self.eps)
+        if self.fused and x.is_cuda:
+            return rms_norm(x, self.weight, self.eps)
+        return _head_rms_norm(x, self.weight, self.eps)
 
 
 def _zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -55,20 +49,15 @@ def _zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) ->
     return (normed * (1.0 + weight.float())).to(x.dtype)
 
 
-@cache
-def _compiled_zero_centred_rms_norm():
-    return compile_kernel(_zero_centred_rms_norm)
-
-
 class ZeroCenteredRMSNorm(torch.nn.Module):
     """RMSNorm whose scale is ``1 + weight`` (weight starting at zero): Megatron's ``layernorm_zero_centered_gamma``,
     the decoder and q/k norms of Qwen3-Next and Qwen3.5 (transformers' ``Qwen3NextRMSNorm``, whose checkpoints store
     the zero-centred weight) and every norm of Gemma 3. Computed in fp32 and cast back, as transformers does; adding
     1 to a bf16 weight at load time instead would round it away. Eagerly that is six kernels each way (casts, norm,
-    scale) and an fp32 copy kept for the backward. ``fused`` (the ``qk_norm_fusion`` key): compiled on GPUs, one kernel
-    each way plus the weight's reduction, at a compiled call's host cost. Gemma 3 1B on one H200 (six such norms per
-    layer): with CUDA graphs 51.9k -> 60.9k tokens/s, eager 23.7k -> 21.0k at 3.5 GiB less
-    (``benchmarks/results/h200_gemma3``)."""
+    scale) and an fp32 copy kept for the backward. ``fused`` (the ``qk_norm_fusion`` key): one Triton kernel each
+    way on GPUs (``norm_triton.py``), nothing kept but the input and one number per row. Gemma 3 1B on one H200 (six
+    such norms per layer), when these were compiled with torch.compile: with CUDA graphs 51.9k -> 60.9k tokens/s, eager
+    23.7k -> 21.0k at 3.5 GiB less (``benchmarks/results/h200_gemma3``)."""
 
     def __init__(self, hidden_size: int, eps: float, device, dtype, fused: bool = False) -> None:
         super().__init__()
@@ -77,17 +66,18 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        norm = _compiled_zero_centred_rms_norm() if self.fused and x.is_cuda else _zero_centred_rms_norm
-        return norm(x, self.weight, self.eps)
+        if self.fused and x.is_cuda:
+            return rms_norm(x, self.weight, self.eps, offset=1.0)
+        return _zero_centred_rms_norm(x, self.weight, self.eps)
 
 
 def compiles_zero_centred_norms(config: TransformerConfig) -> bool:
-    """Whether the (1 + weight) norms NativeNorm builds for ``config`` are compiled (``qk_norm_fusion``)."""
+    """Whether the (1 + weight) norms NativeNorm builds for ``config`` are fused (``qk_norm_fusion``)."""
     return bool(getattr(config, "layernorm_zero_centered_gamma", False) and getattr(config, "qk_norm_fusion", False))
 
 
 def compiles_head_norms(config: TransformerConfig) -> bool:
-    """Whether the q/k norms NativeNorm builds for ``config`` are compiled: plain per-head RMSNorms (not the
+    """Whether the q/k norms NativeNorm builds for ``config`` are fused: plain per-head RMSNorms (not the
     zero-centred ones of Qwen3-Next / Qwen3.5) with ``qk_norm_fusion``."""
     return (bool(getattr(config, "qk_norm_fusion", False)) and config.normalization == "RMSNorm"
             and not config.layernorm_zero_centered_gamma)

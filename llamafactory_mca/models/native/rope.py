@@ -8,20 +8,18 @@ drain (perf-notes: ~900 per step on a 28-layer model). Here every token's rotary
 frequencies are gathered once: the same rotation, no sync. Megatron-LM's main branch has the same idea.
 
 ``apply_rope_fusion`` without Transformer Engine: megatron-core calls TE's fused RoPE through two slots of
-``rope_utils`` that stay empty without TE; ``install()`` fills them with the same math compiled into one kernel per
-direction on GPUs (gather of the frequencies, cos/sin, rotation and cast; eager on CPU). Eagerly the rotation of q or
-k is about ten kernels over the whole tensor, in fp32 where the frequencies are; under CUDA graphs, where the host
-cost of a compiled call is gone, that memory traffic is what is left of RoPE.
+``rope_utils`` that stay empty without TE; ``install()`` fills them with the same math as one Triton kernel per
+direction on GPUs (``rope_triton.py``: gather of the frequencies, cos/sin, rotation and cast; eager on CPU). Eagerly
+the rotation of q or k is about ten kernels over the whole tensor, in fp32 where the frequencies are; under CUDA
+graphs, where the host cost of a call is gone, that memory traffic is what is left of RoPE.
 """
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 
-from . import compile_kernel
+from . import rope_triton
 
 
 MEGATRON_THD_ROPE = rope_utils._apply_rotary_pos_emb_thd  # what native.install() replaces (tests compare)
@@ -94,14 +92,10 @@ def _rotate(t: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor | None
     return out.squeeze(1) if positions is not None else out
 
 
-@cache
-def _compiled_rotate():
-    return compile_kernel(_rotate)
-
-
 def _fused(t: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor | None, interleaved: bool) -> torch.Tensor:
-    rotate = _compiled_rotate() if t.is_cuda else _rotate
-    return rotate(t, freqs, positions, interleaved)
+    if t.is_cuda and not interleaved:  # (the spec turns the fusion off for interleaved rotary)
+        return rope_triton.rotate(t, freqs, positions)
+    return _rotate(t, freqs, positions, interleaved)
 
 
 def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False,
@@ -118,5 +112,5 @@ def fused_apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, fr
 
 
 def compiled_in_use() -> bool:
-    """Whether ``apply_rope_fusion`` reaches the compiled rotation here (without TE, once ``install()`` ran)."""
+    """Whether ``apply_rope_fusion`` reaches the fused rotation here (without TE, once ``install()`` ran)."""
     return rope_utils.fused_apply_rotary_pos_emb_thd is fused_apply_rotary_pos_emb_thd
