@@ -67,8 +67,9 @@ def _programs_per_device(index: int) -> int:
     return 4 * torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _rows_view(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
-    """``x`` as [tokens, heads, width] with its own strides (last one 1): (view, heads, token stride, head stride)."""
+def rows_view(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """``x`` as [tokens, heads, width] with its own strides (last one 1): (view, heads, token stride, head stride).
+    Also how ``rope_triton.py`` reads q and k."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     view = x.reshape(-1, x.size(-2), x.size(-1)) if x.dim() >= 2 else x.reshape(1, 1, -1)
@@ -83,7 +84,7 @@ def _blocks(width: int) -> tuple[int, int]:
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
-        view, heads, stride_tok, stride_head = _rows_view(x)
+        view, heads, stride_tok, stride_head = rows_view(x)
         width = x.size(-1)
         rows = view.size(0) * heads
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)

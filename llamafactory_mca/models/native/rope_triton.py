@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .norm_triton import rows_view
+
 
 BLOCK_T = 8  # tokens per program
 
@@ -57,17 +59,15 @@ def _rotate(x_ptr, f_ptr, pos_ptr, y_ptr, tokens, heads, stride_tok, stride_head
 
 def _launch(x: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor | None, div: int, backward: bool
             ) -> torch.Tensor:
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    view = x.reshape(-1, x.size(-2), x.size(-1))
-    tokens, heads, width = view.shape
+    view, heads, stride_tok, stride_head = rows_view(x)
+    tokens, width = view.size(0), view.size(2)
     rotary = freqs.size(-1)
     table = freqs.reshape(-1, rotary).contiguous()
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block_p = triton.next_power_of_2(width - rotary) if width > rotary else 0
     _rotate[(triton.cdiv(tokens, BLOCK_T),)](
-        view, table, positions if positions is not None else table, y, tokens, heads, view.stride(0), view.stride(1),
-        width, rotary // 2, div, HAS_POSITIONS=positions is not None, BACKWARD=backward, BLOCK_T=BLOCK_T,
+        view, table, positions if positions is not None else table, y, tokens, heads, stride_tok, stride_head, width,
+        rotary // 2, div, HAS_POSITIONS=positions is not None, BACKWARD=backward, BLOCK_T=BLOCK_T,
         BLOCK_H=triton.next_power_of_2(rotary // 2), BLOCK_P=block_p)
     return y
 
