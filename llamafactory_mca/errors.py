@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 ERROR_FILE_ENV = "LLAMAFACTORY_MCA_ERROR_FILE"
 STATUS_DIR_ENV = "LLAMAFACTORY_MCA_STATUS_DIR"  # where each worker posts where it stands (watchdog.py)
+LAUNCHER_PID_ENV = "LLAMAFACTORY_MCA_LAUNCHER_PID"  # the process whose end ends the workers (watchdog.py)
 DEBUG_ENV = "LLAMAFACTORY_MCA_DEBUG"
 PREFIX = "[llamafactory_mca] error: "
 

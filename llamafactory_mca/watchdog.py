@@ -30,7 +30,7 @@ import threading
 import time
 import types
 
-from .errors import STATUS_DIR_ENV, report
+from .errors import LAUNCHER_PID_ENV, STATUS_DIR_ENV, report
 
 
 # Where the main thread stands when it waits for other ranks.
@@ -75,7 +75,7 @@ class Watchdog:
         self.step: int | None = None
         self.phase = "starting"
         self.progress = 0
-        self._parent = os.getppid()
+        self._parent = _launcher()
         self._main = threading.main_thread().ident
         import torch
 
@@ -181,6 +181,15 @@ class Watchdog:
                        "tmp- folder is ignored on resume). Stopping the run; resume from the newest complete "
                        "checkpoint. (Out of host memory? The writers hold each rank's tensors while writing.)")
                 os._exit(1)
+
+
+def _launcher() -> int:
+    """The process whose end ends this worker. Our launcher names itself: a worker whose launcher was killed before
+    this thread started has been handed to another parent already, and would otherwise take that one for its
+    launcher and wait in its start-up (for a rendezvous store that died with the launcher) forever. Under a bare
+    torchrun, the parent."""
+    pid = os.environ.get(LAUNCHER_PID_ENV, "")
+    return int(pid) if pid.isdigit() else os.getppid()
 
 
 def _culprits(others: list[dict], poll_s: float) -> str | None:

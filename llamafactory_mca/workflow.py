@@ -208,9 +208,10 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
     imports = time.time() - psutil.Process().create_time()  # this worker's interpreter and imports, before the run
     setup_logging()
     quiet_transformers()
-    parallel.init_distributed(training_args.ddp_timeout)
-    rank = torch.distributed.get_rank()
+    # before joining the group: a launcher killed now takes the rendezvous store with it, and the join would wait
+    rank = int(os.environ.get("RANK", "0"))
     watchdog.start(training_args.ddp_timeout, rank)
+    parallel.init_distributed(training_args.ddp_timeout)
     if not os.environ.get(run_lock.HELD_ENV) and rank == 0:  # torchrun started by hand
         run_lock.acquire(training_args.output_dir)  # released by _run, however the run ends
     plan = plan_run(stage, model_args, data_args, training_args, finetuning_args,

@@ -342,6 +342,19 @@ def test_killed_launchers_stop_their_workers_and_one_live_run_per_output_dir(ass
     assert f"taking over the stale lock {out / '.llamafactory_mca.lock'} (of pid {third.pid}" in output
 
 
+def test_a_worker_whose_launcher_died_before_its_watchdog_started_stops():
+    """The launcher killed while a worker still starts up: the worker has a new parent already when its watchdog
+    starts, and must not take that one for its launcher (it would wait for the dead launcher's store forever)."""
+    code = "import time; from llamafactory_mca import watchdog; watchdog.start(600, 0); time.sleep(60)"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    env = {**os.environ, "LLAMAFACTORY_MCA_LAUNCHER_PID": str(gone.pid), "LOCAL_RANK": "0"}
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and time.monotonic() - started < 30, result
+    assert f"the launcher (pid {gone.pid}) is gone: stopping its workers." in result.stderr
+
+
 # ---- 6. no silent hangs -------------------------------------------------------------------------------------------
 
 

@@ -35,7 +35,7 @@ import time
 import traceback
 import uuid
 
-from ..errors import ERROR_FILE_ENV, PREFIX, STATUS_DIR_ENV
+from ..errors import ERROR_FILE_ENV, LAUNCHER_PID_ENV, PREFIX, STATUS_DIR_ENV
 
 
 def _watch_parent(parent: int) -> None:
@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None, in_launcher: bool = False) -> int:
     error_file = os.path.join(run_dir, "error")  # workers create it exclusively: the first one to fail wins
     os.environ[ERROR_FILE_ENV] = error_file
     os.environ[STATUS_DIR_ENV] = run_dir
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     try:
         args = parse_args(argv)
         forked = _forks_ranks(args)
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None, in_launcher: bool = False) -> int:
         return 128 + signal.SIGINT
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+        os.environ.pop(LAUNCHER_PID_ENV, None)  # a run in this process later, without a launcher, has none
 
 
 def _quiet_elastic_loggers() -> None:
