@@ -35,7 +35,8 @@ _ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.ge
 # (Gemma's sandwich norms), the word embeddings' multiplier (Gemma: sqrt(hidden)), the RoPE base of the windowed
 # layers where it is not the others' (Gemma 3: 10,000 local, 1,000,000 global).
 # ``image_look_ahead``: an image's tokens also see the image's later tokens (Gemma 3, ``native/attention.py``).
-MODEL_OPTIONS = ("post_layer_norms", "embedding_multiplier", "window_rotary_base", "image_look_ahead")
+# ``padding_idx``: the word embedding row that lookups never train (transformers' ``pad_token_id``).
+MODEL_OPTIONS = ("post_layer_norms", "embedding_multiplier", "window_rotary_base", "image_look_ahead", "padding_idx")
 
 
 class AttentionShape(NamedTuple):

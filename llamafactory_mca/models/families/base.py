@@ -529,6 +529,9 @@ class DecoderFamily(Family):
             attention_dropout=float(getattr(hf, "attention_dropout", 0.0) or 0.0),
             init_method_std=getattr(hf, "initializer_range", 0.02),
         )
+        pad = getattr(hf, "pad_token_id", None)
+        if isinstance(pad, int) and 0 <= pad < hf.vocab_size:  # transformers' embeddings: padding_idx=pad_token_id
+            fields["padding_idx"] = pad
         for part in self.parts():
             fields |= part.transformer(hf)
         if self.sliding_window:

@@ -14,7 +14,8 @@ ranks' tokens, and -100 padding) count as misses, exactly as Megatron's function
 
 from __future__ import annotations
 
-from functools import cache
+from functools import cache, partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -241,16 +242,29 @@ class NativeCrossEntropy:
                              getattr(self.config, "chunked_cross_entropy", None))
 
 
+def _untrained_lookups(pad: int, module: Any, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+    """The word embeddings' output where the input is ``pad``, without gradient: transformers builds its embeddings
+    with ``padding_idx=pad_token_id``, whose row lookups never train (a tied output layer still does). It matters where
+    the pad id stands inside a sequence (a tokenizer whose pad is its end-of-turn token, or an unknown word): a zero
+    pad row, as checkpoints keep it, would take a gradient through the first norm scaled by 1 / sqrt(eps)."""
+    mask = inputs[0] == pad  # [b, s]
+    if module.reduce_scatter_embeddings:  # the output is this rank's sequence-parallel slice, [s / tp, b, h]
+        size = output.shape[0]
+        mask = mask.t()[module.tp_group.rank() * size:(module.tp_group.rank() + 1) * size]
+    return torch.where(mask.unsqueeze(-1), output.detach(), output)
+
+
 class LanguageModel(NativeCrossEntropy, GPTModel):
     """Megatron's GPTModel with the loss above (parameters and checkpoint keys are GPTModel's).
 
     Asked for logits (no labels), a model with multi-token-prediction layers skips them: megatron-core 0.16.1 runs
     them regardless and then fails cloning the missing labels for their loss.
 
-    Two architecture fields of ours (``config.MODEL_OPTIONS``): ``embedding_multiplier`` scales the word embeddings
+    Three architecture fields of ours (``config.MODEL_OPTIONS``): ``embedding_multiplier`` scales the word embeddings
     (Gemma: sqrt(hidden), rounded to the activations' dtype as transformers does), on the embedding's output, so a
     vision-language model scales the text before image features replace placeholders; ``window_rotary_base`` gives
-    the windowed layers their own RoPE table, stacked after the model's (``native/sublayers.py`` picks)."""
+    the windowed layers their own RoPE table, stacked after the model's (``native/sublayers.py`` picks);
+    ``padding_idx`` is a row the lookups do not train, as in transformers."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -260,6 +274,9 @@ class LanguageModel(NativeCrossEntropy, GPTModel):
         if multiplier and self.pre_process:
             self.embedding.register_forward_hook(
                 lambda module, inputs, output: output * torch.tensor(multiplier, dtype=output.dtype))
+        pad = getattr(self.config, "padding_idx", None)
+        if pad is not None and self.pre_process:
+            self.embedding.word_embeddings.register_forward_hook(partial(_untrained_lookups, pad))
         base = getattr(self.config, "window_rotary_base", None)
         self.window_rotary_pos_emb = None
         if base and self.position_embedding_type != "rope":  # the layers would index a single table
