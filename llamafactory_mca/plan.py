@@ -30,7 +30,7 @@ from .models.lora.layers import check_lora_request
 from .models.lora.peft_io import check_lora_plan
 from .models.multimodal import check_vision_layout
 from .parallel import ParallelLayout, check_layout, cuda_graph_layout_needs
-from .stages import check_no_generation, check_stage
+from .stages import PREFERENCE_STAGES, check_no_generation, check_stage
 from .trainer.loss import PreferenceConfig
 
 
@@ -51,8 +51,8 @@ class RunPlan:
     balancing: str  # where the load-balancing weight came from (the summary says)
     custom_pipeline_layout: bool
     adapters: tuple[str, ...] = ()  # LoRA: adapter folders to merge or continue, in order
-    reference: tuple[str, McaConfig] | None = None  # DPO's ref_model: its folder and config
-    preference: PreferenceConfig | None = None  # DPO's loss and its settings
+    reference: tuple[str, McaConfig] | None = None  # DPO's and KTO's ref_model: its folder and config
+    preference: PreferenceConfig | None = None  # DPO's or KTO's loss and its settings
     notes: tuple[str, ...] = ()  # what the plan left out and why, said once by rank 0
 
     @property
@@ -98,7 +98,7 @@ def plan_run(stage: str, model_args: Any, data_args: Any, training_args: Any, fi
         raise UserError(f"{config.hf_model_type}: moe_grouped_gemm=False, but this model's experts have biases, "
                         "which only the grouped experts hold. Remove moe_grouped_gemm or set it to true.")
     reference = None
-    if stage == "dpo" and getattr(finetuning_args, "ref_model", None):
+    if stage in ("dpo", "kto") and getattr(finetuning_args, "ref_model", None):
         ref_path = resolve(finetuning_args.ref_model, model_args, field="ref_model")
         ref_config, _ = plan_mtp(AutoConfig.from_pretrained(ref_path, training_args, model_args.trust_remote_code),
                                  stage, tuning, training_args)
@@ -115,12 +115,23 @@ def plan_run(stage: str, model_args: Any, data_args: Any, training_args: Any, fi
                 raise UserError(f"adapter_name_or_path={path!r} is not a peft adapter folder (it does not exist).")
             adapters += (resolve(path, model_args, field="adapter_name_or_path"),)
         check_lora_plan(config, finetuning_args, list(adapters), layout.etp, layout.tp)
-    preference = PreferenceConfig(loss=finetuning_args.pref_loss, beta=finetuning_args.pref_beta,
-                                  label_smoothing=finetuning_args.dpo_label_smoothing, ftx=finetuning_args.pref_ftx,
-                                  simpo_gamma=finetuning_args.simpo_gamma) if stage == "dpo" else None
+    preference = preference_config(stage, finetuning_args)
     return RunPlan(stage=stage, finetuning_type=tuning, layout=layout, packing=packing, cutoff_len=cutoff_len,
                    model_path=model_path, config=config, balancing=balancing, custom_pipeline_layout=custom,
                    adapters=adapters, reference=reference, preference=preference, notes=notes)
+
+
+def preference_config(stage: str, finetuning_args: Any) -> PreferenceConfig | None:
+    """DPO's loss as pref_loss names it, KTO's with its weights; None for the other stages."""
+    if stage == "kto":
+        return PreferenceConfig(loss="kto", beta=finetuning_args.pref_beta, ftx=finetuning_args.pref_ftx,
+                                desirable_weight=finetuning_args.kto_chosen_weight,
+                                undesirable_weight=finetuning_args.kto_rejected_weight)
+    if stage == "dpo":
+        return PreferenceConfig(loss=finetuning_args.pref_loss, beta=finetuning_args.pref_beta,
+                                label_smoothing=finetuning_args.dpo_label_smoothing, ftx=finetuning_args.pref_ftx,
+                                simpo_gamma=finetuning_args.simpo_gamma)
+    return None
 
 
 def check_finetuning_type(tuning: str) -> None:
@@ -204,10 +215,10 @@ def check_cuda_graphs(stage: str, finetuning_args: Any, packing: bool, config: M
 def plan_mtp(config: McaConfig, stage: str, finetuning_type: str, args: Any) -> tuple[McaConfig, str | None]:
     """The model's multi-token-prediction layers for this run, and a note when they are left out unasked: trained in
     full pt and sft; left out in LoRA runs (a peft adapter has no place for them, and the base model keeps its own),
-    freeze runs (they train chosen decoder layers only) and dpo and rm runs (their loss is next-token prediction, not a
-    preference), unless the recipe sets ``mtp_num_layers``. A vision-language model's MTP layer needs the image
-    features, which live on the first pipeline stage, and sits on the last: under pipelining it is left out
-    (``resolve_mtp``)."""
+    freeze runs (they train chosen decoder layers only) and dpo, kto and rm runs (an MTP layer's loss is next-token
+    prediction, not a preference), unless the recipe sets ``mtp_num_layers``. A vision-language model's MTP layer
+    needs the image features, which live on the first pipeline stage, and sits on the last: under pipelining it is
+    left out (``resolve_mtp``)."""
     asked = getattr(args, "mtp_num_layers", None)
     pipeline = getattr(args, "pipeline_model_parallel_size", 1) or 1
     apart = mtp_apart_from_features(config, pipeline)
@@ -215,8 +226,8 @@ def plan_mtp(config: McaConfig, stage: str, finetuning_type: str, args: Any) -> 
         return resolve_mtp(config, asked, pipeline), (
             f"{apart}: it is not trained in this run, and the exported model has none, like LLaMA-Factory's default "
             "path's. pipeline_model_parallel_size: 1 trains it.")
-    if config.mtp_num_layers and asked is None and (stage in ("dpo", "rm") or finetuning_type != "full"):
-        why = stage if stage in ("dpo", "rm") and finetuning_type == "full" else \
+    if config.mtp_num_layers and asked is None and (stage in PREFERENCE_STAGES or finetuning_type != "full"):
+        why = stage if stage in PREFERENCE_STAGES and finetuning_type == "full" else \
             "LoRA" if finetuning_type == "lora" else finetuning_type
         exported = ("the base model keeps them" if why == "LoRA" else
                     "the exported model has none, like LLaMA-Factory's default path's")
@@ -247,10 +258,10 @@ def check_model_fits(config: Any, stage: str, layout: Any, custom_pipeline_layou
     ``custom_pipeline_layout``: a pipeline_model_parallel_layout places the layers, not the even split (the model
     build then checks where the deepstack layers went)."""
     if config.vision_language:
-        if stage in ("dpo", "rm"):
-            raise UserError(f"{config.hf_model_type}: stage {stage} on vision-language models is not supported with "
-                            "USE_MCA=1 yet; sft and pt are. Unset USE_MCA to run it with LLaMA-Factory's default "
-                            "trainer.")
+        if stage == "rm":
+            raise UserError(f"{config.hf_model_type}: stage rm on vision-language models is not supported with "
+                            "USE_MCA=1 yet; sft, pt, dpo and kto are. Unset USE_MCA to run it with LLaMA-Factory's "
+                            "default trainer.")
         check_vision_layout(config, layout, custom_pipeline_layout)
 
 

@@ -7,13 +7,12 @@ from __future__ import annotations
 from .errors import UserError
 
 
-SUPPORTED_STAGES = ("pt", "sft", "dpo", "rm")
+SUPPORTED_STAGES = ("pt", "sft", "dpo", "kto", "rm")
+PREFERENCE_STAGES = ("dpo", "kto", "rm")  # trained on a preference (pairs, tagged rows), not next-token prediction
 # what works instead, for what LLaMA-Factory runs and the Megatron path does not
 INSTEAD = {
     "ppo": "PPO generates rollouts every step, which Megatron's training engine does not: for preference tuning "
            "without rollouts use stage: dpo (pref_loss sigmoid, orpo or simpo) on chosen/rejected pairs",
-    "kto": "for paired preference data stage: dpo trains on chosen/rejected pairs; KTO's unpaired rows need "
-           "LLaMA-Factory's default trainer",
     "do_predict": "generation over a test set is not a training step: merge the checkpoint (llamafactory-mca merge) "
                   "and run do_predict on the merged model without USE_MCA, or LLaMA-Factory's scripts/vllm_infer.py",
 }

@@ -1,4 +1,4 @@
-"""run_pt / run_sft / run_dpo / run_rm, reached through LLaMA-Factory's own dispatch under USE_MCA=1.
+"""run_pt / run_sft / run_dpo / run_kto / run_rm, reached through LLaMA-Factory's own dispatch under USE_MCA=1.
 
 LLaMA-Factory does what it is good at — tokenizer, template, dataset_info.json, cutoff_len,
 mask_history, train_on_prompt, val_size — and hands us tokenized rows; we plan micro-batches, build
@@ -55,6 +55,10 @@ def run_sft(model_args, data_args, training_args, finetuning_args, callbacks=Non
 
 def run_dpo(model_args, data_args, training_args, finetuning_args, callbacks=None):
     _run("dpo", model_args, data_args, training_args, finetuning_args, callbacks)
+
+
+def run_kto(model_args, data_args, training_args, finetuning_args, callbacks=None):
+    _run("kto", model_args, data_args, training_args, finetuning_args, callbacks)
 
 
 def run_rm(model_args, data_args, training_args, finetuning_args, callbacks=None):
@@ -140,7 +144,7 @@ def _load_rows(stage: str, template: Any, model_args: Any, data_args: Any, train
                tokenizer_module: dict, cutoff_len: int) -> dict:
     """LLaMA-Factory's tokenized rows, one sequence per row, shifted later inside each sequence.
 
-    sft/dpo: LLaMA-Factory truncates each row (its own way: mask_history, train_on_prompt) to cutoff_len + 1
+    sft/dpo/kto: LLaMA-Factory truncates each row (its own way: mask_history, train_on_prompt) to cutoff_len + 1
     tokens, so that the shift loses nothing; rm: to cutoff_len, as its rm stage does (nothing is shifted). pt: whole
     documents, split here into cutoff_len pieces
     (``split_documents``), or, with ``pt_blocks: concatenated``, LLaMA-Factory's own cutoff_len blocks.
@@ -168,6 +172,7 @@ def _load_rows(stage: str, template: Any, model_args: Any, data_args: Any, train
 
 
 LOST_PEER_GRACE_S = 3.0
+PLOTTED = {"dpo": ["rewards/accuracies"], "rm": ["rewards/accuracies"], "kto": ["rewards/chosen"]}  # LLaMA-Factory's
 
 
 def _run(stage: str, model_args, data_args, training_args, finetuning_args, callbacks=None) -> None:
@@ -270,4 +275,4 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
     trainer.save_state()
     if trainer.is_world_process_zero() and finetuning_args.plot_loss:
         keys = ["loss"] + (["eval_loss"] if eval_plan is not None else [])
-        plot_loss(training_args.output_dir, keys=keys + (["rewards/accuracies"] if stage in ("dpo", "rm") else []))
+        plot_loss(training_args.output_dir, keys=keys + PLOTTED.get(stage, []))

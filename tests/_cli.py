@@ -114,6 +114,19 @@ def train(tmp_path, config, world=1, env=None, name="run", gpu=False, timeout=30
     return result, log.read_text()
 
 
+def default_path_losses(tmp_path, config, name="default") -> dict[int, float]:
+    """The recipe through LLaMA-Factory's default path (``llamafactory-cli train`` without USE_MCA, one CPU process,
+    in ``tmp_path / name``): its step -> loss."""
+    tmp_path = Path(tmp_path)
+    config = {k: v for k, v in config.items() if k != "sequence_packing"} | {"output_dir": str(tmp_path / name)}
+    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(config))
+    env = {k: v for k, v in cli_env(None).items() if k != "USE_MCA"}
+    result, output = run(["llamafactory-cli", "train", str(tmp_path / f"{name}.yaml")], env=env, timeout=300,
+                         cwd=tmp_path)
+    assert result.returncode == 0, output[-4000:]
+    return losses(tmp_path / name)
+
+
 def losses(output_dir) -> dict[int, float]:
     """Step -> loss from LLaMA-Factory's trainer_log.jsonl (the last entry wins after a resume)."""
     found = {}

@@ -49,6 +49,10 @@ LLAMAFACTORY_INFO = {
     "alpaca_en_demo": {"file_name": "alpaca_en_demo.json"},
     "dpo_en_demo": {"file_name": "dpo_en_demo.json", "ranking": True, "formatting": "sharegpt",
                     "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected"}},
+    "kto_en_demo": {"file_name": "kto_en_demo.json", "formatting": "sharegpt",
+                    "columns": {"messages": "messages", "kto_tag": "label"},
+                    "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                             "assistant_tag": "assistant"}},
 }
 
 
@@ -63,7 +67,7 @@ def _write(path: str, rows: list) -> None:
 
 def _llamafactory_data(folder: str) -> None:
     """LLaMA-Factory's data/ layout: identity, alpaca_en_demo (alpaca format), dpo_en_demo (sharegpt pairs),
-    mllm_demo (sharegpt messages with images beside them)."""
+    kto_en_demo (sharegpt messages tagged by a label column), mllm_demo (sharegpt messages with images beside them)."""
     images = write_image_dataset(os.path.dirname(folder), 24, name="mllm_demo")  # writes <root>/data
     with open(os.path.join(images, "dataset_info.json")) as f:
         mllm = json.load(f)
@@ -76,6 +80,10 @@ def _llamafactory_data(folder: str) -> None:
            [{"conversations": [{"from": "human", "value": _sentence(i)}],
              "chosen": {"from": "gpt", "value": _sentence(i + 1, 2)},
              "rejected": {"from": "gpt", "value": _sentence(i + 3)}} for i in range(700)])
+    _write(os.path.join(folder, "kto_en_demo.json"),
+           [{"messages": [{"role": "user", "content": _sentence(i)},
+                          {"role": "assistant", "content": _sentence(i + 1)}], "label": i % 3 != 0}
+            for i in range(300)])
 
 
 def _our_data(folder: str) -> None:
@@ -132,7 +140,8 @@ def test_every_example_is_covered():
                                                        "moonlight_full.yaml", "qwen2_vl_full.yaml",
                                                        "qwen3_5_full.yaml", "qwen3_5_moe_full.yaml",
                                                        "qwen3_dense_sft.yaml", "qwen3_dpo.yaml",
-                                                       "qwen3_long_context_cp2.yaml", "qwen3_moe_full.yaml",
+                                                       "qwen3_kto_lora.yaml", "qwen3_long_context_cp2.yaml",
+                                                       "qwen3_moe_full.yaml",
                                                        "qwen3_moe_lora.yaml", "qwen3_next_full.yaml",
                                                        "qwen3_rm.yaml", "qwen3_vl_moe_full.yaml"]
     for example in EXAMPLES:

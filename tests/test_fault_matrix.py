@@ -414,7 +414,8 @@ BAD_INPUTS = [
     ("unknown template", {"template": "qwen3_nothinking"}, 1, ["template='qwen3_nothinking' is not one of",
                                                                "did you mean 'qwen3_nothink'"]),
     ("unknown dataset", {"dataset": "no_such_set"}, 1, ["dataset=no_such_set", "Undefined dataset"]),
-    ("unsupported stage", {"stage": "kto"}, 1, ["stage='kto' is not supported with USE_MCA=1"]),
+    ("kto without tags", {"stage": "kto"}, 1, ["dataset 'tiny_alpaca' has no kto_tag column: stage kto trains on "
+                                               "rows tagged desirable or not"]),
     ("unsupported dpo loss", lambda a: {"stage": "dpo", "pref_loss": "kto_pair", "dataset_dir": a["dpo"]}, 1,
      ["pref_loss='kto_pair' is not supported"]),
     ("streaming", {"streaming": True}, 1, ["streaming=True is not supported", "streaming: false"]),

@@ -163,7 +163,7 @@ def test_mixed_precision_advice_is_kept_on_gpus_only(gpu):
     ({"lerning_rate": 1e-4}, ["unknown key", "'lerning_rate' (did you mean 'learning_rate'?)"]),
     ({"tensor_model_parallel_size": 3}, ["tensor_model_parallel_size=3 does not divide num_attention_heads=4",
                                          "sizes that fit this model: 1, 2"]),
-    ({"stage": "ppo"}, ["stage='ppo' is not supported with USE_MCA=1; supported: pt, sft, dpo",
+    ({"stage": "ppo"}, ["stage='ppo' is not supported with USE_MCA=1; supported: pt, sft, dpo, kto, rm",
                         "for preference tuning without rollouts use stage: dpo"]),
     ({"predict_with_generate": True}, ["predict_with_generate is not supported with USE_MCA=1",
                                        "merge the checkpoint (llamafactory-mca merge)"]),

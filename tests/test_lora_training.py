@@ -10,25 +10,14 @@ import sys
 
 import pytest
 import torch
-import yaml
 
-from tests._cli import cli_env, losses, ok, one_error, recipe, run, train
+from tests._cli import default_path_losses, losses, ok, one_error, recipe, train
 from tests.models._bridge import INPUT
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:Unsupported layer type")]
 LORA = dict(finetuning_type="lora", lora_rank=8, lora_alpha=16, lora_target="all", learning_rate=5e-3)
-
-
-def _default_path(tmp_path, config: dict, name: str) -> None:
-    """The same recipe through LLaMA-Factory's own trainer (no USE_MCA), on the CPU."""
-    config = {k: v for k, v in config.items() if k not in ("sequence_packing",)} | {"output_dir": str(tmp_path / name)}
-    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(config))
-    env = {k: v for k, v in cli_env(None).items() if k != "USE_MCA"}
-    result, output = run(["llamafactory-cli", "train", str(tmp_path / f"{name}.yaml")], env=env, timeout=300,
-                         cwd=tmp_path)
-    assert result.returncode == 0, output[-4000:]
 
 
 def _stored_keys(checkpoint) -> list[str]:
@@ -95,8 +84,7 @@ def test_adapters_move_both_ways_with_llamafactory(assets, lora_run, tmp_path):
     ours = str(lora_run[0] / "out")
     one_step = dict(LORA, max_samples=8, per_device_train_batch_size=2, gradient_accumulation_steps=4, max_steps=1)
     config = recipe(assets, tmp_path / "default", adapter_name_or_path=ours, **one_step)
-    _default_path(tmp_path, {**config, "max_steps": 2, "save_strategy": "steps", "save_steps": 1}, "default")
-    theirs = losses(tmp_path / "default")
+    theirs = default_path_losses(tmp_path, {**config, "max_steps": 2, "save_strategy": "steps", "save_steps": 1})
     for step, adapter in ((1, ours), (2, str(tmp_path / "default" / "checkpoint-1"))):
         run_dir = tmp_path / f"mca-{step}"
         ok(*train(tmp_path, {**config, "adapter_name_or_path": adapter, "output_dir": str(run_dir)}, name=f"m{step}"))

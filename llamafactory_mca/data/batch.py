@@ -11,7 +11,8 @@ it to the model and the loss as it is. Two layouts share one type so the trainer
 - padded (BSHD): ``b`` rows, right-padded to one length; ``cu_seqlens`` is None.
 
 For DPO both layouts say where the pair's sequences are: packed, sequences ``2i`` and ``2i + 1`` are the
-chosen and rejected answers of pair ``i``; padded, rows ``[0, n)`` are chosen and ``[n, 2n)`` rejected.
+chosen and rejected answers of pair ``i``; padded, rows ``[0, n)`` are chosen and ``[n, 2n)`` rejected. A KTO row
+is laid out as a pair: its answer in the chosen place, its KL sample in the rejected one.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class MicroBatch:
     num_pairs: int = 0  # DPO: pairs in this micro-batch; 0 otherwise
     ref_chosen_logps: torch.Tensor | None = None  # [num_pairs] float32, when the dataset carries them
     ref_rejected_logps: torch.Tensor | None = None
+    desirable: torch.Tensor | None = None  # [num_pairs] bool: KTO's tags (the pair: a row's answer, its KL sample)
     is_padding: bool = False  # a stand-in that keeps ranks in step (an epoch's last step); it adds to no loss
     rope_positions: torch.Tensor | None = None  # [b, s, 3] vision-language models' 3-D positions (mrope)
     vision: dict[str, torch.Tensor] | None = None  # pixel_values, image_grid_thw, ... (data/multimodal.py)

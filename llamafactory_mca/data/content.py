@@ -15,7 +15,10 @@ simple test is a miscount in a warning, never a row dropped.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -32,9 +35,21 @@ def _empty_examples(turns: int, responses: int) -> dict[str, list]:
             "_audios": [None] * count}
 
 
+@contextlib.contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def template_tokens(stage: str, template: Any, tokenizer: Any, processor: Any, data_args: Any) -> np.ndarray:
-    """The token ids LLaMA-Factory's processing for ``stage`` (pt, sft or dpo) adds around a row's own text."""
+    """The token ids LLaMA-Factory's processing for ``stage`` (pt, sft, dpo or kto) adds around a row's own text."""
     from llamafactory.data.processor import (
+        FeedbackDatasetProcessor,
         PairwiseDatasetProcessor,
         PretrainDatasetProcessor,
         SupervisedDatasetProcessor,
@@ -47,9 +62,12 @@ def template_tokens(stage: str, template: Any, tokenizer: Any, processor: Any, d
     elif stage == "dpo":
         cls, columns, examples = PairwiseDatasetProcessor, ("chosen_input_ids", "rejected_input_ids"), \
             _empty_examples(2, 2)
+    elif stage == "kto":
+        cls, columns, examples = FeedbackDatasetProcessor, ("input_ids", "kl_input_ids"), _empty_examples(2, 2)
     else:
         cls, columns, examples = SupervisedDatasetProcessor, ("input_ids",), _empty_examples(2, 1)
-    rows = cls(template=template, tokenizer=tokenizer, processor=processor, data_args=args
-               ).preprocess_dataset(examples)
+    with _quiet(cls.__module__):  # its warnings are about these made-up rows (KTO's: "only one preference type")
+        rows = cls(template=template, tokenizer=tokenizer, processor=processor, data_args=args
+                   ).preprocess_dataset(examples)
     ids = [token for column in columns for row in rows[column] for token in row]
     return np.unique(np.asarray(ids, dtype=np.int64))

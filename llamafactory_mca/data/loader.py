@@ -36,7 +36,7 @@ from .packing import (
     round_up,
     round_up_array,
 )
-from .rows import PAIRWISE, REWARD, RowTable, columns_for, detect_kind, fetch_samples, scan_rows
+from .rows import FEEDBACK, PAIRWISE, REWARD, RowTable, columns_for, detect_kind, fetch_samples, scan_rows
 
 
 if TYPE_CHECKING:
@@ -144,7 +144,8 @@ class DataPlan:
 
     @property
     def pairwise(self) -> bool:
-        return self.kind in (PAIRWISE, REWARD)
+        """Two sequences per row that the loss reads together: DPO's and a reward model's pairs, KTO's rows."""
+        return self.kind in (PAIRWISE, REWARD, FEEDBACK)
 
     @property
     def capacity(self) -> int:

@@ -86,9 +86,15 @@ class VisionInputs:
         return placeholder_types(ids, self.image_token_id, self.video_token_id, self.video_span)
 
     def attach(self, batch: MicroBatch, samples: list[Sample]) -> MicroBatch:
-        """``batch`` with its vision inputs (None without images or videos) and 3-D positions."""
-        images = [image for sample in samples for image in sample.images]
-        videos = [video for sample in samples for video in sample.videos]
+        """``batch`` with its vision inputs (None without images or videos) and 3-D positions. A pair's two sequences
+        (DPO's chosen and rejected answers, KTO's answer and KL sample) share their prompt's images, which each
+        sequence holds placeholders for: they are given twice, in the order the sequences lie (packed: a pair's two
+        together; padded: every first sequence, then every second)."""
+        width = len(samples[0].sequences) if samples else 1
+        order = [s for s in samples for _ in range(width)] if batch.packed else \
+            [s for _ in range(width) for s in samples]
+        images = [image for sample in order for image in sample.images]
+        videos = [video for sample in order for video in sample.videos]
         vision: dict[str, torch.Tensor] = {}
         if images or videos:
             inputs = self.plugin.get_mm_inputs(images, videos, [], [len(images)], [len(videos)], [0], [[]],

@@ -120,6 +120,7 @@ def _finish(tokens: np.ndarray, labels: np.ndarray, positions: np.ndarray, num_r
         num_pairs=len(samples) if pairwise else 0,
         ref_chosen_logps=chosen,
         ref_rejected_logps=rejected,
+        desirable=torch.tensor([s.desirable for s in samples], dtype=torch.bool) if pairwise else None,
     )
 
 

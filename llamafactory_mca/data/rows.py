@@ -26,15 +26,20 @@ if TYPE_CHECKING:
     from datasets import Dataset
 
 
-PT, SFT, PAIRWISE, REWARD = "pt", "sft", "pairwise", "reward"
+PT, SFT, PAIRWISE, REWARD, FEEDBACK = "pt", "sft", "pairwise", "reward", "feedback"
+KTO_TAG = "kto_tags"  # LLaMA-Factory's kto rows: True where the answer is desirable
 DOCUMENT_START = "document_start"  # pt pieces (split_documents): False where a piece continues a document
 MEDIA_COLUMNS = ("images", "videos")  # LLaMA-Factory keeps a row's images and videos (paths) beside its tokens
-_PREFIXES = {PT: ("",), SFT: ("",), PAIRWISE: ("chosen_", "rejected_"), REWARD: ("chosen_", "rejected_")}
+# A feedback (KTO) row's second sequence is its prompt with another row's answer: the KL estimate's sample.
+_PREFIXES = {PT: ("",), SFT: ("",), PAIRWISE: ("chosen_", "rejected_"), REWARD: ("chosen_", "rejected_"),
+             FEEDBACK: ("", "kl_")}
 
 
 def detect_kind(column_names: list[str], reward: bool = False) -> str:
     """``pairwise`` (LLaMA-Factory's "rm" processing, used for DPO; ``reward`` with ``reward``: a reward model's),
-    ``sft`` (has labels) or ``pt``."""
+    ``feedback`` (its "kto" processing), ``sft`` (has labels) or ``pt``."""
+    if "kl_input_ids" in column_names:
+        return FEEDBACK
     if "chosen_input_ids" in column_names:
         missing = [f"{p}{c}" for p in _PREFIXES[PAIRWISE] for c in ("input_ids", "labels")
                    if f"{p}{c}" not in column_names]
@@ -51,6 +56,8 @@ def columns_for(kind: str, column_names: list[str]) -> list[str]:
     wanted = [f"{p}{c}" for p in _PREFIXES[kind] for c in ("input_ids", "labels") if kind != PT or c != "labels"]
     if kind == PT and DOCUMENT_START in column_names:
         wanted.append(DOCUMENT_START)
+    if kind == FEEDBACK:
+        wanted.append(KTO_TAG)
     wanted += [c for c in MEDIA_COLUMNS if c in column_names]
     return wanted
 
@@ -192,10 +199,12 @@ def scan_rows(dataset: Dataset, kind: str, cutoff_len: int, batch_size: int = 10
 
 @dataclass
 class Sample:
-    """One planned unit: a row (pt/sft) or a pair (chosen, rejected), as shifted (tokens, targets) arrays."""
+    """One planned unit: a row (pt/sft), a pair (chosen, rejected) or a KTO row (its answer, the KL sample), as
+    shifted (tokens, targets) arrays."""
 
     sequences: list[tuple[np.ndarray, np.ndarray]]
     ref_logps: tuple[float, float] | None = None
+    desirable: bool = False  # a KTO row's tag
     continues: bool = False  # a pt piece after the first of its document
     unshifted: bool = False  # a reward model's sequences: every token a position, the last one's target its score
     filler: bool = False  # a loss-free stand-in row that keeps a short group's shape (collate_padded)
@@ -218,13 +227,15 @@ def make_sample(row: dict[str, Any], kind: str, cutoff_len: int) -> Sample:
         labels = ids if kind == PT else np.asarray(row[f"{prefix}labels"][: cutoff_len + 1], dtype=np.int64)
         sequences.append((ids[:-1], labels[1:]))
     return Sample(sequences, continues=kind == PT and row.get(DOCUMENT_START, True) is False, unshifted=kind == REWARD,
-                  images=list(row.get("images") or []), videos=list(row.get("videos") or []))
+                  desirable=bool(row.get(KTO_TAG, False)), images=list(row.get("images") or []),
+                  videos=list(row.get("videos") or []))
 
 
 def fetch_samples(dataset: Dataset, indices: list[int], kind: str, cutoff_len: int,
                   reference: tuple[np.ndarray, np.ndarray] | None = None) -> list[Sample]:
     """One batched read for a micro-batch's rows (``Dataset.__getitem__`` with a list is a single Arrow take);
-    ``reference``: DPO's (chosen, rejected) reference log-probs of every row, when computed."""
+    ``reference``: DPO's (chosen, rejected) reference log-probs of every row (KTO's: the answer's and the KL
+    sample's), when computed."""
     if not indices:
         return []
     columns = dataset[list(indices)]

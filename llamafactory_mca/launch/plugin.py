@@ -31,7 +31,7 @@ _TRUE = ("1", "true", "y", "yes", "on")
 # What each aliased name exposes, and where it comes from.
 _EXPORTS = {
     ADAPTER_NAME: ("llamafactory_mca.training_args", ("TrainingArguments", "Seq2SeqTrainingArguments")),
-    WORKFLOW_NAME: ("llamafactory_mca.workflow", ("run_pt", "run_sft", "run_dpo", "run_rm")),
+    WORKFLOW_NAME: ("llamafactory_mca.workflow", ("run_pt", "run_sft", "run_dpo", "run_kto", "run_rm")),
 }
 
 
@@ -84,23 +84,33 @@ def _guard_train_args(module: types.ModuleType) -> None:
     module.get_train_args = get_train_args
 
 
-def _route_rm(module: types.ModuleType) -> None:
-    """LLaMA-Factory's tuner hands only pt, sft and dpo to its Megatron workflows and sends rm to its own trainer
-    even under USE_MCA=1: a USE_MCA run's rm goes to ours."""
-    own = module.run_rm
+ROUTED = ("run_rm", "run_kto")  # the tuner's names for them, which it calls at run time
 
-    def run_rm(model_args, data_args, training_args, finetuning_args, callbacks=None):
+
+def _route_stages(module: types.ModuleType) -> None:
+    """LLaMA-Factory's tuner hands only pt, sft and dpo to its Megatron workflows and sends rm and kto to its own
+    trainers even under USE_MCA=1: a USE_MCA run's rm and kto go to ours."""
+    for name in ROUTED:
+        _route(module, name)
+
+
+def _route(module: types.ModuleType, name: str) -> None:
+    own = getattr(module, name)
+
+    def run(model_args, data_args, training_args, finetuning_args, callbacks=None):
         if not getattr(finetuning_args, "use_mca", False):
             return own(model_args, data_args, training_args, finetuning_args, callbacks)
         workflow = importlib.import_module(_EXPORTS[WORKFLOW_NAME][0])
-        return workflow.run_rm(model_args, data_args, training_args, finetuning_args, callbacks)
+        return getattr(workflow, name)(model_args, data_args, training_args, finetuning_args, callbacks)
 
-    module.run_rm = run_rm
+    setattr(module, name, run)
 
 
 def _join_process_group(recipe) -> None:
     """Create the process group before Hugging Face's TrainingArguments does (it would, with ddp_timeout as the
-    group's timeout): ours is a minute longer, so the watchdog's message (rank, step, operation) comes first."""
+    group's timeout): ours is a minute longer, so the watchdog's message (rank, step, operation) comes first. The
+    watchdog starts first: a launcher killed now takes the rendezvous store with it, and the join would wait."""
+    from .. import watchdog
     from ..parallel import init_distributed
 
     timeout = 1800.0
@@ -110,6 +120,7 @@ def _join_process_group(recipe) -> None:
         for i, arg in enumerate(recipe):
             if arg.startswith("--ddp_timeout"):
                 timeout = float(arg.split("=", 1)[1] if "=" in arg else recipe[i + 1])
+    watchdog.start(timeout, int(os.environ.get("RANK", "0")))
     init_distributed(timeout)
 
 
@@ -186,7 +197,7 @@ def _board(name: str):
 
 BOARD_MODULES = ("llamafactory.webui.locales", "llamafactory.webui.components.train", "llamafactory.webui.runner",
                  "llamafactory.webui.control", "llamafactory.webui.components.export")
-_PATCHES = {PARSER_NAME: _guard_train_args, LAUNCHER_NAME: _take_over_launch, TUNER_NAME: _route_rm,
+_PATCHES = {PARSER_NAME: _guard_train_args, LAUNCHER_NAME: _take_over_launch, TUNER_NAME: _route_stages,
             **{n: _board(n) for n in BOARD_MODULES}}
 
 

@@ -422,10 +422,12 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
     return directory
 
 
-def write_image_dataset(directory: str, n_rows: int, name: str = "tiny_images", video_every: int = 0) -> str:
+def write_image_dataset(directory: str, n_rows: int, name: str = "tiny_images", video_every: int = 0,
+                        ranking: bool = False, feedback: bool = False) -> str:
     """sharegpt rows with one or two small images each (LLaMA-Factory's mllm_demo format) and dataset_info.json;
     with ``video_every`` = k, every k-th row also holds a two-frame video (a list of frame files, which LLaMA-Factory
-    reads like a decoded video)."""
+    reads like a decoded video); ``ranking=True``: a chosen and a rejected answer to each (the pairwise stages);
+    ``feedback=True``: KTO's tag on each answer, two of every three desirable."""
     import json
 
     import numpy as np
@@ -446,28 +448,41 @@ def write_image_dataset(directory: str, n_rows: int, name: str = "tiny_images", 
             if video_every and i % video_every == 0 else []
         topic = TOPICS[i % len(TOPICS)]
         question = "<video>" * len(videos) + "<image>" * len(images) + SENTENCES[2].format(topic=topic)
-        rows.append({"messages": [{"role": "user", "content": question},
-                                  {"role": "assistant", "content": SENTENCES[3].format(topic=topic)}],
-                     "images": images, "videos": videos})
+        answer = {"role": "assistant", "content": SENTENCES[3].format(topic=topic)}
+        if ranking:
+            rejected = {"role": "assistant", "content": " ".join([SENTENCES[1].format(topic=topic)] * (1 + i % 2))}
+            rows.append({"messages": [{"role": "user", "content": question}], "chosen": answer,
+                         "rejected": rejected, "images": images, "videos": videos})
+        else:
+            rows.append({"messages": [{"role": "user", "content": question}, answer], "images": images,
+                         "videos": videos} | ({"kto_tag": bool(i % 3)} if feedback else {}))
     with open(os.path.join(path, f"{name}.json"), "w", encoding="utf-8") as f:
         json.dump(rows, f, indent=1)
     info = {"file_name": f"{name}.json", "formatting": "sharegpt",
             "columns": {"messages": "messages", "images": "images", "videos": "videos"},
             "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}}
+    if ranking:
+        info["ranking"] = True
+        info["columns"] |= {"chosen": "chosen", "rejected": "rejected"}
+    if feedback:
+        info["columns"]["kto_tag"] = "kto_tag"
     with open(os.path.join(path, "dataset_info.json"), "w", encoding="utf-8") as f:
         json.dump({name: info}, f, indent=1)
     return path
 
 
-def alpaca_rows(n_rows: int, ranking: bool = False) -> list[dict[str, str]]:
-    """Rows of varied length whose words all come from ``corpus()``."""
+def alpaca_rows(n_rows: int, ranking: bool = False, feedback: bool = False) -> list[dict[str, Any]]:
+    """Rows of varied length whose words all come from ``corpus()``; ``feedback``: KTO's tag on each, two of every
+    three desirable (the off answer on the others)."""
     rows = []
     for i in range(n_rows):
         topic = TOPICS[i % len(TOPICS)]
         answer = " ".join([SENTENCES[1].format(topic=topic)] * (1 + i % 3))
-        row = {"instruction": SENTENCES[0].format(topic=topic), "input": ""}
+        row: dict[str, Any] = {"instruction": SENTENCES[0].format(topic=topic), "input": ""}
         if ranking:
             row |= {"chosen": answer, "rejected": SENTENCES[3].format(topic=topic)}
+        elif feedback:
+            row |= {"output": answer if i % 3 else SENTENCES[3].format(topic=topic), "kto_tag": bool(i % 3)}
         else:
             row["output"] = answer
         rows.append(row)
@@ -475,21 +490,24 @@ def alpaca_rows(n_rows: int, ranking: bool = False) -> list[dict[str, str]]:
 
 
 def write_alpaca_dataset(directory: str, n_rows: int, name: str = "tiny_alpaca", ranking: bool = False,
-                         rows: list[dict[str, str]] | None = None) -> str:
+                         rows: list[dict[str, str]] | None = None, feedback: bool = False) -> str:
     """An alpaca-format JSON file plus LLaMA-Factory's ``dataset_info.json``; returns the dataset directory.
 
-    ``ranking=True`` writes preference rows (``chosen``/``rejected``) for the pairwise (DPO) stage.
+    ``ranking=True`` writes preference rows (``chosen``/``rejected``) for the pairwise (DPO) stage; ``feedback=True``
+    rows tagged desirable or not (``kto_tag``) for KTO.
     """
     import json
 
     path = os.path.join(directory, "data")
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, f"{name}.json"), "w", encoding="utf-8") as f:
-        json.dump(rows if rows is not None else alpaca_rows(n_rows, ranking), f, indent=1)
+        json.dump(rows if rows is not None else alpaca_rows(n_rows, ranking, feedback), f, indent=1)
     info: dict[str, Any] = {"file_name": f"{name}.json"}
     if ranking:
         info |= {"ranking": True,
                  "columns": {"prompt": "instruction", "query": "input", "chosen": "chosen", "rejected": "rejected"}}
+    elif feedback:
+        info["columns"] = {"prompt": "instruction", "query": "input", "response": "output", "kto_tag": "kto_tag"}
     with open(os.path.join(path, "dataset_info.json"), "w", encoding="utf-8") as f:
         json.dump({name: info}, f, indent=1)
     return path

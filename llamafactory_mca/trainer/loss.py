@@ -6,7 +6,7 @@ parallel ranks and divides the gradients by it. The step's loss is therefore
 Σ token losses / Σ loss tokens over the whole global batch — independent of the layout and of how
 rows were packed.
 
-DPO losses follow LLaMA-Factory's (sigmoid with label smoothing, hinge, ipo, orpo, simpo, pref_ftx).
+DPO losses follow LLaMA-Factory's (sigmoid with label smoothing, hinge, ipo, orpo, simpo, pref_ftx), and so does KTO's.
 A pair's log-probabilities are sums over its sequence, all-reduced over context-parallel ranks.
 
 The reward model's loss is LLaMA-Factory's PairwiseTrainer's: -logsigmoid(chosen score - rejected score), a pair's
@@ -48,13 +48,17 @@ def sequence_logps(token_losses: torch.Tensor, loss_mask: torch.Tensor, seq_ids:
 
 @dataclass
 class PreferenceConfig:
+    """DPO's loss (``pref_loss``) or KTO's (``loss="kto"``) and their settings, as LLaMA-Factory names them."""
+
     loss: str = "sigmoid"
     beta: float = 0.1
     label_smoothing: float = 0.0
     ftx: float = 0.0
     simpo_gamma: float = 0.5
+    desirable_weight: float = 1.0  # KTO: kto_chosen_weight
+    undesirable_weight: float = 1.0  # KTO: kto_rejected_weight
 
-    SUPPORTED = ("sigmoid", "hinge", "ipo", "orpo", "simpo")
+    SUPPORTED = ("sigmoid", "hinge", "ipo", "orpo", "simpo")  # DPO's pref_loss values
 
     @property
     def needs_reference(self) -> bool:
@@ -128,6 +132,49 @@ def dpo_loss(cfg: PreferenceConfig, batch, token_losses: torch.Tensor):
     })
 
 
+def preference_loss(cfg: PreferenceConfig, batch, token_losses: torch.Tensor):
+    """Megatron loss function for a micro-batch of preference pairs or KTO rows."""
+    return (kto_loss if cfg.loss == "kto" else dpo_loss)(cfg, batch, token_losses)
+
+
+def kto_loss(cfg: PreferenceConfig, batch, token_losses: torch.Tensor):
+    """Megatron loss function for a micro-batch of KTO rows (sequence 2i a row's answer, 2i + 1 its KL sample: its
+    prompt with another row's answer), as LLaMA-Factory's KTO (trl's) computes it. The KL estimate is the mean of
+    policy minus reference log-probs over the KL samples of the data-parallel ranks' current micro-batches (trl: each
+    process's micro-batch mean, averaged over processes), detached, at least 0; the KL samples train nothing."""
+    sums, counts = sequence_logps(token_losses, batch.loss_mask, batch.seq_ids, 2 * batch.num_pairs)
+    valid = ((counts[0::2] > 0) & (counts[1::2] > 0)).float()
+    logps = sums[0::2]
+    ratios = logps - batch.ref_chosen_logps.float()
+    kl = _data_parallel_mean((sums[1::2].detach() - batch.ref_rejected_logps.float()) * valid, valid).clamp(min=0)
+    good = batch.desirable.float()
+    losses = (good * cfg.desirable_weight * (1 - torch.sigmoid(cfg.beta * (ratios - kl)))
+              + (1 - good) * cfg.undesirable_weight * (1 - torch.sigmoid(cfg.beta * (kl - ratios))))
+    chosen, rejected = good * valid, (1 - good) * valid
+    if cfg.ftx > 0:
+        # LLaMA-Factory adds pref_ftx x the chosen rows' mean -log p per token, scaled by rows / chosen rows, to the
+        # micro-batch's mean loss: per row, x rows / chosen rows twice
+        scale = (valid.sum() / chosen.sum().clamp(min=1)) ** 2
+        losses = losses + chosen * cfg.ftx * scale * -(logps / counts[0::2].clamp(min=1))
+    rewards = cfg.beta * ratios.detach()
+    return _pair_outputs(losses, counts, lambda valid: {
+        "rewards/chosen": ((rewards * chosen).sum(), chosen.sum()),
+        "rewards/rejected": ((rewards * rejected).sum(), rejected.sum()),
+        "logps/chosen": ((logps.detach() * chosen).sum(), chosen.sum()),
+        "logps/rejected": ((logps.detach() * rejected).sum(), rejected.sum()),
+        "kl": (kl, torch.ones_like(kl)),
+    })
+
+
+def _data_parallel_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Σ values / Σ weights over this micro-batch and the data-parallel ranks' (each runs its k-th micro-batch now,
+    stand-ins included, so the collective pairs up), without gradient."""
+    totals = torch.stack([values.detach().sum(), weights.sum()])
+    if ps.get_data_parallel_world_size() > 1:
+        torch.distributed.all_reduce(totals, group=ps.get_data_parallel_group())
+    return totals[0] / totals[1].clamp(min=1)
+
+
 def reward_loss(batch, values: torch.Tensor):
     """Megatron loss function for a reward model's micro-batch of pairs: ``values`` [b, s] from the value head, each
     sequence scored at its one loss-mask position. Its accuracy (the share of pairs whose chosen answer scores higher,
@@ -153,7 +200,9 @@ def _pair_outputs(losses: torch.Tensor, counts: torch.Tensor, metrics):
     count = (n if ps.get_context_parallel_rank() == 0 else n * 0).to(torch.int)
     total = (losses * valid).sum() / cp
     sums_logged = {"loss": (losses * valid).sum().detach(), **metrics(valid)}
-    logged = {k: torch.stack([v.detach().float(), n]) for k, v in sums_logged.items()}  # [sum, count], averaged later
+    # [sum, count], averaged later; a metric of some pairs only (KTO's chosen rows) brings its own count
+    logged = {k: torch.stack([t.detach().float() for t in (v if isinstance(v, tuple) else (v, n))])
+              for k, v in sums_logged.items()}
     if cp > 1 and ps.get_context_parallel_rank() != 0:
         logged = {k: torch.zeros_like(v) for k, v in logged.items()}
     return total, count, logged

@@ -48,7 +48,7 @@ from . import checkpoint as ckpt
 from .faults import maybe_crash, maybe_hang, nan_loss
 from .feeder import StepFeeder
 from .graphs import eager_layers
-from .loss import PreferenceConfig, collect_pair_logps, dpo_loss, lm_loss, reward_loss
+from .loss import PreferenceConfig, collect_pair_logps, lm_loss, preference_loss, reward_loss
 from .metrics import compile_records, compile_seconds, gpu_memory_gib
 from .optim import LRSchedule, OptimizerStep, build_optimizer, wrap_ddp
 from .progress import ProgressCallback, forget_logs_after
@@ -72,8 +72,11 @@ def _reduce_logged(outputs: list[dict], device) -> dict[str, float]:
                 if name in out:
                     totals[i] += out[name].to(device=device, dtype=torch.float64)
     torch.distributed.all_reduce(totals)
-    return {name: (totals[i, 0] / totals[i, 1]).item() if totals[i, 1] > 0 else float("nan")
-            for i, name in enumerate(names)}
+    reduced = {name: (totals[i, 0] / totals[i, 1]).item() if totals[i, 1] > 0 else float("nan")
+               for i, name in enumerate(names)}
+    if "rewards/chosen" in reduced and "rewards/margins" not in reduced:  # KTO's rows are not pairs: as trl logs it
+        reduced["rewards/margins"] = reduced["rewards/chosen"] - reduced["rewards/rejected"]
+    return reduced
 
 
 def _drop_kept_graphs(chunks: list) -> None:
@@ -168,7 +171,7 @@ class McaTrainer:
         if collect_reference:
             return output, partial(collect_pair_logps, self.preference, batch)
         if self.preference is not None:
-            return output, partial(dpo_loss, self.preference, batch)
+            return output, partial(preference_loss, self.preference, batch)
         if self.reward:
             return output, partial(reward_loss, batch)
         return output, partial(lm_loss, batch.loss_mask)
