@@ -209,9 +209,9 @@ def check_datasets(data_args: Any, stage: str) -> None:
                                 "data/README.md), or use stage: sft for its rows.")
             if stage == "kto" and not attr.kto_tag:
                 raise UserError(f"dataset {name!r} has no kto_tag column: stage kto trains on rows tagged desirable "
-                                f"or not, and dataset_info.json in {directory} maps no `\"kto_tag\"` column (a "
-                                "true/false column; see LLaMA-Factory's data/README.md), or use stage: sft for its "
-                                "rows.")
+                                f"or not, and dataset_info.json in {directory} maps no `\"kto_tag\"` column. Map "
+                                "one (a true/false column; see LLaMA-Factory's data/README.md), or use stage: sft "
+                                "for its rows.")
             if attr.load_from != "file" or isinstance(directory, dict) or directory.startswith("REMOTE:"):
                 continue
             path = os.path.join(directory, attr.dataset_name)
