@@ -42,8 +42,7 @@ def kto(assets, tmp_path_factory):
     root = tmp_path_factory.mktemp("kto")
     data = write_alpaca_dataset(str(root / "data"), 24, feedback=True)
     kinds = {"full": {},
-             "lora": dict(LORA, adapter_name_or_path=_random_adapter(assets["models"]["qwen3"], root / "adapter")),
-             "moe": dict(model_name_or_path=assets["models"]["qwen3_moe"])}
+             "lora": dict(LORA, adapter_name_or_path=_random_adapter(assets["models"]["qwen3"], root / "adapter"))}
     theirs = {kind: default_path_losses(root, recipe(assets, root, dataset_dir=data, **{**KTO, **extra}), kind)
               for kind, extra in kinds.items()}
     return data, kinds, theirs
@@ -56,9 +55,7 @@ def kto(assets, tmp_path_factory):
     ("full", dict(pipeline_model_parallel_size=2)),
     # two ranks' micro-batches of four make the KL estimate together; the reference is the base, adapter off
     ("lora", dict(per_device_train_batch_size=4)),
-    # experts split over two ranks, which are two data-parallel ranks of the rest of the model
-    ("moe", dict(expert_model_parallel_size=2, sequence_packing=True)),
-], ids=["cp2_packed", "pp2", "dp2_lora", "ep2_moe"])
+], ids=["cp2_packed", "pp2", "dp2_lora"])
 def test_kto_first_two_losses_are_llamafactorys(kind, layout, kto, assets, tmp_path):
     data, kinds, theirs = kto
     config = recipe(assets, tmp_path / "out", dataset_dir=data, **{**KTO, **kinds[kind], **layout})

@@ -135,9 +135,10 @@ def test_what_vision_language_training_cannot_do_yet_is_refused(tmp_path):
 
     config = AutoConfig.from_pretrained(save_tiny_model("qwen2_vl", str(tmp_path / "hf")))
     layout = SimpleNamespace(cp=1, pp=1, vpp=None)
-    check_model_fits(config, "sft", layout)
-    with pytest.raises(UserError, match="stage dpo on vision-language models"):
-        check_model_fits(config, "dpo", layout)
+    for stage in ("sft", "dpo", "kto"):
+        check_model_fits(config, stage, layout)
+    with pytest.raises(UserError, match="stage rm on vision-language models is not supported"):
+        check_model_fits(config, "rm", layout)
     with pytest.raises(UserError, match="context_parallel_size=2 is not supported"):
         check_model_fits(config, "sft", SimpleNamespace(cp=2, pp=1, vpp=None))
     # Qwen3-VL: decoder layers 0 and 1 take deepstack features, so they must sit with the tower
