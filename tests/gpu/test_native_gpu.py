@@ -5,6 +5,7 @@ Run: ``python -m pytest tests/gpu/test_native_gpu.py -q`` (skipped without CUDA)
 """
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -362,6 +363,21 @@ def test_grouped_wgrad_adds_into_main_grad_in_fp32(k, n):
     torch.testing.assert_close(main_grad, expected, rtol=1e-5, atol=1e-4)
 
 
+def _close_to_fp32(triton_fn, eager_fn, gen, x, *extra):
+    """``triton_fn`` in bf16 against ``eager_fn`` in fp32 on the same bf16 inputs and output gradient: outputs and
+    input gradients within bf16 rounding of the largest value."""
+    inputs = [x.bfloat16(), *[e.bfloat16() for e in extra]]
+    grad, out = None, []
+    for fn, dtype in ((triton_fn, torch.bfloat16), (eager_fn, torch.float32)):
+        xs = [i.detach().to(dtype).requires_grad_() for i in inputs]
+        y = fn(*xs)
+        grad = torch.randn(y.shape, device="cuda", generator=gen).bfloat16() if grad is None else grad
+        y.backward(grad.to(dtype))
+        out.append([y.float(), *[i.grad.float() for i in xs]])
+    for a, b in zip(*out, strict=True):
+        assert (a - b).abs().max().item() <= 1e-2 * max(1.0, b.abs().max().item()), (a - b).abs().max()
+
+
 def test_triton_norm_and_rope_against_fp32():
     """The q/k norm, the (1 + weight) norm and RoPE as Triton kernels, bf16 on the GPU, against the eager functions in
     fp32 on the same bf16 inputs and output gradient (forward and backward, q read from a strided view of a fused
@@ -369,18 +385,7 @@ def test_triton_norm_and_rope_against_fp32():
     from llamafactory_mca.models.native import norm, norm_triton, rope, rope_triton
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def close(triton_fn, eager_fn, x, *extra):
-        inputs = [x.bfloat16(), *[e.bfloat16() for e in extra]]
-        grad, out = None, []
-        for fn, dtype in ((triton_fn, torch.bfloat16), (eager_fn, torch.float32)):
-            xs = [i.detach().to(dtype).requires_grad_() for i in inputs]
-            y = fn(*xs)
-            grad = torch.randn(y.shape, device="cuda", generator=gen).bfloat16() if grad is None else grad
-            y.backward(grad.to(dtype))
-            out.append([y.float(), *[i.grad.float() for i in xs]])
-        for a, b in zip(*out, strict=True):
-            assert (a - b).abs().max().item() <= 1e-2 * max(1.0, b.abs().max().item()), (a - b).abs().max()
+    close = partial(_close_to_fp32, gen=gen)
 
     qkv = torch.randn(1024, 1, 4, 4 * 128, device="cuda", generator=gen)
     weight = 1 + torch.randn(128, device="cuda", generator=gen) / 4
@@ -397,6 +402,32 @@ def test_triton_norm_and_rope_against_fp32():
     close(lambda x: rope_triton.rotate(x, freqs[:64, :, :, :64], None),
           lambda x: rope._rotate(x, freqs[:64, :, :, :64], None, False),
           torch.randn(64, 2, 8, 128, device="cuda", generator=gen))
+
+
+def test_triton_swiglu_loss_and_combine_against_fp32():
+    """SwiGLU (plain at a dense MLP's width, weighted at the experts' 768 with 8k rows), the loss's two passes over a
+    151,936-word vocabulary and the MoE combine, Triton in bf16 against eager fp32 (the loss: torch's cross-entropy
+    on the same logits), forward and backward."""
+    from llamafactory_mca.models.native import combine_triton, cross_entropy, swiglu_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    close = partial(_close_to_fp32, gen=gen)
+
+    def eager_swiglu(x, w=None):
+        a, b = x.chunk(2, -1)
+        return torch.nn.functional.silu(a) * b * (1 if w is None else w)
+
+    close(swiglu_triton.swiglu, eager_swiglu, torch.randn(1024, 2 * 6144, device="cuda", generator=gen))
+    close(swiglu_triton.swiglu, eager_swiglu, torch.randn(8192, 2 * 768, device="cuda", generator=gen),
+          torch.rand(8192, 1, device="cuda", generator=gen))
+    target = torch.randint(0, 151936, (1024,), device="cuda", generator=gen)
+    close(lambda x: cross_entropy.vocab_parallel_cross_entropy(x, target),
+          lambda x: torch.nn.functional.cross_entropy(x, target, reduction="none"),
+          torch.randn(1024, 151936, device="cuda", generator=gen) * 3)
+    rows, rows_of_token = torch.randn(4096 * 8, 2048, device="cuda", generator=gen), torch.randperm(4096 * 8,
+                                                                                                   device="cuda")
+    torch.testing.assert_close(combine_triton.gather_sum(rows.bfloat16(), rows_of_token, 8).float(),
+                               rows[rows_of_token].view(4096, 8, 2048).sum(1), rtol=1e-2, atol=1e-2)
 
 
 def _attention_memory(token_counts) -> dict:

@@ -702,7 +702,8 @@ def test_fused_rope_slots_equal_the_unfused_rope(cp):
 _TRITON_AGAINST_EAGER = """
 import torch
 from megatron.core.models.common.embeddings import rope_utils
-from llamafactory_mca.models.native import norm, norm_triton, rope, rope_triton
+from llamafactory_mca.models.native import (combine_triton, cross_entropy, loss_triton, norm, norm_triton, rope,
+                                            rope_triton, swiglu_triton)
 
 def same(triton_fn, eager_fn, *inputs):
     results = []
@@ -739,16 +740,42 @@ for rotary, dim in ((16, 16), (8, 16), (12, 20)):  # whole, half and partial rot
     freqs = torch.randn(12, 1, 1, rotary, generator=g)  # and a strided view of the fused QKV
     same(lambda x: rope_triton.rotate(x[..., :dim], freqs, None), lambda x: rope._rotate(x[..., :dim], freqs, None,
                                                                                         False), qkv)
+
+def eager_swiglu(x, w=None):  # Megatron's fused SwiGLU, uncompiled
+    a, b = x.chunk(2, -1)
+    y = torch.nn.functional.silu(a) * b
+    return y if w is None else y * w
+
+for rows, width in ((7, 768), (5, 24), (3, 11)):  # the experts' width (no masked lanes), a narrow one, an odd one
+    x = torch.randn(rows, 2 * width, generator=g)
+    same(swiglu_triton.swiglu, eager_swiglu, x)
+    same(swiglu_triton.swiglu, eager_swiglu, x, torch.rand(rows, 1, generator=g))
+
+logits = torch.randn(6, 5000, generator=g) * 4  # more than one block of the vocabulary
+logits[1, 4100:] = float("-inf")  # a tensor-parallel slice's vocabulary padding
+for a, b in zip(loss_triton.row_stats(logits), cross_entropy._row_stats(logits), strict=True):
+    torch.testing.assert_close(a, b)
+assert [float(v) for v in loss_triton.row_stats(torch.full((1, 5000), float("-inf")))] == [float("-inf"), 0.0]
+row_max, sum_exp = cross_entropy._row_stats(logits)
+lse, grad, target = row_max + sum_exp.log(), torch.rand(6, generator=g), torch.tensor([3, -1, 4999, 0, 4096, 17])
+torch.testing.assert_close(loss_triton.grad(logits, lse, grad, target), cross_entropy._grad(logits, lse, grad, target))
+
+rows, topk = torch.randn(4 * 3, 40, generator=g), 3  # 4 tokens' 3 rows each, in expert order
+rows_of_token = torch.randperm(12, generator=g)
+torch.testing.assert_close(combine_triton.gather_sum(rows, rows_of_token, topk),
+                           rows[rows_of_token].view(4, topk, 40).sum(1))
 print("triton kernels equal eager")
 """
 
 
-def test_triton_norms_and_rope_equal_the_eager_ones():
-    """``qk_norm_fusion`` and ``apply_rope_fusion`` on GPUs run Triton kernels (``norm_triton.py``,
-    ``rope_triton.py``); here they run in Triton's interpreter on CPU against the eager functions CPU runs use, in
-    value and gradient: per-head and hidden-width rows, the (1 + weight) scale, q and k read where the fused QKV
-    split left them (strided), packed RoPE at each CP rank's positions and padded RoPE, rotary width whole, half and
-    partial. tests/gpu compares them in bf16."""
+def test_triton_kernels_equal_the_eager_ones():
+    """GPUs run Triton kernels where CPU runs use eager torch (``*_triton.py``); here they run in Triton's interpreter
+    on CPU against the eager functions, in value and gradient: the norms over per-head and hidden-width rows, the
+    (1 + weight) scale, q and k read where the fused QKV split left them (strided); packed RoPE at each CP rank's
+    positions and padded RoPE, rotary width whole, half and partial; SwiGLU plain and weighted (the weight's gradient
+    too) at widths with and without masked lanes; the loss's row statistics over vocabulary blocks with -inf padding
+    (a row of it alone: max -inf, sum 0) and its gradient at targets inside and outside the slice; the MoE combine.
+    tests/gpu compares them in bf16."""
     import subprocess
     import sys
 
@@ -771,38 +798,6 @@ def test_qk_norm_fusion_applies_to_plain_per_head_norms():
     assert norm.compiles_head_norms(plain)
     assert not norm.compiles_head_norms(SimpleNamespace(**{**vars(plain), "layernorm_zero_centered_gamma": True}))
     assert not norm.compiles_head_norms(SimpleNamespace(**{**vars(plain), "qk_norm_fusion": False}))
-
-
-def test_compiled_kernels_take_more_variants_than_torchs_default_limit():
-    """A compiled kernel sees other head counts, packs of other lengths and, under full recompute, both grad modes: an
-    EP4 MoE run with full recompute crashed at step 2 in the then compiled q/k norm (FailOnRecompileLimitHit: torch
-    allows 8 variants, fullgraph turns the ninth into an error). Here dtypes stand in for the shapes, so that there are
-    surely more than 8."""
-    from llamafactory_mca.models.native import compile_kernel
-
-    def head_norm(x, w):
-        return torch.nn.functional.rms_norm(x, (x.size(-1),), None, 1e-6) * w
-
-    def step_like(kernel):
-        for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-            w = torch.ones(16, dtype=dtype, requires_grad=True)
-            for heads in (4, 2):  # q and k
-                x = torch.randn(40, heads, 16, dtype=dtype)
-                with torch.no_grad():  # the checkpointed forward
-                    kernel(x, w)
-                kernel(x.requires_grad_(), w).sum().backward()  # its recompute
-
-    saved = torch._dynamo.config.recompile_limit
-    try:
-        torch._dynamo.reset()
-        torch._dynamo.config.recompile_limit = 8
-        with pytest.raises(Exception, match="fullgraph"):
-            step_like(torch.compile(head_norm, fullgraph=True, backend="eager"))
-        torch._dynamo.reset()
-        step_like(compile_kernel(head_norm, backend="eager"))
-    finally:
-        torch._dynamo.reset()
-        torch._dynamo.config.recompile_limit = max(saved, torch._dynamo.config.recompile_limit)
 
 
 def test_step_one_note_counts_compile_time():
@@ -832,24 +827,6 @@ def test_wgrad_accumulation_adds_the_weight_gradient(dtype):
     wgrad.wgrad_gemm_accum_fp32(x, dy, main_grad)
     assert main_grad.dtype is torch.float32
     torch.testing.assert_close(main_grad.double(), expected, rtol=1e-5, atol=1e-5)
-
-
-def test_compiled_cross_entropy_kernels_equal_eager():
-    """The loss's two kernels as GPUs run them (compiled here on CPU), at two row counts: the second makes the rows
-    symbolic while the vocabulary stays a constant."""
-    from llamafactory_mca.models.native import cross_entropy
-
-    gen = torch.Generator().manual_seed(0)
-    for rows in (6, 11):
-        logits = (torch.randn(rows, 96, generator=gen) * 4).bfloat16()
-        target = torch.randint(-1, 96, (rows,), generator=gen)
-        grad = torch.randn(rows, generator=gen)
-        row_max, sum_exp = cross_entropy._row_stats(logits)
-        lse = sum_exp.log() + row_max
-        for got, want in zip(cross_entropy._compiled("stats")(logits), (row_max, sum_exp)):
-            torch.testing.assert_close(got, want)
-        torch.testing.assert_close(cross_entropy._compiled("grad")(logits, lse, grad, target),
-                                   cross_entropy._grad(logits, lse, grad, target))
 
 
 def _cross_entropy_run(tp: int) -> dict:

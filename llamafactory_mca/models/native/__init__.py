@@ -8,28 +8,14 @@
 - ``rope.py``: packed (THD) RoPE without host syncs
 - ``cross_entropy.py``: the language-model loss from bf16 logits (no fp32 copy), and GPTModel with it
 - ``wgrad.py``: weight-gradient accumulation into fp32 main_grad without apex (torch's addmm with out_dtype; for
-  the MoE experts ``grouped_wgrad.py``'s Triton GEMM on GPUs, a compiled add elsewhere)
+  the MoE experts ``grouped_wgrad.py``'s Triton GEMM on GPUs, torch's grouped GEMM and an add elsewhere)
 - ``tower_attention.py``: the HF vision towers' attention in one ``varlen_attn`` call per block
 - ``routing.py``: group-limited routing (DeepSeek-V3) with transformers' group score
 
-- ``norm_triton.py``, ``rope_triton.py``: the q/k norms, (1 + weight) norms and RoPE as Triton kernels on GPUs
-
-``compile_kernel`` is how the compiled ones (the loss's row passes, the MoE combine) are compiled.
+- ``norm_triton.py``, ``rope_triton.py``, ``swiglu_triton.py``, ``loss_triton.py``, ``combine_triton.py``: the q/k
+  norms, (1 + weight) norms, RoPE, SwiGLU, the loss's row passes and the MoE combine as Triton kernels on GPUs (each
+  was torch.compile'd, whose graphs were most of a first step on a fresh machine; Triton compiles once per machine)
 """
-
-# Variants a compiled kernel may see in one run: other head counts or widths, packs of other lengths and, under full
-# recompute, both grad modes (the checkpointed forward runs under no_grad, its recompute with grad). torch 2.11 allows
-# 8 per function, and with fullgraph=True the ninth is a crash (an EP4 MoE run with full recompute hit it at step 2).
-RECOMPILE_LIMIT = 64
-
-
-def compile_kernel(fn, **options):
-    """``torch.compile(fn, fullgraph=True, **options)`` with room for the variants a training run brings."""
-    import torch
-
-    if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
-        torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
-    return torch.compile(fn, fullgraph=True, **options)
 
 
 def install() -> None:
@@ -43,12 +29,14 @@ def install() -> None:
       with the same rotation compiled.
     - Its group-limited routing scores a group unlike transformers where top-k is not twice the groups chosen
       (``routing.py``).
+    - Its MLP's fused SwiGLU is torch.compile'd; ``swiglu_triton.py`` is the same math in Triton.
     """
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.tensor_parallel import layers
+    from megatron.core.transformer import mlp
     from megatron.core.transformer.moe import moe_utils
 
-    from . import rope, routing, wgrad
+    from . import rope, routing, swiglu_triton, wgrad
 
     if moe_utils.group_limited_topk is routing.MEGATRON_GROUP_LIMITED_TOPK:
         moe_utils.group_limited_topk = routing.group_limited_topk
@@ -58,6 +46,9 @@ def install() -> None:
     if rope_utils.fused_apply_rotary_pos_emb is None and rope_utils.fused_apply_rotary_pos_emb_thd is None:
         rope_utils.fused_apply_rotary_pos_emb = rope.fused_apply_rotary_pos_emb
         rope_utils.fused_apply_rotary_pos_emb_thd = rope.fused_apply_rotary_pos_emb_thd
+    if mlp.bias_swiglu_impl is swiglu_triton.MEGATRON_SWIGLU:
+        mlp.bias_swiglu_impl = swiglu_triton.bias_swiglu_impl
+        mlp.weighted_bias_swiglu_impl = swiglu_triton.weighted_bias_swiglu_impl
     if not layers._grad_accum_fusion_available and wgrad.available():
         layers.fused_weight_gradient_mlp_cuda = wgrad
         layers._grad_accum_fusion_available = True

@@ -4,8 +4,8 @@ Megatron's ``vocab_parallel_cross_entropy`` upcasts the bf16 logits to fp32 and 
 the backward: at a 151,936-token vocabulary and 4,096 tokens that is 2.5 GB written, read back several times and
 held until the backward (perf-notes: 13.9 ms per micro-batch, more than attention). The same loss needs only two
 numbers per token, the row's max and its sum of ``exp(logit - max)``, and the backward only ``softmax - onehot``,
-which can be recomputed from the bf16 logits. On GPUs both are compiled into one pass each (read bf16 once; write
-the bf16 gradient once); elsewhere the same functions run eagerly over row chunks, so CPU runs test the same math.
+which can be recomputed from the bf16 logits. On GPUs both are one Triton pass each (``loss_triton.py``: read bf16
+once; write the bf16 gradient once); elsewhere the same math runs eagerly over row chunks.
 
 Tensor parallelism: each rank holds a vocabulary slice; per-row (max, sum) pairs are combined across ranks with
 one MAX and one SUM all-reduce, the target's logit with a SUM, as in Megatron's. Labels outside the slice (other
@@ -14,7 +14,7 @@ ranks' tokens, and -100 padding) count as misses, exactly as Megatron's function
 
 from __future__ import annotations
 
-from functools import cache, partial
+from functools import partial
 from typing import Any
 
 import torch
@@ -27,12 +27,12 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
-from . import compile_kernel
+from . import loss_triton
 from .logit_chunks import CHUNK_ROWS, chunks_logits
 from .wgrad import placeholder_grad, wgrad_gemm_accum_fp32
 
 
-_EAGER_ROWS = 1024  # rows per chunk when not compiled: bounds the fp32 temporary at rows x vocab
+_EAGER_ROWS = 1024  # rows per chunk off GPUs: bounds the fp32 temporary at rows x vocab
 
 
 def _row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,22 +49,14 @@ def _grad(logits: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, target: t
     return ((probs - hit.float()) * grad.unsqueeze(-1)).to(logits.dtype)
 
 
-@cache
-def _compiled(name: str):
-    # Automatic dynamic shapes: the first row count compiles static and a later different one makes only the rows
-    # symbolic. The vocabulary stays a constant, so each element's column is a division by a constant; with
-    # ``dynamic=True`` it was a division by a runtime value and both kernels ran at a fifth of the memory bandwidth.
-    return compile_kernel({"stats": _row_stats, "grad": _grad}[name], dynamic=None)
-
-
 def _kernels(device: torch.device) -> tuple:
     if device.type == "cuda":
-        return _compiled("stats"), _compiled("grad")
+        return loss_triton.row_stats, loss_triton.grad
     return _row_stats, _grad
 
 
 def _rows(n: int, device: torch.device):
-    """Row ranges to process at once: all of them compiled, chunks eagerly."""
+    """Row ranges to process at once: all of them in Triton, chunks eagerly."""
     step = n if device.type == "cuda" else _EAGER_ROWS
     return [(i, min(i + step, n)) for i in range(0, n, step)]
 

@@ -13,10 +13,10 @@ counts per expert stay on the device and reach ``torch._grouped_mm`` as its offs
 
 Both directions move rows by gathers, never by a scatter-add: a token's ``topk`` rows are found through the
 inverse of the sort, so summing them (the combine, and the permute's backward) is a gather of ``topk`` rows per
-token and a sum over them, compiled on GPUs into one kernel that sums the rows as it reads them. Megatron's
-``index_add`` / ``scatter_add`` does the same sum with atomic bf16 adds, eight per output row, at a fraction of the
-GPU's bandwidth (0.54 ms a call on the Qwen3-30B-A3B shape); on one H200 the 8-layer step of that shape went from 749
-to 656 ms. The sum here is in fp32, rounded once.
+token and a sum over them, on GPUs one Triton kernel that sums the rows as it reads them (``combine_triton.py``).
+Megatron's ``index_add`` / ``scatter_add`` does the same sum with atomic bf16 adds, eight per output row, at a
+fraction of the GPU's bandwidth (0.54 ms a call on the Qwen3-30B-A3B shape); on one H200 the 8-layer step of that
+shape went from 749 to 656 ms. The sum here is in fp32, rounded once.
 
 ``LocalDispatchLayer`` (a TransformerLayer: its MoE layer stays Megatron's own class, which TransformerLayer passes
 its process groups to) installs the dispatcher where it applies and keeps Megatron's otherwise (expert parallelism,
@@ -26,15 +26,13 @@ capacity factors, padding for quantisation, shared-expert overlap, latent projec
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from . import compile_kernel
+from . import combine_triton
 from .sublayers import PostNormMLP
 
 
@@ -101,18 +99,8 @@ class LocalTokenDispatcher(MoETokenDispatcher):
 def _sum_rows_of_each_token(rows: torch.Tensor, rows_of_token: torch.Tensor, topk: int) -> torch.Tensor:
     """``[tokens·topk, h]`` rows in expert order → ``[tokens, h]``: each token's rows summed (fp32 accumulation)."""
     if rows.is_cuda:
-        return _compiled_sum()(rows, rows_of_token, topk)
-    return _gather_sum(rows, rows_of_token, topk)
-
-
-def _gather_sum(rows: torch.Tensor, rows_of_token: torch.Tensor, topk: int) -> torch.Tensor:
+        return combine_triton.gather_sum(rows, rows_of_token, topk)
     return rows.index_select(0, rows_of_token).view(-1, topk, rows.size(-1)).sum(1)
-
-
-@functools.cache
-def _compiled_sum():
-    # one kernel: the gathered rows are summed as they are read, never written out
-    return compile_kernel(_gather_sum)
 
 
 class _Spread(torch.autograd.Function):

@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from megatron.core.transformer.moe import grouped_gemm_util
 from megatron.core.transformer.moe.experts import GroupedMLP
 
+from .swiglu_triton import weighted_bias_swiglu_impl
 from .wgrad import add_grouped_wgrad, placeholder_grad
 
 
