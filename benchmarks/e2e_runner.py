@@ -168,8 +168,9 @@ def launch(run: Run, recipe_path: str, run_dir: str, timeout: int, smoke: bool) 
     """Start the run as LLaMA-Factory's launcher would; returns (status, seconds)."""
     torchrun = run.path == "ours" or run.gpus > 1  # the launcher forces torchrun under USE_MCA=1
     metrics = os.path.join(run_dir, "metrics")
-    if torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--node_rank", "0",
+    if torchrun:  # ours through our torchrun, as LLaMA-Factory's launcher runs it under USE_MCA=1 (ranks forked)
+        launcher = "llamafactory_mca.launch.torchrun" if run.path == "ours" else "torch.distributed.run"
+        cmd = [sys.executable, "-m", launcher, "--nnodes", "1", "--node_rank", "0",
                "--nproc_per_node", str(run.gpus), "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
                ENTRY, recipe_path]
     else:

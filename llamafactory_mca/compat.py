@@ -19,6 +19,7 @@ WRITTEN_AGAINST = {"llamafactory": "0.9.5", "megatron-core": "0.16.1", "transfor
 UPSTREAM_CHANGES = (
     ("llamafactory", "launch/plugin.py",
      "its parser (our checks), launcher (our torchrun) and tuner (rm and kto to ours)"),
+    ("llamafactory", "launch/torchrun.py", "extras/misc.py's import-time bf16 check, answered from NVML (no cuInit)"),
     ("llamafactory", "launch/board.py", "LlamaBoard's private _parse_train_args and _initialize (the Megatron keys)"),
     ("megatron-core", "compat.py", "the router's te_general_gemm, clip_grads' norm and scale, MLA's TE check, MTP's "
                                    "packed roll and its recompute's arguments"),

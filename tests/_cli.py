@@ -29,8 +29,8 @@ def command_of(process: psutil.Process) -> str:
 
 
 def ranks(launcher: int) -> list:
-    """A run's workers: the children of its launcher (``llamafactory-cli train``, where torch's agent runs; on a
-    machine without GPUs they are forked from it and share its command line), not what they fork themselves."""
+    """A run's workers: the children of its launcher (``llamafactory-cli train``, where torch's agent runs; the
+    ranks are forked from it and share its command line, or spawned), not what they fork themselves."""
     try:
         return psutil.Process(launcher).children()
     except psutil.NoSuchProcess:
@@ -114,17 +114,22 @@ def train(tmp_path, config, world=1, env=None, name="run", gpu=False, timeout=30
     return result, log.read_text()
 
 
-def default_path_losses(tmp_path, config, name="default") -> dict[int, float]:
-    """The recipe through LLaMA-Factory's default path (``llamafactory-cli train`` without USE_MCA, one CPU process,
-    in ``tmp_path / name``): its step -> loss."""
+def run_default_path(tmp_path, config, name="default", command=("llamafactory-cli",)) -> Path:
+    """The recipe through LLaMA-Factory's default path (``llamafactory-cli train`` without USE_MCA, one CPU process;
+    ``sequence_packing`` is ours and left out): the run's folder, ``tmp_path / name``. ``command`` stands in for
+    ``llamafactory-cli`` (``DEFAULT_PATH_EAGER_GPT_OSS``)."""
     tmp_path = Path(tmp_path)
     config = {k: v for k, v in config.items() if k != "sequence_packing"} | {"output_dir": str(tmp_path / name)}
     (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(config))
     env = {k: v for k, v in cli_env(None).items() if k != "USE_MCA"}
-    result, output = run(["llamafactory-cli", "train", str(tmp_path / f"{name}.yaml")], env=env, timeout=300,
-                         cwd=tmp_path)
+    result, output = run([*command, "train", str(tmp_path / f"{name}.yaml")], env=env, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, output[-4000:]
-    return losses(tmp_path / name)
+    return tmp_path / name
+
+
+def default_path_losses(tmp_path, config, name="default", command=("llamafactory-cli",)) -> dict[int, float]:
+    """Step -> loss of the recipe through LLaMA-Factory's default path (``run_default_path``)."""
+    return losses(run_default_path(tmp_path, config, name, command))
 
 
 def losses(output_dir) -> dict[int, float]:

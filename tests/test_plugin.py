@@ -55,6 +55,24 @@ def test_use_mca_resolves_llamafactory_imports_to_us():
     assert "resolved" in result.stdout
 
 
+def test_llamafactorys_import_time_bf16_check_leaves_cuda_untouched():
+    """LLaMA-Factory's extras/misc.py asks at import whether the GPU has bf16, which initialised CUDA in every launcher
+    (so its ranks could not be forked): under USE_MCA=1 the answer comes from NVML's compute capability (faked here:
+    an 8.0 GPU, as NVML would see it), torch's own check is back in place after the import, and CUDA untouched."""
+    code = (
+        "import torch\n"
+        "from llamafactory_mca.launch import torchrun\n"
+        "torchrun._nvml_compute_capability = lambda: (8, 0)\n"
+        "torch.cuda.is_available = lambda: True\n"
+        "real = torch.cuda.is_bf16_supported\n"
+        "import llamafactory.extras.misc as misc\n"
+        "print(misc._is_bf16_available, torch.cuda.is_bf16_supported is real, torch.cuda.is_initialized())\n"
+    )
+    result = _python(code, {"USE_MCA": "1"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-3:] == ["True", "True", "False"], result.stdout + result.stderr
+
+
 def test_without_use_mca_llamafactory_is_untouched(tmp_path):
     version = _run(["llamafactory-cli", "version"])
     assert version.returncode == 0 and "LLaMA Factory" in version.stdout

@@ -12,6 +12,7 @@ is LLaMA-Factory's default path (:func:`turn_off`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import importlib
 import importlib.abc
@@ -22,6 +23,7 @@ import sys
 import types
 
 from ..compat import version_note
+from .torchrun import bf16_answered_by_nvml, keep_cuda_for_workers
 
 
 ADAPTER_NAME = "mcore_adapter"
@@ -55,6 +57,7 @@ class _AliasLoader(importlib.abc.Loader):
         module.__llamafactory_mca__ = source
 
 
+MISC_NAME = "llamafactory.extras.misc"
 PARSER_NAME = "llamafactory.hparams.parser"
 LAUNCHER_NAME = "llamafactory.launcher"
 TUNER_NAME = "llamafactory.train.tuner"
@@ -199,31 +202,35 @@ BOARD_MODULES = ("llamafactory.webui.locales", "llamafactory.webui.components.tr
                  "llamafactory.webui.control", "llamafactory.webui.components.export")
 _PATCHES = {PARSER_NAME: _guard_train_args, LAUNCHER_NAME: _take_over_launch, TUNER_NAME: _route_stages,
             **{n: _board(n) for n in BOARD_MODULES}}
+_WHILE_IMPORTING = {MISC_NAME: bf16_answered_by_nvml}  # what holds while a module runs (its import-time checks)
 
 
 class _PatchingLoader(importlib.abc.Loader):
-    """Runs the real module, then adjusts it (LLaMA-Factory's argument parser and launcher, LlamaBoard's page)."""
+    """Runs the real module (under what must hold while it imports), then adjusts it (LLaMA-Factory's argument parser
+    and launcher, LlamaBoard's page)."""
 
-    def __init__(self, loader: importlib.abc.Loader, patch) -> None:
-        self.loader, self.patch = loader, patch
+    def __init__(self, loader: importlib.abc.Loader, patch, around=contextlib.nullcontext) -> None:
+        self.loader, self.patch, self.around = loader, patch, around
 
     def create_module(self, spec):
         return self.loader.create_module(spec)
 
     def exec_module(self, module: types.ModuleType) -> None:
-        self.loader.exec_module(module)
+        with self.around():
+            self.loader.exec_module(module)
         self.patch(module)
 
 
 class McaFinder(importlib.abc.MetaPathFinder):
     """Answers ``mcore_adapter`` and ``llamafactory.train.mca`` with llamafactory_mca's modules, and adjusts
-    LLaMA-Factory's argument parser and launcher."""
+    LLaMA-Factory's argument parser and launcher (and keeps its extras from initialising CUDA on import)."""
 
     def find_spec(self, fullname: str, path=None, target=None) -> importlib.machinery.ModuleSpec | None:
-        if fullname in _PATCHES:
+        if fullname in _PATCHES or fullname in _WHILE_IMPORTING:
             spec = importlib.machinery.PathFinder.find_spec(fullname, path)
             if spec is not None and spec.loader is not None:
-                spec.loader = _PatchingLoader(spec.loader, _PATCHES[fullname])
+                spec.loader = _PatchingLoader(spec.loader, _PATCHES.get(fullname, lambda module: None),
+                                              _WHILE_IMPORTING.get(fullname, contextlib.nullcontext))
             return spec
         if fullname not in _EXPORTS:
             return None
@@ -335,6 +342,7 @@ def startup_hook() -> None:
         else:
             install()
             if os.path.basename(sys.argv[0]) == "llamafactory-cli" and sys.argv[1:2] == ["train"]:
+                keep_cuda_for_workers()
                 quiet_ctrl_c_while_importing()
     except Exception as err:  # never break an interpreter at start-up
         print(f"[llamafactory_mca] activation failed: {err!r}", file=sys.stderr)

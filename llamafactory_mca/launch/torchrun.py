@@ -15,14 +15,18 @@ It runs torch's own elastic launcher and adds what a user needs from it:
 - the workers post where they stand in a status folder of this run, so a rank that waits past ``ddp_timeout`` can
   name the rank it waits for (``watchdog.py``);
 - torchrun's banner about OMP_NUM_THREADS gives way to a sensible default (cores / processes);
-- on a machine without GPUs the ranks are forked from this process once it has imported what they run
-  (:func:`_forked_rank`): a rank spends ~10 s of CPU importing torch, transformers, LLaMA-Factory and Megatron-Core,
-  which for 8 ranks on a 2-core machine was most of a short run. With GPUs they are spawned as torchrun spawns them:
-  a forked rank could not use the CUDA state an import may have created here.
+- the ranks are forked from this process once it has imported what they run (:func:`_forked_rank`): a rank spends
+  ~10 s of CPU importing torch, transformers, LLaMA-Factory and Megatron-Core (16-19 s on a GPU host), which for 8
+  ranks on a 2-core machine was most of a short run, and on a GPU the largest part of the time to the first step.
+  A forked child can use CUDA only if this process never initialised CUDA's driver, so a launcher asks torch about
+  GPUs through NVML (:func:`keep_cuda_for_workers`, at interpreter start) and the driver is asked before forking;
+  where it was initialised after all, or for ``-m`` (convert), ranks are spawned as torchrun spawns them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import importlib
 import logging
 import os
@@ -36,6 +40,71 @@ import traceback
 import uuid
 
 from ..errors import ERROR_FILE_ENV, LAUNCHER_PID_ENV, PREFIX, STATUS_DIR_ENV
+
+
+NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"  # torch's: its CUDA checks through NVML, without cuInit
+CUDA_ERROR_NOT_INITIALIZED = 3
+
+
+def keep_cuda_for_workers() -> None:
+    """At a launcher's interpreter start: torch.cuda.is_available() (LLaMA-Factory's launcher, transformers, ours)
+    asks NVML instead of initialising CUDA's driver here, so the workers can be forked (:func:`_forks_ranks`)."""
+    os.environ.setdefault(NVML_CHECK_ENV, "1")
+
+
+def cuda_driver_untouched() -> bool:
+    """Whether this process has not initialised CUDA's driver: ``cuDeviceGetCount`` answers
+    CUDA_ERROR_NOT_INITIALIZED until ``cuInit`` ran (torch's first use, or a plain is_available()). True without a
+    driver (a CPU machine)."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return True
+    return driver.cuDeviceGetCount(ctypes.byref(ctypes.c_int())) == CUDA_ERROR_NOT_INITIALIZED
+
+
+def _nvml_compute_capability() -> tuple[int, int] | None:
+    """The lowest CUDA compute capability among this node's GPUs, from NVML (which does not initialise CUDA)."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    if nvml.nvmlInit_v2() != 0:
+        return None
+    try:
+        count, found = ctypes.c_uint(), []
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            return None
+        for index in range(count.value):
+            handle, major, minor = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_int()
+            if (nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0 or
+                    nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)) != 0):
+                return None
+            found.append((major.value, minor.value))
+        return min(found) if found else None
+    finally:
+        nvml.nvmlShutdown()
+
+
+@contextlib.contextmanager
+def bf16_answered_by_nvml():
+    """LLaMA-Factory's ``extras/misc.py`` asks at import whether the GPU has bf16 (transformers'
+    is_torch_bf16_gpu_available -> torch.cuda.is_bf16_supported, which initialises CUDA), so every launcher that
+    imports it could only spawn its ranks. While it imports, a GPU of compute capability 8.0 or more (what torch
+    checks) answers yes from NVML; anything else asks torch."""
+    import torch
+
+    real = torch.cuda.is_bf16_supported
+
+    def is_bf16_supported(including_emulation: bool = True) -> bool:
+        capability = None if torch.cuda.is_initialized() else _nvml_compute_capability()
+        return True if capability and capability >= (8, 0) else real(including_emulation)
+
+    torch.cuda.is_bf16_supported = is_bf16_supported
+    try:
+        yield
+    finally:
+        torch.cuda.is_bf16_supported = real
 
 
 def _watch_parent(parent: int) -> None:
@@ -90,6 +159,7 @@ def main(argv: list[str] | None = None, in_launcher: bool = False) -> int:
     """torchrun's arguments; ``in_launcher``: called by the launching process, whose exit handlers (the output_dir
     lock's release) must run however the run ends, and which has no parent to watch."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    keep_cuda_for_workers()  # a launcher set it at its start already; a command of its own asks nothing before this
     if not in_launcher:
         signal.signal(signal.SIGINT, _stop_before_workers)
     from ..errors import debug_enabled
@@ -127,6 +197,9 @@ def main(argv: list[str] | None = None, in_launcher: bool = False) -> int:
     try:
         args = parse_args(argv)
         forked = _forks_ranks(args)
+        if debug_enabled():
+            how = "forked from" if forked else "spawned by"
+            print(f"[llamafactory_mca] ranks {how} the launcher", file=sys.stderr, flush=True)
         _launch(args, forked)
         return 0
     except ChildFailedError as err:
@@ -153,10 +226,13 @@ def _quiet_elastic_loggers() -> None:
 
 
 def _forks_ranks(args) -> bool:
-    """Without GPUs, for a script file (what a forked rank runs); spawned with GPUs, or for ``-m`` (convert)."""
-    import torch
-
-    return not torch.cuda.is_available() and not args.module and not args.no_python
+    """For a script file (what a forked rank runs) while CUDA's driver is untouched here, after importing what the
+    ranks run (an import may touch it: then they are spawned); spawned for ``-m`` (convert)."""
+    if args.module or args.no_python or not cuda_driver_untouched():
+        return False
+    for module in PRELOAD:
+        importlib.import_module(module)
+    return cuda_driver_untouched()
 
 
 def _launch(args, forked: bool) -> None:
@@ -174,8 +250,6 @@ def _launch(args, forked: bool) -> None:
         args.master_port = 29500
     args.run_path, args.start_method = True, "fork"
     config, _, script_and_args = config_from_args(args)
-    for module in PRELOAD:
-        importlib.import_module(module)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()  # or a rank would inherit, and print again, what is still buffered here
     elastic_launch(config=config, entrypoint=_forked_rank)(*script_and_args)
