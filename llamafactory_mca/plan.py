@@ -26,8 +26,8 @@ from .hub import resolve_model
 from .models.auto import AutoConfig, mtp_apart_from_features, resolve_load_balancing, resolve_mtp
 from .models.config import McaConfig
 from .models.families import get_family
-from .models.lora.layers import check_lora_request
 from .models.lora.peft_io import check_lora_plan
+from .models.lora.targets import check_lora_request
 from .models.multimodal import check_vision_layout
 from .parallel import ParallelLayout, check_layout, cuda_graph_layout_needs
 from .stages import PREFERENCE_STAGES, check_no_generation, check_stage

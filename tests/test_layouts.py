@@ -204,8 +204,9 @@ def _walk(models: dict, out_dir: str, cases: list, epoch_cases: list, lora_cases
         parallel.initialize(layout, seed=0)
         model = AutoModel.from_pretrained(models[model_name], args)
         if adapter is not None:
-            from llamafactory_mca.models.lora.layers import LoraSettings, apply_lora
+            from llamafactory_mca.models.lora.layers import apply_lora
             from llamafactory_mca.models.lora.peft_io import load_adapter, read_adapter_config
+            from llamafactory_mca.models.lora.targets import LoraSettings
 
             apply_lora(model, LoraSettings.from_peft(read_adapter_config(adapter)))
             load_adapter(model, adapter)

@@ -121,7 +121,7 @@ def test_expert_adapters_refuse_dropout():
     from types import SimpleNamespace
 
     from llamafactory_mca.errors import UserError
-    from llamafactory_mca.models.lora.layers import check_lora_request
+    from llamafactory_mca.models.lora.targets import check_lora_request
 
     args = SimpleNamespace(lora_rank=8, lora_target=["all", "experts"], lora_dropout=0.1)
     with pytest.raises(UserError, match="lora_dropout=0.1 with lora_target 'experts'"):

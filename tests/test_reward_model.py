@@ -14,10 +14,9 @@ import sys
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file, save_file
 
-from tests._cli import cli_env, losses, ok, recipe, run, train
+from tests._cli import losses, ok, recipe, run_default_path, train
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,13 +38,9 @@ def reward_model(assets, tmp_path_factory):
     weight = 0.3 * torch.randn(1, config["hidden_size"], generator=torch.Generator().manual_seed(0))
     save_file({"v_head.summary.weight": weight, "v_head.summary.bias": torch.tensor([0.1])},
               os.path.join(model, "value_head.safetensors"), metadata={"format": "pt"})
-    default = _rm_recipe(assets, model, root / "default", max_steps=1)
-    (root / "default.yaml").write_text(yaml.safe_dump(default))
-    env = {k: v for k, v in cli_env(None).items() if k != "USE_MCA"}
-    result, log = run(["llamafactory-cli", "train", str(root / "default.yaml")], env=env, timeout=300, cwd=root)
-    assert result.returncode == 0, log[-4000:]
-    assert set(load_file(str(root / "default" / "value_head.safetensors"))) == HEAD_KEYS
-    return model, losses(root / "default")[1]
+    default = run_default_path(root, _rm_recipe(assets, model, root / "default", max_steps=1))
+    assert set(load_file(str(default / "value_head.safetensors"))) == HEAD_KEYS
+    return model, losses(default)[1]
 
 
 def _rm_recipe(assets, model, out, **overrides):

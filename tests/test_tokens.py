@@ -6,10 +6,9 @@ import json
 import os
 
 import pytest
-import yaml
 
 from llamafactory_mca.tools.tiny import SENTENCES, TOPICS
-from tests._cli import cli_env, losses, ok, recipe, run, train
+from tests._cli import losses, ok, recipe, run_default_path, train
 
 
 pytestmark = pytest.mark.slow
@@ -21,15 +20,8 @@ def _state(output_dir) -> dict:
 
 
 def _default_path(tmp_path, config: dict, name: str) -> dict:
-    """The same recipe through LLaMA-Factory's own trainer (no USE_MCA), on the CPU."""
-    config = {k: v for k, v in config.items() if k not in ("sequence_packing",)}
-    config["output_dir"] = str(tmp_path / name)
-    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(config))
-    env = {k: v for k, v in cli_env(None).items() if k != "USE_MCA"}
-    result, output = run(["llamafactory-cli", "train", str(tmp_path / f"{name}.yaml")], env=env, timeout=300,
-                         cwd=tmp_path)
-    assert result.returncode == 0, output[-4000:]
-    return _state(tmp_path / name)
+    """The same recipe through LLaMA-Factory's own trainer (no USE_MCA), on the CPU: its trainer state."""
+    return _state(run_default_path(tmp_path, config, name))
 
 
 def _pt_data(folder, texts: list[str]) -> str:

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from tests._cli import losses, ok, one_error, recipe, train
+from tests._cli import DEFAULT_PATH_EAGER_GPT_OSS, default_path_losses, losses, ok, one_error, recipe, train
 from tests._dist import run_distributed
 from tests.models._bridge import INPUT, pipeline_logits
 
@@ -217,10 +217,8 @@ def _sft_against_default(family: str, assets, tmp_path, **overrides) -> tuple[di
     LLaMA-Factory's default path on the same rows (8 rows, one global batch of all of them: row order cannot
     matter; gpt-oss with transformers' eager attention, ``DEFAULT_PATH_EAGER_GPT_OSS``). Returns (our losses, the
     default path's step-1 loss, our log, the model's folder, the merged one)."""
-    import yaml
 
     from llamafactory_mca.tools.tiny import save_tiny_model, save_tiny_tokenizer
-    from tests._cli import DEFAULT_PATH_EAGER_GPT_OSS, cli_env, run
 
     model = save_tiny_model(family, str(tmp_path / family), vocab_size=assets["vocab"])
     save_tiny_tokenizer(model)
@@ -231,14 +229,9 @@ def _sft_against_default(family: str, assets, tmp_path, **overrides) -> tuple[di
     ours = losses(tmp_path / "out")
     assert f"llamafactory_mca: training {family}" in output and ours[4] < ours[1], ours
 
-    default = {k: v for k, v in config.items() if k not in ("save_strategy", "save_steps", "sequence_packing")}
-    default.update(output_dir=str(tmp_path / "default"), max_steps=1)
-    (tmp_path / "default.yaml").write_text(yaml.safe_dump(default))
-    env = {k: v for k, v in cli_env(None).items() if k != "USE_MCA"}
+    default = {k: v for k, v in config.items() if k not in ("save_strategy", "save_steps")} | {"max_steps": 1}
     command = [sys.executable, "-c", DEFAULT_PATH_EAGER_GPT_OSS] if family == "gpt_oss" else ["llamafactory-cli"]
-    result, log = run([*command, "train", str(tmp_path / "default.yaml")], env=env, timeout=300, cwd=tmp_path)
-    assert result.returncode == 0, log[-4000:]
-    theirs = losses(tmp_path / "default")[1]
+    theirs = default_path_losses(tmp_path, default, command=command)[1]
     assert abs(ours[1] - theirs) <= 1e-4 * theirs, (ours[1], theirs)
 
     merged = tmp_path / "merged"
@@ -347,10 +340,8 @@ def test_moe_balancing_trains_as_llamafactorys_default_path_unless_asked(assets,
     checkpoint's term, named in the summary and logged apart (the progress line, trainer_state.json;
     trainer_log.jsonl keeps LLaMA-Factory's keys): step 1's loss is the same language-model loss, step 2 differs
     (the term trained the routers)."""
-    import yaml
 
     from llamafactory_mca.tools.tiny import save_tiny_model, save_tiny_tokenizer
-    from tests._cli import cli_env, run
 
     model = save_tiny_model("qwen3_moe", str(tmp_path / "model"), vocab_size=assets["vocab"], router_aux_loss_coef=0.5)
     save_tiny_tokenizer(model)
@@ -375,12 +366,8 @@ def test_moe_balancing_trains_as_llamafactorys_default_path_unless_asked(assets,
     assert "| load_balancing_loss " in on_output and all(0.5 < e["moe/load_balancing_loss"] < 4 for e in on_history)
     assert on[1] == pytest.approx(ours[1], rel=1e-6) and abs(on[2] - ours[2]) > 1e-6, (on, ours)
 
-    default = recipe(assets, tmp_path / "lf", model_name_or_path=model, max_samples=8, max_steps=10)
-    (tmp_path / "lf.yaml").write_text(yaml.safe_dump(default))
-    env = {k: v for k, v in cli_env(None).items() if k != "USE_MCA"}
-    result, log = run(["llamafactory-cli", "train", str(tmp_path / "lf.yaml")], env=env, timeout=300, cwd=tmp_path)
-    assert result.returncode == 0, log[-4000:]
-    theirs = losses(tmp_path / "lf")
+    theirs = default_path_losses(tmp_path, recipe(assets, tmp_path / "lf", model_name_or_path=model, max_samples=8,
+                                                  max_steps=10), "lf")
     assert sorted(theirs) == sorted(ours) == list(range(1, 11))
     assert all(abs(ours[k] - theirs[k]) <= 1e-3 * theirs[k] for k in theirs), (ours, theirs)
 

@@ -43,8 +43,9 @@ def make_peft_adapter(model_dir: str, out_dir: str, targets: list[str], experts:
 def model_with_adapter(model_dir: str, adapter: str, args):
     """Our model of ``model_dir`` in the current layout with peft's ``adapter`` on it, as a LoRA run resumes one."""
     from llamafactory_mca.models.auto import AutoModel
-    from llamafactory_mca.models.lora.layers import LoraSettings, apply_lora
+    from llamafactory_mca.models.lora.layers import apply_lora
     from llamafactory_mca.models.lora.peft_io import load_adapter, read_adapter_config
+    from llamafactory_mca.models.lora.targets import LoraSettings
 
     model = AutoModel.from_pretrained(model_dir, args)
     run = apply_lora(model, LoraSettings.from_peft(read_adapter_config(adapter)))

@@ -118,7 +118,8 @@ def _count(models: dict, cases: list) -> list[int]:
     from llamafactory_mca import parallel
     from llamafactory_mca.args import MegatronArguments
     from llamafactory_mca.models.auto import AutoModel
-    from llamafactory_mca.models.lora.layers import LoraSettings, apply_lora
+    from llamafactory_mca.models.lora.layers import apply_lora
+    from llamafactory_mca.models.lora.targets import LoraSettings
 
     args = MegatronArguments()
     parallel.initialize(parallel.ParallelLayout.from_args(args))

@@ -1,1 +1,2 @@
-"""LoRA on Megatron's parallel linears (layers.py) and in peft's format (peft_io.py)."""
+"""LoRA on Megatron's parallel linears: which modules it adapts (targets.py), the adapters (layers.py), peft's format
+(peft_io.py)."""

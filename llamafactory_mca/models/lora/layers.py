@@ -21,7 +21,8 @@ get one adapter per expert over the fused gate/up weight and one over down, peft
 ``experts.gate_up_proj`` / ``experts.down_proj``; in the grouped GEMM they run as two more grouped GEMMs each.
 
 The frozen base is frozen *before* Megatron's DDP wraps the model, so it gets no gradient buffer, no fp32 main copy
-and no optimizer state; checkpoints hold only the adapters (``adapter_state``).
+and no optimizer state; checkpoints hold only the adapters (``adapter_state``). Which modules get adapters, and how
+each lies on a fused linear, is planned in ``targets.py``.
 """
 
 from __future__ import annotations
@@ -29,9 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 import zlib
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,220 +44,16 @@ from ..loading import dims_for, global_layer_names
 from ..mapping import DictSource, Dims, GroupedRows, Op, WeightTable
 from ..native.experts import NativeGroupedMLP, grouped_mm
 from ..value_head import PREFIX as VALUE_HEAD_PREFIX
-
-
-EXPERTS_WORD = "experts"  # lora_target word for the routed experts (peft target_parameters)
-EXPERT_PIECES = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
-REFUSED = {  # LLaMA-Factory options this backend cannot honour, by name
-    "use_dora": "DoRA", "pissa_init": "PiSSA", "pissa_convert": "PiSSA", "loraplus_lr_ratio": "LoRA+",
-    "use_galore": "GaLore", "use_apollo": "APOLLO", "use_badam": "BAdam",
-}
-
-
-@dataclass(frozen=True)
-class LoraSettings:
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    targets: tuple[str, ...] = ("all",)
-    additional: tuple[str, ...] = ()
-    rslora: bool = False
-    seed: int = 42
-    experts: bool = field(init=False, default=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "experts", EXPERTS_WORD in self.targets)
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
-
-    @classmethod
-    def from_args(cls, finetuning_args: Any, seed: int = 42) -> LoraSettings:
-        targets = tuple(t.strip() for t in (finetuning_args.lora_target or ["all"]) if t.strip())
-        return cls(rank=int(finetuning_args.lora_rank), alpha=float(finetuning_args.lora_alpha or
-                                                                      finetuning_args.lora_rank * 2),
-                   dropout=float(finetuning_args.lora_dropout), targets=targets,
-                   additional=tuple(finetuning_args.additional_target or ()), rslora=bool(finetuning_args.use_rslora),
-                   seed=seed)
-
-    @classmethod
-    def from_peft(cls, adapter_config: dict, seed: int = 42) -> LoraSettings:
-        """The settings of a saved peft adapter (``adapter_config.json``)."""
-        targets = list(adapter_config.get("target_modules") or [])
-        if adapter_config.get("target_parameters"):
-            targets.append(EXPERTS_WORD)
-        return cls(rank=int(adapter_config["r"]), alpha=float(adapter_config["lora_alpha"]),
-                   dropout=float(adapter_config.get("lora_dropout") or 0.0), targets=tuple(targets),
-                   additional=tuple(adapter_config.get("modules_to_save") or ()),
-                   rslora=bool(adapter_config.get("use_rslora")), seed=seed)
-
-
-def check_lora_request(finetuning_args: Any) -> None:
-    """Refuse, by name, the LoRA variants and optimizers we cannot honour (before any worker starts)."""
-    for key, name in REFUSED.items():
-        if getattr(finetuning_args, key, None):
-            raise UserError(f"{key}={getattr(finetuning_args, key)!r} ({name}) is not supported with USE_MCA=1: "
-                            f"LoRA here is plain LoRA (optionally rsLoRA). Remove {key}, or unset USE_MCA to use "
-                            "LLaMA-Factory's default trainer.")
-    if finetuning_args.lora_rank < 1:
-        raise UserError(f"lora_rank={finetuning_args.lora_rank} must be at least 1.")
-    targets = [t.strip() for t in (finetuning_args.lora_target or [])]
-    if EXPERTS_WORD in targets and finetuning_args.lora_dropout:
-        raise UserError(f"lora_dropout={finetuning_args.lora_dropout} with lora_target '{EXPERTS_WORD}': peft's "
-                        "expert adapters (target_parameters) take no dropout, so the saved adapter could not be "
-                        "loaded. Set lora_dropout: 0.")
-
-
-# ---- which Megatron linears, which pieces ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One HF module's adapter on a Megatron linear: its name in the linear (``q_proj``) and its shape."""
-
-    name: str
-    out_features: int
-    in_features: int
-    hf_module: str  # the module path in the HF model (layer index ``*``), for peft's names
-
-
-@dataclass(frozen=True)
-class TargetLinear:
-    """A Megatron linear (canonical name pattern, layer ``*``) and the adapters on it."""
-
-    mca: str  # e.g. decoder.layers.*.self_attention.linear_qkv
-    op: Op | None  # the weight op laying the pieces' rows out (None for experts)
-    pieces: tuple[Piece, ...]
-    experts: bool = False
-
-
-@functools.cache
-def _meta_hf_model(hf_config_json: str) -> torch.nn.Module:
-    """The HF model on the meta device: its module names and shapes are what peft and LLaMA-Factory see."""
-    import json
-
-    import transformers
-
-    hf_config = json.loads(hf_config_json)
-    config = transformers.AutoConfig.for_model(**hf_config)
-    auto = transformers.AutoModelForImageTextToText if "vision_config" in hf_config else \
-        transformers.AutoModelForCausalLM
-    with torch.device("meta"):
-        return auto.from_config(config)
-
-
-def meta_hf_model(hf_config: dict) -> torch.nn.Module:
-    import json
-
-    return _meta_hf_model(json.dumps(hf_config, sort_keys=True))
-
-
-def _vision_keys(model: torch.nn.Module) -> list[str]:
-    from llamafactory.model.model_utils.visual import COMPOSITE_MODELS
-
-    names = COMPOSITE_MODELS.get(getattr(model.config, "model_type", None))
-    return list(names.vision_model_keys) + list(names.projector_keys) if names else []
-
-
-def resolve_targets(hf_config: dict, settings: LoraSettings, freeze_vision_tower: bool = True) -> list[str]:
-    """The HF module names ``lora_target`` selects, ``all`` exactly as LLaMA-Factory's default path expands it."""
-    names = [t for t in settings.targets if t != EXPERTS_WORD]
-    if "all" in names:
-        from llamafactory.model.model_utils.misc import find_all_linear_modules
-
-        names = [n for n in names if n != "all"] + sorted(find_all_linear_modules(meta_hf_model(hf_config),
-                                                                                 freeze_vision_tower))
-    return list(dict.fromkeys(names))
-
-
-def _text_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The decoder layers' modules by path with ``*`` for the layer, each from the first layer that has it (models
-    mixing dense and MoE layers have some modules only in later layers), the vision tower and projector left out."""
-    vision = _vision_keys(model)
-    found: dict[str, torch.nn.Module] = {}
-    for name, module in model.named_modules():
-        match = re.search(r"\.layers\.\d+\.", name)
-        if match and not any(key in name for key in vision):
-            found.setdefault(f"{name[:match.start()]}.layers.*.{name[match.end():]}", module)
-    return found
-
-
-# Megatron's linears an adapter can sit on: attention (multi-latent attention's five projections among them, each one
-# HF module; the gated delta-rule layer's in_proj, fused from two HF modules or four, and out_proj) and the dense or
-# shared-expert MLP; and the shared expert's gate (a weight, not a linear: LoraSharedGateMixin)
-SHARED_GATE = ".mlp.shared_experts.gate"
-_ADAPTABLE = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj", "linear_q_down_proj",
-              "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "in_proj", "out_proj")
-
-
-def plan_targets(hf_config: dict, table: WeightTable, settings: LoraSettings,
-                 freeze_vision_tower: bool = True) -> list[TargetLinear]:
-    """Map the selected HF modules onto Megatron's linears through the weight table; refuse what has no home."""
-    wanted = resolve_targets(hf_config, settings, freeze_vision_tower)
-    modules = _text_modules(meta_hf_model(hf_config))
-    by_suffix = {name.split(".layers.*.", 1)[1]: name for name in modules}
-    found: set[str] = set()
-    homes: set[str] = set()  # every HF module an adapter could go on
-    targets = []
-    for op in table.ops:
-        if ".local_experts." in op.mca or not op.mca.startswith("decoder.layers."):
-            continue
-        if op.mca.endswith(SHARED_GATE + "_weight"):
-            linear = op.mca[: -len("_weight")]
-        elif op.mca.endswith(".weight") and op.mca[: -len(".weight")].rsplit(".", 1)[-1] in _ADAPTABLE:
-            linear = op.mca[: -len(".weight")]
-        else:
-            continue
-        pieces = []
-        for hf_name in op.hf:
-            module = hf_name[: -len(".weight")]
-            short = module.rsplit(".", 1)[-1]
-            homes.add(short)
-            if short not in wanted:
-                continue
-            path = by_suffix.get(module.split(".layers.*.", 1)[-1])
-            if path is None:
-                continue
-            out_features, in_features = modules[path].weight.shape
-            pieces.append(Piece(short, out_features, in_features, path))
-            found.add(short)
-        if pieces:
-            targets.append(TargetLinear(linear, op, tuple(pieces)))
-    gates = [p.name for t in targets if t.mca.endswith(SHARED_GATE) for p in t.pieces]
-    if gates and settings.dropout:
-        raise UserError(f"lora_dropout={settings.dropout} with LoRA on {gates}: its adapter is folded into the gate's "
-                        "weight, which leaves no place for dropout. Set lora_dropout: 0, or leave it out of "
-                        "lora_target.")
-    if settings.experts:
-        targets += _expert_targets(hf_config, modules)
-    missing = [name for name in wanted if name not in found]
-    if missing:
-        what = (f"lora_target: all selects, as LLaMA-Factory expands it for this model, {missing}, which "
-                "llamafactory_mca cannot put LoRA on" if "all" in settings.targets else
-                f"lora_target {missing} names modules llamafactory_mca cannot put LoRA on for this model")
-        raise UserError(f"{what} (LoRA goes on the attention and MLP projections: {', '.join(sorted(homes))}, and on "
-                        f"the routed experts with the word '{EXPERTS_WORD}'). Set lora_target to a list of those.")
-    if not targets:
-        raise UserError(f"lora_target={list(settings.targets)} selects no module of this model.")
-    return targets
-
-
-def _expert_targets(hf_config: dict, modules: dict[str, torch.nn.Module]) -> list[TargetLinear]:
-    experts = [(name, m) for name, m in modules.items() if isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)
-               and getattr(m, "gate_up_proj").dim() == 3]
-    if not experts:
-        raise UserError(f"lora_target '{EXPERTS_WORD}': this model has no routed experts.")
-    path, module = experts[0]
-    targets = []
-    for linear, piece in EXPERT_PIECES.items():
-        _, out_features, in_features = getattr(module, piece).shape  # transformers' in-memory [E, out, in]
-        targets.append(TargetLinear(f"decoder.layers.*.mlp.experts.{linear}", None,
-                                    (Piece(piece, out_features, in_features, f"{path}.{piece}"),), experts=True))
-    return targets
-
-
-# ---- the adapters --------------------------------------------------------------------------------------------
+from .targets import (
+    EXPERT_PIECES,
+    EXPERTS_WORD,
+    LoraSettings,
+    Piece,
+    TargetLinear,
+    plan_targets,
+    refuse_split_experts,
+    refuse_split_pieces,
+)
 
 
 def _init_a(shape: tuple[int, ...], name: str, seed: int) -> torch.Tensor:
@@ -397,29 +192,6 @@ def _piece_rows(op: Op, hf_name: str, local: Dims) -> int:
 def _local_op(op: Op | None, tp: int) -> Op | None:
     """The op laying out one tensor-parallel rank's rows: GroupedRows counts its groups (key heads) over all ranks."""
     return dataclasses.replace(op, groups=op.groups // tp) if isinstance(op, GroupedRows) else op
-
-
-def refuse_split_pieces(targets: list[TargetLinear], tensor_parallel: int) -> None:
-    """HF modules of a fused linear that hold several of its row groups each (Qwen3.5's flat ``in_proj_qkv``: the q,
-    k and v of every head in turn): a tensor-parallel rank's rows of such a module are not one block of it, so
-    their adapter's B cannot be split over TP ranks as each adapter is (a dist checkpoint's adapter is peft's)."""
-    split = set()
-    for target in targets:
-        if isinstance(target.op, GroupedRows):
-            indices = [i for i, _ in target.op.parts]
-            held = {target.op.hf[i][: -len(".weight")].rsplit(".", 1)[-1] for i in indices if indices.count(i) > 1}
-            split |= held & {p.name for p in target.pieces}
-    if split and tensor_parallel > 1:
-        raise UserError(f"LoRA on {sorted(split)} needs tensor_model_parallel_size: 1 (it is {tensor_parallel}): "
-                        "each holds the q, k and v of every head in turn, so a rank's rows are not one block of its "
-                        "adapter. Leave them out of lora_target, or use tensor_model_parallel_size: 1.")
-
-
-def refuse_split_experts(settings: LoraSettings, expert_tensor_parallel: int) -> None:
-    """Expert adapters are laid out per whole expert: each expert's weights must sit whole on one rank."""
-    if settings.experts and expert_tensor_parallel > 1:
-        raise UserError(f"LoRA on the experts needs expert_tensor_parallel_size: 1 (each expert whole on its rank); "
-                        f"it is {expert_tensor_parallel}. Set expert_tensor_parallel_size: 1.")
 
 
 class LoraGroupedExpertsMixin:

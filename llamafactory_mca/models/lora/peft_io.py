@@ -28,14 +28,11 @@ from ..loading import dims_for, local_targets
 from ..mapping import DictSource
 from ..value_head import V_HEAD_SAFE_WEIGHTS_NAME
 from ..value_head import write_file as write_value_head
-from .layers import (
+from .layers import LoraGroupedExpertsMixin, apply_lora, lora_modules, merge_lora
+from .targets import (
     EXPERT_PIECES,
-    LoraGroupedExpertsMixin,
     LoraSettings,
     TargetLinear,
-    apply_lora,
-    lora_modules,
-    merge_lora,
     meta_hf_model,
     plan_targets,
     refuse_split_experts,

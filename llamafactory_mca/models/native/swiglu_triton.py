@@ -28,6 +28,17 @@ ELEMENTS_PER_PROGRAM = 4096  # rows x columns of one half a program holds at onc
 
 
 @triton.jit
+def _halves(x_ptr, r, live_r, start, width, stride_x, BLOCK_F: tl.constexpr):
+    """Columns ``start`` .. ``start + BLOCK_F`` of both halves of rows ``r``, in fp32; with their columns and mask."""
+    f = start + tl.arange(0, BLOCK_F)
+    live = live_r[:, None] & (f < width)[None, :]
+    src = x_ptr + r[:, None] * stride_x + f[None, :]
+    a = tl.load(src, mask=live, other=0.0).to(tl.float32)
+    b = tl.load(src + width, mask=live, other=0.0).to(tl.float32)
+    return a, b, f, live
+
+
+@triton.jit
 def _forward(x_ptr, w_ptr, y_ptr, rows, width, stride_x, WEIGHTED: tl.constexpr, BLOCK_R: tl.constexpr,
              BLOCK_F: tl.constexpr):
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -35,11 +46,7 @@ def _forward(x_ptr, w_ptr, y_ptr, rows, width, stride_x, WEIGHTED: tl.constexpr,
     if WEIGHTED:
         w = tl.load(w_ptr + r, mask=live_r, other=0.0).to(tl.float32)
     for start in range(0, width, BLOCK_F):
-        f = start + tl.arange(0, BLOCK_F)
-        live = live_r[:, None] & (f < width)[None, :]
-        src = x_ptr + r[:, None] * stride_x + f[None, :]
-        a = tl.load(src, mask=live, other=0.0).to(tl.float32)
-        b = tl.load(src + width, mask=live, other=0.0).to(tl.float32)
+        a, b, f, live = _halves(x_ptr, r, live_r, start, width, stride_x, BLOCK_F)
         y = a * tl.sigmoid(a) * b
         if WEIGHTED:
             y = y * w[:, None]
@@ -55,11 +62,7 @@ def _backward(g_ptr, x_ptr, w_ptr, dx_ptr, dw_ptr, rows, width, stride_x, WEIGHT
         w = tl.load(w_ptr + r, mask=live_r, other=0.0).to(tl.float32)
         dw = tl.zeros([BLOCK_R], dtype=tl.float32)
     for start in range(0, width, BLOCK_F):
-        f = start + tl.arange(0, BLOCK_F)
-        live = live_r[:, None] & (f < width)[None, :]
-        src = x_ptr + r[:, None] * stride_x + f[None, :]
-        a = tl.load(src, mask=live, other=0.0).to(tl.float32)
-        b = tl.load(src + width, mask=live, other=0.0).to(tl.float32)
+        a, b, f, live = _halves(x_ptr, r, live_r, start, width, stride_x, BLOCK_F)
         g = tl.load(g_ptr + r[:, None] * width + f[None, :], mask=live, other=0.0).to(tl.float32)
         s = tl.sigmoid(a)
         if WEIGHTED:
