@@ -43,6 +43,7 @@ from ..errors import ERROR_FILE_ENV, LAUNCHER_PID_ENV, PREFIX, STATUS_DIR_ENV
 
 
 NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"  # torch's: its CUDA checks through NVML, without cuInit
+SPAWN_ENV = "LLAMAFACTORY_MCA_SPAWN_RANKS"  # 1: spawn the ranks, as torchrun does, even where they could be forked
 CUDA_ERROR_NOT_INITIALIZED = 3
 
 
@@ -228,7 +229,7 @@ def _quiet_elastic_loggers() -> None:
 def _forks_ranks(args) -> bool:
     """For a script file (what a forked rank runs) while CUDA's driver is untouched here, after importing what the
     ranks run (an import may touch it: then they are spawned); spawned for ``-m`` (convert)."""
-    if args.module or args.no_python or not cuda_driver_untouched():
+    if args.module or args.no_python or os.environ.get(SPAWN_ENV) == "1" or not cuda_driver_untouched():
         return False
     for module in PRELOAD:
         importlib.import_module(module)
@@ -276,6 +277,11 @@ def _forked_rank(script: str, *script_args: str) -> None:
 
     for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
         signal.signal(getattr(signal, name), signal.SIG_DFL)
+    # the GPUs NVML sees must answer CUDA's own count here: a driver the launcher initialised after all answers none
+    if torch.cuda.device_count() > 0 and torch._C._cuda_getDeviceCount() == 0:
+        print(f"{PREFIX}rank {os.environ.get('RANK', '?')}, forked from the launcher, cannot use CUDA. Set "
+              f"{SPAWN_ENV}=1 to start the ranks as separate processes.", file=sys.stderr, flush=True)
+        raise SystemExit(1)
     parallel.interrupt_once()
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
