@@ -23,7 +23,7 @@ import sys
 import types
 
 from ..compat import version_note
-from .torchrun import bf16_answered_by_nvml, keep_cuda_for_workers
+from . import torchrun
 
 
 ADAPTER_NAME = "mcore_adapter"
@@ -139,8 +139,6 @@ class _Torchrun:
 
     def run(self, command, *args, **kwargs):
         if command and command[0] == "torchrun" and self._script in command:
-            from . import torchrun
-
             options = command[1:command.index(self._script) + 1]
             os.environ.update(kwargs.get("env") or {})  # what LLaMA-Factory's launcher adds for its torchrun
             self.started = True
@@ -173,16 +171,16 @@ def _take_over_launch(module: types.ModuleType) -> None:
         import signal
 
         signal.signal(signal.SIGINT, signal.default_int_handler)  # the imports are done: Ctrl-C is handled here
-        torchrun = None
+        swapped = None
         try:
             if len(sys.argv) > 1 and sys.argv[1] == "train":
                 from .preflight import run_preflight
 
                 run_preflight(sys.argv[2:])
-                torchrun = module.subprocess = _Torchrun(module.subprocess, module.__file__, sys.argv[2:])
+                swapped = module.subprocess = _Torchrun(module.subprocess, module.__file__, sys.argv[2:])
             original()
         except KeyboardInterrupt:
-            started = torchrun is not None and torchrun.started
+            started = swapped is not None and swapped.started
             print(f"[llamafactory_mca] interrupted{'' if started else ' before any worker started'}",
                   file=sys.stderr, flush=True)
             raise SystemExit(130) from None
@@ -202,7 +200,8 @@ BOARD_MODULES = ("llamafactory.webui.locales", "llamafactory.webui.components.tr
                  "llamafactory.webui.control", "llamafactory.webui.components.export")
 _PATCHES = {PARSER_NAME: _guard_train_args, LAUNCHER_NAME: _take_over_launch, TUNER_NAME: _route_stages,
             **{n: _board(n) for n in BOARD_MODULES}}
-_WHILE_IMPORTING = {MISC_NAME: bf16_answered_by_nvml}  # what holds while a module runs (its import-time checks)
+# what must hold while a module runs (its import-time checks)
+_WHILE_IMPORTING = {MISC_NAME: torchrun.bf16_answered_by_nvml}
 
 
 class _PatchingLoader(importlib.abc.Loader):
@@ -342,7 +341,7 @@ def startup_hook() -> None:
         else:
             install()
             if os.path.basename(sys.argv[0]) == "llamafactory-cli" and sys.argv[1:2] == ["train"]:
-                keep_cuda_for_workers()
+                torchrun.keep_cuda_for_workers()
                 quiet_ctrl_c_while_importing()
     except Exception as err:  # never break an interpreter at start-up
         print(f"[llamafactory_mca] activation failed: {err!r}", file=sys.stderr)
