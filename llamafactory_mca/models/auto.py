@@ -207,8 +207,8 @@ def _engine_fields(config: McaConfig, args: Any, frozen_base: bool = False) -> d
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         bias_dropout_fusion=has_transformer_engine(),
-        # Megatron's own SwiGLU fusion (torch.compile, no TE): half the activation's GPU time (perf-notes); on CPU
-        # spec.prepare_config turns a recipe's request off.
+        # the fused SwiGLU (no TE; our Triton kernel in Megatron's place, native/swiglu_triton.py): half the
+        # activation's GPU time (perf-notes); on CPU spec.prepare_config turns a recipe's request off.
         bias_activation_fusion=not cpu_mode_needed(),
         deallocate_pipeline_outputs=True,
         # Our losses return (sum, count): the step's loss is a per-token mean over the whole global batch.
