@@ -144,6 +144,10 @@ def _callback(recorder: _Recorder):
             if os.environ.get("E2E_BENCH_EXIT") == "1":
                 sys.stdout.flush()
                 sys.stderr.flush()
+                if OURS:  # as our workers leave: a rank forked by our torchrun returns to torch's agent
+                    from llamafactory_mca import parallel
+
+                    parallel.end_worker()
                 os._exit(0)
 
     return BenchCallback()
