@@ -51,6 +51,16 @@ def _require(condition: bool, message: str) -> None:
         raise UserError(message)
 
 
+def _merge_request(value: Any) -> str | int:
+    """``merge_micro_batches`` as "auto" or a positive integer (YAML gives an int, the command line a string)."""
+    if str(value).strip().lower() == "auto":
+        return "auto"
+    if str(value).strip().isdigit() and int(value) >= 1:
+        return int(value)
+    raise UserError(f"merge_micro_batches={value!r}: give auto, 1 (never merge) or a positive integer that divides "
+                    "gradient_accumulation_steps.")
+
+
 def _one_of(name: str, value: Any, choices: tuple) -> None:
     _require(value is None or value in choices, f"{name}={value!r} is not one of {', '.join(choices)}.")
 
@@ -343,6 +353,15 @@ class MegatronArguments(DistributingParallelArguments):
                           "path, documents joined and cut into cutoff_len blocks (attention crosses documents; each "
                           "tokenizer batch's remainder is dropped)."},
     )
+    merge_micro_batches: str = field(
+        default="auto",
+        metadata={"help": "Packed pt/sft: run k of the recipe's micro-batches as one, accumulating k times fewer: "
+                          "the same global batch and tokens per step, one gradient pass over the weights per k "
+                          "micro-batches. auto: MoE models on one pipeline stage merge until each expert's GEMM "
+                          "gets 512 rows where the planner predicts the larger micro-batch fits the GPU (below "
+                          "that, adding each micro-batch's expert weight gradients to their fp32 buffer costs more "
+                          "than the GEMMs); 1: never; an integer: that k (dividing gradient_accumulation_steps)."},
+    )
     moe_balancing: str = field(
         default="llamafactory",
         metadata={"help": "MoE only. llamafactory: as LLaMA-Factory's default path, a load-balancing loss only where "
@@ -356,6 +375,7 @@ class MegatronArguments(DistributingParallelArguments):
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
         _one_of("pt_blocks", self.pt_blocks, PT_BLOCKS)
         _one_of("moe_balancing", self.moe_balancing, MOE_BALANCING)
+        self.merge_micro_batches = _merge_request(self.merge_micro_batches)
         if self.overlap_param_gather:
             _require(self.use_distributed_optimizer and self.overlap_grad_reduce,
                      f"overlap_param_gather=True needs use_distributed_optimizer=True and overlap_grad_reduce=True "

@@ -30,6 +30,8 @@ from .models.lora.peft_io import check_lora_plan
 from .models.lora.targets import check_lora_request
 from .models.multimodal import check_vision_layout
 from .parallel import ParallelLayout, check_layout, cuda_graph_layout_needs
+from .planner.check import memory_to_plan_for, training_of
+from .planner.micro_batches import Merge, merged, plan_merge
 from .stages import PREFERENCE_STAGES, check_no_generation, check_stage
 from .trainer.loss import PreferenceConfig
 
@@ -53,6 +55,7 @@ class RunPlan:
     adapters: tuple[str, ...] = ()  # LoRA: adapter folders to merge or continue, in order
     reference: tuple[str, McaConfig] | None = None  # DPO's and KTO's ref_model: its folder and config
     preference: PreferenceConfig | None = None  # DPO's or KTO's loss and its settings
+    merge: Merge = Merge(1, "")  # the recipe's micro-batches run k as one (``layout`` is the merged one)
     notes: tuple[str, ...] = ()  # what the plan left out and why, said once by rank 0
 
     @property
@@ -116,9 +119,13 @@ def plan_run(stage: str, model_args: Any, data_args: Any, training_args: Any, fi
             adapters += (resolve(path, model_args, field="adapter_name_or_path"),)
         check_lora_plan(config, finetuning_args, list(adapters), layout.etp, layout.tp)
     preference = preference_config(stage, finetuning_args)
-    return RunPlan(stage=stage, finetuning_type=tuning, layout=layout, packing=packing, cutoff_len=cutoff_len,
+    plan = RunPlan(stage=stage, finetuning_type=tuning, layout=layout, packing=packing, cutoff_len=cutoff_len,
                    model_path=model_path, config=config, balancing=balancing, custom_pipeline_layout=custom,
                    adapters=adapters, reference=reference, preference=preference, notes=notes)
+    # last: the memory estimate it checks reads the rest of the plan
+    merge = plan_merge(training_args.merge_micro_batches, config, layout, training_of(plan, training_args,
+                       finetuning_args), stage, packing, bool(training_args.cuda_graphs), memory_to_plan_for)
+    return dataclasses.replace(plan, layout=merged(layout, merge.factor), merge=merge) if merge.factor > 1 else plan
 
 
 def preference_config(stage: str, finetuning_args: Any) -> PreferenceConfig | None:

@@ -86,7 +86,9 @@ def _data_plans(plan: RunPlan, template: Any, tokenizer_module: dict, model_args
     vision = VisionInputs(template.mm_plugin, processor, plan.config.hf_config, video_span=plan.video_span) \
         if plan.vision else None
     reward = plan.stage == "rm"
-    train_plan = DataPlan(dataset_module["train_dataset"], BatchingConfig.from_args(training_args, **batching),
+    train_plan = DataPlan(dataset_module["train_dataset"],
+                          BatchingConfig.from_args(training_args, micro_batch_size=plan.layout.micro_batch_size,
+                                                   **batching),
                           log=False, vision=vision, template_tokens=frame, reward=reward)
     check_trainable(train_plan.stats, dataset=",".join(data_args.dataset or []))
     warning = empty_rows_warning(train_plan.stats, dataset=",".join(data_args.dataset or []))
@@ -137,7 +139,7 @@ def _summary(plan: RunPlan, model: Any, trainer: McaTrainer, train_plan: DataPla
         tuning=f"{model.lora.describe()}: {trainable / 1e6:,.2f}M trainable parameters on this rank "
                f"({100 * trainable / max(on_rank, 1):.2f}%)" if model.lora else None,
         moe=describe_load_balancing(model.transformer_config, config.hf_model_type, plan.balancing)
-        if config.num_experts else None, startup=startup)
+        if config.num_experts else None, startup=startup, merge=plan.merge.why)
 
 
 def _load_rows(stage: str, template: Any, model_args: Any, data_args: Any, training_args: Any,

@@ -143,6 +143,40 @@ def test_moe_experts_split_by_expert_parallelism():
     assert one["weights"] - ep2["weights"] == pytest.approx(experts / 2 * 2 / GIB, abs=0.011)
 
 
+def test_micro_batches_merge_where_the_experts_gain_and_memory_allows():
+    """``merge_micro_batches: auto`` on Qwen3-30B-A3B's shape (8 layers, 4,096-token packs: 256 rows per expert) merges
+    two packs into one micro-batch on a 141 GB GPU (512 rows), not where the estimate does not fit, and never for a
+    dense model, unpacked rows, preference pairs, pipeline stages, graphs or without a GPU; an explicit factor that
+    cannot apply is one clear error."""
+    from transformers import Qwen3MoeConfig
+
+    from llamafactory_mca.planner.micro_batches import plan_merge
+
+    shape = {k: v for k, v in SHAPES["moe"].items() if k != "model_type"}
+    moe = get_family("qwen3_moe").config_from_hf(Qwen3MoeConfig(**{**shape, "num_hidden_layers": 8}))
+    packs = Training(tokens=4096)
+
+    def factor(request="auto", config=moe, layout=None, training=packs, stage="sft", packing=True, graphs=False,
+               gib=140.0):
+        return plan_merge(request, config, layout or _layout(accum=8), training, stage, packing, graphs,
+                          lambda: gib).factor
+
+    assert factor() == 2
+    assert factor(gib=115) == 1  # two packs' activations do not fit beside the weights and Adam states
+    assert factor(training=Training(tokens=1024)) == 8  # 64 rows per expert: merged up to 512
+    assert factor(layout=_layout(accum=6), training=Training(tokens=1024)) == 2  # 4 and 8 do not divide 6
+    assert factor(layout=_layout(world=2, ep=2, accum=8)) == 1  # EP2 gathers 512 rows already
+    assert [factor(config=_dense()), factor(packing=False), factor(stage="dpo"), factor(layout=_layout(accum=7)),
+            factor(layout=_layout(world=2, pp=2, accum=8)), factor(graphs=True), factor(gib=None),
+            factor(request=1)] == [1] * 8
+    assert factor(request=4, config=_dense()) == 4
+    for request, kwargs, message in ((3, {}, "gradient_accumulation_steps=8 is not a multiple of it"),
+                                     (2, {"stage": "dpo"}, "stage dpo keeps its rows' pairs"),
+                                     (2, {"packing": False}, "the rows are not packed")):
+        with pytest.raises(UserError, match=message):
+            factor(request=request, **kwargs)
+
+
 def test_vision_tower_counted_by_its_own_class():
     """A VL model's first stage holds the tower's bf16 weights (every parameter of transformers' own tower); frozen
     (LLaMA-Factory's default) it adds nothing else, trained it adds its gradients, Adam states and activations."""

@@ -339,16 +339,19 @@ def test_moe_balancing_trains_as_llamafactorys_default_path_unless_asked(assets,
     all of them each step: row order cannot matter) give the same losses. ``moe_balancing: checkpoint`` trains the
     checkpoint's term, named in the summary and logged apart (the progress line, trainer_state.json;
     trainer_log.jsonl keeps LLaMA-Factory's keys): step 1's loss is the same language-model loss, step 2 differs
-    (the term trained the routers)."""
+    (the term trained the routers). Packed on a GPU the planner takes to be 80 GiB, ``merge_micro_batches: auto``
+    runs the step's four micro-batches as one (64 rows per expert each) and trains the same ten steps."""
 
     from llamafactory_mca.tools.tiny import save_tiny_model, save_tiny_tokenizer
 
     model = save_tiny_model("qwen3_moe", str(tmp_path / "model"), vocab_size=assets["vocab"], router_aux_loss_coef=0.5)
     save_tiny_tokenizer(model)
     runs = {}
-    for name, extra in (("default", {"max_steps": 10}), ("checkpoint", {"moe_balancing": "checkpoint"})):
+    for name, extra, env in (("default", {"max_steps": 10}, None), ("checkpoint", {"moe_balancing": "checkpoint"}, None),
+                             ("merged", {"max_steps": 10, "sequence_packing": True},
+                              {"LLAMAFACTORY_MCA_GPU_MEMORY": "80"})):
         config = recipe(assets, tmp_path / name, model_name_or_path=model, max_samples=8, **extra)
-        result, output = train(tmp_path, config, name=name)
+        result, output = train(tmp_path, config, name=name, env=env)
         ok(result, output)
         with open(tmp_path / name / "trainer_state.json") as f:
             history = [entry for entry in json.load(f)["log_history"] if "loss" in entry]
@@ -357,6 +360,10 @@ def test_moe_balancing_trains_as_llamafactorys_default_path_unless_asked(assets,
         assert "loss" in keys and not any("moe" in key or "balancing" in key for key in keys), keys
         runs[name] = losses(tmp_path / name), history, output
     (ours, plain_history, plain_output), (on, on_history, on_output) = runs["default"], runs["checkpoint"]
+    merged, _, merged_output = runs["merged"]
+    assert "global 8 = dp 1 x micro batch 8 x grad accumulation 1; ~351 tokens per step (packed); merge_micro_batches: " \
+        "auto merged the recipe's micro-batches by 4 (256 rows per expert; 1 keeps them)" in merged_output
+    assert all(abs(merged[k] - ours[k]) <= 1e-4 * ours[k] for k in ours), (merged, ours)
     assert ("MoE         no load-balancing loss, as in LLaMA-Factory's default path (moe_aux_loss_coef sets a weight; "
             "moe_balancing: checkpoint trains the checkpoint's router_aux_loss_coef)") in plain_output
     assert "| load_balancing_loss " not in plain_output

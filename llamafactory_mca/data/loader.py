@@ -87,10 +87,11 @@ class BatchingConfig:
 
     @classmethod
     def from_args(cls, args: Any, *, cutoff_len: int, packing: bool, pad_multiple: int, pad_token_id: int,
-                  for_eval: bool = False) -> BatchingConfig:
+                  micro_batch_size: int | None = None, for_eval: bool = False) -> BatchingConfig:
         """From our TrainingArguments. ``cutoff_len`` and ``packing`` come from the workflow, because
-        LLaMA-Factory's ``DataArguments`` lowers ``cutoff_len`` by one when its own packing is on."""
-        micro = args.per_device_eval_batch_size if for_eval else args.per_device_train_batch_size
+        LLaMA-Factory's ``DataArguments`` lowers ``cutoff_len`` by one when its own packing is on;
+        ``micro_batch_size``: the plan's for training (merged micro-batches), else the recipe's."""
+        micro = args.per_device_eval_batch_size if for_eval else micro_batch_size or args.per_device_train_batch_size
         seed = args.data_seed if getattr(args, "data_seed", None) is not None else args.seed
         return cls(cutoff_len=cutoff_len, micro_batch_size=micro, packing=packing, pad_multiple=pad_multiple,
                    variable_seq_lengths=args.allow_variable_seq_lengths(), pad_token_id=pad_token_id, seed=seed,

@@ -65,10 +65,15 @@ def visible_gpu_memory_gib() -> float | None:
     return min(sizes) / 1024 if sizes else None
 
 
+def memory_to_plan_for() -> float | None:
+    """The GPUs' size where the estimate is to be trusted: None without GPUs or under ``SKIP_ENV``."""
+    return None if os.environ.get(SKIP_ENV, "0") == "1" else visible_gpu_memory_gib()
+
+
 def check_fits(plan: Any, training_args: Any, finetuning_args: Any) -> dict[str, float] | None:
     """The estimate for this run; raises UserError when it does not fit the visible GPUs."""
-    budget = visible_gpu_memory_gib()
-    if budget is None or os.environ.get(SKIP_ENV, "0") == "1":
+    budget = memory_to_plan_for()
+    if budget is None:
         return None
     training = training_of(plan, training_args, finetuning_args)
     memory = estimate(plan.config, plan.layout, training)

@@ -48,17 +48,23 @@ class StepFeeder:
         multiple that shaped packs. A resume whose plan differs continues at the same count, not the same rows."""
         groups = hashlib.sha1(repr(self.plan.epoch_groups(0)).encode()).hexdigest()[:16]
         return {"micro_batches": self.plan.num_micro_batches, "groups": groups,
-                "packing": self.plan.config.packing, "pad_multiple": self.plan.config.pad_multiple}
+                "packing": self.plan.config.packing, "pad_multiple": self.plan.config.pad_multiple,
+                "micro_batch_size": self.plan.config.micro_batch_size}
 
     def resume_note(self, saved: dict[str, Any] | None) -> str | None:
-        """None if a checkpoint's data position (its ``signature``) means the same rows here; else what differs."""
+        """None if a checkpoint's data position (its ``signature``) means the same rows here; else what differs.
+        Keys a checkpoint lacks (written before they were recorded) are taken as this run's."""
         mine = self.signature
-        if not saved or saved == mine:
+        if not saved or all(saved.get(key, value) == value for key, value in mine.items()):
             return None
+        size = saved.get("micro_batch_size", mine["micro_batch_size"])
         why = (f"packed with sequences padded to a multiple of {mine['pad_multiple']} instead of "
                f"{saved['pad_multiple']} (the tensor parallel size; 2 x context x tensor parallel sizes with context "
                "parallelism)"
                if mine["packing"] and saved.get("packing") and saved.get("pad_multiple") != mine["pad_multiple"]
+               else f"micro-batches of {mine['micro_batch_size']} rows' tokens instead of {size} "
+               "(per_device_train_batch_size x merge_micro_batches: the summary's batch line says both)"
+               if size != mine["micro_batch_size"]
                else "another dataset, micro-batch size, cutoff_len, packing or seed")
         return (f"this run's micro-batches differ from the checkpoint's ({saved['micro_batches']} -> "
                 f"{mine['micro_batches']} per epoch: {why}): the epoch in progress continues at the same count of "

@@ -1,0 +1,83 @@
+"""How many of the recipe's packed micro-batches run as one (``merge_micro_batches``).
+
+A packed micro-batch is a token budget, so k of them as one pack of k times the tokens, accumulated k times fewer,
+train the same global batch. What changes is the work per micro-batch: a MoE layer's experts add their weight
+gradients to the fp32 main_grad once per micro-batch, a read and a write of every expert weight in fp32 whatever the
+micro-batch holds. At 256 rows per expert (Qwen3-30B-A3B's 4,096-token packs: 128 experts, top 8) that traffic takes
+longer than the GEMM it follows; at 512 the two are even (one H200: 0.75 -> 0.50 s per step, 8 layers, 8 packs, with
+the same global batch). Dense layers gain little, and graphs replay the recipe's shapes, so ``auto`` merges MoE
+models only, and only as far as the planner's memory estimate fits the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import UserError
+from ..parallel import ParallelLayout
+from .memory import Training, estimate
+
+
+EXPERT_ROWS = 512  # rows per expert and micro-batch from which a MoE layer's weight-gradient pass pays for itself
+MERGES = (2, 4, 8)
+MERGING_STAGES = ("pt", "sft")  # the preference stages pair their rows inside a micro-batch; rm scores rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Merge:
+    factor: int  # 1: the recipe's micro-batches as they are
+    why: str  # for the startup summary
+
+
+def rows_per_expert(config: Any, layout: ParallelLayout, tokens: int) -> float:
+    """Rows each of one rank's experts gets per micro-batch: expert parallelism gathers its ranks' tokens."""
+    t = config.transformer
+    per_rank = tokens * layout.micro_batch_size / layout.cp
+    return per_rank * (t.get("moe_router_topk") or 1) * layout.ep / (t.get("num_moe_experts") or 1)
+
+
+def merged(layout: ParallelLayout, factor: int) -> ParallelLayout:
+    return dataclasses.replace(layout, micro_batch_size=layout.micro_batch_size * factor,
+                               grad_accum=layout.grad_accum // factor)
+
+
+def plan_merge(request: str | int, config: Any, layout: ParallelLayout, training: Training, stage: str, packing: bool,
+               cuda_graphs: bool, gpu_memory_gib: Callable[[], float | None]) -> Merge:
+    """The factor for ``merge_micro_batches`` (``request``: "auto" or an integer): an explicit one is checked, auto
+    decides from the experts' rows and the memory estimate against ``gpu_memory_gib()`` (asked only here; None where
+    no GPU is visible or the estimate is not trusted: nothing merges)."""
+    if request == 1:
+        return Merge(1, "")
+    if request != "auto":
+        return Merge(request, _check_explicit(request, layout, stage, packing, cuda_graphs))
+    if not (config.transformer.get("num_moe_experts") and packing and stage in MERGING_STAGES and layout.pp == 1
+            and not cuda_graphs):
+        return Merge(1, "")
+    budget = gpu_memory_gib()
+    if budget is None:
+        return Merge(1, "")
+    best = Merge(1, "")
+    for factor in MERGES:
+        if layout.grad_accum % factor or rows_per_expert(config, merged(layout, factor // 2), training.tokens) \
+                >= EXPERT_ROWS:
+            break
+        if estimate(config, merged(layout, factor), training)["needs"] > budget:
+            break
+        rows = rows_per_expert(config, merged(layout, factor), training.tokens)
+        best = Merge(factor, f"merge_micro_batches: auto merged the recipe's micro-batches by {factor} "
+                             f"({rows:,.0f} rows per expert; 1 keeps them)")
+    return best
+
+
+def _check_explicit(factor: int, layout: ParallelLayout, stage: str, packing: bool, cuda_graphs: bool) -> str:
+    problem = (f"gradient_accumulation_steps={layout.grad_accum} is not a multiple of it" if layout.grad_accum % factor
+               else "the rows are not packed (sequence_packing: true packs them)" if not packing
+               else f"stage {stage} keeps its rows' pairs or scores per micro-batch" if stage not in MERGING_STAGES
+               else "pipeline stages need their micro-batches (the fewer, the longer the bubble)" if layout.pp > 1
+               else "cuda_graphs replay the recipe's micro-batch" if cuda_graphs else "")
+    if problem:
+        raise UserError(f"merge_micro_batches={factor}: {problem}. Use merge_micro_batches: 1, or auto (which "
+                        "merges where it can).")
+    return f"merge_micro_batches: {factor} merged the recipe's micro-batches"
