@@ -7,7 +7,10 @@ more than one GPU, else a plain process), with these variables:
 - ``E2E_BENCH_OUT``: folder for ``rank<N>.json`` (written after every step, and at the end);
 - ``E2E_BENCH_T0``: the launch time (``time.time()`` in the bench) — time to first step counts from it;
 - ``E2E_BENCH_PACKED=1``: LLaMA-Factory path only — batches are packed (sequences restart at position 0);
-- ``E2E_BENCH_EXIT=1``: leave right after the training loop (no final ``save_model``: nobody reads it).
+- ``E2E_BENCH_EXIT=1``: leave right after the training loop (no final ``save_model``: nobody reads it);
+- ``E2E_BENCH_PROFILE_STEP=N``: step N runs under torch.profiler, from its ``on_step_begin`` to its ``on_step_end``,
+  and its record holds the kernel launches and GPU busy share counted as ``profile_step.py`` counts them. The bench
+  profiles one step after the measured ones, so the profiler's overhead stays out of tokens/s.
 
 LLaMA-Factory path: the HF Trainer's ``training_step`` is wrapped to note, per micro-batch, which positions hold a
 real token (2-D ``attention_mask``, or the diagonal of ``neat_packing``'s 4-D mask) and the sequence lengths the
@@ -24,6 +27,8 @@ import sys
 import time
 
 
+# a rank forked by our torchrun runs this file through runpy, which leaves this folder off the import path
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 T0 = float(os.environ.get("E2E_BENCH_T0") or time.time())
 OURS = os.environ.get("USE_MCA", "0").lower() in ("1", "true", "y", "yes", "on")
 
@@ -42,6 +47,7 @@ class _Recorder:
         self.peak_alloc = 0.0
         self.peak_reserved = 0.0
         self.seen = (0, 0.0)  # ours: state.num_input_tokens_seen, state.total_flos at the previous log
+        self.profiled_step = int(os.environ.get("E2E_BENCH_PROFILE_STEP") or 0) or None
         os.makedirs(self.out, exist_ok=True)
 
     # ---- LLaMA-Factory path: what one micro-batch holds -----------------------------------------------------
@@ -82,7 +88,7 @@ class _Recorder:
         return tokens, seqlens
 
     # ---- both paths ------------------------------------------------------------------------------------------
-    def step_end(self, step: int) -> None:
+    def step_end(self, step: int, profile: dict | None = None) -> None:
         import torch
 
         now = time.time()
@@ -93,6 +99,8 @@ class _Recorder:
             self.first_step_s = now - T0
         record = self.steps.setdefault(step, {"step": step})
         record["t_end"] = now
+        if profile is not None:
+            record["profile"] = profile
         if not OURS:
             record["tokens"], record["seqlens"] = self._drain()
         self.write()
@@ -114,16 +122,58 @@ class _Recorder:
         payload = {"rank": self.rank, "world": self.world, "path": "ours" if OURS else "lf",
                    "token_scope": "global" if OURS else "rank", "first_step_s": self.first_step_s,
                    "peak_memory_gib": round(self.peak_alloc, 3), "peak_reserved_gib": round(self.peak_reserved, 3),
-                   "done": done, "steps": [self.steps[k] for k in sorted(self.steps)]}
+                   "profiled_step": self.profiled_step, "done": done,
+                   "steps": [self.steps[k] for k in sorted(self.steps)]}
         path = os.path.join(self.out, f"rank{self.rank}.json")
         with open(path + ".tmp", "w", encoding="utf-8") as f:
             json.dump(payload, f)
         os.replace(path + ".tmp", path)
 
 
+class _StepProfiler:
+    """torch.profiler around one optimizer step. Both paths call ``on_step_begin`` after the step's micro-batches are
+    read and ``on_step_end`` after its optimizer step, so the window is the same training work on either; the GPU is
+    synchronised at both ends so the wall time holds exactly the step's kernels."""
+
+    def __init__(self, step: int | None) -> None:
+        import torch
+
+        self.step = step
+        self.cuda = torch.cuda.is_available()
+        self.profile = None
+        self.start = 0.0
+
+    def begin(self, step: int) -> None:
+        import torch
+
+        if step != self.step:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.cuda:
+            torch.cuda.synchronize()
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profile = torch.profiler.profile(activities=activities)
+        self.profile.start()
+        self.start = time.perf_counter()
+
+    def end(self, step: int) -> dict | None:
+        """The step's counts, once its GPU work has finished (the caller has synchronised)."""
+        from _profile_counts import step_counts
+
+        if self.profile is None or step != self.step:
+            return None
+        seconds = time.perf_counter() - self.start
+        self.profile.stop()
+        counts = step_counts(self.profile.key_averages(), 1, seconds, self.cuda)
+        self.profile = None
+        return counts
+
+
 def _callback(recorder: _Recorder):
     import torch
     from transformers import TrainerCallback
+
+    profiler = _StepProfiler(recorder.profiled_step)
 
     class BenchCallback(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
@@ -131,10 +181,13 @@ def _callback(recorder: _Recorder):
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
 
+        def on_step_begin(self, args, state, control, **kwargs):
+            profiler.begin(state.global_step + 1)  # global_step counts the steps done
+
         def on_step_end(self, args, state, control, **kwargs):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            recorder.step_end(state.global_step)
+            recorder.step_end(state.global_step, profiler.end(state.global_step))
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             recorder.log(state.global_step, logs or {}, state)

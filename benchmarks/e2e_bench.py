@@ -31,7 +31,8 @@ def main(argv: list | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workloads", default="dense", help=f"comma-separated: {','.join(names)} or all")
     parser.add_argument("--steps", type=int, default=None,
-                        help="optimizer steps per run (default 12; long, lora_dense 8; lora_moe 6)")
+                        help="optimizer steps per run (default 12; long, lora_dense 8; lora_moe 6), and one more "
+                             "under torch.profiler for the GPU busy and launches/step columns")
     parser.add_argument("--warmup", type=int, default=None,
                         help="steps left out of the rates (default 4; long 3; lora_* 2)")
     parser.add_argument("--layers", type=int, default=None,

@@ -280,8 +280,8 @@ def _scaling_targets(runs: dict) -> list[dict | None]:
     return found
 
 
-def _cell(value: Any, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
+def _cell(value: Any, fmt: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, fmt)
 
 
 def markdown(results: dict) -> str:
@@ -291,8 +291,11 @@ def markdown(results: dict) -> str:
               "included). MFU: model FLOPs (`flops_per_sequence_set`: dense, MoE active parameters, causal attention; "
               "padded rows at their padded length) / time / GPUs / bf16 peak. Peak memory: "
               "`torch.cuda.max_memory_allocated()` during training, max over ranks. First step: launch to the end of "
-              "step 1 (imports, tokenization, model load included). Loss: step 1 -> last step. See "
-              "benchmarks/README.md."), ""]
+              "step 1 (imports, tokenization, model load included). Loss: step 1 -> last step. GPU busy and "
+              "launches/step: one more step after the measured ones, under torch.profiler (so it changes none of the "
+              "rates above), `on_step_begin` to `on_step_end` with the GPU synchronised at both ends: kernel time "
+              "(summed over streams) / that step's wall time, and the kernel launches the host made in it; mean over "
+              "ranks; n/a on CPU. See benchmarks/README.md."), ""]
     for name, data in results["workloads"].items():
         s, m, v = data["settings"], data["machine"], data["versions"]
         peak = f", bf16 peak {s['peak_flops'] / 1e12:.0f} TFLOPS" if s["peak_flops"] else ""
@@ -301,17 +304,20 @@ def markdown(results: dict) -> str:
                    f"{s['lr']:g} constant; torch {v['torch']} (CUDA {v['cuda']}), transformers {v['transformers']}, "
                    f"megatron-core {v['megatron-core']}, llamafactory {v['llamafactory']}, llamafactory-mca "
                    f"{v['llamafactory-mca']}; {data['finished']}"), "",
-                  ("| run | path | layout | packing | micro-batch x accum | tokens/s/GPU | MFU | peak mem (GiB) "
-                   "| first step (s) | loss first -> last | status |"),
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  ("| run | path | layout | packing | micro-batch x accum | tokens/s/GPU | MFU | GPU busy "
+                   "| launches/step | peak mem (GiB) | first step (s) | loss first -> last | status |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for run_name, r in data["runs"].items():
             path = "LLaMA-Factory (HF Trainer, sdpa)" if r["path"] == "lf" else "llamafactory_mca"
             packing = ("neat_packing" if r["path"] == "lf" else "sequence_packing") if r["packing"] else "padded"
             losses = [x for x in r.get("losses", []) if x is not None]
             loss = f"{losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "-"
             tps = r.get("tokens_per_second_per_gpu")
+            # n/a where nothing was profiled: results from before these columns, CPU runs, runs ended before it
+            busy, launches = _cell(r.get("gpu_busy"), ".0%", "n/a"), _cell(r.get("launches_per_step"), ",.0f", "n/a")
             lines.append(f"| {run_name} | {path} | {r['layout']} | {packing} | {r['micro_batch']} x {r['grad_accum']} "
                          f"| {_cell(tps, ',.0f' if tps and tps >= 100 else ',.1f')} | {_cell(r.get('mfu'), '.1%')} "
+                         f"| {busy} | {launches} "
                          f"| {_cell(r.get('peak_memory_gib'), '.1f')} | {_cell(r.get('first_step_s'), '.1f')} "
                          f"| {loss} | {r['status']} |")
         found = data.get("targets") or []

@@ -79,12 +79,13 @@ def peak_flops_for(name: str) -> float | None:
 
 # ---- one run ------------------------------------------------------------------------------------------------------
 def recipe(w: Workload, run: Run, model_dir: str, data_dir: str, out_dir: str, steps: int, args) -> dict:
+    """The run's settings; one step more than ``steps``, the one profiled (see ``launch``)."""
     r = dict(model_name_or_path=model_dir, stage="sft", do_train=True, finetuning_type="full", dataset="e2e",
              dataset_dir=data_dir, cutoff_len=w.cutoff,
              template=VL_TEMPLATE[VL[w.model]["model_type"]] if w.model in VL else "qwen3_nothink",
              output_dir=out_dir,
              overwrite_output_dir=True, per_device_train_batch_size=run.micro_batch,
-             gradient_accumulation_steps=run.grad_accum, max_steps=steps, learning_rate=args.lr,
+             gradient_accumulation_steps=run.grad_accum, max_steps=steps + 1, learning_rate=args.lr,
              lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, logging_steps=1,
              save_strategy="no", report_to="none", seed=42, disable_tqdm=True, plot_loss=False,
              preprocessing_num_workers=1 if args.smoke else 4)
@@ -164,8 +165,10 @@ def _visible_devices(n: int, smoke: bool) -> str:
     return ",".join(ids[:n])
 
 
-def launch(run: Run, recipe_path: str, run_dir: str, timeout: int, smoke: bool) -> tuple[str, float]:
-    """Start the run as LLaMA-Factory's launcher would; returns (status, seconds)."""
+def launch(run: Run, recipe_path: str, run_dir: str, timeout: int, smoke: bool, profile_step: int
+           ) -> tuple[str, float]:
+    """Start the run as LLaMA-Factory's launcher would; returns (status, seconds). Step ``profile_step`` runs under
+    torch.profiler: it comes after the measured steps, so the profiler's overhead never reaches their rates."""
     torchrun = run.path == "ours" or run.gpus > 1  # the launcher forces torchrun under USE_MCA=1
     metrics = os.path.join(run_dir, "metrics")
     if torchrun:  # ours through our torchrun, as LLaMA-Factory's launcher runs it under USE_MCA=1 (ranks forked)
@@ -180,7 +183,8 @@ def launch(run: Run, recipe_path: str, run_dir: str, timeout: int, smoke: bool) 
            or not k.startswith(("USE_MCA", "LLAMAFACTORY_MCA_", "E2E_BENCH_"))}
     env.update(NPROC_PER_NODE=str(run.gpus), CUDA_VISIBLE_DEVICES=_visible_devices(run.gpus, smoke),
                HF_DATASETS_CACHE=os.path.join(run_dir, "datasets_cache"),  # every run tokenizes from scratch
-               E2E_BENCH_OUT=metrics, E2E_BENCH_EXIT="1", E2E_BENCH_PACKED="1" if run.packing else "0")
+               E2E_BENCH_OUT=metrics, E2E_BENCH_EXIT="1", E2E_BENCH_PACKED="1" if run.packing else "0",
+               E2E_BENCH_PROFILE_STEP=str(profile_step))
     if run.path == "ours":
         env["USE_MCA"] = "1"
     if smoke:  # one BLAS thread per process: CPU numbers only check the harness, keep them steady and comparable
@@ -233,8 +237,21 @@ def _log_problem(run_dir: str) -> tuple[bool, str]:
     return oom, (errors[-1] if errors else (lines[-1].strip() if lines else ""))[:300]
 
 
+def _profile_summary(ranks: list[dict]) -> dict:
+    """The profiled step's GPU busy share and kernel launches, averaged over the ranks that recorded it (pipeline
+    stages differ); None where no rank did, or where a rank ran no GPU."""
+    profiles = [s["profile"] for r in ranks for s in r["steps"] if s["step"] == r.get("profiled_step")
+                and "profile" in s]
+    result: dict[str, Any] = {"profiled_step": ranks[0].get("profiled_step") if profiles else None}
+    for key in ("gpu_busy", "launches_per_step", "kernel_ms_per_step", "syncs_per_step"):
+        values = [p.get(key) for p in profiles]
+        result[key] = round(float(np.mean(values)), 4) if values and None not in values else None
+    return result
+
+
 def summarize(run_dir: str, run: Run, warmup: int, flops_config, peak: float | None) -> dict:
-    """Throughput, MFU, memory, time to first step and losses from the ranks' files."""
+    """Throughput, MFU, memory, time to first step and losses from the ranks' files; the profiled step counts only
+    for its busy share and launches."""
     from llamafactory_mca.models.cost import flops_per_sequence_set
 
     ranks = []
@@ -246,7 +263,7 @@ def summarize(run_dir: str, run: Run, warmup: int, flops_config, peak: float | N
     if not ranks:
         return {}
     first = min(ranks, key=lambda r: r["rank"])
-    steps = {s["step"]: dict(s) for s in first["steps"] if "t_end" in s}
+    steps = {s["step"]: dict(s) for s in first["steps"] if "t_end" in s and s["step"] != first.get("profiled_step")}
     if first["token_scope"] == "rank":  # LLaMA-Factory path: add the ranks' tokens and sequences
         flops_config = flops_config.without_mtp()  # transformers drops multi-token prediction: it does not train it
         for s in steps.values():
@@ -263,6 +280,7 @@ def summarize(run_dir: str, run: Run, warmup: int, flops_config, peak: float | N
         "peak_memory_gib": round(max(r["peak_memory_gib"] for r in ranks), 2) or None,
         "peak_reserved_gib": round(max(r["peak_reserved_gib"] for r in ranks), 2) or None,
         "losses": [round(steps[k]["loss"], 4) if "loss" in steps[k] else None for k in sorted(steps)],
+        **_profile_summary(ranks),
     }
     window = [k for k in sorted(steps) if k > warmup and "tokens" in steps[k]]
     if warmup in steps and window:
@@ -341,7 +359,7 @@ def run_workload(w: Workload, args, info: dict, save) -> dict:
             yaml.safe_dump(recipe(w, run, model_dir, data_dir, os.path.join(run_dir, "output"), steps, args), f)
         print(f"[e2e] {w.name}/{run.name}: {run.layout}, {run.gpus} x {'GPU' if not args.smoke else 'CPU process'}, "
               f"log {os.path.relpath(os.path.join(run_dir, 'log.txt'))}", flush=True)
-        status, seconds = launch(run, recipe_path, run_dir, args.timeout, args.smoke)
+        status, seconds = launch(run, recipe_path, run_dir, args.timeout, args.smoke, steps + 1)
         record.update(summarize(run_dir, run, warmup, flops_config, peak))
         if run.path == "ours" and run.packing:  # the planner's estimate beside it
             predicted = predict(flops_config, w, run, w.cutoff, peak)
@@ -371,6 +389,8 @@ def _one_line(r: dict) -> str:
         parts.append(f"peak {r['peak_memory_gib']:.1f} GiB")
     if r.get("first_step_s") is not None:
         parts.append(f"first step {r['first_step_s']:.1f} s")
+    if r.get("gpu_busy") is not None:
+        parts.append(f"GPU busy {r['gpu_busy']:.0%}, {r['launches_per_step']:,.0f} launches/step")
     losses = [x for x in r.get("losses", []) if x is not None]
     if losses:
         parts.append(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")

@@ -25,6 +25,7 @@ import time
 from functools import partial
 
 import torch
+from _profile_counts import step_counts
 
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -155,16 +156,8 @@ def main() -> None:
             torch.cuda.synchronize()
         seconds = (time.perf_counter() - start) / args.steps
     events = prof.key_averages()
-    calls = {e.key: e.count for e in events}
-    launches = sum(n for k, n in calls.items() if k in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
-                                                        "cuLaunchKernelEx")) / args.steps
-    syncs = sum(n for k, n in calls.items() if k in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
-                                                     "cudaEventSynchronize")) / args.steps
-    copies = calls.get("cudaMemcpyAsync", 0) / args.steps  # device-to-host ones wait for the GPU too
+    counts = step_counts(events, args.steps, seconds * args.steps, gpu)
     sort = "self_cuda_time_total" if gpu else "self_cpu_time_total"
-    # device time of the kernels themselves (an aten op's self device time repeats its kernels')
-    kernel_us = sum(e.self_device_time_total for e in events
-                    if e.device_type == torch.autograd.DeviceType.CUDA) / args.steps if gpu else 0.0
     from llamafactory_mca.models.cost import flops_per_sequence_set, peak_flops
 
     flops = flops_per_sequence_set(config.transformer, config.vocab_size, [length] * seqs * micro)
@@ -182,11 +175,12 @@ def main() -> None:
              + "".join(f"; {k}: false" for k in off) + "".join(f"; {k}: true" for k in on)
              + ("; Megatron's optimizer step (--megatron-step)" if args.megatron_step else ""),
              "", f"- step time {seconds * 1e3:.1f} ms; {micro * tokens / seconds / sharing:,.0f} tokens/s/GPU",
-             f"- GPU kernel time {kernel_us / 1e3:.1f} ms per step = {kernel_us / 1e6 / seconds:.0%} of the step"
+             f"- GPU kernel time {counts['kernel_ms_per_step']:.1f} ms per step = {counts['gpu_busy']:.0%} of the step"
              if gpu else "- (CPU run)",
              f"- MFU {flops / seconds / peak / sharing:.1%}" if peak else "",
-             f"- per step: {launches:,.0f} kernel launches, {syncs:,.0f} host synchronisations (stream/device/event), "
-             f"{copies:,.0f} cudaMemcpyAsync (each from or to pageable host memory waits for the stream)",
+             f"- per step: {counts['launches_per_step']:,.0f} kernel launches, {counts['syncs_per_step']:,.0f} host "
+             f"synchronisations (stream/device/event), {counts['memcpy_per_step']:,.0f} cudaMemcpyAsync (each from or "
+             "to pageable host memory waits for the stream)" if gpu else "",
              "", "## Top operations by self device time", "",
              "```", events.table(sort_by=sort, row_limit=25, max_name_column_width=70), "```", "",
              "## Top operations by self CPU time", "", "```",

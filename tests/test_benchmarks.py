@@ -51,6 +51,25 @@ def test_padded_batch_counts_real_tokens_and_padded_rows(tmp_path, monkeypatch):
     assert recorder._drain() == (5, [4, 4])  # FLOPs count padded rows at their padded length, as ours does
 
 
+def test_profile_counts_launches_and_busy_share_per_step():
+    """The GPU side on CPU: events shaped as key_averages() gives them."""
+    from types import SimpleNamespace
+
+    counts = _load("_profile_counts").step_counts
+    cpu, gpu = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def event(key, count, device=cpu, device_us=0.0):
+        return SimpleNamespace(key=key, count=count, device_type=device, self_device_time_total=device_us)
+
+    events = [event("cudaLaunchKernel", 30), event("cuLaunchKernelEx", 10), event("cudaStreamSynchronize", 4),
+              event("cudaMemcpyAsync", 2), event("aten::mm", 20, device_us=500.0), event("gemm", 20, gpu, 600.0),
+              event("nccl", 2, gpu, 200.0)]
+    found = counts(events, 2, 0.002, cuda=True)
+    assert found["launches_per_step"] == 20 and found["syncs_per_step"] == 2 and found["memcpy_per_step"] == 1
+    assert found["kernel_ms_per_step"] == 0.4 and found["gpu_busy"] == 0.4 and found["step_ms"] == 1.0
+    assert counts(events, 2, 0.002, cuda=False)["launches_per_step"] is None  # no GPU: not measured, not zero
+
+
 @pytest.mark.slow
 def test_smoke_workload_runs_both_paths(tmp_path):
     result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "e2e_bench.py"), "--smoke",
@@ -68,8 +87,11 @@ def test_smoke_workload_runs_both_paths(tmp_path):
     assert abs(lf["real_tokens"] - ours["real_tokens"]) <= 0.15 * ours["real_tokens"], (lf, ours)
     verdicts = {t["target"].split(":")[0]: t["met"] for t in dense["targets"]}
     assert verdicts["same training"] is True, dense["targets"]
+    for run in (lf, ours):  # one step after the measured four ran under the profiler; on CPU it counts no GPU
+        assert run["profiled_step"] == 5 and run["gpu_busy"] is None and run["launches_per_step"] is None, run
     table = (tmp_path / "out" / "e2e.md").read_text()
     assert "| lf | LLaMA-Factory" in table and "| ours | llamafactory_mca" in table
+    assert "| GPU busy | launches/step |" in table and "| n/a | n/a |" in table
 
 
 def test_two_gpu_target_uses_the_one_gpu_result_of_another_invocation(tmp_path):
@@ -94,6 +116,7 @@ def test_two_gpu_target_uses_the_one_gpu_result_of_another_invocation(tmp_path):
     results = e2e_report.write_results(str(tmp_path), {"dense": workload(1000.0, comparable="other")}, 0.05)
     assert results["workloads"]["dp2"]["targets"][0]["met"] is None  # other shapes or GPU: no verdict
     assert list(results["workloads"]) == ["dense", "dp2"] and "## dp2" in (tmp_path / "e2e.md").read_text()
+    assert "| n/a | n/a |" in (tmp_path / "e2e.md").read_text()  # results from before the profiled step
 
 
 def test_delta_rule_bench_smoke_compares_the_rules(tmp_path):
