@@ -315,7 +315,8 @@ def markdown(results: dict) -> str:
             tps = r.get("tokens_per_second_per_gpu")
             # n/a where nothing was profiled: results from before these columns, CPU runs, runs ended before it
             busy, launches = _cell(r.get("gpu_busy"), ".0%", "n/a"), _cell(r.get("launches_per_step"), ",.0f", "n/a")
-            lines.append(f"| {run_name} | {path} | {r['layout']} | {packing} | {r['micro_batch']} x {r['grad_accum']} "
+            batch = f"{r['micro_batch']} x {r['grad_accum']}" + (f" (ran as {r['ran_as']})" if r.get("ran_as") else "")
+            lines.append(f"| {run_name} | {path} | {r['layout']} | {packing} | {batch} "
                          f"| {_cell(tps, ',.0f' if tps and tps >= 100 else ',.1f')} | {_cell(r.get('mfu'), '.1%')} "
                          f"| {busy} | {launches} "
                          f"| {_cell(r.get('peak_memory_gib'), '.1f')} | {_cell(r.get('first_step_s'), '.1f')} "

@@ -8,6 +8,7 @@ once; the parent only reads versions and counts FLOPs with them, and leaves the 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -249,6 +250,19 @@ def _profile_summary(ranks: list[dict]) -> dict:
     return result
 
 
+def _batch_as_run(run_dir: str, run: Run) -> Run:
+    """The run with the micro-batch and accumulation our startup summary names (``merge_micro_batches`` may run the
+    recipe's micro-batches k as one); LLaMA-Factory's runs as declared."""
+    try:
+        with open(os.path.join(run_dir, "log.txt"), encoding="utf-8", errors="replace") as f:
+            found = re.search(r"x micro batch (\d+) x grad accumulation (\d+)", f.read())
+    except OSError:
+        found = None
+    if run.path != "ours" or not found:
+        return run
+    return dataclasses.replace(run, micro_batch=int(found.group(1)), grad_accum=int(found.group(2)))
+
+
 def summarize(run_dir: str, run: Run, warmup: int, flops_config, peak: float | None) -> dict:
     """Throughput, MFU, memory, time to first step and losses from the ranks' files; the profiled step counts only
     for its busy share and launches."""
@@ -361,8 +375,11 @@ def run_workload(w: Workload, args, info: dict, save) -> dict:
               f"log {os.path.relpath(os.path.join(run_dir, 'log.txt'))}", flush=True)
         status, seconds = launch(run, recipe_path, run_dir, args.timeout, args.smoke, steps + 1)
         record.update(summarize(run_dir, run, warmup, flops_config, peak))
-        if run.path == "ours" and run.packing:  # the planner's estimate beside it
-            predicted = predict(flops_config, w, run, w.cutoff, peak)
+        ran = _batch_as_run(run_dir, run)
+        if (ran.micro_batch, ran.grad_accum) != (run.micro_batch, run.grad_accum):  # merge_micro_batches
+            record["ran_as"] = f"{ran.micro_batch} x {ran.grad_accum}"
+        if run.path == "ours" and run.packing:  # the planner's estimate beside it, for the batch as it ran
+            predicted = predict(flops_config, w, ran, w.cutoff, peak)
             record["predicted_peak_gib"] = predicted["peak"]
             record["predicted_tokens_per_s"] = predicted.get("tokens_per_s")
         oom, problem = _log_problem(run_dir)

@@ -347,7 +347,8 @@ def test_moe_balancing_trains_as_llamafactorys_default_path_unless_asked(assets,
     model = save_tiny_model("qwen3_moe", str(tmp_path / "model"), vocab_size=assets["vocab"], router_aux_loss_coef=0.5)
     save_tiny_tokenizer(model)
     runs = {}
-    for name, extra, env in (("default", {"max_steps": 10}, None), ("checkpoint", {"moe_balancing": "checkpoint"}, None),
+    for name, extra, env in (("default", {"max_steps": 10}, None),
+                             ("checkpoint", {"moe_balancing": "checkpoint"}, None),
                              ("merged", {"max_steps": 10, "sequence_packing": True},
                               {"LLAMAFACTORY_MCA_GPU_MEMORY": "80"})):
         config = recipe(assets, tmp_path / name, model_name_or_path=model, max_samples=8, **extra)
@@ -361,8 +362,9 @@ def test_moe_balancing_trains_as_llamafactorys_default_path_unless_asked(assets,
         runs[name] = losses(tmp_path / name), history, output
     (ours, plain_history, plain_output), (on, on_history, on_output) = runs["default"], runs["checkpoint"]
     merged, _, merged_output = runs["merged"]
-    assert "global 8 = dp 1 x micro batch 8 x grad accumulation 1; ~351 tokens per step (packed); merge_micro_batches: " \
-        "auto merged the recipe's micro-batches by 4 (256 rows per expert; 1 keeps them)" in merged_output
+    assert ("global 8 = dp 1 x micro batch 8 x grad accumulation 1; ~351 tokens per step (packed); "
+            "merge_micro_batches: auto merged the recipe's micro-batches by 4 (256 rows per expert; 1 keeps them)"
+            ) in merged_output
     assert all(abs(merged[k] - ours[k]) <= 1e-4 * ours[k] for k in ours), (merged, ours)
     assert ("MoE         no load-balancing loss, as in LLaMA-Factory's default path (moe_aux_loss_coef sets a weight; "
             "moe_balancing: checkpoint trains the checkpoint's router_aux_loss_coef)") in plain_output
