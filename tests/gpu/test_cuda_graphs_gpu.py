@@ -22,6 +22,7 @@ def test_graphed_layers_train_what_eager_layers_train(model, fused, lora, assets
     ``lora``: the base frozen, the adapters (on the grouped experts too) inside the graphed layers."""
     curves = {}
     tuning = dict(finetuning_type="lora", lora_target=lora, learning_rate=1e-3) if lora else dict(learning_rate=1e-4)
+    tuning["merge_micro_batches"] = 1  # graphs replay the recipe's micro-batch: the eager run keeps it too
     for graphs in (False, True):
         name = f"{model}_graphs_{graphs}"
         config = recipe(assets, tmp_path / name, model_name_or_path=assets["models"][model], bf16=True,
