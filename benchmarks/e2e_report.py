@@ -293,9 +293,9 @@ def markdown(results: dict) -> str:
               "`torch.cuda.max_memory_allocated()` during training, max over ranks. First step: launch to the end of "
               "step 1 (imports, tokenization, model load included). Loss: step 1 -> last step. GPU busy and "
               "launches/step: one more step after the measured ones, under torch.profiler (so it changes none of the "
-              "rates above), `on_step_begin` to `on_step_end` with the GPU synchronised at both ends: kernel time "
-              "(summed over streams) / that step's wall time, and the kernel launches the host made in it; mean over "
-              "ranks; n/a on CPU. See benchmarks/README.md."), ""]
+              "rates above; CUDA activity only), `on_step_begin` to `on_step_end` with the GPU synchronised at both "
+              "ends: its kernel time (summed over streams) / the measured steps' mean time, and the kernel launches "
+              "the host made in it; mean over ranks; n/a on CPU. See benchmarks/README.md."), ""]
     for name, data in results["workloads"].items():
         s, m, v = data["settings"], data["machine"], data["versions"]
         peak = f", bf16 peak {s['peak_flops'] / 1e12:.0f} TFLOPS" if s["peak_flops"] else ""

@@ -305,6 +305,8 @@ def summarize(run_dir: str, run: Run, warmup: int, flops_config, peak: float | N
                       tokens_per_second_per_gpu=round(tokens / seconds / run.gpus, 1),
                       mfu=round(flops / seconds / run.gpus / peak, 4) if peak else None,
                       step_seconds=round(seconds / len(window), 3))
+        if result.get("kernel_ms_per_step") is not None:  # the profiled step's GPU work over an unprofiled step's time
+            result["gpu_busy"] = round(result["kernel_ms_per_step"] / 1e3 / result["step_seconds"], 4)
         reported = [steps[k].get("self_reported", {}) for k in window]
         keys = [key for key in ("tokens_per_second_per_gpu", "mfu") if any(key in r for r in reported)]
         if keys:  # ours: McaTrainer's own log line (timed over train_step only), for cross-checking
