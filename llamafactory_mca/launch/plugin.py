@@ -65,7 +65,8 @@ TUNER_NAME = "llamafactory.train.tuner"
 
 def _guard_train_args(module: types.ModuleType) -> None:
     """LLaMA-Factory sends stages other than pt/sft/dpo to its own trainers even under USE_MCA=1, where they
-    would fail obscurely; check the parsed request (stage, finetuning type, ...) right after parsing."""
+    would fail obscurely; check the parsed request (stage, finetuning type, ...) right after parsing. This is the
+    request's one check in each process (the launcher's and each worker's): ``plan.plan_run`` does not repeat it."""
     parse = module.get_train_args
 
     def get_train_args(args=None):
