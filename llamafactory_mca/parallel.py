@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.distributed import distributed_c10d as c10d
 
+from .args import expert_tp
 from .errors import UserError
 
 
@@ -63,7 +64,7 @@ class ParallelLayout:
                   ) -> ParallelLayout:
         world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
         tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
-        ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or 1
+        ep, etp = args.expert_model_parallel_size, expert_tp(args)
         model_parallel = tp * pp * cp
         if world_size % model_parallel:
             raise UserError(
@@ -203,9 +204,12 @@ def check_layout(config: Any, layout: ParallelLayout, custom_pipeline_layout: bo
         raise UserError(f"{config.hf_model_type}: " + "; ".join(problems) + ".")
 
 
-def min_world_size(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int = 1) -> int:
-    """The fewest processes a layout fits in: dense layers need tp·pp·cp, expert layers ep·etp·pp."""
-    return math.lcm(tp * pp * cp, ep * etp * pp)
+def min_world_size(args: Any) -> int:
+    """The fewest processes the recipe's layout (``args``: its parsed arguments) fits in: dense layers need tp·pp·cp,
+    expert layers ep·etp·pp."""
+    pp = args.pipeline_model_parallel_size
+    return math.lcm(args.tensor_model_parallel_size * pp * args.context_parallel_size,
+                    args.expert_model_parallel_size * expert_tp(args) * pp)
 
 
 def init_distributed(timeout_s: float = 1800) -> None:

@@ -27,7 +27,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..args import LAYOUT_KEYS
+from ..args import LAYOUT_KEY, LAYOUT_KEYS
 from ..errors import UserError
 from . import manifest, writers
 from .dist_reader import DistCheckpointReader
@@ -45,7 +45,6 @@ LAYOUT_NAME = "mca_layout.json"  # the layout it was written in
 TRAINER_STATE_NAME = "trainer_state.json"
 RUN_NAME = "mca_run.json"  # a training checkpoint's run: stage, finetuning type, model
 ADAPTER_CONFIG_NAME = "adapter_config.json"  # in a LoRA run's checkpoints: what the adapters are (peft's file)
-_LAYOUT_ATTRS = ("tp", "pp", "vpp", "ep", "etp", "cp")
 DP_KEY = "data_parallel_size"
 _CHECKPOINT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
 
@@ -82,7 +81,7 @@ def read_layout(path: str) -> dict[str, Any]:
 
 def layout_record(layout: Any) -> dict[str, Any]:
     """A ``parallel.ParallelLayout`` as the layout file records it (the recipe's key names, and the dp size)."""
-    return {**{key: getattr(layout, attr) for key, attr in zip(LAYOUT_KEYS, _LAYOUT_ATTRS)}, DP_KEY: layout.dp}
+    return {**{key: getattr(layout, size) for size, key in LAYOUT_KEY.items()}, DP_KEY: layout.dp}
 
 
 def layout_change(saved: dict[str, Any], layout: Any) -> str | None:

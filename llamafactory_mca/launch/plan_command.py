@@ -84,10 +84,7 @@ def plan_command(argv: list[str]) -> dict[str, Any]:
     recipe = read_recipe(rest)
     check_keys(recipe, rest[0])
     model_args, data_args, training_args, finetuning_args, _ = parse(recipe)
-    smallest = min_world_size(
-        training_args.tensor_model_parallel_size, training_args.pipeline_model_parallel_size,
-        training_args.context_parallel_size, training_args.expert_model_parallel_size,
-        training_args.expert_tensor_parallel_size or 1)
+    smallest = min_world_size(training_args)
     visible, peak, gpu_name, gpus_visible = _gpu()
     hardware = recipe_hardware(rest[0])
     world, whose = own_world(smallest, options.gpus, gpus_visible, hardware)

@@ -298,10 +298,7 @@ def check_recipe(recipe: dict[str, Any] | list[str], where: str) -> tuple[Any, A
         check_finetuning_type(recipe["finetuning_type"])
     model_args, data_args, training_args, finetuning_args, _ = parse(recipe)
     check_reporting(training_args, finetuning_args)
-    world = planned_world_size(min_world_size(
-        training_args.tensor_model_parallel_size, training_args.pipeline_model_parallel_size,
-        training_args.context_parallel_size, training_args.expert_model_parallel_size,
-        training_args.expert_tensor_parallel_size or 1))
+    world = planned_world_size(min_world_size(training_args))
     plan = plan_run(finetuning_args.stage, model_args, data_args, training_args, finetuning_args, world, recipe)
     for path in (plan.model_path, *plan.adapters, *([plan.reference[0]] if plan.reference else [])):
         check_model_files(path)

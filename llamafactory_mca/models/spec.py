@@ -46,6 +46,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules, get_transformer_layer_offset
 
+from ..args import expert_tp
 from ..compat import has_transformer_engine
 from ..errors import UserError
 from . import native
@@ -299,7 +300,7 @@ def _expert_parallel_sizes(config: TransformerConfig) -> tuple[int, int]:
     expert_tensor_parallel_size with the tensor-parallel size, but the layout's default is 1), else the config's."""
     if ps.model_parallel_is_initialized():
         return ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
-    return config.expert_model_parallel_size, config.expert_tensor_parallel_size or 1
+    return config.expert_model_parallel_size, expert_tp(config)
 
 
 def _native_only(config: TransformerConfig) -> str | None:
