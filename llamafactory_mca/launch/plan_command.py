@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import UserError, user_errors
 from ..planner.advice import GPU_COUNTS, change_for_gpus, cheapest_changes
-from ..planner.check import TERMS, training_of
+from ..planner.check import TERMS, training_of, visible_gpu_memory_gib
 from ..planner.memory import estimate
 from ..planner.search import DEFAULT_PEAK, predicted_tokens_per_s, search
 from ..tools import flags
@@ -31,14 +31,16 @@ def _options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def _gpu() -> tuple[float | None, float, str, int]:
-    """(memory GiB of the visible GPU or None, bf16 peak FLOP/s, its name, how many): an H100's peak without one."""
+    """(memory GiB of the smallest GPU or None, bf16 peak FLOP/s, its name, how many): an H100's peak without one.
+    The memory is the launcher's reading (``planner.check.visible_gpu_memory_gib``), so a plan and the launcher's
+    check weigh a recipe against the same size."""
     import torch
 
     from ..models.cost import peak_flops
 
     if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        return props.total_memory / 1024**3, peak_flops() or DEFAULT_PEAK, props.name, torch.cuda.device_count()
+        return (visible_gpu_memory_gib(), peak_flops() or DEFAULT_PEAK, torch.cuda.get_device_name(0),
+                torch.cuda.device_count())
     return None, DEFAULT_PEAK, "no GPU visible (speed as on an H100)", 0
 
 
