@@ -172,7 +172,7 @@ _ELEMENT_OF = {"per_device_train_batch_size": "batch_size", "model_name_or_path"
 def on_page(message: str, lang: str) -> str:
     """A refusal as the page shows it: the launcher's line (the recipe's key names), then what each key it names is
     called on this page."""
-    from llamafactory.webui.locales import LOCALES
+    from llamafactory.webui.locales import LOCALES  # here: this module loads while LLaMA-Factory's web UI does
 
     names = {**{key: name for name, key in KEYS.items()}, **_ELEMENT_OF}
     named = []

@@ -13,12 +13,18 @@ import re
 import sys
 from typing import Any
 
+import torch
+
 from ..errors import UserError, user_errors
+from ..models.cost import peak_flops
+from ..parallel import min_world_size
 from ..planner.advice import GPU_COUNTS, change_for_gpus, cheapest_changes
 from ..planner.check import TERMS, training_of, visible_gpu_memory_gib
 from ..planner.memory import estimate
 from ..planner.search import DEFAULT_PEAK, predicted_tokens_per_s, search
+from ..quiet import quiet_third_party
 from ..tools import flags
+from .plugin import install
 
 
 def _options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -34,10 +40,6 @@ def _gpu() -> tuple[float | None, float, str, int]:
     """(memory GiB of the smallest GPU or None, bf16 peak FLOP/s, its name, how many): an H100's peak without one.
     The memory is the launcher's reading (``planner.check.visible_gpu_memory_gib``), so a plan and the launcher's
     check weigh a recipe against the same size."""
-    import torch
-
-    from ..models.cost import peak_flops
-
     if torch.cuda.is_available():
         return (visible_gpu_memory_gib(), peak_flops() or DEFAULT_PEAK, torch.cuda.get_device_name(0),
                 torch.cuda.device_count())
@@ -78,7 +80,6 @@ def plan_command(argv: list[str]) -> dict[str, Any]:
     """The estimate (and the search) as a dict; prints the human-readable lines."""
     # LLaMA-Factory's parser, through the launcher's own recipe reading so that a plan reads exactly what training
     # would: imported only now, after main() has installed our hook (its argument classes are chosen at import)
-    from ..parallel import min_world_size
     from ..plan import plan_run
     from .preflight import check_keys, parse, read_recipe
 
@@ -144,9 +145,6 @@ def main(argv: list[str]) -> int:
         print(flags.plan().format_help())
         return 0
     os.environ["USE_MCA"] = "1"
-    from ..quiet import quiet_third_party
-    from .plugin import install
-
     install()
     quiet_third_party()
     with user_errors(also=(ValueError,)):
