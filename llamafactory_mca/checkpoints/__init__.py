@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import queue
 import re
 import shutil
 import sys
@@ -215,8 +216,6 @@ def _in_process_results_queue() -> None:
     broke the next save. Our saves are synchronous: the results are put and read back in this process (the file
     writers it forks report through a queue of their own), so a thread-safe in-process queue does the same job with
     no process behind it."""
-    import queue
-
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if not isinstance(filesystem_async._results_queue, queue.Queue):
@@ -259,8 +258,6 @@ def verify_checkpoint(path: str) -> None:
 
     Cheap (configs, metadata and data-file sizes; no tensor is read).
     """
-    import json
-
     config_path = os.path.join(path, MCA_CONFIG_NAME)
     dist = dist_checkpoint_dir(path)
     if not os.path.isfile(config_path) or dist is None:

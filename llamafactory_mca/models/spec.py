@@ -20,6 +20,7 @@ Three choices, made once from the config:
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from typing import Any
 
@@ -347,8 +348,6 @@ def _turn_off(put, name: str, why: str) -> None:
 
 
 def _has_apex_wgrad() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
 
 
