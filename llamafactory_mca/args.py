@@ -34,9 +34,20 @@ ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 OPTIMIZERS = ("adam", "sgd")
 PT_BLOCKS = ("documents", "concatenated")
 MOE_BALANCING = ("llamafactory", "checkpoint")
-# The sizes that make a layout: written into every checkpoint (mca_layout.json), accepted by merge and convert.
-LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-               "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size")
+# The sizes that make a layout: each of ``parallel.ParallelLayout``'s sizes and the recipe key that sets it, the one
+# place these names are written (here, not in parallel.py: this module stays light). Written into every checkpoint
+# (mca_layout.json) in this order, accepted by merge and convert.
+LAYOUT_KEY = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+              "vpp": "virtual_pipeline_model_parallel_size", "ep": "expert_model_parallel_size",
+              "etp": "expert_tensor_parallel_size", "cp": "context_parallel_size"}
+LAYOUT_KEYS = tuple(LAYOUT_KEY.values())
+
+
+def expert_tp(args: Any) -> int:
+    """``expert_tensor_parallel_size`` as the layout takes it (``args``: the recipe's arguments, or a
+    TransformerConfig): unset is 1, each expert whole on its rank; megatron-core's own default would be the
+    tensor-parallel size."""
+    return args.expert_tensor_parallel_size or 1
 
 
 def _split_csv(value: Any) -> Any:
@@ -292,8 +303,7 @@ class DistributingParallelArguments:
         """The TransformerConfig overrides: every set field, with additional_configs merged on top."""
         names = [f.name for f in fields(DistributingParallelArguments) if f.name != "additional_configs"]
         config = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
-        # unset, the layout's expert TP is 1 (``parallel.ParallelLayout``); megatron-core's would be TP's
-        config.setdefault("expert_tensor_parallel_size", 1)
+        config[LAYOUT_KEY["etp"]] = expert_tp(self)  # set: megatron-core's default is not the layout's
         config.update(self.additional_configs or {})
         return config
 

@@ -7,16 +7,23 @@ world size is known); ``initialize`` builds Megatron's process groups from it. E
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import math
 import os
+import random
+import signal
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 from torch.distributed import distributed_c10d as c10d
 
+from .args import expert_tp
 from .errors import UserError
 
 
@@ -63,7 +70,7 @@ class ParallelLayout:
                   ) -> ParallelLayout:
         world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
         tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
-        ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or 1
+        ep, etp = args.expert_model_parallel_size, expert_tp(args)
         model_parallel = tp * pp * cp
         if world_size % model_parallel:
             raise UserError(
@@ -203,9 +210,12 @@ def check_layout(config: Any, layout: ParallelLayout, custom_pipeline_layout: bo
         raise UserError(f"{config.hf_model_type}: " + "; ".join(problems) + ".")
 
 
-def min_world_size(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int = 1) -> int:
-    """The fewest processes a layout fits in: dense layers need tp·pp·cp, expert layers ep·etp·pp."""
-    return math.lcm(tp * pp * cp, ep * etp * pp)
+def min_world_size(args: Any) -> int:
+    """The fewest processes the recipe's layout (``args``: its parsed arguments) fits in: dense layers need tp·pp·cp,
+    expert layers ep·etp·pp."""
+    pp = args.pipeline_model_parallel_size
+    return math.lcm(args.tensor_model_parallel_size * pp * args.context_parallel_size,
+                    args.expert_model_parallel_size * expert_tp(args) * pp)
 
 
 def init_distributed(timeout_s: float = 1800) -> None:
@@ -229,8 +239,6 @@ def init_distributed(timeout_s: float = 1800) -> None:
         torch.cuda.set_device(device["device_id"])
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
-    from datetime import timedelta
-
     torch.distributed.init_process_group(
         backend="nccl" if torch.cuda.is_available() else "gloo",
         rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1")),
@@ -265,8 +273,6 @@ def initialize(layout: ParallelLayout, seed: int = 42, cuda_graphs: bool = False
             expert_model_parallel_size=layout.ep,
             expert_tensor_parallel_size=layout.etp,
         )
-    import random
-
     import numpy as np
 
     random.seed(seed)
@@ -292,8 +298,6 @@ def destroy_layout() -> None:
     their losses were reduced over, and the rotary embeddings' class-level ``lru_cache`` on ``forward`` keeps the
     last modules (``self``) and, through the DDP hooks on them, the whole finished model with its optimizer. (The
     trainer drops the autograd graphs its modules keep: ``trainer._drop_kept_graphs``.)"""
-    import gc
-
     from megatron.core import parallel_state
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
@@ -332,8 +336,6 @@ def interrupt_once() -> None:
     """Ctrl-C reaches a worker twice: from the terminal, then passed on by torchrun's agent. The second would land
     in the middle of dropping an unfinished checkpoint, or in the exit's finalizers, with a traceback: the first
     raises KeyboardInterrupt, later ones are ignored (the agent still ends a worker that does not leave)."""
-    import signal
-
     def interrupted(signum, frame):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise KeyboardInterrupt
@@ -361,9 +363,6 @@ def end_worker() -> None:
     the rest. Nothing is garbage-collected first (``destroy_layout``'s collections are for a process that goes on to
     another layout): a full collection of a process holding torch, transformers and LLaMA-Factory takes a third of a
     second, and the loop took 2-3 s of every rank's exit. For worker processes only: it does not return."""
-    import atexit
-    import sys
-
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     atexit._run_exitfuncs()

@@ -85,8 +85,9 @@ def plan_run(stage: str, model_args: Any, data_args: Any, training_args: Any, fi
              recipe: dict | list | None = None, resolve: Resolver = resolve_model) -> RunPlan:
     """The plan, with every check that needs no process group, in the order a user would fix them. ``recipe``: as
     LLaMA-Factory's ``read_args`` returns it (None: the command line); ``resolve``: how a hub id becomes a folder
-    (the launcher downloads; a bare torchrun's ranks take turns per node)."""
-    check_request(stage, model_args, data_args, training_args, finetuning_args)
+    (the launcher downloads; a bare torchrun's ranks take turns per node). The request itself (``check_request``) was
+    checked as it was parsed: every process parses through LLaMA-Factory's ``get_train_args``, which the activation
+    hook wraps (``launch/plugin.py``), so it runs once per process, first."""
     packing, cutoff_len = packing_request(data_args, training_args, recipe)
     layout = training_args.resolve_layout(world_size, seq_length=cutoff_len)
     model_path = resolve(model_args.model_name_or_path, model_args, field="model_name_or_path")
@@ -152,7 +153,9 @@ def check_finetuning_type(tuning: str) -> None:
 
 
 def check_request(stage: str, model_args: Any, data_args: Any, training_args: Any, finetuning_args: Any) -> None:
-    """Refuse what the Megatron path does not do, naming the key and the fix."""
+    """Refuse what the Megatron path does not do, naming the key and the fix. Its one caller is the guard on
+    LLaMA-Factory's ``get_train_args`` (``launch/plugin.py``), where the launcher's preflight, the plan command,
+    LlamaBoard's checks and every worker parse the recipe; ``plan_run`` relies on it."""
     check_stage(stage)
     check_no_generation(training_args)
     check_finetuning_type(finetuning_args.finetuning_type)

@@ -7,7 +7,7 @@ import sys
 import pytest
 import yaml
 
-from tests._cli import losses, one_error, recipe, run, train
+from tests._cli import cli_env, losses, one_error, recipe, run, train
 
 
 def _run(args, env_extra=None, timeout=300, cwd=None):
@@ -148,3 +148,23 @@ def test_another_upstream_version_is_one_line_naming_what_may_no_longer_hold(mon
     assert note.startswith("[llamafactory_mca] note: megatron-core 0.17.0 (written against 0.16.1: compat.py (")
     assert "trainer/param_remainders.py (the distributed optimizer's Adam" in note and "llamafactory " not in note
     assert note.endswith("install the versions in requirements/stack.txt.") and "\n" not in note
+
+
+# The launcher's preflight in one process, counting the request checks (plan.check_request) it makes.
+_COUNT_REQUEST_CHECKS = ("import sys\n"
+                         "from llamafactory_mca import plan\n"
+                         "from llamafactory_mca.launch import preflight\n"
+                         "real, calls = plan.check_request, []\n"
+                         "plan.check_request = lambda *args: calls.append(args[0]) or real(*args)\n"
+                         "preflight.check_recipe(preflight.read_recipe(sys.argv[1:]), sys.argv[1])\n"
+                         "print('request checks:', len(calls))\n")
+
+
+def test_the_request_is_checked_once_per_process(assets, tmp_path):
+    """The parser's guard (plugin.py) checks the request as it is parsed; the plan made next does not check it
+    again."""
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe(assets, tmp_path / "out")))
+    result, output = run([sys.executable, "-c", _COUNT_REQUEST_CHECKS, str(path)], env=cli_env(1), alone=False)
+    assert result.returncode == 0, output[-3000:]
+    assert "request checks: 1" in output, output[-3000:]

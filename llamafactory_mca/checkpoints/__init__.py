@@ -21,13 +21,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import queue
 import re
 import shutil
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..args import LAYOUT_KEYS
+from ..args import LAYOUT_KEY, LAYOUT_KEYS
 from ..errors import UserError
 from . import manifest, writers
 from .dist_reader import DistCheckpointReader
@@ -45,7 +46,6 @@ LAYOUT_NAME = "mca_layout.json"  # the layout it was written in
 TRAINER_STATE_NAME = "trainer_state.json"
 RUN_NAME = "mca_run.json"  # a training checkpoint's run: stage, finetuning type, model
 ADAPTER_CONFIG_NAME = "adapter_config.json"  # in a LoRA run's checkpoints: what the adapters are (peft's file)
-_LAYOUT_ATTRS = ("tp", "pp", "vpp", "ep", "etp", "cp")
 DP_KEY = "data_parallel_size"
 _CHECKPOINT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
 
@@ -82,7 +82,7 @@ def read_layout(path: str) -> dict[str, Any]:
 
 def layout_record(layout: Any) -> dict[str, Any]:
     """A ``parallel.ParallelLayout`` as the layout file records it (the recipe's key names, and the dp size)."""
-    return {**{key: getattr(layout, attr) for key, attr in zip(LAYOUT_KEYS, _LAYOUT_ATTRS)}, DP_KEY: layout.dp}
+    return {**{key: getattr(layout, size) for size, key in LAYOUT_KEY.items()}, DP_KEY: layout.dp}
 
 
 def layout_change(saved: dict[str, Any], layout: Any) -> str | None:
@@ -216,8 +216,6 @@ def _in_process_results_queue() -> None:
     broke the next save. Our saves are synchronous: the results are put and read back in this process (the file
     writers it forks report through a queue of their own), so a thread-safe in-process queue does the same job with
     no process behind it."""
-    import queue
-
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if not isinstance(filesystem_async._results_queue, queue.Queue):
@@ -260,8 +258,6 @@ def verify_checkpoint(path: str) -> None:
 
     Cheap (configs, metadata and data-file sizes; no tensor is read).
     """
-    import json
-
     config_path = os.path.join(path, MCA_CONFIG_NAME)
     dist = dist_checkpoint_dir(path)
     if not os.path.isfile(config_path) or dist is None:

@@ -30,6 +30,7 @@ from typing import Any
 
 import gradio as gr
 
+from ..args import LAYOUT_KEY
 from ..checkpoints import is_checkpoint
 from ..checkpoints import list_checkpoints as our_checkpoints
 from ..errors import UserError
@@ -39,11 +40,12 @@ from ..tools.merge import merge
 from .preflight import check_recipe
 
 
+# The layout sizes the group sets: each one's element is named mca_<size>.
+SIZES = ("tp", "pp", "vpp", "cp", "ep")
 # Element name -> the recipe key it sets; the widgets and their defaults (our recipes') are in megatron_group.
 KEYS = {
-    "mca_tp": "tensor_model_parallel_size", "mca_pp": "pipeline_model_parallel_size",
-    "mca_vpp": "virtual_pipeline_model_parallel_size", "mca_cp": "context_parallel_size",
-    "mca_ep": "expert_model_parallel_size", "mca_sp": "sequence_parallel", "mca_packing": "sequence_packing",
+    **{f"mca_{size}": LAYOUT_KEY[size] for size in SIZES}, "mca_sp": "sequence_parallel",
+    "mca_packing": "sequence_packing",
     "mca_recompute": "recompute_granularity", "mca_dist_opt": "use_distributed_optimizer",
     "mca_overlap_grad": "overlap_grad_reduce", "mca_overlap_param": "overlap_param_gather",
     "mca_dispatcher": "moe_token_dispatcher_type",
@@ -101,11 +103,10 @@ def megatron_group() -> dict[str, Any]:
 def recipe_keys(value) -> dict[str, Any]:
     """The group's values (``value(name)``) as recipe keys; left-out keys keep the recipe defaults."""
     keys = {key: value(name) for name, key in KEYS.items()}
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                 "expert_model_parallel_size", "virtual_pipeline_model_parallel_size"):
-        keys[name] = int(keys[name])
-    if keys["pipeline_model_parallel_size"] == 1 or keys["virtual_pipeline_model_parallel_size"] == 1:
-        keys["virtual_pipeline_model_parallel_size"] = None
+    for size in SIZES:
+        keys[LAYOUT_KEY[size]] = int(keys[LAYOUT_KEY[size]])
+    if keys[LAYOUT_KEY["pp"]] == 1 or keys[LAYOUT_KEY["vpp"]] == 1:
+        keys[LAYOUT_KEY["vpp"]] = None
     if keys["recompute_granularity"] == "none":
         keys["recompute_granularity"] = None
     return keys
@@ -171,7 +172,7 @@ _ELEMENT_OF = {"per_device_train_batch_size": "batch_size", "model_name_or_path"
 def on_page(message: str, lang: str) -> str:
     """A refusal as the page shows it: the launcher's line (the recipe's key names), then what each key it names is
     called on this page."""
-    from llamafactory.webui.locales import LOCALES
+    from llamafactory.webui.locales import LOCALES  # here: this module loads while LLaMA-Factory's web UI does
 
     names = {**{key: name for name, key in KEYS.items()}, **_ELEMENT_OF}
     named = []

@@ -12,6 +12,14 @@ import difflib
 import importlib
 import os
 import sys
+from importlib.metadata import version as installed
+
+from ..errors import user_errors
+from ..quiet import quiet_third_party
+from ..tools.flags import PARSERS
+from .health import check_installation, versions
+from .plugin import install, quiet_ctrl_c_while_importing, refuse_when_disabled, skip_the_final_collection
+from .preflight import train_help
 
 
 COMMANDS = ("train", "plan", "merge", "convert", "verify", "demo", "version", "help")
@@ -37,16 +45,12 @@ users know."""
 
 def train(argv: list[str]) -> int:
     if not argv or any(a in ("-h", "--help") for a in argv):
-        from .preflight import train_help
-
         print(train_help())
         return 0
     os.environ["USE_MCA"] = "1"
-    from .plugin import install, quiet_ctrl_c_while_importing
-
     install()
     quiet_ctrl_c_while_importing()
-    from llamafactory.cli import main as lf_main
+    from llamafactory.cli import main as lf_main  # here: after install(), which LLaMA-Factory's import needs
 
     sys.argv = ["llamafactory-cli", "train", *argv]
     lf_main()
@@ -64,9 +68,6 @@ def version(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(VERSION_USAGE)
         return 0
-    from ..quiet import quiet_third_party
-    from .health import check_installation, versions
-
     quiet_third_party()
     for name, value in versions().items():
         print(f"{name:20s} {value}")
@@ -79,13 +80,8 @@ def version(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv else "help"
-    from .plugin import skip_the_final_collection
-
     skip_the_final_collection()
     if command in ("train", "demo") and not any(a in ("-h", "--help") for a in argv):
-        from ..errors import user_errors
-        from .plugin import refuse_when_disabled
-
         with user_errors():
             refuse_when_disabled(command)
     if command == "train":
@@ -93,13 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     if command == "version":
         return version(argv)
     if command in FRONT_ENDS and any(a in ("-h", "--help") for a in argv):  # from the flags alone, at once
-        from ..tools.flags import PARSERS
-
         print(PARSERS[command]().format_help())
         return 0
     if command in FRONT_ENDS:  # imported when asked for: the others answer at once
-        from ..quiet import quiet_third_party
-
         quiet_third_party()  # before Megatron-Core's import-time warnings
         module, function = FRONT_ENDS[command]
         return getattr(importlib.import_module(module, __package__), function)(argv)
@@ -107,8 +99,6 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     if command in ("--version", "-V"):  # the installed package; `version` checks the whole set (seconds)
-        from importlib.metadata import version as installed
-
         print(f"llamafactory-mca {installed('llamafactory-mca')}")
         return 0
     close = difflib.get_close_matches(command, COMMANDS, n=1)

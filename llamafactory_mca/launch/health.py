@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
+import os
 import re
+
+from .. import __version__
+from ..compat import has_flash_attn, has_transformer_engine
 
 
 TORCH_SET = ("torch", "torchvision", "torchaudio")
@@ -67,9 +72,6 @@ def fix_command() -> str:
 def _module_version(name: str) -> str | None:
     """The package's own ``__version__`` from its ``version.py`` (it carries the CUDA tag, which the wheel's
     metadata does not), read as text: importing a mismatched torchaudio is what fails."""
-    import importlib.util
-    import os
-
     spec = importlib.util.find_spec(name)
     for folder in (spec.submodule_search_locations or []) if spec else []:
         path = os.path.join(folder, "version.py")
@@ -99,10 +101,7 @@ def check_installation() -> list[str]:
 
 
 def versions() -> dict[str, str]:
-    import torch
-
-    from .. import __version__
-    from ..compat import has_flash_attn, has_transformer_engine
+    import torch  # here: `llamafactory-mca` starts without torch; only `version` asks it
 
     def show(dist: str) -> str:
         return _version(dist) or "not installed"

@@ -13,12 +13,18 @@ import re
 import sys
 from typing import Any
 
+import torch
+
 from ..errors import UserError, user_errors
+from ..models.cost import peak_flops
+from ..parallel import min_world_size
 from ..planner.advice import GPU_COUNTS, change_for_gpus, cheapest_changes
-from ..planner.check import TERMS, training_of
+from ..planner.check import TERMS, training_of, visible_gpu_memory_gib
 from ..planner.memory import estimate
 from ..planner.search import DEFAULT_PEAK, predicted_tokens_per_s, search
+from ..quiet import quiet_third_party
 from ..tools import flags
+from .plugin import install
 
 
 def _options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -31,14 +37,12 @@ def _options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def _gpu() -> tuple[float | None, float, str, int]:
-    """(memory GiB of the visible GPU or None, bf16 peak FLOP/s, its name, how many): an H100's peak without one."""
-    import torch
-
-    from ..models.cost import peak_flops
-
+    """(memory GiB of the smallest GPU or None, bf16 peak FLOP/s, its name, how many): an H100's peak without one.
+    The memory is the launcher's reading (``planner.check.visible_gpu_memory_gib``), so a plan and the launcher's
+    check weigh a recipe against the same size."""
     if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        return props.total_memory / 1024**3, peak_flops() or DEFAULT_PEAK, props.name, torch.cuda.device_count()
+        return (visible_gpu_memory_gib(), peak_flops() or DEFAULT_PEAK, torch.cuda.get_device_name(0),
+                torch.cuda.device_count())
     return None, DEFAULT_PEAK, "no GPU visible (speed as on an H100)", 0
 
 
@@ -76,7 +80,6 @@ def plan_command(argv: list[str]) -> dict[str, Any]:
     """The estimate (and the search) as a dict; prints the human-readable lines."""
     # LLaMA-Factory's parser, through the launcher's own recipe reading so that a plan reads exactly what training
     # would: imported only now, after main() has installed our hook (its argument classes are chosen at import)
-    from ..parallel import min_world_size
     from ..plan import plan_run
     from .preflight import check_keys, parse, read_recipe
 
@@ -84,10 +87,7 @@ def plan_command(argv: list[str]) -> dict[str, Any]:
     recipe = read_recipe(rest)
     check_keys(recipe, rest[0])
     model_args, data_args, training_args, finetuning_args, _ = parse(recipe)
-    smallest = min_world_size(
-        training_args.tensor_model_parallel_size, training_args.pipeline_model_parallel_size,
-        training_args.context_parallel_size, training_args.expert_model_parallel_size,
-        training_args.expert_tensor_parallel_size or 1)
+    smallest = min_world_size(training_args)
     visible, peak, gpu_name, gpus_visible = _gpu()
     hardware = recipe_hardware(rest[0])
     world, whose = own_world(smallest, options.gpus, gpus_visible, hardware)
@@ -145,9 +145,6 @@ def main(argv: list[str]) -> int:
         print(flags.plan().format_help())
         return 0
     os.environ["USE_MCA"] = "1"
-    from ..quiet import quiet_third_party
-    from .plugin import install
-
     install()
     quiet_third_party()
     with user_errors(also=(ValueError,)):

@@ -18,11 +18,16 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import logging
 import os
+import signal
 import sys
 import types
 
+from .. import __version__
 from ..compat import version_note
+from ..errors import UserError
+from ..quiet import quiet_third_party
 from . import torchrun
 
 
@@ -65,7 +70,8 @@ TUNER_NAME = "llamafactory.train.tuner"
 
 def _guard_train_args(module: types.ModuleType) -> None:
     """LLaMA-Factory sends stages other than pt/sft/dpo to its own trainers even under USE_MCA=1, where they
-    would fail obscurely; check the parsed request (stage, finetuning type, ...) right after parsing."""
+    would fail obscurely; check the parsed request (stage, finetuning type, ...) right after parsing. This is the
+    request's one check in each process (the launcher's and each worker's): ``plan.plan_run`` does not repeat it."""
     parse = module.get_train_args
 
     def get_train_args(args=None):
@@ -113,8 +119,8 @@ def _join_process_group(recipe) -> None:
     """Create the process group before Hugging Face's TrainingArguments does (it would, with ddp_timeout as the
     group's timeout): ours is a minute longer, so the watchdog's message (rank, step, operation) comes first. The
     watchdog starts first: a launcher killed now takes the rendezvous store with it, and the join would wait."""
-    from .. import watchdog
-    from ..parallel import init_distributed
+    from .. import watchdog  # here: this module loads at every interpreter start
+    from ..parallel import init_distributed  # here: imports torch, and this module loads at every start
 
     timeout = 1800.0
     if isinstance(recipe, dict):
@@ -153,8 +159,6 @@ class _Torchrun:
 def quiet_ctrl_c_while_importing() -> None:
     """The launcher imports LLaMA-Factory (seconds) before its launch, where Ctrl-C is handled: one line meanwhile,
     not the traceback of whichever import it interrupted."""
-    import signal
-
     def stop(signum, frame):
         print("[llamafactory_mca] interrupted before any worker started", file=sys.stderr, flush=True)
         os._exit(128 + signal.SIGINT)  # in the middle of an import: nothing of this process is worth finishing
@@ -168,13 +172,11 @@ def _take_over_launch(module: types.ModuleType) -> None:
     original = module.launch
 
     def launch():
-        import signal
-
         signal.signal(signal.SIGINT, signal.default_int_handler)  # the imports are done: Ctrl-C is handled here
         swapped = None
         try:
             if len(sys.argv) > 1 and sys.argv[1] == "train":
-                from .preflight import run_preflight
+                from .preflight import run_preflight  # here: only a launcher checks a recipe
 
                 run_preflight(sys.argv[2:])
                 swapped = module.subprocess = _Torchrun(module.subprocess, module.__file__, sys.argv[2:])
@@ -275,8 +277,6 @@ def install() -> None:
     sys.meta_path.insert(0, McaFinder())
     quiet_worker()
     if _should_announce():
-        from .. import __version__
-
         line = f"[llamafactory_mca] USE_MCA=1: Megatron-Core backend llamafactory_mca {__version__} is active"
         if other:
             line += f" (ROLL's mcore_adapter at {other} is installed too and is not used)"
@@ -298,10 +298,6 @@ def quiet_worker() -> None:
     """In a worker (torchrun sets RANK): only rank 0 speaks through LLaMA-Factory's logger, as it does through
     ours; warnings from every rank stay. Set before LLaMA-Factory's logging reads the variable, and on its logger
     for a rank forked after LLaMA-Factory was imported (launch/torchrun.py)."""
-    import logging
-
-    from ..quiet import quiet_third_party
-
     quiet_third_party()
     if os.environ.get("RANK", "0") != "0":
         os.environ.setdefault("LLAMAFACTORY_VERBOSITY", "WARN")
@@ -324,8 +320,6 @@ def refuse_when_disabled(command: str) -> None:
     """Our own commands (``llamafactory-mca train``, ``demo``) are the Megatron-Core backend; with the off switch set
     they would start LLaMA-Factory's default path under our name."""
     if env_enabled(DISABLE_ENV):
-        from ..errors import UserError
-
         raise UserError(f"{DISABLE_ENV}={os.environ[DISABLE_ENV]} turns the Megatron-Core backend off, and "
                         f"`llamafactory-mca {command}` is that backend: unset {DISABLE_ENV}, or use "
                         "`llamafactory-cli train` for LLaMA-Factory's default path.")

@@ -14,6 +14,7 @@ name a corrupt file or NaN weights themselves.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import difflib
 import json
@@ -24,7 +25,10 @@ from collections.abc import Iterator
 from dataclasses import fields
 from typing import Any
 
+from ..args import LAYOUT_KEYS, DistributingParallelArguments, MegatronArguments
 from ..errors import UserError, user_errors
+from ..quiet import quiet_third_party
+from ..run_lock import HELD_ENV, acquire
 from ..stages import INSTEAD
 
 
@@ -41,6 +45,7 @@ def _recipe_name(argv: list[str]) -> str:
 
 def read_recipe(argv: list[str]) -> dict[str, Any] | list[str]:
     """The recipe as LLaMA-Factory reads it (YAML/JSON file plus ``key=value`` overrides, or ``--key value``)."""
+    # here: LLaMA-Factory takes seconds to import, and only after our hook
     from llamafactory.hparams.parser import read_args
 
     if argv and argv[0].endswith((".yaml", ".yml", ".json")) and not os.path.isfile(argv[0]):
@@ -76,13 +81,14 @@ def check_output_dir_given(recipe: dict[str, Any] | list[str], where: str) -> No
 
 
 def _valid_keys() -> set[str]:
-    from llamafactory.hparams import parser
+    from llamafactory.hparams import parser  # here: LLaMA-Factory takes seconds to import, and only after our hook
 
     return {f.name for cls in parser._TRAIN_MCA_ARGS for f in fields(cls) if f.init}
 
 
 def check_keys(recipe: dict[str, Any] | list[str], where: str) -> None:
     """Unknown keys, each with the nearest valid key: LLaMA-Factory's parser would list them without a hint."""
+    # here: LLaMA-Factory takes seconds to import, and only after our hook
     from llamafactory.extras.misc import is_env_enabled
 
     if is_env_enabled("ALLOW_EXTRA_ARGS"):
@@ -106,7 +112,7 @@ def check_keys(recipe: dict[str, Any] | list[str], where: str) -> None:
 @contextlib.contextmanager
 def _quiet_parse() -> Iterator[None]:
     """LLaMA-Factory's parser logs its conclusions; the workers log them again, so here they stay silent."""
-    import transformers
+    import transformers  # here: seconds to import; only a parse needs it
 
     lf_logger = logging.getLogger("llamafactory")
     level, tf_level = lf_logger.level, transformers.utils.logging.get_verbosity()
@@ -121,6 +127,7 @@ def _quiet_parse() -> Iterator[None]:
 def parse(recipe: dict[str, Any] | list[str]) -> tuple:
     """LLaMA-Factory's ``get_train_args`` with our classes (and our stage checks, see plugin.py), on the CPU:
     Hugging Face's argument classes pick a device while parsing, and the launcher must not hold a GPU."""
+    # here: LLaMA-Factory takes seconds to import, and only after our hook
     from llamafactory.hparams.parser import get_train_args
 
     if isinstance(recipe, dict):
@@ -135,6 +142,7 @@ def planned_world_size(min_world: int) -> int:
     """The world torchrun will start: NPROC_PER_NODE x NNODES as LLaMA-Factory's launcher reads them. Without
     GPUs and without NPROC_PER_NODE (LLaMA-Factory would ask for 0 processes), as many CPU processes as the
     layout needs."""
+    # here: LLaMA-Factory takes seconds to import, and only after our hook
     from llamafactory.extras.misc import get_device_count
 
     count = get_device_count()
@@ -164,7 +172,7 @@ def check_gpus_for(nproc: int, gpus: int) -> None:
 def check_reporting(training_args: Any, finetuning_args: Any) -> None:
     """Each tracker ``report_to`` names (and LLaMA-Factory's ``use_swanlab``) installed: otherwise every rank would
     fail in its callback's constructor after loading the data. ``report_to: all`` takes only what is installed."""
-    from ..trainer.reporting import PACKAGES, missing_package
+    from ..trainer.reporting import PACKAGES, missing_package  # here: imports transformers and torch
 
     for name in training_args.report_to or []:
         if name not in PACKAGES:
@@ -189,6 +197,7 @@ def check_reporting(training_args: Any, finetuning_args: Any) -> None:
 def check_datasets(data_args: Any, stage: str) -> None:
     """Every named dataset is in dataset_info.json (else the names it has), of the stage's kind (pairs for dpo) and,
     when it is a local file, exists and is not empty."""
+    # here: LLaMA-Factory takes seconds to import, and only after our hook
     from llamafactory.data.parser import get_dataset_list
 
     directory = data_args.dataset_dir
@@ -267,6 +276,7 @@ def check_contents(plan: Any, training_args: Any) -> None:
     """Every file the workers will read against the checksums written with it (``checkpoints/manifest.py``): the
     model, adapters, the reference model and the checkpoint to resume. Reads them all (at disk speed, in parallel), so
     it runs once at launch rather than in ``check_recipe``, which LlamaBoard calls on every Preview."""
+    # here: imports torch, which `train --help` and a recipe's reading do without
     from ..checkpoints import newest_intact, resolve_resume, verify_contents
 
     for path in dict.fromkeys((plan.model_path, *plan.adapters, *([plan.reference[0]] if plan.reference else []))):
@@ -287,6 +297,7 @@ def check_contents(plan: Any, training_args: Any) -> None:
 def check_recipe(recipe: dict[str, Any] | list[str], where: str) -> tuple[Any, Any, Any]:
     """:func:`preflight` on a recipe already read (LlamaBoard's form checks its arguments here, as the launcher it
     starts will). Returns the plan and the parsed training and finetuning arguments. Raises UserError."""
+    # here: torch, Megatron and LLaMA-Factory (seconds), which `train --help` does without
     from ..checkpoints import resolve_resume
     from ..parallel import min_world_size
     from ..plan import check_finetuning_type, check_model_files, plan_run
@@ -298,10 +309,7 @@ def check_recipe(recipe: dict[str, Any] | list[str], where: str) -> tuple[Any, A
         check_finetuning_type(recipe["finetuning_type"])
     model_args, data_args, training_args, finetuning_args, _ = parse(recipe)
     check_reporting(training_args, finetuning_args)
-    world = planned_world_size(min_world_size(
-        training_args.tensor_model_parallel_size, training_args.pipeline_model_parallel_size,
-        training_args.context_parallel_size, training_args.expert_model_parallel_size,
-        training_args.expert_tensor_parallel_size or 1))
+    world = planned_world_size(min_world_size(training_args))
     plan = plan_run(finetuning_args.stage, model_args, data_args, training_args, finetuning_args, world, recipe)
     for path in (plan.model_path, *plan.adapters, *([plan.reference[0]] if plan.reference else [])):
         check_model_files(path)
@@ -313,11 +321,6 @@ def check_recipe(recipe: dict[str, Any] | list[str], where: str) -> tuple[Any, A
 
 def run_preflight(argv: list[str]) -> Any:
     """The launcher's entry: help, checks (one message and exit 1 on a user error), the output_dir lock."""
-    import atexit
-
-    from ..quiet import quiet_third_party
-    from ..run_lock import HELD_ENV, acquire
-
     if not argv or any(a in ("-h", "--help") for a in argv):
         print(train_help())
         raise SystemExit(0)
@@ -345,8 +348,6 @@ Processes: NPROC_PER_NODE x NNODES (GPUs by default; without GPUs, as many CPU p
 
 def train_help() -> str:
     """The Megatron keys with their help, grouped; imports nothing heavy (answers in well under a second)."""
-    from ..args import LAYOUT_KEYS, DistributingParallelArguments, MegatronArguments
-
     groups = {
         "layout": (*LAYOUT_KEYS, "pipeline_model_parallel_layout", "sequence_parallel"),
         "engine": tuple(f.name for f in fields(MegatronArguments)

@@ -28,8 +28,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib
+import importlib.metadata
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -39,7 +41,8 @@ import time
 import traceback
 import uuid
 
-from ..errors import ERROR_FILE_ENV, LAUNCHER_PID_ENV, PREFIX, STATUS_DIR_ENV
+from ..errors import ERROR_FILE_ENV, LAUNCHER_PID_ENV, PREFIX, STATUS_DIR_ENV, debug_enabled
+from ..quiet import quiet_third_party
 
 
 NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"  # torch's: its CUDA checks through NVML, without cuInit
@@ -93,7 +96,7 @@ def bf16_answered_by_nvml():
     is_torch_bf16_gpu_available -> torch.cuda.is_bf16_supported, which initialises CUDA), so every launcher that
     imports it could only spawn its ranks. While it imports, a GPU of compute capability 8.0 or more (what torch
     checks) answers yes from NVML; anything else asks torch."""
-    import torch
+    import torch  # here: this module loads at every interpreter start under USE_MCA
 
     real = torch.cuda.is_bf16_supported
 
@@ -163,9 +166,6 @@ def main(argv: list[str] | None = None, in_launcher: bool = False) -> int:
     keep_cuda_for_workers()  # a launcher set it at its start already; a command of its own asks nothing before this
     if not in_launcher:
         signal.signal(signal.SIGINT, _stop_before_workers)
-    from ..errors import debug_enabled
-    from ..quiet import quiet_third_party
-
     quiet_third_party()
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(_nproc(argv), 1)))
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None, in_launcher: bool = False) -> int:
     saved = os.environ.get("LOGLEVEL")
     if not debug_enabled():
         os.environ["LOGLEVEL"] = "CRITICAL"
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.api import SignalException  # here: after LOGLEVEL is set
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
 
@@ -237,7 +237,7 @@ def _forks_ranks(args) -> bool:
 
 
 def _launch(args, forked: bool) -> None:
-    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.launcher.api import elastic_launch  # here: torch loads at start-up otherwise
     from torch.distributed.run import config_from_args, run
 
     if not forked:
@@ -300,9 +300,6 @@ def _forked_rank(script: str, *script_args: str) -> None:
 
 
 def _torch_at_least(major: int, minor: int) -> bool:
-    import importlib.metadata
-    import re
-
     match = re.match(r"(\d+)\.(\d+)", importlib.metadata.version("torch"))
     return bool(match) and (int(match.group(1)), int(match.group(2))) >= (major, minor)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import resource
+import shutil
 import time
 from typing import Any
 
@@ -325,8 +327,6 @@ class McaModel:
         Writes a folder of ours beside the target and merges it on rank 0 — the same streaming path as
         ``llamafactory-mca merge``, so both exports cannot disagree.
         """
-        import shutil
-
         staging = directory.rstrip("/") + ".dist_tmp"
         checkpoints.write_folder(staging, self.sharded_state_dict(), checkpoints.SideFiles(self.config))
         if torch.distributed.get_rank() == 0:
@@ -458,8 +458,6 @@ class AutoModel:
             if value_head and vhead.load_file_into(model.chunks, path):
                 what += f", {vhead.V_HEAD_SAFE_WEIGHTS_NAME}"
         if torch.distributed.get_rank() == 0:
-            import resource
-
             peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # KiB on Linux
             logger.info("Loaded %s (%s) in %.1f s (built %.1f s, weights %.1f s) from %s; peak host memory of rank 0 "
                         "so far %.2f GiB", config.hf_model_type, what, time.perf_counter() - start, built - start,

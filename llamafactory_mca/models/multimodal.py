@@ -22,6 +22,8 @@ checkpoint's ``<tower prefix><its own name>`` one to one (``vision_ops``).
 
 from __future__ import annotations
 
+import inspect
+import sys
 from typing import Any
 
 import torch
@@ -40,9 +42,6 @@ VISION_PREFIX = "vision."  # our name of the tower inside a model chunk
 def _tower_class(hf: Any) -> type:
     """The vision tower class ``transformers`` builds for this VL config (the PreTrainedModel of its vision config,
     in the modeling module of the VL model), so the language model is never built beside it."""
-    import inspect
-    import sys
-
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
@@ -77,8 +76,6 @@ class TowerWithProjector(torch.nn.Module):
 
 def _vl_class(hf: Any, suffix: str) -> type:
     """The class named ``*<suffix>`` in the modeling module of the VL model of ``hf``."""
-    import sys
-
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 

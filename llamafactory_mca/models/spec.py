@@ -20,6 +20,7 @@ Three choices, made once from the config:
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from typing import Any
 
@@ -46,6 +47,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules, get_transformer_layer_offset
 
+from ..args import expert_tp
 from ..compat import has_transformer_engine
 from ..errors import UserError
 from . import native
@@ -299,7 +301,7 @@ def _expert_parallel_sizes(config: TransformerConfig) -> tuple[int, int]:
     expert_tensor_parallel_size with the tensor-parallel size, but the layout's default is 1), else the config's."""
     if ps.model_parallel_is_initialized():
         return ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
-    return config.expert_model_parallel_size, config.expert_tensor_parallel_size or 1
+    return config.expert_model_parallel_size, expert_tp(config)
 
 
 def _native_only(config: TransformerConfig) -> str | None:
@@ -346,8 +348,6 @@ def _turn_off(put, name: str, why: str) -> None:
 
 
 def _has_apex_wgrad() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
 
 

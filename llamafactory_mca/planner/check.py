@@ -50,7 +50,8 @@ def training_of(plan: Any, training_args: Any, finetuning_args: Any) -> Training
 
 
 def visible_gpu_memory_gib() -> float | None:
-    """The smallest GPU's memory (GiB) on this node, or None where there is no GPU (or no nvidia-smi)."""
+    """The smallest GPU's memory (GiB) on this node, or None where there is no GPU (or no nvidia-smi). The one reader
+    of a GPU's size: the launcher's check, the plan command and LlamaBoard's summary all weigh a recipe against it."""
     if os.environ.get(MEMORY_ENV):
         return float(os.environ[MEMORY_ENV])
     smi = shutil.which("nvidia-smi")

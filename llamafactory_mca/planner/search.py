@@ -19,6 +19,7 @@ import dataclasses
 import math
 from typing import Any
 
+from ..args import LAYOUT_KEY
 from ..errors import UserError
 from ..models.cost import PEAK_BF16_FLOPS, core_attention_flops, flops_per_sequence_set, routed_expert_flops
 from ..models.multimodal import check_vision_layout
@@ -47,14 +48,13 @@ class Candidate:
     @property
     def keys(self) -> dict[str, Any]:
         """The recipe keys to paste."""
-        out = {"tensor_model_parallel_size": self.layout.tp, "pipeline_model_parallel_size": self.layout.pp,
-               "context_parallel_size": self.layout.cp, "expert_model_parallel_size": self.layout.ep,
-               "sequence_parallel": self.layout.tp > 1, "per_device_train_batch_size": self.layout.micro_batch_size,
-               "gradient_accumulation_steps": self.layout.grad_accum}
+        out = {LAYOUT_KEY[size]: getattr(self.layout, size) for size in ("tp", "pp", "cp", "ep")}
+        out.update(sequence_parallel=self.layout.tp > 1, per_device_train_batch_size=self.layout.micro_batch_size,
+                   gradient_accumulation_steps=self.layout.grad_accum)
         if self.layout.vpp:
-            out["virtual_pipeline_model_parallel_size"] = self.layout.vpp
+            out[LAYOUT_KEY["vpp"]] = self.layout.vpp
         if self.layout.etp > 1:
-            out["expert_tensor_parallel_size"] = self.layout.etp
+            out[LAYOUT_KEY["etp"]] = self.layout.etp
         if self.recompute:
             out["recompute_granularity"] = self.recompute
         if self.graphs_off:

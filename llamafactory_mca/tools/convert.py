@@ -38,9 +38,7 @@ def main(argv: list[str]) -> int:
                 setattr(margs, name, getattr(known, name))
         margs.__post_init__()
         margs.bf16, margs.fp16 = known.bf16, known.fp16
-        needed = min_world_size(margs.tensor_model_parallel_size, margs.pipeline_model_parallel_size,
-                                margs.context_parallel_size, margs.expert_model_parallel_size,
-                                margs.expert_tensor_parallel_size or 1)
+        needed = min_world_size(margs)
         world = int(os.environ.get("WORLD_SIZE", needed))
         hf_path = resolve_model(known.hf_path, field="--hf_path")
         config = AutoConfig.from_pretrained(hf_path, margs)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
+import time
 
 import torch
 
@@ -52,9 +54,6 @@ def merge(checkpoint: str, output: str, dtype: torch.dtype | None = None, max_sh
 
 def _merge_adapter_checkpoint(checkpoint: str, output: str, dtype: torch.dtype | None, merge_lora: bool,
                               base_model: str | None) -> dict:
-    import tempfile
-    import time
-
     start = time.perf_counter()
     if not merge_lora:
         copied = export_adapter(checkpoint, output, dtype)["side_files"]

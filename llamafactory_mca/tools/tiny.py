@@ -7,7 +7,9 @@ Nothing is downloaded.
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 from typing import Any
 
 import torch
@@ -170,8 +172,6 @@ def save_mxfp4_experts(directory: str) -> str:
     4-bit e2m1 codes (two a byte, the even value in the low nibble: ``<name>_blocks`` [E, out, in / 32, 16]) and one
     power-of-two scale (``<name>_scales`` [E, out, in / 32], exponent + 127), with config.json's quantization_config.
     The values become the nearest representable ones; transformers and we both read them back dequantized."""
-    import json
-
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import FP4_VALUES
 
@@ -236,9 +236,6 @@ def add_mtp_layers(config: Any, directory: str, dtype: torch.dtype, device: str 
     them. Each is decoder layer ``num_hidden_layers + k`` of a model one layer deeper (a full-attention layer in a
     hybrid model), saved by transformers itself, plus ``enorm``, ``hnorm``, ``eh_proj`` and its final norm; DeepSeek's
     layout adds copies of the embedding and output layer, Qwen3-Next's moves it all under ``mtp.``."""
-    import json
-    import tempfile
-
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
@@ -428,8 +425,6 @@ def write_image_dataset(directory: str, n_rows: int, name: str = "tiny_images", 
     with ``video_every`` = k, every k-th row also holds a two-frame video (a list of frame files, which LLaMA-Factory
     reads like a decoded video); ``ranking=True``: a chosen and a rejected answer to each (the pairwise stages);
     ``feedback=True``: KTO's tag on each answer, two of every three desirable."""
-    import json
-
     import numpy as np
     from PIL import Image
 
@@ -496,8 +491,6 @@ def write_alpaca_dataset(directory: str, n_rows: int, name: str = "tiny_alpaca",
     ``ranking=True`` writes preference rows (``chosen``/``rejected``) for the pairwise (DPO) stage; ``feedback=True``
     rows tagged desirable or not (``kto_tag``) for KTO.
     """
-    import json
-
     path = os.path.join(directory, "data")
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, f"{name}.json"), "w", encoding="utf-8") as f:

@@ -6,6 +6,7 @@ launcher's checks, the plan and the adapter's export all read it; ``layers.py`` 
 from __future__ import annotations
 
 import functools
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -106,8 +107,6 @@ class TargetLinear:
 @functools.cache
 def _meta_hf_model(hf_config_json: str) -> torch.nn.Module:
     """The HF model on the meta device: its module names and shapes are what peft and LLaMA-Factory see."""
-    import json
-
     import transformers
 
     hf_config = json.loads(hf_config_json)
@@ -119,8 +118,6 @@ def _meta_hf_model(hf_config_json: str) -> torch.nn.Module:
 
 
 def meta_hf_model(hf_config: dict) -> torch.nn.Module:
-    import json
-
     return _meta_hf_model(json.dumps(hf_config, sort_keys=True))
 
 

@@ -28,6 +28,7 @@ math, the in-chunk substitution as one triangular solve, each sequence cut into 
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -161,8 +162,6 @@ def fla_usable() -> bool:
         _fla_rule()
     except UserError:
         return False
-    import importlib.util
-
     import triton
 
     version = tuple(int(x) for x in triton.__version__.split("+")[0].split(".")[:3])
@@ -174,8 +173,6 @@ def describe_kernel() -> str:
     """For the startup summary."""
     if torch.cuda.is_available() and fla_usable():
         return "flash-linear-attention"
-    import importlib.util
-
     if not torch.cuda.is_available():
         why = ""
     elif importlib.util.find_spec("fla") is None:
