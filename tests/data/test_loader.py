@@ -68,6 +68,28 @@ def test_shuffle_is_deterministic_per_seed_and_differs_per_epoch():
     assert {len(a.epoch_groups(e)) for e in range(4)} == {a.num_micro_batches}
 
 
+def test_a_resume_under_another_micro_batch_says_which():
+    """``merge_micro_batches`` can change a packed micro-batch's size between runs (auto decides from the GPU's
+    memory): the resume's note names the sizes and the key; a checkpoint written before the size was recorded reads as
+    this run's."""
+    from llamafactory_mca.parallel import ParallelLayout
+    from llamafactory_mca.trainer.feeder import StepFeeder
+
+    layout = ParallelLayout(world_size=1, tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1, dp=1, expert_dp=1,
+                            micro_batch_size=2, grad_accum=4)
+
+    def feeder(micro):
+        return StepFeeder(DataPlan(sft_dataset(), BatchingConfig(cutoff_len=32, micro_batch_size=micro, packing=True)),
+                          layout)
+
+    recipes, merged = feeder(2), feeder(4)
+    assert merged.resume_note(merged.signature) is None
+    assert recipes.resume_note({k: v for k, v in recipes.signature.items() if k != "micro_batch_size"}) is None
+    note = merged.resume_note(recipes.signature)
+    assert f"({recipes.signature['micro_batches']} -> {merged.signature['micro_batches']} per epoch: micro-batches " \
+           "of 4 rows' tokens instead of 2 (per_device_train_batch_size x merge_micro_batches" in note, note
+
+
 def test_eval_plan_keeps_dataset_order():
     plan = DataPlan(sft_dataset(), BatchingConfig(cutoff_len=64, micro_batch_size=4, shuffle=False))
     assert plan.epoch_groups(0) == plan.epoch_groups(1) == [tuple(range(i, min(i + 4, 60))) for i in range(0, 60, 4)]
