@@ -146,8 +146,8 @@ def test_moe_experts_split_by_expert_parallelism():
 def test_micro_batches_merge_where_the_experts_gain_and_memory_allows():
     """``merge_micro_batches: auto`` on Qwen3-30B-A3B's shape (8 layers, 4,096-token packs: 256 rows per expert) merges
     two packs into one micro-batch on a 141 GB GPU (512 rows), not where the estimate does not fit, and never for a
-    dense model, unpacked rows, preference pairs, pipeline stages, graphs or without a GPU; an explicit factor that
-    cannot apply is one clear error."""
+    dense model, LoRA, unpacked rows, preference pairs, pipeline stages, graphs or without a GPU; an explicit factor
+    that cannot apply is one clear error."""
     from transformers import Qwen3MoeConfig
 
     from llamafactory_mca.planner.micro_batches import plan_merge
@@ -168,7 +168,7 @@ def test_micro_batches_merge_where_the_experts_gain_and_memory_allows():
     assert factor(layout=_layout(world=2, ep=2, accum=8)) == 1  # EP2 gathers 512 rows already
     assert [factor(config=_dense()), factor(packing=False), factor(stage="dpo"), factor(layout=_layout(accum=7)),
             factor(layout=_layout(world=2, pp=2, accum=8)), factor(graphs=True), factor(gib=None),
-            factor(request=1)] == [1] * 8
+            factor(request=1), factor(training=Training(tokens=4096, lora_rank=8))] == [1] * 9
     assert factor(request=4, config=_dense()) == 4
     for request, kwargs, message in ((3, {}, "gradient_accumulation_steps=8 is not a multiple of it"),
                                      (2, {"stage": "dpo"}, "stage dpo keeps its rows' pairs"),

@@ -6,7 +6,8 @@ gradients to the fp32 main_grad once per micro-batch, a read and a write of ever
 micro-batch holds. At 256 rows per expert (Qwen3-30B-A3B's 4,096-token packs: 128 experts, top 8) that traffic takes
 longer than the GEMM it follows; at 512 the two are even (one H200: 0.75 -> 0.50 s per step, 8 layers, 8 packs, with
 the same global batch). Dense layers gain little, and graphs replay the recipe's shapes, so ``auto`` merges MoE
-models only, and only as far as the planner's memory estimate fits the GPU.
+models whose experts train (not LoRA's frozen ones) only, and only as far as the planner's memory estimate fits the
+GPU.
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ def plan_merge(request: str | int, config: Any, layout: ParallelLayout, training
         return Merge(1, "")
     if request != "auto":
         return Merge(request, _check_explicit(request, layout, stage, packing, cuda_graphs))
-    if not (config.transformer.get("num_moe_experts") and packing and stage in MERGING_STAGES and layout.pp == 1
-            and not cuda_graphs):
+    # LoRA's frozen experts compute no weight gradients: nothing to pay once per micro-batch
+    if not (config.transformer.get("num_moe_experts") and training.lora_rank is None and packing
+            and stage in MERGING_STAGES and layout.pp == 1 and not cuda_graphs):
         return Merge(1, "")
     budget = gpu_memory_gib()
     if budget is None:
