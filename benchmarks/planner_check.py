@@ -8,6 +8,7 @@ its shape, layout and recipe keys alone. Writes ``planner_check.md`` (+ json).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import json
 import math
@@ -43,8 +44,11 @@ ABOUT = ("Every packed run of ours in `benchmarks/results`, predicted from its s
          "(`h200_lora_graphs/`: 22% faster than predicted; the frozen experts' efficiency was fitted to eager "
          "runs), and Gemma 3 (the launches of its sublayer norms and second RoPE table are not modelled: eager "
          "76-148% and graphed 28-44% slower than predicted, its memory within 11%). gpt-oss (biased experts, sinks) "
-         "runs 9-17% faster than predicted. The host is noisy: the same eager run measured 25.5-31.5k tokens/s in "
-         "three calls.")
+         "runs 9-17% faster than predicted. The routed experts' efficiency and the rows per expert where it is reached "
+         "(22% of peak from 512 rows) were refitted with `h200_moe_merge/`, whose merged micro-batches "
+         "(`merge_micro_batches`) put 512 rows on each expert: those runs now predicted 13-25% slow, the unmerged "
+         "MoE runs of the same code 15-32% slow (the latest kernels are not in the fit). The host is noisy: the same "
+         "eager run measured 25.5-31.5k tokens/s in three calls.")
 
 KEYS = {"tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp", "context_parallel_size": "cp",
         "expert_model_parallel_size": "ep", "virtual_pipeline_model_parallel_size": "vpp"}
@@ -132,6 +136,9 @@ def rows() -> list[dict]:
                 if decl.extra.get("planned"):  # the planner's proposal, as the run recorded it
                     decl = Run(decl.name, decl.path, decl.gpus, decl.packing, run["micro_batch"], run["grad_accum"],
                                run["layout"], run.get("keys", {}))
+                if run.get("ran_as"):  # merge_micro_batches ran the recipe's micro-batches k as one
+                    micro, accum = (int(n) for n in run["ran_as"].split(" x "))
+                    decl = dataclasses.replace(decl, micro_batch=micro, grad_accum=accum)
                 key = (spec.model, w["settings"]["layers"])
                 if key not in configs:
                     configs[key] = mca_config(*key)

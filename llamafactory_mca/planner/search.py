@@ -28,8 +28,10 @@ from .memory import Training, estimate, vision_tower
 
 
 # the share of the GPU's peak each kind of work reaches, and the host's time per layer and micro-batch
-EFFICIENCY = {"dense": 0.42, "experts": 0.114, "vision": 0.22}
-FULL_EXPERT_TOKENS = 256  # tokens per expert and micro-batch from which the experts reach their efficiency
+EFFICIENCY = {"dense": 0.42, "experts": 0.22, "vision": 0.22}
+# rows per expert and micro-batch from which the experts reach their efficiency: below it the experts' per-micro-batch
+# costs (the fp32 weight-gradient pass, launches) weigh (refitted with the merged runs of h200_moe_merge/)
+FULL_EXPERT_TOKENS = 512
 HOST_SECONDS_PER_LAYER = 1.4e-3  # launching one layer's forward and backward kernels (eager, about 800 launches)
 SHARE = {"dp": 0.92, "tp": 0.44, "cp": 0.92, "ep": 0.81}  # per-GPU tokens/s kept per doubling, measured at 2
 PP_OVERHEAD = 0.78  # PP2's share beyond its bubble (send/receive, the last stage's logits)
@@ -63,8 +65,9 @@ class Candidate:
 
 
 def _expert_efficiency(t: dict[str, Any], tokens: int) -> float:
-    """The routed experts' efficiency: as measured at 256 or more tokens per expert and micro-batch (Qwen3-30B-A3B,
-    GLM-4.5-Air, Moonlight), falling with fewer (hundreds of experts: each GEMM too short to fill the GPU). ``tokens``:
+    """The routed experts' efficiency: as measured at 512 or more tokens per expert and micro-batch (Qwen3-30B-A3B
+    with two 4,096-token packs per micro-batch), falling with fewer (hundreds of experts: each GEMM too short to fill
+    the GPU, and a weight-gradient pass per micro-batch whatever it holds). ``tokens``:
     those that reach one rank's experts (expert parallelism gathers its ranks' tokens)."""
     per_expert = tokens * (t.get("moe_router_topk") or 1) / (t.get("num_moe_experts") or 1)
     return EFFICIENCY["experts"] * min(1.0, per_expert / FULL_EXPERT_TOKENS)
