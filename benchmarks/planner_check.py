@@ -44,8 +44,8 @@ ABOUT = ("Every packed run of ours in `benchmarks/results`, predicted from its s
          "(`h200_lora_graphs/`: 22% faster than predicted; the frozen experts' efficiency was fitted to eager "
          "runs), and Gemma 3 (the launches of its sublayer norms and second RoPE table are not modelled: eager "
          "76-148% and graphed 28-44% slower than predicted, its memory within 11%). gpt-oss (biased experts, sinks) "
-         "runs 9-17% faster than predicted. The routed experts' efficiency and the rows per expert where it is reached "
-         "(22% of peak from 512 rows) were refitted with `h200_moe_merge/`, whose merged micro-batches "
+         "runs 9-17% faster than predicted. The routed experts' efficiency and the rows per expert where it is "
+         "reached (22% of peak from 512 rows) were refitted with `h200_moe_merge/`, whose merged micro-batches "
          "(`merge_micro_batches`) put 512 rows on each expert: those runs now predicted 13-25% slow, the unmerged "
          "MoE runs of the same code 15-32% slow (the latest kernels are not in the fit). The host is noisy: the same "
          "eager run measured 25.5-31.5k tokens/s in three calls.")
