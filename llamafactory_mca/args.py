@@ -422,13 +422,13 @@ class MegatronArguments(DistributingParallelArguments):
             json.dump(data, f, indent=2, sort_keys=True)
 
     def run_padding_free(self) -> bool:
-        """Whether unpacked micro-batches run as THD rows: asked for (by default on GPUs), micro-batches may differ
-        in length, and the attention kernels take THD (auto: the native ones or TE; not Megatron's local spec)."""
+        """Whether unpacked micro-batches can run as THD rows: asked for (by default on GPUs), micro-batches may
+        differ in length, and the attention kernels take THD (auto: the native ones or TE; not Megatron's local spec).
+        The plan decides with packing (``RunPlan.padding_free``)."""
         from .cpu_mode import cpu_mode_needed
 
         wanted = not cpu_mode_needed() if self.padding_free is None else self.padding_free
-        return (wanted and not self.sequence_packing and self.allow_variable_seq_lengths()
-                and self.attention_backend in (None, "auto"))
+        return wanted and self.allow_variable_seq_lengths() and self.attention_backend in (None, "auto")
 
     def run_prefetch_steps(self) -> int:
         """Steps collated ahead: the recipe's, else one on GPUs and none on CPUs."""

@@ -47,6 +47,7 @@ class RunPlan:
     finetuning_type: str
     layout: ParallelLayout
     packing: bool
+    padding_free: bool  # unpacked rows run as THD sequences without their padding (the same rows and loss)
     cutoff_len: int  # the user's: positions per row
     model_path: str  # a local folder (hub ids resolved)
     config: McaConfig  # multi-token prediction and the load-balancing weight as this run trains them
@@ -120,7 +121,8 @@ def plan_run(stage: str, model_args: Any, data_args: Any, training_args: Any, fi
             adapters += (resolve(path, model_args, field="adapter_name_or_path"),)
         check_lora_plan(config, finetuning_args, list(adapters), layout.etp, layout.tp)
     preference = preference_config(stage, finetuning_args)
-    plan = RunPlan(stage=stage, finetuning_type=tuning, layout=layout, packing=packing, cutoff_len=cutoff_len,
+    plan = RunPlan(stage=stage, finetuning_type=tuning, layout=layout, packing=packing,
+                   padding_free=not packing and training_args.run_padding_free(), cutoff_len=cutoff_len,
                    model_path=model_path, config=config, balancing=balancing, custom_pipeline_layout=custom,
                    adapters=adapters, reference=reference, preference=preference, notes=notes)
     # last: the memory estimate it checks reads the rest of the plan

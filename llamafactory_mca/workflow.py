@@ -81,8 +81,8 @@ def _data_plans(plan: RunPlan, template: Any, tokenizer_module: dict, model_args
                                 plan.cutoff_len)
     frame = template_tokens(plan.stage, template, tokenizer, processor, data_args)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    batching = dict(cutoff_len=plan.cutoff_len, packing=plan.packing, pad_multiple=plan.layout.pad_multiple,
-                    pad_token_id=pad_id)
+    batching = dict(cutoff_len=plan.cutoff_len, packing=plan.packing, padding_free=plan.padding_free,
+                    pad_multiple=plan.layout.pad_multiple, pad_token_id=pad_id)
     vision = VisionInputs(template.mm_plugin, processor, plan.config.hf_config, video_span=plan.video_span) \
         if plan.vision else None
     reward = plan.stage == "rm"
@@ -127,7 +127,7 @@ def _summary(plan: RunPlan, model: Any, trainer: McaTrainer, train_plan: DataPla
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     config = plan.config
     return startup_summary(
-        layout=plan.layout, args=training_args, packed=plan.packing,
+        layout=plan.layout, args=training_args, packed=plan.packing, padding_free=plan.padding_free,
         model_type=config.hf_model_type + _describe_mtp(model.transformer_config),
         params_total=model_parameter_count(config), params_on_rank=on_rank,
         kernels=spec.describe_kernels(model.transformer_config)

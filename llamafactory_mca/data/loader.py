@@ -87,8 +87,9 @@ class BatchingConfig:
 
     @classmethod
     def from_args(cls, args: Any, *, cutoff_len: int, packing: bool, pad_multiple: int, pad_token_id: int,
-                  micro_batch_size: int | None = None, for_eval: bool = False) -> BatchingConfig:
-        """From our TrainingArguments. ``cutoff_len`` and ``packing`` come from the workflow, because
+                  padding_free: bool = False, micro_batch_size: int | None = None,
+                  for_eval: bool = False) -> BatchingConfig:
+        """From our TrainingArguments. ``cutoff_len``, ``packing`` and ``padding_free`` come from the plan, because
         LLaMA-Factory's ``DataArguments`` lowers ``cutoff_len`` by one when its own packing is on;
         ``micro_batch_size``: the plan's for training (merged micro-batches), else the recipe's."""
         micro = args.per_device_eval_batch_size if for_eval else micro_batch_size or args.per_device_train_batch_size
@@ -96,7 +97,7 @@ class BatchingConfig:
         return cls(cutoff_len=cutoff_len, micro_batch_size=micro, packing=packing, pad_multiple=pad_multiple,
                    variable_seq_lengths=args.allow_variable_seq_lengths(), pad_token_id=pad_token_id, seed=seed,
                    shuffle=not for_eval, equal_rows=getattr(args, "pipeline_model_parallel_size", 1) > 1,
-                   padding_free=not packing and getattr(args, "run_padding_free", lambda: False)())
+                   padding_free=padding_free and not packing)
 
     def capacity(self, sequences_per_row: int = 1) -> int:
         """Tokens per pack."""

@@ -42,9 +42,9 @@ def compile_records() -> list[str]:
     return [line for _, line in sorted(lines, reverse=True)]
 
 
-def startup_summary(*, layout: ParallelLayout, args: Any, packed: bool, model_type: str, params_total: int,
-                    params_on_rank: int, kernels: str, tokens_per_step: int | None, steps: int, data_stats: str,
-                    planned: dict[str, float], tuning: str | None = None, moe: str | None = None,
+def startup_summary(*, layout: ParallelLayout, args: Any, packed: bool, padding_free: bool, model_type: str,
+                    params_total: int, params_on_rank: int, kernels: str, tokens_per_step: int | None, steps: int,
+                    data_stats: str, planned: dict[str, float], tuning: str | None = None, moe: str | None = None,
                     startup: str | None = None, merge: str = "") -> str:
     """``planned``: the planner's estimate (``planner.memory.estimate``), the one place memory is priced; ``merge``:
     why the micro-batch is larger than the recipe's (``planner.micro_batches``)."""
@@ -59,7 +59,7 @@ def startup_summary(*, layout: ParallelLayout, args: Any, packed: bool, model_ty
         f"  batch       global {layout.global_batch_size} = dp {layout.dp} x micro batch {layout.micro_batch_size}"
         f" x grad accumulation {layout.grad_accum}"
         + (f"; ~{tokens_per_step:,} tokens per step" if tokens_per_step else "")
-        + (" (packed)" if packed else " (rows without padding)" if args.run_padding_free()
+        + (" (packed)" if packed else " (rows without padding)" if padding_free
            else " (padded to the longest row)") + (f"; {merge}" if merge else ""),
         f"  steps       {steps}; lr {args.learning_rate:g} ({schedule}), warmup "
         f"{args.get_warmup_steps(steps)}, weight decay {args.weight_decay:g}, max grad norm {args.max_grad_norm:g}",
