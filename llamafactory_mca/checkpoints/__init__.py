@@ -26,7 +26,7 @@ import re
 import shutil
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..args import LAYOUT_KEY, LAYOUT_KEYS
 from ..errors import UserError
@@ -35,8 +35,14 @@ from .dist_reader import DistCheckpointReader
 from .hf_io import copy_side_files, write_hf_config
 
 
-if TYPE_CHECKING:
-    from ..models.config import McaConfig
+class ModelConfig(Protocol):
+    """What a folder records of its model: ``models.config.McaConfig``, named by its fields alone (models/ sits above
+    this module and reads its folders)."""
+
+    hf_model_type: str
+    transformer: dict[str, Any]
+    hf_config: dict[str, Any]
+
 
 PREFIX = "checkpoint"
 TMP_PREFIX = "tmp-checkpoint"
@@ -54,11 +60,10 @@ def checkpoint_path(output_dir: str, step: int) -> str:
     return os.path.join(output_dir, f"{PREFIX}-{step}")
 
 
-def read_config(folder: str) -> McaConfig:
-    """The model config of a folder of ours (a checkpoint or a converted model)."""
-    from ..models.config import McaConfig  # here: reading or verifying a folder's files needs no Megatron
-
-    return McaConfig.from_json_file(os.path.join(folder, MCA_CONFIG_NAME))
+def config_file(folder: str) -> str:
+    """The model config's file in a folder of ours (a checkpoint or a converted model): ``McaConfig.from_json_file``
+    reads it."""
+    return os.path.join(folder, MCA_CONFIG_NAME)
 
 
 def is_ours(path: str) -> bool:
@@ -98,7 +103,7 @@ def layout_change(saved: dict[str, Any], layout: Any) -> str | None:
 class SideFiles:
     """Everything a folder of ours carries besides its dist checkpoint."""
 
-    config: McaConfig
+    config: ModelConfig
     layout: Any = None  # parallel.ParallelLayout
     grouped_experts: bool | None = None
     tokenizer: Any = None
@@ -295,7 +300,7 @@ def newest_intact(output_dir: str, besides: str | None = None) -> str | None:
     return None
 
 
-def run_record(stage: str, finetuning_type: str, config: McaConfig) -> dict[str, Any]:
+def run_record(stage: str, finetuning_type: str, config: ModelConfig) -> dict[str, Any]:
     """What a training run is, as its checkpoints record it (``mca_run.json``) and a resume must match."""
     t = config.transformer
     return {"stage": stage, "finetuning_type": finetuning_type, "model_type": config.hf_model_type,

@@ -46,7 +46,7 @@ class AutoConfig:
                             f"({os.path.join(path, 'hf')} with save_hf_model, or llamafactory-mca merge "
                             f"--checkpoint_path {path} --output_path ADAPTER_DIR).")
         if checkpoints.is_ours(path):
-            config = checkpoints.read_config(path)
+            config = McaConfig.from_json_file(checkpoints.config_file(path))
             get_family(config.hf_model_type)  # fails clearly for an unknown type
             return config
         if not os.path.isfile(os.path.join(path, "config.json")):

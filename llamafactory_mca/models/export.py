@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..checkpoints import dist_checkpoint_dir, read_config, verify_checkpoint
+from ..checkpoints import config_file, dist_checkpoint_dir, verify_checkpoint
 from ..checkpoints.dist_reader import DistCheckpointReader
 from ..checkpoints.hf_io import ShardedWriter, copy_side_files, move_into, write_hf_config
 from ..errors import UserError
@@ -118,7 +118,7 @@ def export_hf(checkpoint: str, output: str, dtype: torch.dtype | None = None,
     """
     start = time.perf_counter()
     verify_checkpoint(checkpoint)
-    config = read_config(checkpoint)
+    config = McaConfig.from_json_file(config_file(checkpoint))
     reader = DistCheckpointReader(dist_checkpoint_dir(checkpoint))
     staging = f"{os.path.abspath(output)}.tmp-{os.getpid()}"
     try:

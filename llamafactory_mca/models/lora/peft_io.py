@@ -17,10 +17,11 @@ from typing import Any
 import torch
 
 from ...checkpoints import ADAPTER_CONFIG_NAME as ADAPTER_CONFIG
-from ...checkpoints import dist_checkpoint_dir, read_config, verify_checkpoint
+from ...checkpoints import config_file, dist_checkpoint_dir, verify_checkpoint
 from ...checkpoints.dist_reader import DistCheckpointReader
 from ...checkpoints.hf_io import copy_side_files, move_into
 from ...errors import UserError
+from ..config import McaConfig
 from ..export import read_tensor
 from ..families import get_family
 from ..freeze import EXTRA_MODULES
@@ -137,7 +138,7 @@ def export_adapter(checkpoint: str, output: str, dtype: torch.dtype | None = Non
     from safetensors.torch import save_file
 
     verify_checkpoint(checkpoint)
-    config = read_config(checkpoint)
+    config = McaConfig.from_json_file(config_file(checkpoint))
     adapter_config = read_adapter_config(checkpoint)
     settings = LoraSettings.from_peft(adapter_config)
     reader = DistCheckpointReader(dist_checkpoint_dir(checkpoint))
