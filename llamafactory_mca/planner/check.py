@@ -12,9 +12,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import UserError
+from ..models.config import McaConfig
+from ..parallel import ParallelLayout
 from .advice import cheapest_changes
 from .memory import Training, estimate
 from .search import DEFAULT_PEAK, search
@@ -23,6 +25,17 @@ from .search import DEFAULT_PEAK, search
 MEMORY_ENV = "LLAMAFACTORY_MCA_GPU_MEMORY"
 SKIP_ENV = "LLAMAFACTORY_MCA_SKIP_MEMORY_CHECK"
 TERMS = ("weights", "grads", "optimizer", "activations", "logits")
+
+
+class Planned(Protocol):
+    """What the fit check reads of a run's plan (``plan.RunPlan``, which asks this module: named by its fields)."""
+
+    finetuning_type: str
+    cutoff_len: int
+    config: McaConfig
+    layout: ParallelLayout
+
+
 _ADVICE = {"weights": "more tensor or pipeline parallelism (or expert parallelism for the experts)",
            "grads": "more tensor or pipeline parallelism, or LoRA",
            "optimizer": "more GPUs under use_distributed_optimizer, or optimizer_cpu_offload: true",
@@ -30,7 +43,7 @@ _ADVICE = {"weights": "more tensor or pipeline parallelism (or expert parallelis
            "logits": "a shorter cutoff_len or tensor parallelism (the vocabulary is split over TP)"}
 
 
-def training_of(plan: Any, training_args: Any, finetuning_args: Any) -> Training:
+def training_of(plan: Planned, training_args: Any, finetuning_args: Any) -> Training:
     """What of the recipe, beside the layout, sizes the memory."""
     lora = plan.finetuning_type == "lora"
     target = ",".join(getattr(finetuning_args, "lora_target", None) or [])
@@ -71,7 +84,7 @@ def memory_to_plan_for() -> float | None:
     return None if os.environ.get(SKIP_ENV, "0") == "1" else visible_gpu_memory_gib()
 
 
-def check_fits(plan: Any, training_args: Any, finetuning_args: Any) -> dict[str, float] | None:
+def check_fits(plan: Planned, training_args: Any, finetuning_args: Any) -> dict[str, float] | None:
     """The estimate for this run; raises UserError when it does not fit the visible GPUs."""
     budget = memory_to_plan_for()
     if budget is None:
