@@ -167,33 +167,6 @@ def save_tiny_model(name: str, directory: str, seed: int = 0, dtype: torch.dtype
     return directory
 
 
-def save_mxfp4_experts(directory: str) -> str:
-    """Rewrite a tiny gpt-oss model's experts as the hub stores gpt-oss's: MXFP4, each block of 32 input values as
-    4-bit e2m1 codes (two a byte, the even value in the low nibble: ``<name>_blocks`` [E, out, in / 32, 16]) and one
-    power-of-two scale (``<name>_scales`` [E, out, in / 32], exponent + 127), with config.json's quantization_config.
-    The values become the nearest representable ones; transformers and we both read them back dequantized."""
-    from safetensors.torch import load_file, save_file
-    from transformers.integrations.mxfp4 import FP4_VALUES
-
-    path = os.path.join(directory, "model.safetensors")
-    tensors, codes = load_file(path), torch.tensor(FP4_VALUES)
-    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        weight = tensors.pop(name).float().transpose(1, 2)  # [E, in, out] -> [E, out, in]
-        blocks = weight.reshape(*weight.shape[:2], -1, 32)
-        exponent = torch.ceil(torch.log2(blocks.abs().amax(-1).clamp(min=1e-30) / 6.0))
-        index = ((blocks / torch.exp2(exponent)[..., None])[..., None] - codes).abs().argmin(-1).to(torch.uint8)
-        tensors[f"{name}_blocks"] = (index[..., 0::2] | (index[..., 1::2] << 4)).contiguous()
-        tensors[f"{name}_scales"] = (exponent + 127).to(torch.uint8).contiguous()
-    save_file(tensors, path, metadata={"format": "pt"})
-    with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
-        config = json.load(f)
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2)
-    return directory
-
-
 def _mtp_layers(config: Any) -> int:
     """How many multi-token-prediction layers the config declares, under its family's key."""
     mtp = getattr(get_family(config.model_type), "mtp", None)

@@ -9,7 +9,7 @@ import torch
 
 from llamafactory_mca.tools.tiny import TINY, save_tiny_model
 from tests._dist import run_distributed
-from tests.models._bridge import INPUT, hf_tensors, pipeline_logits
+from tests.models._bridge import INPUT, hf_tensors, pipeline_logits, save_mxfp4_experts
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -397,8 +397,6 @@ def test_mxfp4_checkpoint_loads_dequantized_and_exports_plain_weights(tmp_path):
     import json
 
     from transformers import AutoModelForCausalLM
-
-    from llamafactory_mca.tools.tiny import save_mxfp4_experts
 
     model = save_mxfp4_experts(save_tiny_model("gpt_oss", str(tmp_path / "mxfp4"), intermediate_size=96))
     (results,) = run_distributed(_run_layouts, 1, [("single", {}, [("gpt_oss", model, str(tmp_path / "work"))])])
