@@ -26,8 +26,8 @@ from .hub import resolve_model
 from .models.auto import AutoConfig, mtp_apart_from_features, resolve_load_balancing, resolve_mtp
 from .models.config import McaConfig
 from .models.families import get_family
-from .models.lora.peft_io import check_lora_plan
-from .models.lora.targets import check_lora_request
+from .models.lora.peft_io import plan_lora
+from .models.lora.targets import LoraPlan, check_lora_request
 from .models.multimodal import check_vision_layout
 from .parallel import ParallelLayout, check_layout, cuda_graph_layout_needs
 from .planner.check import memory_to_plan_for, training_of
@@ -56,6 +56,7 @@ class RunPlan:
     adapters: tuple[str, ...] = ()  # LoRA: adapter folders to merge or continue, in order
     reference: tuple[str, McaConfig] | None = None  # DPO's and KTO's ref_model: its folder and config
     preference: PreferenceConfig | None = None  # DPO's or KTO's loss and its settings
+    lora: LoraPlan | None = None  # the adapter a LoRA run trains: its settings and targets
     merge: Merge = Merge(1, "")  # the recipe's micro-batches run k as one (``layout`` is the merged one)
     notes: tuple[str, ...] = ()  # what the plan left out and why, said once by rank 0
 
@@ -114,17 +115,18 @@ def plan_run(stage: str, model_args: Any, data_args: Any, training_args: Any, fi
         if not training_args.run_cuda_graphs():
             notes += ("cuda_graphs: true on CPUs: the layers run eagerly, on the fixed shapes a graph would replay.",)
     adapters: tuple[str, ...] = ()
+    lora = None
     if tuning == "lora":
         for path in model_args.adapter_name_or_path or []:
             if os.path.isabs(os.path.expanduser(path)) and not os.path.isdir(os.path.expanduser(path)):
                 raise UserError(f"adapter_name_or_path={path!r} is not a peft adapter folder (it does not exist).")
             adapters += (resolve(path, model_args, field="adapter_name_or_path"),)
-        check_lora_plan(config, finetuning_args, list(adapters), layout.etp, layout.tp)
+        lora = plan_lora(config, finetuning_args, list(adapters), layout.etp, layout.tp, training_args.seed)
     preference = preference_config(stage, finetuning_args)
     plan = RunPlan(stage=stage, finetuning_type=tuning, layout=layout, packing=packing,
                    padding_free=not packing and training_args.run_padding_free(), cutoff_len=cutoff_len,
                    model_path=model_path, config=config, balancing=balancing, custom_pipeline_layout=custom,
-                   adapters=adapters, reference=reference, preference=preference, notes=notes)
+                   adapters=adapters, reference=reference, preference=preference, lora=lora, notes=notes)
     # last: the memory estimate it checks reads the rest of the plan
     merge = plan_merge(training_args.merge_micro_batches, config, layout, training_of(plan, training_args,
                        finetuning_args), stage, packing, bool(training_args.cuda_graphs), memory_to_plan_for)

@@ -222,12 +222,12 @@ def test_lora_on_hybrid_models_passes_the_preflight_and_refuses_dropout_on_the_s
 
     from llamafactory_mca.errors import UserError
     from llamafactory_mca.models.auto import AutoConfig
-    from llamafactory_mca.models.lora.peft_io import check_lora_plan
+    from llamafactory_mca.models.lora.peft_io import plan_lora
 
     config = AutoConfig.from_pretrained(tiny_models["qwen3_next"])
-    check_lora_plan(config, FinetuningArguments(finetuning_type="lora", lora_target="all"), [], 1, 2)
+    plan_lora(config, FinetuningArguments(finetuning_type="lora", lora_target="all"), [], 1, 2)
     with pytest.raises(UserError, match=r"lora_dropout=0.1 with LoRA on \['shared_expert_gate'\]"):
-        check_lora_plan(config, FinetuningArguments(finetuning_type="lora", lora_target="all", lora_dropout=0.1),
+        plan_lora(config, FinetuningArguments(finetuning_type="lora", lora_target="all", lora_dropout=0.1),
                         [], 1)
 
 

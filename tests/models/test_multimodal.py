@@ -218,13 +218,13 @@ def test_qwen3_5_lora_gives_peft_logits_with_images(tmp_path):
 
     from llamafactory_mca.errors import UserError
     from llamafactory_mca.models.auto import AutoConfig
-    from llamafactory_mca.models.lora.peft_io import check_lora_plan
+    from llamafactory_mca.models.lora.peft_io import plan_lora
 
     config = AutoConfig.from_pretrained(model_dir)
     everything = FinetuningArguments(finetuning_type="lora", lora_target="all")
-    check_lora_plan(config, everything, [], 1, tensor_parallel=1)
+    plan_lora(config, everything, [], 1, tensor_parallel=1)
     with pytest.raises(UserError, match=r"LoRA on \['in_proj_qkv'\] needs tensor_model_parallel_size: 1 \(it is 2\)"):
-        check_lora_plan(config, everything, [], 1, tensor_parallel=2)
+        plan_lora(config, everything, [], 1, tensor_parallel=2)
 
 
 @pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v_moe"])

@@ -359,17 +359,21 @@ class LoraRun:
                 f"{', '.join(names)}" + (f"; fully trained: {', '.join(s.additional)}" if s.additional else ""))
 
 
-def apply_lora(model: Any, settings: LoraSettings, freeze_vision_tower: bool = True) -> LoraRun:
-    """Freeze the model and put adapters on the targeted linears of this rank's chunks (before DDP wraps it)."""
+def apply_lora(model: Any, settings: LoraSettings, freeze_vision_tower: bool = True,
+               planned: list[TargetLinear] | None = None) -> LoraRun:
+    """Freeze the model and put adapters on the targeted linears of this rank's chunks (before DDP wraps it);
+    ``planned``: the targets as the run's plan found and checked them (``peft_io.plan_lora``), else found here."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
     config = model.config
     table = get_family(config.hf_model_type).weight_table(config)
-    targets = plan_targets(config.hf_config, table, settings, freeze_vision_tower)
-    refuse_split_pieces(targets, ps.get_tensor_model_parallel_world_size())
-    refuse_split_experts(settings, ps.get_expert_tensor_parallel_world_size())
+    targets = planned
+    if targets is None:
+        targets = plan_targets(config.hf_config, table, settings, freeze_vision_tower)
+        refuse_split_pieces(targets, ps.get_tensor_model_parallel_world_size())
+        refuse_split_experts(settings, ps.get_expert_tensor_parallel_world_size())
     unknown = [m for m in settings.additional if m not in EXTRA_MODULES]
     if unknown:
         raise UserError(f"additional_target {unknown} is not supported with USE_MCA=1; choose from "

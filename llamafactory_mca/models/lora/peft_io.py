@@ -32,6 +32,7 @@ from ..value_head import write_file as write_value_head
 from .layers import LoraGroupedExpertsMixin, apply_lora, lora_modules, merge_lora
 from .targets import (
     EXPERT_PIECES,
+    LoraPlan,
     LoraSettings,
     TargetLinear,
     meta_hf_model,
@@ -118,19 +119,21 @@ def _targets(config: Any, settings: LoraSettings, freeze_vision_tower: bool = Tr
                         freeze_vision_tower)
 
 
-def check_lora_plan(config: Any, finetuning_args: Any, adapters: list[str], expert_tensor_parallel: int,
-                    tensor_parallel: int = 1) -> None:
-    """The preflight's LoRA checks: the adapters to continue are peft LoRA folders, the targets exist on this model,
-    expert adapters have whole experts."""
+def plan_lora(config: Any, finetuning_args: Any, adapters: list[str], expert_tensor_parallel: int,
+              tensor_parallel: int = 1, seed: int = 42) -> LoraPlan:
+    """The adapter this run trains, with the checks made once: the adapters to continue are peft LoRA folders, the
+    targets exist on this model, expert adapters have whole experts."""
     for path in adapters:
         if not is_adapter_folder(path):
             raise UserError(f"adapter_name_or_path={path!r} is not a peft adapter folder (no {ADAPTER_CONFIG}).")
         read_adapter_config(path)
     resume = adapters[-1] if adapters and not finetuning_args.create_new_adapter else None
-    settings = LoraSettings.from_peft(read_adapter_config(resume)) if resume else \
-        LoraSettings.from_args(finetuning_args)
-    refuse_split_pieces(_targets(config, settings, finetuning_args.freeze_vision_tower), tensor_parallel)
+    settings = LoraSettings.from_peft(read_adapter_config(resume), seed) if resume else \
+        LoraSettings.from_args(finetuning_args, seed)
+    targets = _targets(config, settings, finetuning_args.freeze_vision_tower)
+    refuse_split_pieces(targets, tensor_parallel)
     refuse_split_experts(settings, expert_tensor_parallel)
+    return LoraPlan(settings, tuple(targets))
 
 
 def export_adapter(checkpoint: str, output: str, dtype: torch.dtype | None = None) -> dict:
@@ -258,22 +261,20 @@ def _load_additional(model: Any, tensors: dict[str, torch.Tensor], used: set[str
                 target.assign(op.load(src, hf_names, target.shard, dims))
 
 
-def setup_lora(model: Any, finetuning_args: Any, adapters: list[str], base_model: str, seed: int = 42,
-               freeze_vision_tower: bool = True) -> dict:
+def setup_lora(model: Any, lora: LoraPlan, finetuning_args: Any, adapters: list[str], base_model: str,
+               seed: int = 42) -> dict:
     """LLaMA-Factory's LoRA setup on our model: the adapters listed in ``adapter_name_or_path`` are merged into the
-    base, all but the last, which training continues (all of them with ``create_new_adapter``: a new one starts).
-    Returns the trained adapter's adapter_config.json."""
+    base, all but the last, which training continues (all of them with ``create_new_adapter``: a new one starts) as
+    ``lora`` planned it. Returns the trained adapter's adapter_config.json."""
     resume = adapters[-1] if adapters and not finetuning_args.create_new_adapter else None
     for path in adapters[:-1] if resume else adapters:
         apply_lora(model, LoraSettings.from_peft(read_adapter_config(path), seed))
         load_adapter(model, path)
         merge_lora(model)
-    settings = LoraSettings.from_peft(read_adapter_config(resume), seed) if resume else \
-        LoraSettings.from_args(finetuning_args, seed)
-    run = apply_lora(model, settings, freeze_vision_tower)
+    run = apply_lora(model, lora.settings, planned=list(lora.targets))
     if resume:
         load_adapter(model, resume)
-    return peft_config(settings, run.targets, base_model)
+    return peft_config(lora.settings, run.targets, base_model)
 
 
 def merge_adapter(adapter: str, base_model: str, output: str, dtype: torch.dtype | None = None) -> list[str]:

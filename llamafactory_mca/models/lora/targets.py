@@ -228,6 +228,15 @@ def _expert_targets(hf_config: dict, modules: dict[str, torch.nn.Module]) -> lis
 # ---- the adapters --------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class LoraPlan:
+    """The adapter a LoRA run trains, planned once per process (``peft_io.plan_lora``): its settings and the linears
+    it goes on, checked against the layout."""
+
+    settings: LoraSettings
+    targets: tuple[TargetLinear, ...]
+
+
 def refuse_split_pieces(targets: list[TargetLinear], tensor_parallel: int) -> None:
     """HF modules of a fused linear that hold several of its row groups each (Qwen3.5's flat ``in_proj_qkv``: the q,
     k and v of every head in turn): a tensor-parallel rank's rows of such a module are not one block of it, so
