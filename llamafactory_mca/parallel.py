@@ -20,10 +20,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed import distributed_c10d as c10d
 
 from .args import expert_tp
+from .compat import apply_megatron_fixes
+from .cpu_mode import apply_cpu_mode, cpu_mode_needed
 from .errors import UserError
 
 
@@ -224,9 +227,6 @@ def init_distributed(timeout_s: float = 1800) -> None:
     ``timeout_s`` is ``ddp_timeout``; the group's own timeout is a minute longer, so that the watchdog's message
     (rank, step, operation) comes before the backend's.
     """
-    from .compat import apply_megatron_fixes
-    from .cpu_mode import apply_cpu_mode, cpu_mode_needed
-
     if cpu_mode_needed():
         apply_cpu_mode()
     apply_megatron_fixes()
@@ -258,6 +258,7 @@ def lost_peer(err: BaseException) -> bool:
 def initialize(layout: ParallelLayout, seed: int = 42, cuda_graphs: bool = False) -> None:
     """Create Megatron's process groups for ``layout`` (idempotent) and seed every RNG. ``cuda_graphs``: the run's
     layers will be CUDA graphs, whose random numbers must come from a graph-safe generator."""
+    # here: the launcher imports this module (min_world_size, init_distributed's hook); Megatron loads in a rank
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -273,7 +274,6 @@ def initialize(layout: ParallelLayout, seed: int = 42, cuda_graphs: bool = False
             expert_model_parallel_size=layout.ep,
             expert_tensor_parallel_size=layout.etp,
         )
-    import numpy as np
 
     random.seed(seed)
     np.random.seed(seed)
@@ -298,7 +298,7 @@ def destroy_layout() -> None:
     their losses were reduced over, and the rotary embeddings' class-level ``lru_cache`` on ``forward`` keeps the
     last modules (``self``) and, through the DDP hooks on them, the whole finished model with its optimizer. (The
     trainer drops the autograd graphs its modules keep: ``trainer._drop_kept_graphs``.)"""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # here: as in init_distributed
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import transformers
 
 from .args import MegatronArguments, _HostCompatArguments
+from .cpu_mode import cpu_mode_needed
 from .errors import UserError
+from .parallel import ParallelLayout
 
 
 class _McaTrainingMixin:
@@ -34,7 +36,6 @@ class _McaTrainingMixin:
                             "store_param_remainders.")
         if self.bf16 and not self.accumulate_allreduce_grads_in_fp32:
             self.accumulate_allreduce_grads_in_fp32 = True
-        from .cpu_mode import cpu_mode_needed
 
         if cpu_mode_needed():
             self.use_cpu = True  # no GPU: gloo, and Hugging Face's bf16-needs-a-GPU check stays quiet
@@ -56,8 +57,6 @@ class _McaTrainingMixin:
 
     def resolve_layout(self, world_size: int | None = None, seq_length: int | None = None):
         """The second check, once the world size is known: see ``parallel.ParallelLayout``."""
-        from .parallel import ParallelLayout
-
         return ParallelLayout.from_args(self, world_size=world_size, seq_length=seq_length)
 
 

@@ -28,6 +28,9 @@ import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
 from ..args import LAYOUT_KEY, LAYOUT_KEYS
 from ..errors import UserError
 from . import manifest, writers
@@ -140,8 +143,6 @@ def write_folder(path: str, state: dict, side_files: SideFiles, *, extra: Callab
     An existing ``path`` of ours is replaced (a rerun of the same step); anything else there is refused. A file
     writer that dies mid-save ends it on every rank with one UserError, the unfinished folder removed
     (``writers.py``); ``in_writer`` runs first in each writer process (tests' deliberate faults)."""
-    import torch
-
     path = os.path.abspath(path)
     tmp = os.path.join(os.path.dirname(path), f"tmp-{os.path.basename(path)}")
     rank = torch.distributed.get_rank()
@@ -166,9 +167,7 @@ def write_folder(path: str, state: dict, side_files: SideFiles, *, extra: Callab
 def _write_and_commit(path: str, tmp: str, rank: int, state: dict, side_files: SideFiles,
                       extra: Callable[[str], None] | None, before_commit: Callable[[], None] | None,
                       in_writer: Callable[[], None] | None, strategy: Any) -> None:
-    import torch
-    from megatron.core import dist_checkpointing
-    from torch.distributed.checkpoint.api import CheckpointException
+    from megatron.core import dist_checkpointing  # here: reading or verifying a folder needs no Megatron
 
     try:
         with writers.watching(in_writer):
@@ -198,8 +197,6 @@ def _write_and_commit(path: str, tmp: str, rank: int, state: dict, side_files: S
 def _hash_own_files(dist_dir: str, rank: int) -> list[dict[str, dict]]:
     """Collective: each rank hashes the data files it wrote (``__<rank>_<n>.distcp``, still in its page cache), in
     parallel with the others; rank 0 gets every rank's entries."""
-    import torch
-
     own = [name for name in os.listdir(dist_dir) if name.startswith(f"__{rank}_")]
     gathered: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, manifest.entries(dist_dir, own))
@@ -221,7 +218,7 @@ def _in_process_results_queue() -> None:
     broke the next save. Our saves are synchronous: the results are put and read back in this process (the file
     writers it forks report through a queue of their own), so a thread-safe in-process queue does the same job with
     no process behind it."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.dist_checkpointing.strategies import filesystem_async  # here: as above
 
     if not isinstance(filesystem_async._results_queue, queue.Queue):
         filesystem_async._results_queue = queue.Queue()

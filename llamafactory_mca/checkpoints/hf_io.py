@@ -152,7 +152,7 @@ class SafetensorsSource:
             whole = dim is None or dim != 0
             blocks, scales = (self.get(f"{name}{part}", None if whole else 0, start, stop)
                               for part in (MXFP4_BLOCKS, MXFP4_SCALES))
-            # transformers' dequantizer; imported here, as only MXFP4 checkpoints need it
+            # here: transformers' dequantizer (transformers takes seconds to import); only MXFP4 checkpoints need it
             from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
             tensor = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)

@@ -18,6 +18,8 @@ import signal
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
+
 
 POLL_SECONDS = 0.5
 _in_writer: Callable[[], None] | None = None  # runs first in every writer of the save in progress (faults.py)
@@ -30,6 +32,7 @@ class WriterDied(RuntimeError):
 
 def install() -> None:
     """Megatron's writer pool replaced by ours (idempotent; the in-process queue beside it is write_folder's)."""
+    # here: checkpoints/ loads without Megatron (reading, verifying)
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync, _disable_gc
 
     if not getattr(FileSystemWriterAsync.write_preloaded_data_multiproc, "watched", False):
@@ -69,7 +72,7 @@ def _write_watched(transform_list: list, use_msc: bool, rank: int, write_buckets
 
 
 def _writer(transform_list: list, index: int, bucket: Any, results: Any, done: Any, use_msc: bool) -> None:
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync  # here: as above
 
     if _in_writer is not None:
         _in_writer()
@@ -109,8 +112,6 @@ def _how(exitcode: int) -> str:
 def describe_failure() -> str | None:
     """Collective, after a save raised on every rank: what the ranks' writers say, the same text on each; None when
     no writer of any rank died (the error is something else)."""
-    import torch
-
     said: list[str | None] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(said, _failure)
     found = [s for s in said if s]

@@ -77,7 +77,7 @@ class MicroBatch:
         """Megatron's THD description of this micro-batch, or None for a padded one."""
         if not self.packed:
             return None
-        from megatron.core.packed_seq_params import PackedSeqParams
+        from megatron.core.packed_seq_params import PackedSeqParams  # here: data/ loads without Megatron
 
         return PackedSeqParams(
             qkv_format="thd",

@@ -48,6 +48,7 @@ def _quiet(name: str) -> Iterator[None]:
 
 def template_tokens(stage: str, template: Any, tokenizer: Any, processor: Any, data_args: Any) -> np.ndarray:
     """The token ids LLaMA-Factory's processing for ``stage`` (pt, sft, dpo or kto) adds around a row's own text."""
+    # here: LLaMA-Factory's data processors import seconds of modules; data/ loads without them
     from llamafactory.data.processor import (
         FeedbackDatasetProcessor,
         PairwiseDatasetProcessor,

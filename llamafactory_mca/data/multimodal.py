@@ -57,6 +57,7 @@ def image_blocks(ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
 def _rope_index(hf_config: dict[str, Any]):
     """``get_rope_index`` of the HF VL model, bound to an instance that holds only its config: the method reads
     nothing else, and building the model (billions of parameters) to call it would be absurd."""
+    # here: data/ loads without transformers, which takes seconds to import; only VL models need it
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 

@@ -109,7 +109,7 @@ class RowTable:
 
 
 def _list_lengths(column: Any) -> np.ndarray:
-    import pyarrow.compute as pc
+    import pyarrow.compute as pc  # here: only datasets' Arrow columns reach it
 
     return pc.fill_null(pc.list_value_length(column), 0).to_numpy().astype(np.int64)
 

@@ -17,8 +17,14 @@ import time
 from typing import Any
 
 import torch
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.validation import StrictHandling
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+from transformers import AutoConfig as HfAutoConfig
 
 from .. import checkpoints
+from ..checkpoints.dist_reader import DistCheckpointReader, named_load_errors
 from ..checkpoints.hf_io import SafetensorsSource
 from ..compat import has_transformer_engine
 from ..cpu_mode import cpu_mode_needed
@@ -52,7 +58,6 @@ class AutoConfig:
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"{path} is neither a Hugging Face model folder (no config.json) nor a "
                              f"llamafactory_mca checkpoint (no {checkpoints.MCA_CONFIG_NAME}).")
-        from transformers import AutoConfig as HfAutoConfig
 
         hf = HfAutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         return _drop_missing_mtp(get_family(hf.model_type).config_from_hf(hf), path)
@@ -281,8 +286,6 @@ class McaModel:
     def sharded_state_dict(self) -> dict[str, Any]:
         """Megatron's sharded state dict for dist checkpointing (keys are global: any layout reloads it). With LoRA
         only the adapters (and ``additional_target`` modules): the frozen base comes from ``model_name_or_path``."""
-        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
-
         # GPTModel needs the data-parallel group where a later stage holds a copy of the embedding (multi-token
         # prediction's); megatron-core's other modules fill it in themselves
         states = [chunk.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None)) for chunk in self.chunks]
@@ -293,8 +296,6 @@ class McaModel:
         return {f"model{i}": state for i, state in enumerate(states)}
 
     def load_hf_weights(self, path: str) -> SafetensorsSource:
-        from megatron.core import parallel_state as ps
-
         family = get_family(self.config.hf_model_type)
         src = SafetensorsSource(path, family.source_aliases)
         table = family.weight_table(self.config)
@@ -303,11 +304,6 @@ class McaModel:
         return src
 
     def load_dist_checkpoint(self, directory: str, strict: bool = True) -> None:
-        from megatron.core import dist_checkpointing
-        from megatron.core.dist_checkpointing.validation import StrictHandling
-
-        from ..checkpoints.dist_reader import DistCheckpointReader, named_load_errors  # no torch DCP to plan a run
-
         wanted = self.sharded_state_dict()
         if vhead.heads(self.chunks) and vhead.WEIGHT_KEY not in DistCheckpointReader(directory):
             # a reward model from a checkpoint of another stage: its value head starts new
@@ -355,8 +351,6 @@ def _mask_vocab_padding(chunk: torch.nn.Module, vocab_size: int) -> None:
     Megatron pads the vocabulary to a multiple of tp × 128; zero rows would still add exp(0) to every softmax
     denominator, making the loss depend on the TP size and differ from Hugging Face's.
     """
-    from megatron.core import parallel_state as ps
-
     local = chunk.output_layer.weight.shape[0] if chunk.output_layer.weight is not None else \
         chunk.shared_embedding_or_output_weight().shape[0]
     first_padded = vocab_size - ps.get_tensor_model_parallel_rank() * local
@@ -381,8 +375,6 @@ def _experts_reduced_over_their_data_parallel_group(chunks: list[torch.nn.Module
     differ wherever the experts' tensor-parallel size is not the attention's: under TP2 with whole experts
     (expert_tensor_parallel_size 1, the layout's default) each TP rank runs its own sequence-parallel tokens through
     its copy of every expert, and only the expert-data-parallel group sums the two halves of the gradient."""
-    from megatron.core import parallel_state as ps
-
     if (ps.get_expert_model_parallel_world_size() > 1
             or ps.get_expert_tensor_parallel_world_size() == ps.get_tensor_model_parallel_world_size()):
         return
@@ -399,8 +391,6 @@ class AutoModel:
         ``parallel.check_layout``, which the run's plan and convert make). ``config`` as the run trains it (its
         multi-token prediction resolved: ``plan.plan_mtp``, or ``resolve_mtp``); ``frozen_base``: only adapters
         will train (LoRA), which changes the speed defaults."""
-        from megatron.core import parallel_state as ps
-
         tc = build_transformer_config(config, args, frozen_base)
         tp = ps.get_tensor_model_parallel_world_size()
         vpp = ps.get_virtual_pipeline_model_parallel_world_size()

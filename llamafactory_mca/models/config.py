@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
 from ..errors import UserError
 from .mapping import in_linear_attention_layers, in_moe_layers, is_linear_attention_layer, is_moe_layer
@@ -131,8 +132,6 @@ class McaConfig:
 
     def to_transformer_config(self, overrides: dict[str, Any], **engine: Any):
         """TransformerConfig = architecture + the run's overrides (``args.get_config_dict()``) + engine fields."""
-        from megatron.core.transformer import MLATransformerConfig, TransformerConfig
-
         kwargs = dict(self.transformer)
         activation = kwargs.pop("activation", "silu")
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
@@ -195,6 +194,7 @@ SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
 
 def hf_config_object(hf_config: dict[str, Any]) -> Any:
     """The ``transformers`` config object of a saved config.json dict (``McaConfig.hf_config``)."""
+    # here: transformers takes seconds to import; this module (McaConfig, which checkpoints reads) loads without it
     from transformers import AutoConfig as HfAutoConfig
 
     return HfAutoConfig.for_model(hf_config["model_type"], **{k: v for k, v in hf_config.items() if k != "model_type"})
@@ -204,6 +204,7 @@ def rope_inv_freq(config: McaConfig, head_dim: int) -> torch.Tensor | None:
     """HF's inverse frequencies for scaled RoPE kinds; None for plain RoPE (Megatron computes the same)."""
     if not config.rope_parameters:
         return None
+    # here: imports transformers (as above), only for scaled RoPE
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     kind = config.rope_parameters.get("rope_type", config.rope_parameters.get("type"))
@@ -227,7 +228,7 @@ def rope_attention_scaling(hf_config: Any) -> float:
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
     if kind != "yarn":
         return 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # here: imports transformers, only for YaRN
 
     return float(ROPE_INIT_FUNCTIONS[kind](hf_config, torch.device("cpu"))[1])
 

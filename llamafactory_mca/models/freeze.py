@@ -60,6 +60,7 @@ def apply_freeze(model: Any, finetuning_args: Any) -> int:
 def vision_frozen(model_type: str, freeze_vision_tower: bool, freeze_projector: bool) -> Callable[[str], bool]:
     """Whether a tower parameter (by its own name, ``X`` of our ``vision.X``) is frozen: LLaMA-Factory's rule, by its
     own table of each VL model's module names (``COMPOSITE_MODELS``), a key anywhere in the checkpoint's name."""
+    # here: LLaMA-Factory's model utilities import seconds of modules; only VL models need the table
     from llamafactory.model.model_utils.visual import COMPOSITE_MODELS
 
     names = COMPOSITE_MODELS.get(model_type)

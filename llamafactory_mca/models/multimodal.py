@@ -27,6 +27,9 @@ import sys
 from typing import Any
 
 import torch
+import transformers
+from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+from megatron.core.transformer.multi_token_prediction import roll_tensor
 
 from ..data.multimodal import IMAGE, VIDEO, image_blocks, image_token_id, placeholder_types
 from ..errors import UserError
@@ -42,7 +45,7 @@ VISION_PREFIX = "vision."  # our name of the tower inside a model chunk
 def _tower_class(hf: Any) -> type:
     """The vision tower class ``transformers`` builds for this VL config (the PreTrainedModel of its vision config,
     in the modeling module of the VL model), so the language model is never built beside it."""
-    import transformers
+    # here: transformers' model registry loads its generation modules, which nothing else here needs
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
     module = sys.modules[getattr(transformers, MODEL_MAPPING_NAMES[hf.model_type]).__module__]
@@ -61,8 +64,6 @@ class TowerWithProjector(torch.nn.Module):
     already one call per block."""
 
     def __init__(self, hf: Any, dtype: torch.dtype) -> None:
-        import transformers
-
         super().__init__()
         self.vision_tower = transformers.AutoModel.from_config(hf.vision_config, dtype=dtype,
                                                                attn_implementation="sdpa")
@@ -76,7 +77,7 @@ class TowerWithProjector(torch.nn.Module):
 
 def _vl_class(hf: Any, suffix: str) -> type:
     """The class named ``*<suffix>`` in the modeling module of the VL model of ``hf``."""
-    import transformers
+    # here: transformers' model registry loads its generation modules, which nothing else here needs
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
     module = sys.modules[getattr(transformers, MODEL_MAPPING_NAMES[hf.model_type]).__module__]
@@ -246,10 +247,8 @@ class VisionLanguageModel(LanguageModel):
                 deepstack = [_scatter(d, mask, level.to(d.dtype)) for d, level in zip(deepstack, levels)]
         whole = embeddings
         if self.config.sequence_parallel:
-            from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region as scatter
-
-            embeddings = scatter(embeddings)
-            deepstack = None if deepstack is None else [scatter(d) for d in deepstack]
+            embeddings = scatter_to_sequence_parallel_region(embeddings)
+            deepstack = None if deepstack is None else [scatter_to_sequence_parallel_region(d) for d in deepstack]
         return embeddings, (None if deepstack is None else torch.stack(deepstack)), whole
 
     def _give_mtp_the_inputs(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -263,14 +262,10 @@ class VisionLanguageModel(LanguageModel):
         Moved as Megatron moves the ids (each packed sequence apart, its last position zero: a position whose MTP
         target is past the sequence, so its loss mask is zero), and split over sequence-parallel ranks like the
         decoder's input."""
-        from megatron.core.transformer.multi_token_prediction import roll_tensor
-
         whole, packed_seq_params = self._mtp_input
         whole = roll_tensor(whole.permute(1, 2, 0), packed_seq_params=packed_seq_params)[0].permute(2, 0, 1)
         self._mtp_input[0] = whole
         if self.config.sequence_parallel:
-            from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
-
             return scatter_to_sequence_parallel_region(whole)
         return whole
 

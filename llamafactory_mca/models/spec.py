@@ -24,7 +24,10 @@ import importlib.util
 import logging
 from typing import Any
 
+import torch
 from megatron.core import parallel_state as ps
+from megatron.core.extensions.transformer_engine import TENorm
+from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
@@ -43,7 +46,11 @@ from megatron.core.transformer.multi_token_prediction import (
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import L2Norm
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_block import (
+    LayerNormImpl,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules, get_transformer_layer_offset
 
@@ -121,6 +128,7 @@ def get_layer_spec(config: TransformerConfig, moe: bool | None = None, linear: b
     _log_once(config, choice)
     experts = config.num_moe_experts if moe is not False else None
     if choice == "te":
+        # here: gpt_layer_specs loads Megatron's kitchen extension, which only the te and local specs use
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(
@@ -129,7 +137,7 @@ def get_layer_spec(config: TransformerConfig, moe: bool | None = None, linear: b
             qk_l2_norm=getattr(config, "qk_l2_norm", False),
         )
     if choice == "local":
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # here: as above
 
         return get_gpt_layer_local_spec(
             num_experts=experts, moe_grouped_gemm=_local_grouped_gemm(config),
@@ -150,13 +158,11 @@ def get_block_spec(config: TransformerConfig, vp_stage: int | None = None,
     kinds = [(_is_moe_layer(config, offset + i), is_linear_attention_layer(linear, offset + i)) for i in range(count)]
     specs = {kind: get_layer_spec(config, *kind) for kind in set(kinds)}
     if _choice(config) == "te":
-        from megatron.core.extensions.transformer_engine import TENorm
-
         final_norm = TENorm
     elif _choice(config) == "native":
         final_norm = NativeNorm
     else:
-        from megatron.core.transformer.transformer_block import LayerNormImpl as final_norm
+        final_norm = LayerNormImpl
     return TransformerBlockSubmodules(layer_specs=[specs[kind] for kind in kinds], layer_norm=final_norm)
 
 
@@ -167,10 +173,7 @@ def get_mtp_block_spec(config: TransformerConfig, vp_stage: int | None = None) -
     if not config.mtp_num_layers or not mtp_on_this_rank(config, ignore_virtual=False, vp_stage=vp_stage):
         return None
     choice = _choice(config)
-    if choice == "te":
-        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider as backend
-    else:
-        backend = LocalSpecProvider if choice == "local" else _NativeBackend
+    backend = {"te": TESpecProvider, "local": LocalSpecProvider}.get(choice, _NativeBackend)
     layer = get_layer_spec(config, _is_moe_layer(config, config.num_layers))
     return MultiTokenPredictionBlockSubmodules(
         layer_specs=[get_mtp_layer_spec_for_backend(layer, backend())] * config.mtp_num_layers)
@@ -352,8 +355,6 @@ def _has_apex_wgrad() -> bool:
 
 
 def _cpu_only() -> bool:
-    import torch
-
     return not torch.cuda.is_available()
 
 

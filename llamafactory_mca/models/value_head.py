@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from llamafactory.extras.constants import V_HEAD_SAFE_WEIGHTS_NAME
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from safetensors.torch import load_file, save_file
 
 
 PREFIX = "value_head."  # the chunk's module name: its keys in our checkpoints
@@ -80,8 +81,6 @@ def train_whole(chunks: list[torch.nn.Module], adapters: tuple[str, ...] = ()) -
 
 def read_file(folder: str) -> dict[str, torch.Tensor] | None:
     """``folder``'s value_head.safetensors as our keys, or None without one."""
-    from safetensors.torch import load_file
-
     path = os.path.join(folder, V_HEAD_SAFE_WEIGHTS_NAME)
     if not os.path.isfile(path):
         return None
@@ -104,8 +103,6 @@ def load_file_into(chunks: list[torch.nn.Module], folder: str) -> bool:
 def write_file(reader: Any, folder: str, dtype: torch.dtype | None = None) -> bool:
     """value_head.safetensors with trl's keys into ``folder`` when the checkpoint (a ``DistCheckpointReader``) holds a
     head: LLaMA-Factory's ``fix_valuehead_checkpoint`` output."""
-    from safetensors.torch import save_file
-
     if WEIGHT_KEY not in reader:
         return False
     tensors = {}

@@ -9,6 +9,9 @@ import subprocess
 import sys
 from typing import Any
 
+import torch
+from transformers import HfArgumentParser
+
 from .. import parallel
 from ..args import MegatronArguments
 from ..checkpoints import DIST_DIR, LAYOUT_KEYS, MCA_CONFIG_NAME, SideFiles, verify_contents, write_folder
@@ -24,8 +27,6 @@ from . import flags
 
 def main(argv: list[str]) -> int:
     """``llamafactory-mca convert --hf_path DIR --output_path DIR [layout flags]``."""
-    from transformers import HfArgumentParser
-
     quiet_third_party()
     known, rest = flags.convert().parse_known_args(argv)
     with user_errors(also=(ValueError,)):
@@ -55,8 +56,6 @@ def main(argv: list[str]) -> int:
 
 def convert_rank(hf_path: str, output: str, margs: Any) -> int:
     """One rank's part: build this rank's chunks from the HF weights and write them as a folder of ours."""
-    import torch
-
     layout = parallel.ParallelLayout.from_args(margs)
     parallel.initialize(layout)
     # a reward model's value head (value_head.safetensors beside the weights) comes along, for rm runs to start from

@@ -12,7 +12,10 @@ import os
 import shutil
 import subprocess
 
+import torch
 import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from . import flags
 from .merge import main as merge_main
@@ -30,8 +33,6 @@ def _run(command: list[str], env: dict) -> None:
 
 def save_demo_model(model_dir: str) -> str:
     """The demo's tiny Qwen3-style model, with a tokenizer that knows every word of the demo's dataset."""
-    from transformers import AutoTokenizer
-
     with open(os.path.join(DATA_DIR, "demo_sft.json"), encoding="utf-8") as f:
         rows = json.load(f)
     save_tiny_tokenizer(model_dir, ["system user assistant"] + [r["instruction"] + " " + r["output"] for r in rows])
@@ -42,9 +43,6 @@ def save_demo_model(model_dir: str) -> str:
 
 def demo_main(argv: list[str] | None = None) -> int:
     args = flags.demo().parse_args(argv)
-    import torch  # after --help, which answers without them
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
     out = os.path.abspath(args.output_dir)
     hf_logging.disable_progress_bar()  # the tiny model's save and load bars say nothing here

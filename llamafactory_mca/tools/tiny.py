@@ -12,7 +12,12 @@ import os
 import tempfile
 from typing import Any
 
+import numpy as np
 import torch
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
 
 from ..models.families import get_family
 
@@ -144,14 +149,13 @@ def model_type_of(name: str) -> str:
 
 
 def tiny_hf_config(name: str, **overrides: Any):
-    from transformers import AutoConfig
-
     return AutoConfig.for_model(model_type_of(name), **{**(TINY.get(name) or TINY_VL[name]), **overrides})
 
 
 def save_tiny_model(name: str, directory: str, seed: int = 0, dtype: torch.dtype = torch.float32,
                     **overrides: Any) -> str:
     """Write a random tiny HF model of family ``name`` (see ``TINY``) to ``directory``."""
+    # here: transformers' model classes load its generation modules; only writing a model needs them
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
@@ -209,8 +213,7 @@ def add_mtp_layers(config: Any, directory: str, dtype: torch.dtype, device: str 
     them. Each is decoder layer ``num_hidden_layers + k`` of a model one layer deeper (a full-attention layer in a
     hybrid model), saved by transformers itself, plus ``enorm``, ``hnorm``, ``eh_proj`` and its final norm; DeepSeek's
     layout adds copies of the embedding and output layer, Qwen3-Next's moves it all under ``mtp.``."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
+    # here: transformers' model classes load its generation modules; only writing a model needs them
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     index_path, single = os.path.join(directory, "model.safetensors.index.json"), "model.safetensors"
@@ -295,6 +298,7 @@ def save_tiny_tokenizer(directory: str, texts: list[str] | None = None, extra_sp
     out-of-range ids. Works with LLaMA-Factory's qwen/qwen3_nothink/default templates; ``extra_special``: another
     template's special tokens (``GLM_TOKENS`` for glm4_moe).
     """
+    # here: tokenizers' trainers and transformers' fast-tokenizer module; only writing a tokenizer needs them
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -325,6 +329,7 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
     as the hub ships them: the tokenizer knows the vision tokens, the config's token ids are the tokenizer's, and the
     image processor cuts the tower's patches (tiny: 4 pixels merged 2 x 2, so a 32 x 32 image is 16 tokens; Gemma 3:
     every image 16 pixels, pooled into ``mm_tokens_per_image`` tokens, 4)."""
+    # here: the processors load sentencepiece and torchvision's transforms; only VL models need them
     from transformers import (
         AutoTokenizer,
         Gemma3ImageProcessor,
@@ -398,9 +403,6 @@ def write_image_dataset(directory: str, n_rows: int, name: str = "tiny_images", 
     with ``video_every`` = k, every k-th row also holds a two-frame video (a list of frame files, which LLaMA-Factory
     reads like a decoded video); ``ranking=True``: a chosen and a rejected answer to each (the pairwise stages);
     ``feedback=True``: KTO's tag on each answer, two of every three desirable."""
-    import numpy as np
-    from PIL import Image
-
     path = os.path.join(directory, "data")
     os.makedirs(path, exist_ok=True)
     rng = np.random.default_rng(0)

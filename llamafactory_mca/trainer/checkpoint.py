@@ -212,7 +212,6 @@ def load_checkpoint(path: str, model: Any, optimizer: Any | None, layout: Parall
         torch.set_rng_state(rng["torch"])
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-        from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
         get_cuda_rng_tracker().set_states(rng["tracker"])
     if torch.distributed.get_rank() == 0:

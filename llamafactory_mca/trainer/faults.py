@@ -40,12 +40,12 @@ def _matches(point: str, step: int) -> bool:
 def maybe_crash(point: str, step: int) -> None:
     if not _matches(point, step):
         return
-    import torch
+    import torch  # here: this module loads without torch; only a fault point that fires needs it
 
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # every rank dies at the same point
     print(f"[llamafactory_mca] {FAULT_ENV}={point}:{step}: crashing on purpose", file=sys.stderr, flush=True)
-    import psutil
+    import psutil  # here: as torch above
 
     for child in psutil.Process().children(recursive=True):  # checkpoint writers etc. die with us, as in a crash
         child.kill()

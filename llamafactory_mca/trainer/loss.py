@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
+from torch.distributed.nn.functional import all_reduce
 
 
 def lm_loss(loss_mask: torch.Tensor, token_losses: torch.Tensor):
@@ -38,8 +39,6 @@ def sequence_logps(token_losses: torch.Tensor, loss_mask: torch.Tensor, seq_ids:
     counts = torch.zeros(num_seqs, dtype=torch.float32, device=logp.device).index_add(
         0, seq_ids.reshape(-1), loss_mask.float().reshape(-1))
     if ps.get_context_parallel_world_size() > 1:
-        from torch.distributed.nn.functional import all_reduce
-
         group = ps.get_context_parallel_group()
         sums = all_reduce(sums, group=group)
         counts = all_reduce(counts.detach(), group=group)

@@ -211,7 +211,7 @@ class LRSchedule:
     """A Hugging Face scheduler by name, applied to Megatron's param groups."""
 
     def __init__(self, optimizer: Any, args: Any, num_training_steps: int) -> None:
-        from transformers import get_scheduler
+        from transformers import get_scheduler  # here: transformers takes seconds to import
 
         self.optimizer = optimizer
         self.base_lr = args.learning_rate

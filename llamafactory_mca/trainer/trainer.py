@@ -20,6 +20,7 @@ from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -467,8 +468,6 @@ class McaTrainer:
     def _reference_logps(self, plan: Any, reference: Any = None) -> tuple[Any, Any]:
         """Reference (chosen, rejected) log-probs for every row of ``plan`` with the frozen current model (or
         ``reference``, another McaModel). Collective; every rank gets all."""
-        import numpy as np
-
         feed = StepFeeder(plan, self.layout)
         chunks = reference.chunks if reference is not None else self.wrapped
         for chunk in chunks:

@@ -58,7 +58,7 @@ def save_mxfp4_experts(directory: str) -> str:
     4-bit e2m1 codes (two a byte, the even value in the low nibble: ``<name>_blocks`` [E, out, in / 32, 16]) and one
     power-of-two scale (``<name>_scales`` [E, out, in / 32], exponent + 127), with config.json's quantization_config.
     The values become the nearest representable ones; transformers and we both read them back dequantized."""
-    from transformers.integrations.mxfp4 import FP4_VALUES
+    from transformers.integrations.mxfp4 import FP4_VALUES  # here: only gpt-oss (MXFP4) models need it
 
     path = os.path.join(directory, "model.safetensors")
     tensors, codes = load_file(path), torch.tensor(FP4_VALUES)

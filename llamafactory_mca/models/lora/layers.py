@@ -35,6 +35,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.tensor_parallel import mappings
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    set_tensor_model_parallel_attributes,
+)
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from ...compat import has_transformer_engine
 from ...errors import UserError
@@ -66,8 +76,6 @@ def _init_a(shape: tuple[int, ...], name: str, seed: int) -> torch.Tensor:
 
 
 def _set_tp_attributes(param: torch.nn.Parameter, dim: int | None, *, expert: bool, sequence_parallel: bool) -> None:
-    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-
     if dim is not None:
         set_tensor_model_parallel_attributes(param, True, dim, 1)
     if expert:
@@ -86,8 +94,6 @@ class LoraLinearMixin:
     lora_enabled: bool = True
 
     def init_lora(self, target: TargetLinear, global_name: str, settings: LoraSettings, dims: Dims) -> None:
-        from megatron.core.tensor_parallel.layers import ColumnParallelLinear
-
         self.lora_column = isinstance(self, ColumnParallelLinear)
         self.lora_pieces, self.lora_scaling = target.pieces, settings.scaling
         self.lora_name, self.lora_target = global_name, target
@@ -134,8 +140,6 @@ class LoraLinearMixin:
         self.lora_assemble = assemble
 
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
-        from megatron.core.tensor_parallel import mappings
-
         group = self.tp_group
         if self.lora_dropout is not None:
             x = self.lora_dropout(x)
@@ -167,8 +171,6 @@ class LoraLinearMixin:
             b.zero_()
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
         base = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         adapters = {f"lora_A.{k}": v for k, v in self.lora_A.items()} | \
             {f"lora_B.{k}": v for k, v in self.lora_B.items()}
@@ -251,8 +253,6 @@ class LoraGroupedExpertsMixin:
                 self.lora_B[linear].zero_()
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
         base = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         ep_size, ep_rank = self.ep_group.size(), self.ep_group.rank()
         axis = len(sharded_offsets)
@@ -303,8 +303,6 @@ class LoraSharedGateMixin:
         self.lora_B[piece.name].zero_()
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
         held = {name: self._modules.pop(name) for name in ("lora_A", "lora_B")}  # MLP's asks every child for its own
         try:
             base = super().sharded_state_dict(prefix, sharded_offsets, metadata)
@@ -363,10 +361,6 @@ def apply_lora(model: Any, settings: LoraSettings, freeze_vision_tower: bool = T
                planned: list[TargetLinear] | None = None) -> LoraRun:
     """Freeze the model and put adapters on the targeted linears of this rank's chunks (before DDP wraps it);
     ``planned``: the targets as the run's plan found and checked them (``peft_io.plan_lora``), else found here."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
-
     config = model.config
     table = get_family(config.hf_model_type).weight_table(config)
     targets = planned

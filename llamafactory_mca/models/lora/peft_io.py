@@ -15,6 +15,10 @@ import shutil
 from typing import Any
 
 import torch
+import transformers
+from megatron.core import parallel_state as ps
+from peft import LoraConfig, PeftModel
+from safetensors.torch import load_file, save_file
 
 from ...checkpoints import ADAPTER_CONFIG_NAME as ADAPTER_CONFIG
 from ...checkpoints import config_file, dist_checkpoint_dir, verify_checkpoint
@@ -63,8 +67,6 @@ def read_adapter_config(path: str) -> dict:
 
 def peft_config(settings: LoraSettings, targets: list[TargetLinear], base_model: str | None) -> dict:
     """adapter_config.json as peft writes it for the same adapter."""
-    from peft import LoraConfig
-
     modules = sorted({p.name for t in targets if not t.experts for p in t.pieces})
     params = [f"experts.{t.pieces[0].name}" for t in targets if t.experts]
     config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
@@ -138,8 +140,6 @@ def plan_lora(config: Any, finetuning_args: Any, adapters: list[str], expert_ten
 
 def export_adapter(checkpoint: str, output: str, dtype: torch.dtype | None = None) -> dict:
     """A checkpoint of a LoRA run → ``output``/adapter_model.safetensors + adapter_config.json (+ tokenizer)."""
-    from safetensors.torch import save_file
-
     verify_checkpoint(checkpoint)
     config = McaConfig.from_json_file(config_file(checkpoint))
     adapter_config = read_adapter_config(checkpoint)
@@ -184,8 +184,6 @@ def export_adapter(checkpoint: str, output: str, dtype: torch.dtype | None = Non
 def _read_adapter_tensors(path: str) -> dict[str, torch.Tensor]:
     file = os.path.join(path, ADAPTER_WEIGHTS)
     if os.path.isfile(file):
-        from safetensors.torch import load_file
-
         return load_file(file)
     legacy = os.path.join(path, "adapter_model.bin")
     if os.path.isfile(legacy):
@@ -241,8 +239,6 @@ def load_adapter(model: Any, path: str) -> None:
 
 def _load_additional(model: Any, tensors: dict[str, torch.Tensor], used: set[str]) -> None:
     """``modules_to_save`` tensors (embed_tokens, lm_head, norm) into the base parameters they replace."""
-    from megatron.core import parallel_state as ps
-
     extra = {k[len(PEFT_PREFIX):]: v for k, v in tensors.items() if k not in used and ".lora_" not in k}
     if not extra:
         return
@@ -280,9 +276,6 @@ def setup_lora(model: Any, lora: LoraPlan, finetuning_args: Any, adapters: list[
 def merge_adapter(adapter: str, base_model: str, output: str, dtype: torch.dtype | None = None) -> list[str]:
     """Base model + peft adapter → full HF weights (peft's own merge, in fp32), written into ``output``; returns
     the tokenizer and other side files copied from the adapter's folder."""
-    import transformers
-    from peft import PeftModel
-
     config = transformers.AutoConfig.from_pretrained(base_model)
     auto = transformers.AutoModelForImageTextToText if hasattr(config, "vision_config") else \
         transformers.AutoModelForCausalLM

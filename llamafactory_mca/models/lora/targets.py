@@ -107,6 +107,7 @@ class TargetLinear:
 @functools.cache
 def _meta_hf_model(hf_config_json: str) -> torch.nn.Module:
     """The HF model on the meta device: its module names and shapes are what peft and LLaMA-Factory see."""
+    # here: transformers takes seconds to import; this module's other helpers (planning LoRA) do without it
     import transformers
 
     hf_config = json.loads(hf_config_json)
@@ -122,6 +123,7 @@ def meta_hf_model(hf_config: dict) -> torch.nn.Module:
 
 
 def _vision_keys(model: torch.nn.Module) -> list[str]:
+    # here: LLaMA-Factory's model utilities import seconds of modules; only VL models need the table
     from llamafactory.model.model_utils.visual import COMPOSITE_MODELS
 
     names = COMPOSITE_MODELS.get(getattr(model.config, "model_type", None))
@@ -132,6 +134,7 @@ def resolve_targets(hf_config: dict, settings: LoraSettings, freeze_vision_tower
     """The HF module names ``lora_target`` selects, ``all`` exactly as LLaMA-Factory's default path expands it."""
     names = [t for t in settings.targets if t != EXPERTS_WORD]
     if "all" in names:
+        # here: LLaMA-Factory, only for lora_target all
         from llamafactory.model.model_utils.misc import find_all_linear_modules
 
         names = [n for n in names if n != "all"] + sorted(find_all_linear_modules(meta_hf_model(hf_config),

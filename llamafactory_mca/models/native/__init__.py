@@ -31,11 +31,13 @@ def install() -> None:
       (``routing.py``).
     - Its MLP's fused SwiGLU is torch.compile'd; ``swiglu_triton.py`` is the same math in Triton.
     """
+    # here: this package loads without Megatron (its kernels); only install() patches Megatron
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.tensor_parallel import layers
     from megatron.core.transformer import mlp
     from megatron.core.transformer.moe import moe_utils
 
+    # here: Triton kernels, loaded only where a model is prepared
     from . import rope, routing, swiglu_triton, wgrad
 
     if moe_utils.group_limited_topk is routing.MEGATRON_GROUP_LIMITED_TOPK:

@@ -148,6 +148,7 @@ def delta_rule(q, k, v, g, beta, cu_seqlens: torch.Tensor | None) -> torch.Tenso
 @functools.cache
 def _fla_rule():
     try:
+        # here: optional package (flash-linear-attention); its ImportError is the answer
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError as err:
         raise UserError(f"flash-linear-attention is not importable ({err}): {FLA_HINT}.") from err
@@ -162,7 +163,7 @@ def fla_usable() -> bool:
         _fla_rule()
     except UserError:
         return False
-    import triton
+    import triton  # here: Triton comes with CUDA builds of torch only; reached once fla imported
 
     version = tuple(int(x) for x in triton.__version__.split("+")[0].split(".")[:3])
     hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -178,7 +179,7 @@ def describe_kernel() -> str:
     elif importlib.util.find_spec("fla") is None:
         why = f" (GPU: {FLA_HINT})"
     else:
-        import triton
+        import triton  # here: as in fla_usable
 
         why = f" (flash-linear-attention's backward is wrong on Hopper with Triton {triton.__version__}: fla #640)"
     return "torch chunked rule (triangular solve per chunk)" + why

@@ -230,7 +230,7 @@ def varlen_attn_available() -> bool:
 @cache
 def _varlen_fn():
     try:
-        from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention.varlen import varlen_attn  # here: newer torch only; the ImportError picks the fallback
     except ImportError:
         return None
     return varlen_attn

@@ -52,7 +52,7 @@ def placeholder_grad(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | 
 def add_grouped_wgrad(main_grad: torch.Tensor, x: torch.Tensor, grad: torch.Tensor, ends: torch.Tensor) -> None:
     """``main_grad[e] += x[rows of e]^T @ grad[rows of e]`` for a grouped GEMM's weight (``ends``: its ``offs``)."""
     if main_grad.is_cuda and main_grad.dtype == torch.float32:  # bf16 main grads: accumulate_allreduce_grads_in_fp32
-        # Triton comes with CUDA builds of torch only
+        # here: Triton comes with CUDA builds of torch only
         from .grouped_wgrad import grouped_wgrad_accumulate
 
         grouped_wgrad_accumulate(x, grad, ends, main_grad)
@@ -62,6 +62,6 @@ def add_grouped_wgrad(main_grad: torch.Tensor, x: torch.Tensor, grad: torch.Tens
 
 def available() -> bool:
     """Whether the fused accumulation can run here: CUDA, and torch's ``addmm`` with ``out_dtype`` (seen in 2.11)."""
-    from packaging.version import Version
+    from packaging.version import Version  # here: only this check needs it
 
     return torch.cuda.is_available() and Version(torch.__version__.split("+")[0]) >= Version("2.11")
