@@ -1,13 +1,13 @@
 """How many of the recipe's packed micro-batches run as one (``merge_micro_batches``).
 
 A packed micro-batch is a token budget, so k of them as one pack of k times the tokens, accumulated k times fewer,
-train the same global batch. What changes is the work per micro-batch: a MoE layer's experts add their weight
-gradients to the fp32 main_grad once per micro-batch, a read and a write of every expert weight in fp32 whatever the
-micro-batch holds. At 256 rows per expert (Qwen3-30B-A3B's 4,096-token packs: 128 experts, top 8) that traffic takes
-longer than the GEMM it follows; at 512 the two are even (one H200: 0.75 -> 0.50 s per step, 8 layers, 8 packs, with
-the same global batch). Dense layers gain little, and graphs replay the recipe's shapes, so ``auto`` merges MoE
-models whose experts train (not LoRA's frozen ones) only, and only as far as the planner's memory estimate fits the
-GPU.
+train the same global batch. What changes is the work per micro-batch: a MoE layer's experts add their weight gradients
+to the fp32 main_grad once per micro-batch, a read and a write of every expert weight in fp32 whatever the micro-batch
+holds, and every layer's kernels are launched once per micro-batch. At 256 rows per expert (Qwen3-30B-A3B's 4,096-token
+packs: 128 experts, top 8) that traffic takes longer than the GEMM it follows; at 512 the two are even (one H200, 8
+layers, the same 8 packs per step: 0.75 s as 1 x 8, 0.50 s as 2 x 4 with half the launches). Dense layers gain little,
+and graphs replay the recipe's shapes, so ``auto`` merges MoE models whose experts train (not LoRA's frozen ones) only,
+and only as far as the planner's memory estimate fits the GPU.
 """
 
 from __future__ import annotations
