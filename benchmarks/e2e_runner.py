@@ -239,12 +239,13 @@ def _log_problem(run_dir: str) -> tuple[bool, str]:
 
 
 def _profile_summary(ranks: list[dict]) -> dict:
-    """The profiled step's GPU busy share and kernel launches, averaged over the ranks that recorded it (pipeline
-    stages differ); None where no rank did, or where a rank ran no GPU."""
+    """The profiled step's kernel time and launches, averaged over the ranks that recorded it (pipeline stages
+    differ); None where no rank did, or where a rank ran no GPU. Its busy share is ``summarize``'s: the kernel time
+    over an unprofiled step's time."""
     profiles = [s["profile"] for r in ranks for s in r["steps"] if s["step"] == r.get("profiled_step")
                 and "profile" in s]
     result: dict[str, Any] = {"profiled_step": ranks[0].get("profiled_step") if profiles else None}
-    for key in ("gpu_busy", "launches_per_step", "kernel_ms_per_step", "syncs_per_step"):
+    for key in ("launches_per_step", "kernel_ms_per_step", "syncs_per_step"):
         values = [p.get(key) for p in profiles]
         result[key] = round(float(np.mean(values)), 4) if values and None not in values else None
     return result
@@ -295,6 +296,7 @@ def summarize(run_dir: str, run: Run, warmup: int, flops_config, peak: float | N
         "peak_reserved_gib": round(max(r["peak_reserved_gib"] for r in ranks), 2) or None,
         "losses": [round(steps[k]["loss"], 4) if "loss" in steps[k] else None for k in sorted(steps)],
         **_profile_summary(ranks),
+        "gpu_busy": None,  # below, where the measured steps give an unprofiled step's time
     }
     window = [k for k in sorted(steps) if k > warmup and "tokens" in steps[k]]
     if warmup in steps and window:

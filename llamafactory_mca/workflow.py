@@ -243,8 +243,7 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
                                       frozen_base=plan.finetuning_type == "lora", value_head=stage == "rm")
     adapter_config = None
     if plan.finetuning_type == "lora":
-        adapter_config = setup_lora(model, plan.lora, finetuning_args, list(plan.adapters), plan.model_path,
-                                    training_args.seed)
+        adapter_config = setup_lora(model, plan.lora, list(plan.adapters), plan.model_path, training_args.seed)
     else:
         if plan.finetuning_type == "freeze":
             apply_freeze(model, finetuning_args)

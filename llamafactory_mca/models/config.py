@@ -194,7 +194,7 @@ SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
 
 def hf_config_object(hf_config: dict[str, Any]) -> Any:
     """The ``transformers`` config object of a saved config.json dict (``McaConfig.hf_config``)."""
-    # here: transformers takes seconds to import; this module (McaConfig, which checkpoints reads) loads without it
+    # here: transformers takes seconds to import; only a saved config's object needs it
     from transformers import AutoConfig as HfAutoConfig
 
     return HfAutoConfig.for_model(hf_config["model_type"], **{k: v for k, v in hf_config.items() if k != "model_type"})

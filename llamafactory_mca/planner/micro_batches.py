@@ -62,14 +62,15 @@ def plan_merge(request: str | int, config: Any, layout: ParallelLayout, training
         return Merge(1, "")
     best = Merge(1, "")
     for factor in MERGES:
-        if layout.grad_accum % factor or rows_per_expert(config, merged(layout, factor // 2), training.tokens) \
+        if layout.grad_accum % factor or rows_per_expert(config, merged(layout, best.factor), training.tokens) \
                 >= EXPERT_ROWS:
             break
-        if estimate(config, merged(layout, factor), training)["needs"] > budget:
+        bigger = merged(layout, factor)
+        if estimate(config, bigger, training)["needs"] > budget:
             break
-        rows = rows_per_expert(config, merged(layout, factor), training.tokens)
         best = Merge(factor, f"merge_micro_batches: auto merged the recipe's micro-batches by {factor} "
-                             f"({rows:,.0f} rows per expert; 1 keeps them)")
+                             f"({rows_per_expert(config, bigger, training.tokens):,.0f} rows per expert; 1 keeps "
+                             "them)")
     return best
 
 

@@ -135,7 +135,7 @@ def plan_lora(config: Any, finetuning_args: Any, adapters: list[str], expert_ten
     targets = _targets(config, settings, finetuning_args.freeze_vision_tower)
     refuse_split_pieces(targets, tensor_parallel)
     refuse_split_experts(settings, expert_tensor_parallel)
-    return LoraPlan(settings, tuple(targets))
+    return LoraPlan(settings, tuple(targets), resume)
 
 
 def export_adapter(checkpoint: str, output: str, dtype: torch.dtype | None = None) -> dict:
@@ -257,19 +257,17 @@ def _load_additional(model: Any, tensors: dict[str, torch.Tensor], used: set[str
                 target.assign(op.load(src, hf_names, target.shard, dims))
 
 
-def setup_lora(model: Any, lora: LoraPlan, finetuning_args: Any, adapters: list[str], base_model: str,
-               seed: int = 42) -> dict:
+def setup_lora(model: Any, lora: LoraPlan, adapters: list[str], base_model: str, seed: int = 42) -> dict:
     """LLaMA-Factory's LoRA setup on our model: the adapters listed in ``adapter_name_or_path`` are merged into the
-    base, all but the last, which training continues (all of them with ``create_new_adapter``: a new one starts) as
-    ``lora`` planned it. Returns the trained adapter's adapter_config.json."""
-    resume = adapters[-1] if adapters and not finetuning_args.create_new_adapter else None
-    for path in adapters[:-1] if resume else adapters:
+    base, all but the one training continues (``lora.resume``; none with ``create_new_adapter``: a new one starts)
+    as ``lora`` planned it. Returns the trained adapter's adapter_config.json."""
+    for path in adapters[:-1] if lora.resume else adapters:
         apply_lora(model, LoraSettings.from_peft(read_adapter_config(path), seed))
         load_adapter(model, path)
         merge_lora(model)
     run = apply_lora(model, lora.settings, planned=list(lora.targets))
-    if resume:
-        load_adapter(model, resume)
+    if lora.resume:
+        load_adapter(model, lora.resume)
     return peft_config(lora.settings, run.targets, base_model)
 
 

@@ -238,6 +238,7 @@ class LoraPlan:
 
     settings: LoraSettings
     targets: tuple[TargetLinear, ...]
+    resume: str | None = None  # the adapter folder training continues (the last of adapter_name_or_path), if any
 
 
 def refuse_split_pieces(targets: list[TargetLinear], tensor_parallel: int) -> None:
