@@ -104,8 +104,9 @@ def recipe(w: Workload, run: Run, model_dir: str, data_dir: str, out_dir: str, s
         if w.model in MOE_KINDS:
             r.update(moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall")
     r.update(run.extra)
-    if args.smoke:  # fp32 on CPU: param remainders are a bf16 setting
-        r.pop("store_param_remainders", None)
+    if args.smoke:  # fp32 on CPU: param remainders (and the moments they keep) are a bf16 setting
+        for key in ("store_param_remainders", "exp_avg_dtype", "exp_avg_sq_dtype"):
+            r.pop(key, None)
     return r
 
 
@@ -125,7 +126,7 @@ def _unavailable(run: Run, smoke: bool) -> str | None:
 
 LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
-               "recompute_granularity", "store_param_remainders", "cuda_graphs")
+               "recompute_granularity", "store_param_remainders", "exp_avg_dtype", "cuda_graphs")
 
 
 def _layout_of(run: Run) -> tuple:

@@ -278,7 +278,15 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                                          # MoE's defaults turn the fusions on: this is the plain path beside them
                                          Run("ours_unfused", "ours", 1, True, 1, 8, "1 GPU, no fusions",
                                              unfused),
-                                         Run("ours_mb2", "ours", 1, True, 2, 4, "1 GPU, 2 packs per micro-batch")]
+                                         Run("ours_mb2", "ours", 1, True, 2, 4, "1 GPU, 2 packs per micro-batch"),
+                                         # 12 bytes per parameter: remainders and Adam's moments in bf16
+                                         Run("ours_saving", "ours", 1, True, 1, 8,
+                                             "1 GPU, param remainders, bf16 moments",
+                                             dict(store_param_remainders=True, exp_avg_dtype="bf16",
+                                                  exp_avg_sq_dtype="bf16")),
+                                         Run("ours_graphs_merged", "ours", 1, True, 1, 8,
+                                             "1 GPU, CUDA graphs, micro-batches merged by 2",
+                                             dict(graphs, merge_micro_batches=2))]
                  + [Run(**vars(r)) for r in graph_runs],
                  about=f"{cut}-token packed micro-batches, global batch 8; LLaMA-Factory recomputes by default "
                        "(gradient checkpointing), so `ours_recompute` is the like-for-like memory comparison "

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_workloads import LABELS, VL, Run, model_config, workloads  # noqa: E402
 
 from llamafactory_mca.parallel import ParallelLayout  # noqa: E402
-from llamafactory_mca.planner.memory import IMAGE_SHARE, Training, estimate  # noqa: E402
+from llamafactory_mca.planner.memory import IMAGE_SHARE, Training, estimate, moment_bytes  # noqa: E402
 from llamafactory_mca.planner.search import predicted_tokens_per_s, search  # noqa: E402
 
 
@@ -81,6 +81,7 @@ def _training(workload, extra: dict, cutoff: int):
         sequence_parallel=bool(extra.get("sequence_parallel")), lora_rank=workload.tuning.get("lora_rank"),
         lora_experts="experts" in lora_target, cuda_graphs=bool(extra.get("cuda_graphs")),
         param_remainders=bool(extra.get("store_param_remainders")),
+        moment_bytes=moment_bytes(extra.get("exp_avg_dtype"), extra.get("exp_avg_sq_dtype")),
         image_share=image_share(workload) if workload.model in VL else IMAGE_SHARE)
 
 

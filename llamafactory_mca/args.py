@@ -32,6 +32,7 @@ DROP_POLICIES = ("probs", "position")
 LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 OPTIMIZERS = ("adam", "sgd")
+MOMENT_DTYPES = ("fp32", "bf16")  # exp_avg_dtype / exp_avg_sq_dtype (Megatron's also take fp16 and fp8)
 PT_BLOCKS = ("documents", "concatenated")
 MOE_BALANCING = ("llamafactory", "checkpoint")
 # The sizes that make a layout: each of ``parallel.ParallelLayout``'s sizes and the recipe key that sets it, the one
@@ -336,6 +337,12 @@ class MegatronArguments(DistributingParallelArguments):
                                          "trained parameter instead of 18, the same fp32 Adam update. Needs bf16, "
                                          "the distributed optimizer and adam, without optimizer_cpu_offload."}
     )
+    exp_avg_dtype: str = field(
+        default="fp32", metadata={"help": "Adam's first moment: fp32 or bf16 (Megatron's key). bf16 moments (both "
+                                          "keys) with store_param_remainders keep 12 bytes per trained parameter "
+                                          "instead of 16, as DeepSeek-V3 trained, and their step is one pass."}
+    )
+    exp_avg_sq_dtype: str = field(default="fp32", metadata={"help": "Adam's second moment: fp32 or bf16."})
     save_hf_model: bool = field(default=False, metadata={"help": "Also write HF safetensors in each checkpoint."})
     sequence_packing: bool = field(default=False, metadata={"help": "Pack rows into THD micro-batches."})
     cuda_graphs: bool = field(
@@ -401,6 +408,13 @@ class MegatronArguments(DistributingParallelArguments):
                      f"optimizer_cpu_offload (got {self.use_distributed_optimizer}, {self.optimizer!r} and "
                      f"{self.optimizer_cpu_offload}). Set use_distributed_optimizer: true, or drop "
                      "store_param_remainders.")
+        for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            value = getattr(self, key)
+            _require(value in MOMENT_DTYPES, f"{key}={value!r} is not one of {', '.join(MOMENT_DTYPES)}. Use "
+                                             f"{key}: bf16 (with store_param_remainders: true) or drop it.")
+            _require(value == "fp32" or self.store_param_remainders,
+                     f"{key}={value} keeps Adam's moments in the precision-aware Adam of store_param_remainders, "
+                     "which is off. Set store_param_remainders: true, or drop the key.")
         _require(self.max_nonfinite_steps >= 1, f"max_nonfinite_steps={self.max_nonfinite_steps} must be >= 1.")
         if self.prefetch_steps is not None:
             _require(self.prefetch_steps >= 0, f"prefetch_steps={self.prefetch_steps} must be >= 0 (0: no prefetch).")

@@ -80,6 +80,58 @@ def test_masters_are_torchs_adam_on_fp32_masters_bit_for_bit(monkeypatch, adam_w
     assert opt.state[ours[0]]["master_param"].dtype == torch.int16 and opt.state[ours[2]]["master_param"].numel() == 0
 
 
+def test_bf16_moments_follow_fp32_adam_and_save_widened(monkeypatch):
+    """``exp_avg_dtype: bf16`` and ``exp_avg_sq_dtype: bf16``: the moments are kept as bf16 (rounded to nearest-even
+    from the fp32 step), the masters follow fp32 Adam closely, and a checkpoint holds fp32 moments either way: one
+    saved with bf16 moments resumes into fp32 moments and back."""
+    monkeypatch.setattr(param_remainders, "CHUNK", 300)
+    reference, ref_opt, _, _, gen = _pair(True)
+    ours = [p.detach().to(torch.bfloat16) for p in reference[:2]]
+    opt = RemainderAdamW(ours, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                         exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+    ref_opt = torch.optim.AdamW(reference[:2], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for p in ours:
+        opt.initialize_state(p)
+    for _ in range(4):
+        _step(reference[:2], ref_opt, ours, opt, gen)
+    for ref, p in zip(reference, ours):
+        state = opt.state[p]
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+        master = opt.get_unscaled_state(p, "master_param")
+        assert (master - ref.detach()).abs().max() < 1e-3 * ref.detach().abs().max()
+        assert not torch.equal(master, ref.detach())  # the moments' rounding shows
+        saved = opt.get_unscaled_state(p, "exp_avg")
+        assert saved.dtype == torch.float32 and torch.equal(saved, state["exp_avg"].float())
+    # one step of the chunked path, by hand: widened moments, torch's Adam, rounded back
+    g = torch.randn(ours[0].shape, generator=gen)
+    master = opt.get_unscaled_state(ours[0], "master_param")
+    moments = [opt.state[ours[0]][k].float() for k in ("exp_avg", "exp_avg_sq")]
+    by_hand = torch.optim.AdamW([torch.nn.Parameter(master)], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    by_hand.state[by_hand.param_groups[0]["params"][0]] = dict(step=torch.tensor(4.0), exp_avg=moments[0],
+                                                               exp_avg_sq=moments[1])
+    by_hand.param_groups[0]["params"][0].grad = g.clone()
+    by_hand.step()
+    for p in ours:
+        p.decoupled_grad = g.clone() if p is ours[0] else torch.zeros_like(p, dtype=torch.float32)
+    opt.step()
+    assert torch.equal(opt.get_unscaled_state(ours[0], "master_param"), by_hand.param_groups[0]["params"][0].detach())
+    assert torch.equal(opt.state[ours[0]]["exp_avg"], moments[0].to(torch.bfloat16))
+    # fp32 moments take a bf16-moment checkpoint; bf16 moments take an fp32 one
+    wide = RemainderAdamW([torch.zeros_like(ours[0])], lr=1e-2)
+    narrow = RemainderAdamW([torch.zeros_like(ours[0])], lr=1e-2, exp_avg_dtype=torch.bfloat16,
+                            exp_avg_sq_dtype=torch.bfloat16)
+    for other in (wide, narrow):
+        q = other.param_groups[0]["params"][0]
+        other.initialize_state(q)
+        for key in ("exp_avg", "exp_avg_sq", "master_param"):
+            other.set_scaled_state(q, key, opt.get_unscaled_state(ours[0], key))
+        assert torch.equal(q, ours[0])
+        assert other.state[q]["exp_avg"].dtype == other.moment_dtypes["exp_avg"]
+        assert torch.equal(other.get_unscaled_state(q, "exp_avg"), opt.get_unscaled_state(ours[0], "exp_avg"))
+    with pytest.raises(ValueError, match="exp_avg_dtype=torch.float16"):
+        RemainderAdamW(ours, exp_avg_dtype=torch.float16)
+
+
 def test_state_moves_through_checkpoint_calls_and_load_state_dict():
     reference, ref_opt, ours, opt, gen = _pair(True)
     for _ in range(2):
@@ -146,6 +198,8 @@ def test_training_follows_the_plain_path(pair):
     ("plain", 1, {"store_param_remainders": True}, None),  # the first step after the resume is the plain one's
     ("plain", 2, {"store_param_remainders": True, "gradient_accumulation_steps": 2}, None),  # and DP2
     ("remainders", 2, {"tensor_model_parallel_size": 2}, None),  # back to the plain path, under TP2
+    # Adam's moments rounded to bf16 on load and kept so (the checkpoint holds them in fp32)
+    ("remainders", 1, {"store_param_remainders": True, "exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16"}, None),
 ])
 def test_checkpoints_resume_in_either_mode_and_layout(assets, pair, tmp_path, source, world, extra, exact):
     runs_dir, _ = pair
@@ -162,6 +216,7 @@ def test_checkpoints_resume_in_either_mode_and_layout(assets, pair, tmp_path, so
             assert got[step] == pytest.approx(reference[step], rel=1e-3)
     if source == "plain" and world == 1:
         assert got[3] == reference[3]
+    assert ("moments exp_avg bf16 and exp_avg_sq bf16" in output) == ("exp_avg_dtype" in extra)
 
 
 @pytest.mark.parametrize("extra, words", [
@@ -169,6 +224,9 @@ def test_checkpoints_resume_in_either_mode_and_layout(assets, pair, tmp_path, so
      ["store_param_remainders=True", "not bf16", "bf16: true"]),
     ({"store_param_remainders": True, "bf16": True, "use_distributed_optimizer": False},
      ["store_param_remainders=True", "use_distributed_optimizer=True", "use_distributed_optimizer: true"]),
+    ({"exp_avg_dtype": "bf16", "bf16": True}, ["exp_avg_dtype=bf16", "store_param_remainders: true"]),
+    ({"exp_avg_sq_dtype": "fp16", "store_param_remainders": True, "bf16": True, "use_distributed_optimizer": True},
+     ["exp_avg_sq_dtype='fp16'", "fp32, bf16"]),
 ])
 def test_refusals_are_one_line_before_any_worker(assets, tmp_path, extra, words):
     result, output = train(tmp_path, recipe(assets, tmp_path / "out", **extra), alone=False)

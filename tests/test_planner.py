@@ -170,6 +170,7 @@ def test_micro_batches_merge_where_the_experts_gain_and_memory_allows():
             factor(layout=_layout(world=2, pp=2, accum=8)), factor(graphs=True), factor(gib=None),
             factor(request=1), factor(training=Training(tokens=4096, lora_rank=8))] == [1] * 9
     assert factor(request=4, config=_dense()) == 4
+    assert factor(request=2, graphs=True) == 2  # graphs capture the merged packs
     for request, kwargs, message in ((3, {}, "gradient_accumulation_steps=8 is not a multiple of it"),
                                      (2, {"stage": "dpo"}, "stage dpo keeps its rows' pairs"),
                                      (2, {"packing": False}, "the rows are not packed")):

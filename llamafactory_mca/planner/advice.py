@@ -2,8 +2,9 @@
 
 Asked by ``llamafactory-mca plan`` and by the launcher's memory check. The changes keep the model and the global
 batch; they are tried in the order a user would reach for them: recompute and the 16-bit remainders of the fp32
-weights cost some speed and nothing else, the optimizer on the CPU costs host memory and more speed, LoRA changes
-what trains; then the smallest number of GPUs on which the layout search finds a layout that fits.
+weights cost some speed and nothing else, Adam's moments in bf16 no speed but the moments' precision, the optimizer
+on the CPU costs host memory and more speed, LoRA changes what trains; then the smallest number of GPUs on which the
+layout search finds a layout that fits.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def _changes(training: Training) -> list[tuple[str, dict[str, Any]]]:
         steps.append(("recompute_granularity: full", {"recompute": "full"}))
     if training.half and not training.param_remainders and training.lora_rank is None:
         steps.append(("store_param_remainders: true", {"param_remainders": True}))
+    if training.half and training.moment_bytes > 4 and training.lora_rank is None:
+        steps.append(("exp_avg_dtype: bf16, exp_avg_sq_dtype: bf16", {"param_remainders": True, "moment_bytes": 4}))
     if not training.cpu_offload and training.lora_rank is None:
         steps.append(("optimizer_cpu_offload: true", {"cpu_offload": True}))
     if training.lora_rank is None:

@@ -37,6 +37,14 @@ _REPLICATED = ParallelLayout(world_size=1, tp=1, pp=1, vpp=None, cp=1, ep=1, etp
 IMAGE_SHARE = 0.25  # where the data is not known: the share of a pack's tokens that are image placeholders
 
 
+MOMENT_BYTES = {"fp32": 4, "bf16": 2}  # exp_avg_dtype / exp_avg_sq_dtype: bytes of one moment per parameter
+
+
+def moment_bytes(exp_avg_dtype: str | None, exp_avg_sq_dtype: str | None) -> int:
+    """Bytes of Adam's two moments per trained parameter (a key left out is fp32)."""
+    return MOMENT_BYTES[exp_avg_dtype or "fp32"] + MOMENT_BYTES[exp_avg_sq_dtype or "fp32"]
+
+
 @dataclasses.dataclass(frozen=True)
 class Training:
     """What else of the recipe sizes the memory."""
@@ -53,6 +61,7 @@ class Training:
     chunked_cross_entropy: bool | None = None  # None: models/native/logit_chunks.py decides by size
     half: bool = True  # bf16 / fp16 weights with fp32 main weights; False: fp32 throughout (no main copy)
     param_remainders: bool = False  # store_param_remainders: the fp32 main weights as 16-bit remainders
+    moment_bytes: int = 8  # Adam's two moments per trained parameter: 8 in fp32, 4 with exp_avg(_sq)_dtype bf16
     cuda_graphs: bool = False
     freeze_vision_tower: bool = True  # LLaMA-Factory's defaults: the tower and its projector frozen
     freeze_projector: bool = True
@@ -210,7 +219,7 @@ def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[st
             elif tower.trainable:  # the projector alone keeps its input
                 tower_activations = 2 * patches * tower.hidden
         main = (2 if training.param_remainders else 4) if training.half else 0  # fp32 main weights, or their rest
-        states = (8 + main) * (1 if training.distributed_optimizer else layout.dp * layout.cp)
+        states = (training.moment_bytes + main) * (1 if training.distributed_optimizer else layout.dp * layout.cp)
         optimizer = 0.0 if training.cpu_offload else dp_share * states
         # activations: 1F1B keeps (pp - stage) micro-batches in flight (interleaving: a little more)
         in_flight = min(layout.pp - stage, layout.grad_accum)

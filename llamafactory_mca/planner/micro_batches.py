@@ -52,7 +52,7 @@ def plan_merge(request: str | int, config: Any, layout: ParallelLayout, training
     if request == 1:
         return Merge(1, "")
     if request != "auto":
-        return Merge(request, _check_explicit(request, layout, stage, packing, cuda_graphs))
+        return Merge(request, _check_explicit(request, layout, stage, packing))
     # LoRA's frozen experts compute no weight gradients: nothing to pay once per micro-batch
     if not (config.transformer.get("num_moe_experts") and training.lora_rank is None and packing
             and stage in MERGING_STAGES and layout.pp == 1 and not cuda_graphs):
@@ -74,12 +74,12 @@ def plan_merge(request: str | int, config: Any, layout: ParallelLayout, training
     return best
 
 
-def _check_explicit(factor: int, layout: ParallelLayout, stage: str, packing: bool, cuda_graphs: bool) -> str:
+def _check_explicit(factor: int, layout: ParallelLayout, stage: str, packing: bool) -> str:
     problem = (f"gradient_accumulation_steps={layout.grad_accum} is not a multiple of it" if layout.grad_accum % factor
                else "the rows are not packed (sequence_packing: true packs them)" if not packing
                else f"stage {stage} keeps its rows' pairs or scores per micro-batch" if stage not in MERGING_STAGES
                else "pipeline stages need their micro-batches (the fewer, the longer the bubble)" if layout.pp > 1
-               else "cuda_graphs replay the recipe's micro-batch" if cuda_graphs else "")
+               else "")
     if problem:
         raise UserError(f"merge_micro_batches={factor}: {problem}. Use merge_micro_batches: 1, or auto (which "
                         "merges where it can).")

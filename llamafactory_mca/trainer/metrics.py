@@ -70,7 +70,8 @@ def startup_summary(*, layout: ParallelLayout, args: Any, packed: bool, padding_
         f"{', overlap grad reduce' if args.overlap_grad_reduce else ''}"
         f"{', overlap param gather' if args.overlap_param_gather else ''}"
         f"{', CPU offload' if args.optimizer_cpu_offload else ''}"
-        f"{', fp32 masters as bf16 + 16-bit remainders' if getattr(args, 'store_param_remainders', False) else ''}",
+        f"{', fp32 masters as bf16 + 16-bit remainders' if getattr(args, 'store_param_remainders', False) else ''}"
+        f"{_moments(args)}",
         f"  recompute   {args.recompute_granularity or 'off'}"
         + (f" ({args.recompute_method}, {args.recompute_num_layers} layers)" if args.recompute_granularity == "full"
            else f" ({', '.join(args.recompute_modules or ['core_attn'])})" if args.recompute_granularity else ""),
@@ -84,3 +85,9 @@ def startup_summary(*, layout: ParallelLayout, args: Any, packed: bool, padding_
         "=" * 100,
     ]
     return "\n".join(lines)
+
+
+def _moments(args: Any) -> str:
+    kept = {key: getattr(args, f"{key}_dtype", "fp32") for key in ("exp_avg", "exp_avg_sq")}
+    narrow = [f"{key} {dtype}" for key, dtype in kept.items() if dtype != "fp32"]
+    return f", moments {' and '.join(narrow)} (one-pass step)" if narrow else ""

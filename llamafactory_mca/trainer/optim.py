@@ -20,6 +20,9 @@ from megatron.core.pipeline_parallel.utils import get_pp_last_rank
 from .param_remainders import megatron_builds_remainder_adam, precision_aware
 
 
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # args.MOMENT_DTYPES as torch's
+
+
 def wrap_ddp(chunks: list[torch.nn.Module], tc: Any, args: Any) -> list[DistributedDataParallel]:
     """Megatron DDP per model chunk, and the sync hooks the pipeline schedule calls."""
     ddp_config = DistributedDataParallelConfig(
@@ -72,7 +75,7 @@ def build_optimizer(wrapped: list[DistributedDataParallel], tc: Any, args: Any):
         optimizer_offload_fraction=1.0 if offload else 0.0,
     )
     if args.store_param_remainders:
-        precision_aware(config)
+        precision_aware(config, *(MOMENT_DTYPES[getattr(args, key)] for key in ("exp_avg_dtype", "exp_avg_sq_dtype")))
         with megatron_builds_remainder_adam():
             optimizer = get_megatron_optimizer(config, wrapped)
     else:

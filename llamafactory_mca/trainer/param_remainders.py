@@ -10,7 +10,11 @@ kernel the plain path runs: fused on CUDA), and splits it back. The master weigh
 fp32-master path exactly. The bf16 weight is the master rounded half away from zero (torch's cast rounds half to
 even), so the two differ by one bf16 step where the lower 16 bits are exactly 0x8000 (one value in 65,536).
 
-Checkpoints hold the fp32 master as before (``get_unscaled_state``): either mode resumes the other's.
+Moments may be kept in bf16 too (``exp_avg_dtype`` / ``exp_avg_sq_dtype``, Megatron's keys): 12 bytes per parameter.
+Their step is one Triton kernel on GPUs (``adam_triton.py``); elsewhere the chunk's moments are widened to fp32 around
+the same torch Adam and rounded back.
+
+Checkpoints hold fp32 masters and moments whatever is kept (``get_unscaled_state``): every mode resumes the others'.
 """
 
 from __future__ import annotations
@@ -23,8 +27,11 @@ import megatron.core.optimizer as megatron_optimizer
 import torch
 from torch.optim.adam import adam
 
+from . import adam_triton
+
 
 CHUNK = 1 << 25  # elements rebuilt in fp32 at a time: 128 MiB of temporaries per tensor, whatever the model's size
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 _HALF = 1 << 15
 _SHIFT = 1 << 16
 
@@ -84,22 +91,26 @@ class RemainderAdamW(torch.optim.AdamW):
                  adam_w_mode: bool = True, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
                  master_weight_dtype=torch.float32, master_weights: bool = True, use_decoupled_grad: bool = True,
                  store_param_remainders: bool = True) -> None:
-        for name, dtype in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype),
-                            ("master_weight_dtype", master_weight_dtype)):
-            if dtype != torch.float32:
-                raise ValueError(f"{name}={dtype}: only fp32 optimizer states are kept here")
+        for name, dtype, kept in (("exp_avg_dtype", exp_avg_dtype, MOMENT_DTYPES),
+                                  ("exp_avg_sq_dtype", exp_avg_sq_dtype, MOMENT_DTYPES),
+                                  ("master_weight_dtype", master_weight_dtype, (torch.float32,))):
+            if dtype not in kept:
+                raise ValueError(f"{name}={dtype}: only {', '.join(map(str, kept))} is kept here")
         if not (master_weights and use_decoupled_grad and store_param_remainders):
             raise ValueError("RemainderAdamW keeps fp32 masters as remainders of bf16 parameters only")
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.adam_w_mode = adam_w_mode  # not a group key: a checkpoint's groups replace ours on load
+        self.moment_dtypes = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype}
+        # fp32 moments keep torch's own Adam: the masters then follow the plain path's bit for bit
+        self._one_pass = exp_avg_dtype != torch.float32 or exp_avg_sq_dtype != torch.float32
 
     # ---- state ------------------------------------------------------------------------------------------------------
 
     def initialize_state(self, param: torch.Tensor, store_param_remainders: bool = True) -> None:
         """Zero moments; the master equals the parameter (remainder 0)."""
         state = self.state[param]
-        state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
-        state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
+        for name, dtype in self.moment_dtypes.items():
+            state[name] = torch.zeros_like(param, dtype=dtype)
         state["master_param"] = self._empty_master(param)
         if "step" not in state:
             state["step"] = self._counter(param, 0.0)
@@ -121,7 +132,7 @@ class RemainderAdamW(torch.optim.AdamW):
         parameter more on the GPU could fail a run that trains within its memory."""
         state = self.state[param]
         if state_name != "master_param":
-            return state[state_name]
+            return state[state_name].float()  # moments kept in bf16 are saved widened
         if param.dtype != torch.bfloat16:
             return param.detach()
         master = torch.empty(param.shape, dtype=torch.float32, device="cpu")
@@ -148,8 +159,9 @@ class RemainderAdamW(torch.optim.AdamW):
                 state["master_param"] = self._empty_master(param)
             split(value.contiguous(), param.data, state["master_param"])
         else:
-            if state_name not in state or state[state_name].dtype != torch.float32:
-                state[state_name] = torch.empty_like(param, dtype=torch.float32)
+            dtype = self.moment_dtypes.get(state_name, torch.float32)
+            if state_name not in state or state[state_name].dtype != dtype:
+                state[state_name] = torch.empty_like(param, dtype=dtype)
             state[state_name].copy_(value)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -185,18 +197,34 @@ class RemainderAdamW(torch.optim.AdamW):
                 step = state["step"]
                 if param.is_cuda and not step.is_cuda:  # a counter a checkpoint load or torch's rule put on the CPU
                     state["step"] = step = step.to(param.device, torch.float32)
-                for part in _chunks(param.numel()):
-                    low = param.data.view(-1)[part]
-                    master = join(low, state["master_param"].view(-1)[part]) if param.dtype == torch.bfloat16 else low
-                    adam([master], [grad.view(-1)[part].to(torch.float32)], [state["exp_avg"].view(-1)[part]],
-                         [state["exp_avg_sq"].view(-1)[part]], [], [step.clone()],
-                         foreach=False, fused=param.is_cuda, decoupled_weight_decay=self.adam_w_mode,
-                         amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                         weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
-                    if param.dtype == torch.bfloat16:
-                        split(master, low, state["master_param"].view(-1)[part])
+                if self._one_pass and param.is_cuda and param.dtype == torch.bfloat16:
+                    adam_triton.adamw_step(param.data.view(-1), state["master_param"].view(-1), grad.view(-1),
+                                           state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), step,
+                                           lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                                           weight_decay=group["weight_decay"], decoupled=self.adam_w_mode)
+                else:
+                    for part in _chunks(param.numel()):
+                        self._chunk_step(param, grad, state, part, group)
                 step.add_(1)
         return loss
+
+    def _chunk_step(self, param: torch.Tensor, grad: torch.Tensor, state: dict, part: slice, group: dict) -> None:
+        """torch's Adam on one chunk's fp32 master, rebuilt and split back; moments kept narrower are widened around
+        it and rounded back."""
+        beta1, beta2 = group["betas"]
+        low = param.data.view(-1)[part]
+        master = join(low, state["master_param"].view(-1)[part]) if param.dtype == torch.bfloat16 else low
+        kept = [state[name].view(-1)[part] for name in ("exp_avg", "exp_avg_sq")]
+        moments = [m if m.dtype == torch.float32 else m.float() for m in kept]
+        adam([master], [grad.view(-1)[part].to(torch.float32)], moments[:1], moments[1:], [], [state["step"].clone()],
+             foreach=False, fused=param.is_cuda, decoupled_weight_decay=self.adam_w_mode, amsgrad=False,
+             beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+             maximize=False)
+        for narrow, wide in zip(kept, moments):
+            if narrow is not wide:
+                narrow.copy_(wide)
+        if param.dtype == torch.bfloat16:
+            split(master, low, state["master_param"].view(-1)[part])
 
 
 @contextlib.contextmanager
@@ -219,9 +247,11 @@ def megatron_builds_remainder_adam() -> Iterator[None]:
             setattr(megatron_optimizer, name, value)
 
 
-def precision_aware(config) -> None:
-    """Turn a built ``OptimizerConfig`` to precision-aware mode with remainders (its own check wants Transformer
-    Engine's FusedAdam, so the flags are set after it ran)."""
+def precision_aware(config, exp_avg_dtype: torch.dtype = torch.float32,
+                    exp_avg_sq_dtype: torch.dtype = torch.float32) -> None:
+    """Turn a built ``OptimizerConfig`` to precision-aware mode with remainders and the moments' dtypes (its own
+    check wants Transformer Engine's FusedAdam, so the flags are set after it ran)."""
     config.use_precision_aware_optimizer = True
     config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
     config.store_param_remainders = True
+    config.exp_avg_dtype, config.exp_avg_sq_dtype = exp_avg_dtype, exp_avg_sq_dtype

@@ -14,15 +14,17 @@ from tests._cli import losses, ok, recipe, train
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.mark.parametrize("model, fused, lora", [("qwen3", True, None), ("qwen3_moe", True, None),
-                                               ("qwen3", True, "all"), ("qwen3_moe", True, "all,experts")])
-def test_graphed_layers_train_what_eager_layers_train(model, fused, lora, assets, tmp_path):
+@pytest.mark.parametrize("model, fused, lora, merge", [("qwen3", True, None, 1), ("qwen3_moe", True, None, 1),
+                                                      ("qwen3_moe", True, None, 2), ("qwen3", True, "all", 1),
+                                                      ("qwen3_moe", True, "all,experts", 1)])
+def test_graphed_layers_train_what_eager_layers_train(model, fused, lora, merge, assets, tmp_path):
     """``fused``: both runs GEMM weight gradients into main_grad and run the Triton RoPE and q/k norms (the graphed
     default); without it both run without them, so that the first, eager, step of each is the same computation.
-    ``lora``: the base frozen, the adapters (on the grouped experts too) inside the graphed layers."""
+    ``lora``: the base frozen, the adapters (on the grouped experts too) inside the graphed layers. ``merge``: both
+    runs' micro-batches merged as given (graphs capture the merged packs)."""
     curves = {}
     tuning = dict(finetuning_type="lora", lora_target=lora, learning_rate=1e-3) if lora else dict(learning_rate=1e-4)
-    tuning["merge_micro_batches"] = 1  # graphs replay the recipe's micro-batch: the eager run keeps it too
+    tuning["merge_micro_batches"] = merge  # both runs the same computation: auto would merge the eager one alone
     for graphs in (False, True):
         name = f"{model}_graphs_{graphs}"
         config = recipe(assets, tmp_path / name, model_name_or_path=assets["models"][model], bf16=True,

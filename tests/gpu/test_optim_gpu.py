@@ -54,3 +54,37 @@ def test_param_remainders_follow_fused_adam_on_fp32_masters_bit_for_bit():
     for ref, p in zip(reference, ours):
         assert torch.equal(join(p, opt.state[p]["master_param"]).view(torch.int32), ref.detach().view(torch.int32))
         assert opt.state[p]["step"].device.type == "cuda"
+
+
+@pytest.mark.parametrize("moments", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
+def test_one_pass_step_is_the_chunked_step(moments):
+    """Moments kept narrower than fp32: the one-pass Triton step equals torch's fused Adam on the widened moments and
+    the rebuilt master (the chunked path), up to the rounding of a differently fused fp32 expression."""
+    from llamafactory_mca.trainer.param_remainders import RemainderAdamW, join
+
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(n, generator=gen).to(torch.bfloat16).cuda() for n in (3 << 20, 4099)]
+    kwargs = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, exp_avg_dtype=moments[0],
+                  exp_avg_sq_dtype=moments[1])
+    runs = []
+    for one_pass in (True, False):
+        params = [p.clone() for p in start]
+        opt = RemainderAdamW(params, **kwargs)
+        opt._one_pass = one_pass  # False: the chunked path the CPU runs, here on CUDA
+        for p in params:
+            opt.initialize_state(p)
+        steps = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for p in params:
+                p.decoupled_grad = torch.randn(p.shape, generator=steps).cuda()
+            opt.step()
+        runs.append((params, opt))
+    (fast, fast_opt), (slow, slow_opt) = runs
+    for p, q in zip(fast, slow):
+        a, b = join(p, fast_opt.state[p]["master_param"]), join(q, slow_opt.state[q]["master_param"])
+        assert (a - b).abs().max() <= 1e-6 * b.abs().max()
+        for key in ("exp_avg", "exp_avg_sq"):
+            x, y = fast_opt.state[p][key].float(), slow_opt.state[q][key].float()
+            assert fast_opt.state[p][key].dtype == kwargs[f"{key}_dtype"]
+            assert (x - y).abs().max() <= 1e-2 * y.abs().max()
+        assert float(fast_opt.state[p]["step"]) == 3.0
