@@ -178,6 +178,29 @@ def test_micro_batches_merge_where_the_experts_gain_and_memory_allows():
             factor(request=request, **kwargs)
 
 
+def test_what_would_fit_names_the_cheapest_changes_that_go_together():
+    """A MoE recipe over its GPU: the remainders, then bf16 moments beside them (no speed lost), then recompute on
+    top; the CPU-offloaded optimizer and LoRA keep fp32 states, so a suggestion with them never names the
+    remainders or the moments; each suggestion's estimate fits."""
+    from llamafactory_mca.planner.advice import cheapest_changes
+
+    shape = {k: v for k, v in SHAPES["moe"].items() if k != "model_type"}
+    moe = get_family("qwen3_moe").config_from_hf(Qwen3MoeConfig(**{**shape, "num_hidden_layers": 8}))
+    layout, packs = _layout(accum=8), Training(tokens=4096)
+    saving = "store_param_remainders: true, exp_avg_dtype: bf16, exp_avg_sq_dtype: bf16"
+    saved = estimate(moe, layout, dataclasses.replace(packs, param_remainders=True, moment_bytes=4))["optimizer"]
+    assert saved == pytest.approx(estimate(moe, layout, packs)["optimizer"] / 2, rel=1e-3)  # 2 + 4 bytes, not 4 + 8
+    suggested = {}
+    for budget in (100, 90, 72, 40):
+        first = cheapest_changes(moe, layout, packs, budget, 989e12)[0]
+        keys, needs = first.rsplit(" (", 1)
+        assert float(needs.split()[0]) <= budget
+        suggested[budget] = keys
+    assert suggested == {100: "store_param_remainders: true", 90: saving,
+                         72: f"{saving} + recompute_granularity: full",
+                         40: "recompute_granularity: full + optimizer_cpu_offload: true"}
+
+
 def test_vision_tower_counted_by_its_own_class():
     """A VL model's first stage holds the tower's bf16 weights (every parameter of transformers' own tower); frozen
     (LLaMA-Factory's default) it adds nothing else, trained it adds its gradients, Adam states and activations."""
