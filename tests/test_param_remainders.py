@@ -196,7 +196,8 @@ def test_training_follows_the_plain_path(pair):
 @pytest.mark.parametrize("source, world, extra, exact", [
     ("remainders", 1, {"store_param_remainders": True}, "remainders"),  # as saved: the same steps, bit for bit
     ("plain", 1, {"store_param_remainders": True}, None),  # the first step after the resume is the plain one's
-    ("plain", 2, {"store_param_remainders": True, "gradient_accumulation_steps": 2}, None),  # and DP2
+    ("plain", 2, {"store_param_remainders": True, "exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16",
+                  "gradient_accumulation_steps": 2}, None),  # and DP2, the moments sharded in bf16
     ("remainders", 2, {"tensor_model_parallel_size": 2}, None),  # back to the plain path, under TP2
     # Adam's moments rounded to bf16 on load and kept so (the checkpoint holds them in fp32)
     ("remainders", 1, {"store_param_remainders": True, "exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16"}, None),
