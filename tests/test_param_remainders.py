@@ -170,10 +170,12 @@ BF16 = dict(bf16=True, use_distributed_optimizer=True, max_steps=4)
 
 @pytest.fixture(scope="module")
 def pair(assets, tmp_path_factory):
-    """The plain path and ours, 4 steps each, a checkpoint at step 2."""
+    """The plain path, ours and ours with bf16 moments, 4 steps each, a checkpoint at step 2."""
     tmp_path = tmp_path_factory.mktemp("remainders")
     runs = {}
-    for name, extra in (("plain", {}), ("remainders", {"store_param_remainders": True})):
+    for name, extra in (("plain", {}), ("remainders", {"store_param_remainders": True}),
+                        ("moments", {"store_param_remainders": True, "exp_avg_dtype": "bf16",
+                                     "exp_avg_sq_dtype": "bf16"})):
         result, output = train(tmp_path, recipe(assets, tmp_path / name, save_strategy="steps", save_steps=2,
                                                 **BF16, **extra), name=name)
         ok(result, output)
@@ -190,6 +192,10 @@ def test_training_follows_the_plain_path(pair):
         assert ours[step] == pytest.approx(plain[step], rel=1e-4)
     assert "fp32 masters as bf16 + 16-bit remainders" in runs["remainders"]
     assert "fp32 masters as bf16 + 16-bit remainders" not in runs["plain"]
+    moments = losses(tmp_path / "moments")  # bf16 moments: the first step is the same, the rest close
+    assert moments[1] == plain[1]
+    for step in (2, 3, 4):
+        assert moments[step] == pytest.approx(plain[step], rel=1e-3)
 
 
 @pytest.mark.slow
@@ -201,6 +207,7 @@ def test_training_follows_the_plain_path(pair):
     ("remainders", 2, {"tensor_model_parallel_size": 2}, None),  # back to the plain path, under TP2
     # Adam's moments rounded to bf16 on load and kept so (the checkpoint holds them in fp32)
     ("remainders", 1, {"store_param_remainders": True, "exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16"}, None),
+    ("moments", 2, {"gradient_accumulation_steps": 2}, None),  # and widened again, at DP2 on the plain path
 ])
 def test_checkpoints_resume_in_either_mode_and_layout(assets, pair, tmp_path, source, world, extra, exact):
     runs_dir, _ = pair

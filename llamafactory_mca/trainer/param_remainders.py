@@ -132,7 +132,9 @@ class RemainderAdamW(torch.optim.AdamW):
         parameter more on the GPU could fail a run that trains within its memory."""
         state = self.state[param]
         if state_name != "master_param":
-            return state[state_name].float()  # moments kept in bf16 are saved widened
+            kept = state[state_name]
+            # moments kept in bf16 are saved widened, in host memory for the reason above
+            return kept if kept.dtype == torch.float32 else kept.to("cpu").float()
         if param.dtype != torch.bfloat16:
             return param.detach()
         master = torch.empty(param.shape, dtype=torch.float32, device="cpu")
