@@ -44,6 +44,7 @@ class _Recorder:
         self.pending: list = []  # (real mask on device, position ids or None, padded shape) per micro-batch
         self.steps: dict[int, dict] = {}
         self.first_step_s = None
+        self.train_begin_s = None  # launch to the trainer's on_train_begin: imports, data, model, optimizer
         self.peak_alloc = 0.0
         self.peak_reserved = 0.0
         self.seen = (0, 0.0)  # ours: state.num_input_tokens_seen, state.total_flos at the previous log
@@ -88,6 +89,10 @@ class _Recorder:
         return tokens, seqlens
 
     # ---- both paths ------------------------------------------------------------------------------------------
+    def train_begin(self) -> None:
+        if self.train_begin_s is None:
+            self.train_begin_s = time.time() - T0
+
     def step_end(self, step: int, profile: dict | None = None) -> None:
         import torch
 
@@ -121,7 +126,8 @@ class _Recorder:
     def write(self, done: bool = False) -> None:
         payload = {"rank": self.rank, "world": self.world, "path": "ours" if OURS else "lf",
                    "token_scope": "global" if OURS else "rank", "first_step_s": self.first_step_s,
-                   "peak_memory_gib": round(self.peak_alloc, 3), "peak_reserved_gib": round(self.peak_reserved, 3),
+                   "train_begin_s": self.train_begin_s, "peak_memory_gib": round(self.peak_alloc, 3),
+                   "peak_reserved_gib": round(self.peak_reserved, 3),
                    "profiled_step": self.profiled_step, "done": done,
                    "steps": [self.steps[k] for k in sorted(self.steps)]}
         path = os.path.join(self.out, f"rank{self.rank}.json")
@@ -178,6 +184,7 @@ def _callback(recorder: _Recorder):
 
     class BenchCallback(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
+            recorder.train_begin()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()

@@ -65,6 +65,12 @@ def _saving_target(runs: dict) -> dict | None:
                          ours, 0.9, "no run of ours stayed within that memory", percent=True)
 
 
+def _first_step(run: dict) -> str:
+    """Launch to the end of step 1, and in brackets when training began (imports, data, model and optimizer done)."""
+    first, began = run.get("first_step_s"), run.get("train_begin_s")
+    return f"{first:.1f} ({began:.1f})" if first is not None and began else _cell(first, ".1f")
+
+
 def _first_step_target(label: str, ours: dict | None, lf: dict | None) -> dict:
     """Time from launch to the end of the first step: ours no later than LLaMA-Factory's."""
     if not (_ok(ours) and _ok(lf) and ours.get("first_step_s") and lf.get("first_step_s")):
@@ -316,11 +322,12 @@ def markdown(results: dict) -> str:
               "included). MFU: model FLOPs (`flops_per_sequence_set`: dense, MoE active parameters, causal attention; "
               "padded rows at their padded length) / time / GPUs / bf16 peak. Peak memory: "
               "`torch.cuda.max_memory_allocated()` during training, max over ranks. First step: launch to the end of "
-              "step 1 (imports, tokenization, model load included). Loss: step 1 -> last step. GPU busy and "
-              "launches/step: one more step after the measured ones, under torch.profiler (so it changes none of the "
-              "rates above; CUDA activity only), `on_step_begin` to `on_step_end` with the GPU synchronised at both "
-              "ends: its kernel time (summed over streams) / the measured steps' mean time, and the kernel launches "
-              "the host made in it; mean over ranks; n/a on CPU. See benchmarks/README.md."), ""]
+              "step 1 (imports, tokenization, model load included); in brackets, when the trainer's training began "
+              "(all of that done: the rest is step 1 itself, its compiling and graph capture). Loss: step 1 -> last "
+              "step. GPU busy and launches/step: one more step after the measured ones, under torch.profiler (so it "
+              "changes none of the rates above; CUDA activity only), `on_step_begin` to `on_step_end` with the GPU "
+              "synchronised at both ends: its kernel time (summed over streams) / the measured steps' mean time, and "
+              "the kernel launches the host made in it; mean over ranks; n/a on CPU. See benchmarks/README.md."), ""]
     for name, data in results["workloads"].items():
         s, m, v = data["settings"], data["machine"], data["versions"]
         peak = f", bf16 peak {s['peak_flops'] / 1e12:.0f} TFLOPS" if s["peak_flops"] else ""
@@ -330,7 +337,8 @@ def markdown(results: dict) -> str:
                    f"megatron-core {v['megatron-core']}, llamafactory {v['llamafactory']}, llamafactory-mca "
                    f"{v['llamafactory-mca']}; {data['finished']}"), "",
                   ("| run | path | layout | packing | micro-batch x accum | tokens/s/GPU | MFU | GPU busy "
-                   "| launches/step | peak mem (GiB) | first step (s) | loss first -> last | status |"),
+                   "| launches/step | peak mem (GiB) | first step (training began) (s) "
+                   "| loss first -> last | status |"),
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for run_name, r in data["runs"].items():
             path = "LLaMA-Factory (HF Trainer, sdpa)" if r["path"] == "lf" else "llamafactory_mca"
@@ -344,7 +352,7 @@ def markdown(results: dict) -> str:
             lines.append(f"| {run_name} | {path} | {r['layout']} | {packing} | {batch} "
                          f"| {_cell(tps, ',.0f' if tps and tps >= 100 else ',.1f')} | {_cell(r.get('mfu'), '.1%')} "
                          f"| {busy} | {launches} "
-                         f"| {_cell(r.get('peak_memory_gib'), '.1f')} | {_cell(r.get('first_step_s'), '.1f')} "
+                         f"| {_cell(r.get('peak_memory_gib'), '.1f')} | {_first_step(r)} "
                          f"| {loss} | {r['status']} |")
         found = data.get("targets") or []
         if found:

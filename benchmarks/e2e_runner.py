@@ -293,6 +293,9 @@ def summarize(run_dir: str, run: Run, warmup: int, flops_config, peak: float | N
     result: dict[str, Any] = {
         "steps_done": len(steps),
         "first_step_s": round(max(r["first_step_s"] or 0.0 for r in ranks), 1) if first["first_step_s"] else None,
+        # of which launch -> training begins (imports, data, model, optimizer); the rest is step 1 itself
+        "train_begin_s": (round(max(r["train_begin_s"] for r in ranks), 1)
+                          if all(r.get("train_begin_s") for r in ranks) else None),
         "peak_memory_gib": round(max(r["peak_memory_gib"] for r in ranks), 2) or None,
         "peak_reserved_gib": round(max(r["peak_reserved_gib"] for r in ranks), 2) or None,
         "losses": [round(steps[k]["loss"], 4) if "loss" in steps[k] else None for k in sorted(steps)],
@@ -410,7 +413,8 @@ def _one_line(r: dict) -> str:
     if r.get("peak_memory_gib"):
         parts.append(f"peak {r['peak_memory_gib']:.1f} GiB")
     if r.get("first_step_s") is not None:
-        parts.append(f"first step {r['first_step_s']:.1f} s")
+        parts.append(f"first step {r['first_step_s']:.1f} s" + (
+            f" (training began at {r['train_begin_s']:.1f} s)" if r.get("train_begin_s") else ""))
     if r.get("gpu_busy") is not None:
         parts.append(f"GPU busy {r['gpu_busy']:.0%}, {r['launches_per_step']:,.0f} launches/step")
     losses = [x for x in r.get("losses", []) if x is not None]

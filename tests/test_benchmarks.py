@@ -83,6 +83,7 @@ def test_smoke_workload_runs_both_paths(tmp_path):
     for run in (lf, ours):
         assert run["status"] == "ok" and run["steps_done"] == 4 and run["measured_steps"] == 3, run
         assert run["tokens_per_second_per_gpu"] > 0 and run["first_step_s"] > 0 and len(run["losses"]) == 4
+        assert 0 < run["train_begin_s"] <= run["first_step_s"], run  # the part before step 1, on both paths
     # the same data packed into the same 256-token budget: both paths see about as many real tokens
     assert abs(lf["real_tokens"] - ours["real_tokens"]) <= 0.15 * ours["real_tokens"], (lf, ours)
     verdicts = {t["target"].split(":")[0]: t["met"] for t in dense["targets"]}
@@ -92,6 +93,7 @@ def test_smoke_workload_runs_both_paths(tmp_path):
     table = (tmp_path / "out" / "e2e.md").read_text()
     assert "| lf | LLaMA-Factory" in table and "| ours | llamafactory_mca" in table
     assert "| GPU busy | launches/step |" in table and "| n/a | n/a |" in table
+    assert f"| {ours['first_step_s']:.1f} ({ours['train_begin_s']:.1f}) |" in table
 
 
 def test_two_gpu_target_uses_the_one_gpu_result_of_another_invocation(tmp_path):
