@@ -175,9 +175,19 @@ def _run_alone(args, alone: bool = True, **kwargs) -> subprocess.CompletedProces
     processes = int(count) if count.isdigit() else None  # a test's deliberately bad value: as a large job
     with one_job_at_a_time(processes) if alone else contextlib.nullcontext():
         start = time.perf_counter()
-        result = subprocess.run(args, **kwargs)
+        try:
+            result = subprocess.run(args, **kwargs)
+        except subprocess.TimeoutExpired as timeout:  # say where the command stood: its output so far
+            tail = f"{_text(timeout.stdout)[-4000:]}\n{_text(timeout.stderr)[-4000:]}"
+            raise AssertionError(f"{' '.join(map(str, args))} timed out after {timeout.timeout} s; the end of its "
+                                 f"output:\n{tail}") from None
         result.seconds = time.perf_counter() - start
     return result
+
+
+def _text(output) -> str:
+    """A timed-out command's output as ``TimeoutExpired`` holds it (bytes even under ``text=True``), or nothing."""
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def fake_hub_cache(root, repo: str, model_dir: str) -> str:
