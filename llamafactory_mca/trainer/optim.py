@@ -17,10 +17,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel.utils import get_pp_last_rank
 
-from .param_remainders import megatron_builds_remainder_adam, precision_aware
-
-
-MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # args.MOMENT_DTYPES as torch's
+from .param_remainders import MOMENT_DTYPES, megatron_builds_remainder_adam, precision_aware
 
 
 def wrap_ddp(chunks: list[torch.nn.Module], tc: Any, args: Any) -> list[DistributedDataParallel]:

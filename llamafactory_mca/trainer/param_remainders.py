@@ -31,7 +31,7 @@ from . import adam_triton
 
 
 CHUNK = 1 << 25  # elements rebuilt in fp32 at a time: 128 MiB of temporaries per tensor, whatever the model's size
-MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # exp_avg(_sq)_dtype: args.MOMENT_DTYPES as torch's
 _HALF = 1 << 15
 _SHIFT = 1 << 16
 
@@ -91,8 +91,8 @@ class RemainderAdamW(torch.optim.AdamW):
                  adam_w_mode: bool = True, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
                  master_weight_dtype=torch.float32, master_weights: bool = True, use_decoupled_grad: bool = True,
                  store_param_remainders: bool = True) -> None:
-        for name, dtype, kept in (("exp_avg_dtype", exp_avg_dtype, MOMENT_DTYPES),
-                                  ("exp_avg_sq_dtype", exp_avg_sq_dtype, MOMENT_DTYPES),
+        for name, dtype, kept in (("exp_avg_dtype", exp_avg_dtype, tuple(MOMENT_DTYPES.values())),
+                                  ("exp_avg_sq_dtype", exp_avg_sq_dtype, tuple(MOMENT_DTYPES.values())),
                                   ("master_weight_dtype", master_weight_dtype, (torch.float32,))):
             if dtype not in kept:
                 raise ValueError(f"{name}={dtype}: only {', '.join(map(str, kept))} is kept here")
