@@ -42,6 +42,38 @@ def compile_records() -> list[str]:
     return [line for _, line in sorted(lines, reverse=True)]
 
 
+_TRITON_COMPILES: list[tuple[float, str, bool]] = []  # (seconds, kernel, loaded from Triton's cache)
+
+
+def record_triton_compiles() -> None:
+    """From here on, note each of our Triton kernels this process compiles (or finds in Triton's cache): on a fresh
+    machine they are most of what step 1 compiles (torch.compile's own graphs are counted by torch)."""
+    try:
+        from triton import knobs  # lazy: torch's CPU wheels come without Triton
+    except ImportError:
+        return
+
+    def listen(*, src: Any, times: Any, cache_hit: bool, **_: Any) -> None:
+        module = getattr(getattr(src, "fn", None), "module", "") or ""
+        if module.startswith("llamafactory_mca."):
+            name = f"{module.rsplit('.', 1)[-1]}.{getattr(src, 'name', '?')}"
+            _TRITON_COMPILES.append((getattr(times, "total", 0) / 1e6, name, cache_hit))
+
+    knobs.compilation.listener = listen
+
+
+def triton_compiles() -> tuple[float, int, int]:
+    """(seconds compiling, kernels compiled, kernels found in Triton's cache) of ours so far."""
+    built = [seconds for seconds, _, hit in _TRITON_COMPILES if not hit]
+    return sum(built), len(built), len(_TRITON_COMPILES) - len(built)
+
+
+def triton_records() -> list[str]:
+    """One line per Triton kernel of ours compiled or loaded, slowest first (shown with LLAMAFACTORY_MCA_DEBUG=1)."""
+    return [f"{seconds:6.2f} s  {name}" + (" (Triton's cache)" if hit else "")
+            for seconds, name, hit in sorted(_TRITON_COMPILES, reverse=True)]
+
+
 def startup_summary(*, layout: ParallelLayout, args: Any, packed: bool, padding_free: bool, model_type: str,
                     params_total: int, params_on_rank: int, kernels: str, tokens_per_step: int | None, steps: int,
                     data_stats: str, planned: dict[str, float], tuning: str | None = None, moe: str | None = None,

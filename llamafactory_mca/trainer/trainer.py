@@ -50,7 +50,14 @@ from .faults import maybe_crash, maybe_hang, nan_loss
 from .feeder import StepFeeder
 from .graphs import eager_layers
 from .loss import PreferenceConfig, collect_pair_logps, lm_loss, preference_loss, reward_loss
-from .metrics import compile_records, compile_seconds, gpu_memory_gib
+from .metrics import (
+    compile_records,
+    compile_seconds,
+    gpu_memory_gib,
+    record_triton_compiles,
+    triton_compiles,
+    triton_records,
+)
 from .optim import LRSchedule, OptimizerStep, build_optimizer, wrap_ddp
 from .progress import ProgressCallback, forget_logs_after
 from .reporting import ReportedModel, reporting_callbacks
@@ -114,6 +121,7 @@ class McaTrainer:
         self.side_files = side_files or SideFiles(model.config, layout, tokenizer=tokenizer, processor=processor)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
+        record_triton_compiles()  # before step 1, where our kernels compile
         tc = model.transformer_config
         self.wrapped = wrap_ddp(model.chunks, tc, args)
         self.optimizer = build_optimizer(self.wrapped, tc, args)
@@ -214,16 +222,20 @@ class McaTrainer:
             self.optimizer.zero_grad()
 
     def _first_step_note(self, seconds: float) -> None:
-        """Step 1 is where kernels compile and CUDA graphs are captured: say how long it took, and that a later launch
-        on this machine finds the compiled kernels in torch's cache (on a fresh machine's empty cache they cost
-        about 10 s on an H200)."""
-        if self.is_world_process_zero():
-            compiling = compile_seconds()
-            cached = (f", {compiling:.1f} s of it compiling kernels (torch.compile; they stay in torch's compile "
-                      "cache for the next launch on this machine)") if torch.cuda.is_available() else ""
-            logger.info("Step 1 took %.1f s%s", seconds, cached)
-            if debug_enabled() and compiling:
-                logger.info("Compiled graphs, slowest first:\n%s", "\n".join(compile_records()))
+        """Step 1 is where kernels compile and CUDA graphs are captured: say how long it took, how much of it was
+        compiling, and that a later launch on this machine finds the compiled kernels in the caches."""
+        if not self.is_world_process_zero():
+            return
+        if not torch.cuda.is_available():
+            logger.info("Step 1 took %.1f s", seconds)
+            return
+        compiling = compile_seconds()
+        triton_seconds, built, cached = triton_compiles()
+        logger.info("Step 1 took %.1f s, of it compiling kernels %.1f s (our Triton kernels %.1f s: %d compiled, %d "
+                    "from Triton's cache; torch.compile %.1f s); both caches keep them for the next launch on this "
+                    "machine", seconds, compiling + triton_seconds, triton_seconds, built, cached, compiling)
+        if debug_enabled():
+            logger.info("Compiled kernels, slowest first:\n%s", "\n".join(triton_records() + compile_records()))
 
     def train_step(self, micro_batches: list) -> dict[str, float]:
         self._zero_grad()

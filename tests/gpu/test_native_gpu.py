@@ -404,6 +404,28 @@ def test_triton_norm_and_rope_against_fp32():
           torch.randn(64, 2, 8, 128, device="cuda", generator=gen))
 
 
+def test_triton_kernels_compile_once_for_q_k_directions_and_row_counts():
+    """Step 1 on a fresh machine compiles each Triton kernel once: q and k (16 and 8 heads), forward and backward, and
+    row counts divisible by 16 or not share one compiled norm, rotation and SwiGLU (widths no other test uses, so each
+    is new to this process)."""
+    from llamafactory_mca.models.native import norm_triton, rope_triton, swiglu_triton
+    from llamafactory_mca.trainer import metrics
+
+    metrics.record_triton_compiles()
+    before = len(metrics._TRITON_COMPILES)
+    freqs = torch.randn(4096, 1, 1, 72, device="cuda")
+    weight = torch.ones(72, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for heads, tokens in ((16, 4096), (8, 4095), (16, 17)):
+        x = torch.randn(tokens, heads, 72, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        y = rope_triton.rotate(norm_triton.rms_norm(x, weight, 1e-6), freqs, torch.arange(tokens, device="cuda"))
+        y.float().sum().backward()
+        h = torch.randn(tokens, 2 * 176, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        swiglu_triton.swiglu(h).float().sum().backward()
+    names = sorted(name for _, name, _ in metrics._TRITON_COMPILES[before:])
+    assert names == ["norm_triton._backward", "norm_triton._forward", "rope_triton._rotate",
+                     "swiglu_triton._backward", "swiglu_triton._forward"], names
+
+
 def test_triton_swiglu_loss_and_combine_against_fp32():
     """SwiGLU (plain at a dense MLP's width, weighted at the experts' 768 with 8k rows), the loss's two passes over a
     151,936-word vocabulary and the MoE combine, Triton in bf16 against eager fp32 (the loss: torch's cross-entropy

@@ -9,7 +9,8 @@ Forward: each program normalises ``BLOCK_R`` rows in fp32 and keeps each row's 1
 ``dx = rstd * (w * dy - xhat * mean(w * dy * xhat))``; the weight's gradient ``sum(dy * xhat)`` over all rows is
 summed per program into an fp32 partial, and the partials once by torch. Rows are read through the input's strides
 (token, head), so the q and k views that Megatron splits out of the fused QKV projection are not copied first. The
-math is transformers' (fp32, one rounding at the end): ``offset`` 1.0 makes the scale ``1 + weight``.
+math is transformers' (fp32, one rounding at the end): ``offset`` 1.0 makes the scale ``1 + weight``. Row and head
+counts are not specialised on, so q and k (16 and 8 heads: divisible by 16 or not) share one compiled kernel.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import triton.language as tl
 ELEMENTS_PER_PROGRAM = 4096  # rows x row width a program holds at once
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "heads"])
 def _forward(x_ptr, w_ptr, y_ptr, rstd_ptr, rows, heads, stride_tok, stride_head, width, eps, offset,
              BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -39,7 +40,7 @@ def _forward(x_ptr, w_ptr, y_ptr, rstd_ptr, rows, heads, stride_tok, stride_head
     tl.store(rstd_ptr + r, rstd, mask=r < rows)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "heads", "blocks_per_program"])
 def _backward(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, rows, heads, stride_tok, stride_head, width, offset,
               blocks_per_program, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)

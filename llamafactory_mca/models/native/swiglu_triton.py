@@ -8,7 +8,8 @@ Triton kernel compiles once per machine in well under a second and launches with
 The math is Megatron's, in fp32 and rounded once, as its compiled graphs compute it: ``silu(a) * b`` (times the row's
 weight) over the two halves of each row, and in the backward the input's gradient and, weighted, the weight's
 ``sum(silu(a) * b * g)`` per row. A program holds ``BLOCK_R`` rows and walks their halves ``BLOCK_F`` columns at a
-time, so the weight's gradient is summed without a second pass.
+time, so the weight's gradient is summed without a second pass. The row count is not specialised on: an expert's
+rows (or a pack's tokens) vary between calls, and each new divisibility would be another compile in step 1.
 
 ``bias_swiglu_impl`` and ``weighted_bias_swiglu_impl`` keep Megatron's signatures: ``install`` puts them where its MLP
 calls them, and a bias, an FP8 or CPU-offloaded input, or a CPU tensor go to Megatron's own.
@@ -38,7 +39,7 @@ def _halves(x_ptr, r, live_r, start, width, stride_x, BLOCK_F: tl.constexpr):
     return a, b, f, live
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _forward(x_ptr, w_ptr, y_ptr, rows, width, stride_x, WEIGHTED: tl.constexpr, BLOCK_R: tl.constexpr,
              BLOCK_F: tl.constexpr):
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -53,7 +54,7 @@ def _forward(x_ptr, w_ptr, y_ptr, rows, width, stride_x, WEIGHTED: tl.constexpr,
         tl.store(y_ptr + r[:, None] * width + f[None, :], y.to(y_ptr.dtype.element_ty), mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _backward(g_ptr, x_ptr, w_ptr, dx_ptr, dw_ptr, rows, width, stride_x, WEIGHTED: tl.constexpr,
               BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
