@@ -17,7 +17,7 @@ GLM-4.5's layout (``glm4_moe``: dense first layer, sigmoid routing with a correc
 TP2 x PP2 with SP; DeepSeek-V3's (multi-latent attention) DP4, EP2 packed, TP2 + SP and CP2 padded and
 packed. Both train their multi-token-prediction layer. Qwen3-Next's (gated delta-rule and gated attention layers)
 runs DP4, EP2 packed and TP2 x PP2 with SP; Gemma 3's (sandwich norms, windows with their own RoPE base) DP4, CP2
-padded and packed, and TP2 x PP2 with SP.
+padded and packed, and TP2 x PP2 with SP; MiniMax-M2's (q/k norms across all heads) DP4 and TP2 x EP2 with SP.
 """
 
 import functools
@@ -104,11 +104,16 @@ CASES = [
     ("oss-cp2-packed", "gpt_oss", {"context_parallel_size": 2, "sequence_packing": True}, 4),
     ("oss-tp2-pp2-sp", "gpt_oss", {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
                                    "sequence_parallel": True}, 8),
+    # MiniMax-M2's layout (q/k norms across all heads, sigmoid routing with the bias on the MoE block): the norms'
+    # statistics and weight gradients summed over TP ranks that each hold half the heads, with EP2 and SP
+    ("minimax-dp4", "minimax_m2", {}, 2),
+    ("minimax-tp2-ep2-sp", "minimax_m2", {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2,
+                                          "sequence_parallel": True}, 4),
     *_pipeline_cases(),
 ]
 # step 2 of every same-batch case must match these
 REFERENCE = {"qwen3": "dp4", "qwen3_moe": "moe-dp4", "glm4_moe": "glm-dp4", "deepseek_v3": "ds-dp4",
-             "qwen3_next": "next-dp4", "gemma3_text": "gemma-dp4", "gpt_oss": "oss-dp4"}
+             "qwen3_next": "next-dp4", "gemma3_text": "gemma-dp4", "gpt_oss": "oss-dp4", "minimax_m2": "minimax-dp4"}
 
 # One whole epoch over data that does not divide into steps: 21 sft rows, or 4 pt documents of 3-5 x cutoff_len
 # split into pieces. (name, model, arguments, gradient accumulation, data)

@@ -290,6 +290,12 @@ def test_qwen3_next_sft_packed_matches_llamafactory_and_merges(assets, tmp_path)
 
 # family: (what the startup summary names, the LoRA targets it lists, the merged model's class, tensors that must move)
 PACKED_FAMILIES = {
+    # MiniMax-M2: q/k norms across all heads, RoPE on half of each head, sigmoid routing with the correction bias on
+    # the MoE block; LLaMA-Factory's `all` is the attention's projections (the experts are 3-D parameters)
+    "minimax_m2": (("q/k norms across all heads",), ("q_proj", "v_proj"), "MiniMaxM2ForCausalLM",
+                   ("model.layers.1.self_attn.q_norm.weight", "model.layers.2.self_attn.k_norm.weight",
+                    "model.layers.0.block_sparse_moe.experts.1.w3.weight",
+                    "model.layers.3.block_sparse_moe.gate.weight")),
     # Gemma 3's decoder: sandwich norms, scaled embeddings, tanh GeGLU, windows of 6 tokens on three of four layers
     # with their own RoPE base
     "gemma3_text": (("sliding window 6 tokens on 3 of 4 layers",), ("o_proj", "down_proj"), "Gemma3ForCausalLM",

@@ -37,7 +37,9 @@ _ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.ge
 # layers where it is not the others' (Gemma 3: 10,000 local, 1,000,000 global).
 # ``image_look_ahead``: an image's tokens also see the image's later tokens (Gemma 3, ``native/attention.py``).
 # ``padding_idx``: the word embedding row that lookups never train (transformers' ``pad_token_id``).
-MODEL_OPTIONS = ("post_layer_norms", "embedding_multiplier", "window_rotary_base", "image_look_ahead", "padding_idx")
+# ``qk_norm_across_heads``: the q/k norms normalise all heads of a token at once (MiniMax-M2, ``native/norm.py``).
+MODEL_OPTIONS = ("post_layer_norms", "embedding_multiplier", "window_rotary_base", "image_look_ahead", "padding_idx",
+                 "qk_norm_across_heads")
 
 
 class AttentionShape(NamedTuple):

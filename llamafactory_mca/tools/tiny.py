@@ -46,6 +46,11 @@ TINY: dict[str, dict[str, Any]] = {
     "glm4_moe": dict(BASE, **MOE, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
                      topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
                      use_qk_norm=True, head_dim=16, partial_rotary_factor=0.5, num_nextn_predict_layers=1),
+    # MiniMax-M2's layout: q/k norms across all heads, RoPE on half of each head, every layer 4 experts routed by
+    # sigmoid scores with a correction bias on the MoE block
+    "minimax_m2": dict(BASE, intermediate_size=32, num_experts_per_tok=2, router_aux_loss_coef=0.0,
+                       num_local_experts=4, head_dim=16,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
     # DeepSeek-V3's layout on the same routing: multi-latent attention (q and kv low rank, RoPE on 4 of each head's
     # 12 q/k dims, value heads of 6), YaRN x4, a multi-token-prediction layer
     "deepseek_v3": dict(BASE, **MOE, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
@@ -272,6 +277,7 @@ def add_mtp_layers(config: Any, directory: str, dtype: torch.dtype, device: str 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 GLM_TOKENS = ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")  # glm4_moe template
 GEMMA_TOKENS = ("<start_of_turn>", "<end_of_turn>")  # LLaMA-Factory's gemma template (Gemma 3 1B)
+MINIMAX_TOKENS = ("]~!b[", "]~b]", "[e~[")  # LLaMA-Factory's minimax2 template (its stop word becomes a special token)
 GPT_OSS_TOKENS = ("<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|return|>")  # its gpt_oss template
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"

@@ -85,11 +85,12 @@ def test_parity_with_transformers(name, tiny_models, single_rank):
 
 LAYOUTS = {  # all run in one 4-process world (dp = 4 / model-parallel size)
     # qwen3_next first: its round trip runs here (the delta-rule layers' per-key-head rows split over TP)
+    # (minimax_m2: its q/k norms' statistics summed over the TP ranks' heads)
     "tp2": ({"tensor_model_parallel_size": 2}, ["qwen3_next", "qwen3", "qwen2_moe", "mixtral", "llama3_tied",
-                                                 "mistral", "glm4_moe", "deepseek_v3", "gpt_oss"]),
+                                                 "mistral", "glm4_moe", "deepseek_v3", "gpt_oss", "minimax_m2"]),
     # glm4_moe first: its round trip runs here (layer 0 dense, on stage 0 only)
     "pp2": ({"pipeline_model_parallel_size": 2}, ["glm4_moe", "llama3_tied", "qwen3_moe", "qwen3_next", "qwen2",
-                                                  "gemma3_text", "gpt_oss"]),
+                                                  "gemma3_text", "gpt_oss", "minimax_m2"]),
     # qwen3_next first: its round trip runs here (its layer pattern, delta rule, attention, delta rule, attention,
     # cut into four virtual stages; the MTP layer with the last)
     "pp2_vpp2": ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
@@ -97,7 +98,7 @@ LAYOUTS = {  # all run in one 4-process world (dp = 4 / model-parallel size)
     # gemma3_text first: its round trip runs here (the post-sublayer norms on sequence-parallel slices)
     "tp2_sp": ({"tensor_model_parallel_size": 2, "sequence_parallel": True}, ["gemma3_text"]),
     "ep2": ({"expert_model_parallel_size": 2}, ["qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "qwen3_next",
-                                                "gpt_oss"]),
+                                                "gpt_oss", "minimax_m2"]),
     # gpt_oss first: its round trip runs here (the grouped experts' biases, each rank's two experts)
     "ep2_grouped": ({"expert_model_parallel_size": 2, "moe_grouped_gemm": True}, ["gpt_oss", "qwen2_moe"]),
     "ep2_etp2": ({"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2}, ["qwen3_moe", "glm4_moe",
@@ -105,6 +106,8 @@ LAYOUTS = {  # all run in one 4-process world (dp = 4 / model-parallel size)
     # deepseek_v3 first: its round trip runs here (multi-latent attention split over TP, the dense layer on stage 0)
     "tp2_pp2": ({"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, ["deepseek_v3", "llama",
                                                                                       "qwen3_moe"]),
+    # minimax_m2's round trip: the q/k norms' weights whole on both TP ranks, the correction bias on the MoE block
+    "tp2_ep2": ({"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2}, ["minimax_m2"]),
     # uneven virtual stages placed by hand: the dense layer alone with the embedding, the MTP layer alone with the loss
     "pp2_layout": ({"pipeline_model_parallel_size": 2, "pipeline_model_parallel_layout": "Et|tt|t|mL"},
                    ["deepseek_v3", "glm4_moe"]),

@@ -33,7 +33,9 @@ ADAPTERS = {"qwen3": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
                             None),
             # every attention projection carries a bias beside its adapter (the experts are 3-D parameters, which
             # LLaMA-Factory's lora_target: all leaves out)
-            "gpt_oss": (["q_proj", "k_proj", "v_proj", "o_proj"], False, None)}
+            "gpt_oss": (["q_proj", "k_proj", "v_proj", "o_proj"], False, None),
+            # the q/k norms across all heads follow q_proj's and k_proj's adapters; Mixtral's expert layout
+            "minimax_m2": (["q_proj", "k_proj", "v_proj", "o_proj"], True, None)}
 LAYOUTS = [("dp2", {}), ("tp2-sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
            ("pp2", {"pipeline_model_parallel_size": 2}), ("ep2", {"expert_model_parallel_size": 2}),
            ("ep2-grouped", {"expert_model_parallel_size": 2, "moe_grouped_gemm": True}),
@@ -142,7 +144,7 @@ def test_trainable_parameters_are_peft_s(tmp_path):
              ("qwen3_moe", ["all", "experts"]), ("qwen2_moe", ["q_proj", "gate_proj", "experts"]),
              ("glm4_moe", ["all"]), ("deepseek_v3", ["all", "experts"]),
              ("qwen3_next", ["all"]), ("qwen3_next", ["in_proj_qkvz", "in_proj_ba", "out_proj", "experts"]),
-             ("qwen2_moe", ["all"]), ("glm4v_moe", ["all"]), ("gemma3", ["all"])]
+             ("qwen2_moe", ["all"]), ("glm4v_moe", ["all"]), ("gemma3", ["all"]), ("minimax_m2", ["all", "experts"])]
     models = {name: save_tiny_model(name, str(tmp_path / name)) for name in {n for n, _ in cases}}
     (ours,) = run_distributed(_count, 1, models, cases)
     for (name, targets), count in zip(cases, ours):

@@ -9,6 +9,7 @@ from . import (  # noqa: F401
     glm4v_moe,
     gpt_oss,
     llama,
+    minimax_m2,
     mistral,
     mixtral,
     qwen2,

@@ -97,12 +97,15 @@ class Part:
 @dataclass(frozen=True)
 class QKNorm(Part):
     """RMSNorm on each head's queries and keys before RoPE (Qwen3). ``switch``: the HF flag that turns it on
-    (GLM-4.5's ``use_qk_norm``); None: always on."""
+    (GLM-4.5's ``use_qk_norm``); None: always on. ``across_heads``: one RMSNorm over all heads of a token at once,
+    q_proj's and k_proj's whole output (MiniMax-M2's, OLMo-2's; ``native/norm.ProjectionRMSNorm``)."""
 
     switch: str | None = None
+    across_heads: bool = False
 
     def transformer(self, hf: Any) -> dict[str, Any]:
-        return {"qk_layernorm": True if self.switch is None else bool(getattr(hf, self.switch, False))}
+        on = True if self.switch is None else bool(getattr(hf, self.switch, False))
+        return {"qk_layernorm": on} | ({"qk_norm_across_heads": True} if on and self.across_heads else {})
 
     def weights(self, config: McaConfig) -> list[Op]:
         if not config.transformer.get("qk_layernorm"):
@@ -142,6 +145,8 @@ class MoE(Part):
     scored by its two best experts, as in transformers: ``native/routing.py``), the
     chosen unbiased scores renormalised and scaled by ``routed_scaling_factor``; the first
     ``first_k_dense_replace`` layers are dense.
+    ``expert_bias``: where the correction bias sits under ``hf_module`` (None: on the router, DeepSeek's; MiniMax-M2
+    keeps it on the MoE block). Without ``n_group`` or ``routed_scaling_factor`` in the config: no groups, scale 1.
     ``hf_module``: the HF module holding the router (``gate``) and ``experts``; ``projections``: each expert's
     gate, up and down projection names. ``stacked``: the checkpoint stacks each layer's experts into one
     ``gate_up_proj`` and one ``down_proj`` tensor (Qwen3-VL-MoE) instead of a module per expert.
@@ -156,6 +161,7 @@ class MoE(Part):
     interleaved: bool = False
     router: str = "gate"
     sigmoid: bool = False
+    expert_bias: str | None = None
 
     def check(self, model_type: str, hf: Any) -> None:
         step, dense = getattr(hf, "decoder_sparse_step", 1), getattr(hf, "mlp_only_layers", None)
@@ -164,7 +170,7 @@ class MoE(Part):
                    f"{dense})", "Supported: every layer an MoE layer.")
         if not self.sigmoid:
             return
-        if not hf.norm_topk_prob:
+        if not (hf.norm_topk_prob if self.norm_topk is None else self.norm_topk):
             refuse(model_type, "norm_topk_prob=False with sigmoid routing", "Megatron always renormalises the "
                    "chosen experts' sigmoid scores; supported: norm_topk_prob=True.")
 
@@ -182,10 +188,10 @@ class MoE(Part):
             moe_router_load_balancing_type="aux_loss",
         )
         if self.sigmoid:
-            groups = hf.n_group or 1
+            groups = getattr(hf, "n_group", None) or 1
             fields.update(
                 moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_pre_softmax=False,
-                moe_router_topk_scaling_factor=float(hf.routed_scaling_factor),
+                moe_router_topk_scaling_factor=float(getattr(hf, "routed_scaling_factor", None) or 1.0),
                 moe_router_num_groups=groups if groups > 1 else None,
                 moe_router_group_topk=hf.topk_group if groups > 1 else None,
                 # HF's modeling (and so LLaMA-Factory's default path) trains these with no auxiliary loss; a recipe's
@@ -202,7 +208,8 @@ class MoE(Part):
         ops = [Rename(f"{LAYER}mlp.router.{kind}", (f"{hf}.{self.router}.{kind}",))
                for kind in ("weight", "bias")[: 1 + biases]]
         if self.sigmoid:
-            ops.append(Rename(f"{LAYER}mlp.router.expert_bias", (f"{hf}.{self.router}.e_score_correction_bias",)))
+            bias = self.expert_bias or f"{self.router}.e_score_correction_bias"
+            ops.append(Rename(f"{LAYER}mlp.router.expert_bias", (f"{hf}.{bias}",)))
         if self.stacked:
             experts = (f"{LAYER}mlp.experts.local_experts.*", f"{hf}.experts")
             ops += stacked_experts(*experts, self.stacked_out_in, self.interleaved)
@@ -558,7 +565,9 @@ class DecoderFamily(Family):
             max_position_embeddings=text.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             rotary_base=theta,
-            rotary_percent=float(getattr(text, "partial_rotary_factor", None) or 1.0),
+            # transformers 5 keeps it in rope_parameters (and some configs beside them too)
+            rotary_percent=float(getattr(text, "partial_rotary_factor", None)
+                                 or _rope_dict(text).get("partial_rotary_factor") or 1.0),
             rope_parameters=scaling,
             sliding_window=self.sliding_window.of(text) if self.sliding_window else None,
             hf_config=hf.to_dict(),

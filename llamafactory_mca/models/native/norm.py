@@ -13,6 +13,7 @@ PyTorch's fused kernels on GPU. ``layernorm_zero_centered_gamma`` (scale 1 + wei
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state as ps
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ...errors import UserError
@@ -42,6 +43,39 @@ class HeadRMSNorm(torch.nn.Module):
         if self.fused and x.is_cuda:
             return rms_norm(x, self.weight, self.eps)
         return _head_rms_norm(x, self.weight, self.eps)
+
+
+class ProjectionRMSNorm(torch.nn.Module):
+    """One RMSNorm over all heads of a token's queries (or keys): MiniMax-M2's q/k norm, which transformers applies to
+    q_proj's (k_proj's) whole output, heads x head_dim wide. Megatron builds it where the per-head q/k norms go
+    (``kind``: which of the two), on [..., heads, head_dim] after the QKV split.
+
+    Under TP a rank holds a contiguous slice of the heads, so the squares are summed over the TP group (an
+    all-reduce whose backward sums the gradient too). The weight is kept whole on every rank, each using its heads'
+    slice: checkpoints stay the same under any TP, and Megatron's all-reduce of the q/k norms' gradients by name
+    sums the ranks' disjoint slices into the whole gradient. As transformers computes it: fp32 statistics, the
+    normalised value rounded to the input's dtype, then times the weight."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, kind: str = "query",
+                 **_unused) -> None:
+        super().__init__()
+        heads = config.num_attention_heads if kind == "query" else config.num_query_groups
+        self.width, self.eps = heads * hidden_size, eps
+        self.group = ps.get_tensor_model_parallel_group() if ps.model_parallel_is_initialized() else None
+        tp = ps.get_tensor_model_parallel_world_size() if self.group is not None else 1
+        self.local = self.width // tp
+        self.start = self.local * (ps.get_tensor_model_parallel_rank() if tp > 1 else 0)
+        self.split = tp > 1
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(torch.ones(self.width, device=device, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.flatten(-2).float()
+        squares = flat.square().sum(-1, keepdim=True)
+        if self.split:
+            squares = torch.distributed.nn.functional.all_reduce(squares, group=self.group)
+        normed = (flat * torch.rsqrt(squares / self.width + self.eps)).to(x.dtype)
+        return (self.weight.narrow(0, self.start, self.local) * normed).view_as(x)
 
 
 def _zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
