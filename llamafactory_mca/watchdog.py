@@ -12,6 +12,9 @@ Every process a worker forks (the checkpoint writer's result Manager and file wr
 the kernel when the worker ends, however it ends: a worker killed with SIGKILL (the out-of-memory killer's signal)
 runs no exit handler that could stop them.
 
+``kill -USR1 <pid>`` makes a worker print every thread's stack to its stderr (``faulthandler``) and carry on: where a
+rank stands, whatever it waits in.
+
 A rank that computes for a long time is not waiting, so it is never stopped; the ranks waiting for it are,
 after ``ddp_timeout``, as NCCL would, but with a message a person can act on. The process-group timeout is
 set a minute longer, so this message comes first on gloo and NCCL alike.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import faulthandler
 import json
 import multiprocessing
 import os
@@ -250,6 +254,7 @@ def start(timeout_s: float, rank: int) -> Watchdog:
     global _ACTIVE
     if _ACTIVE is None:
         children_die_with_worker()
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         _ACTIVE = Watchdog(timeout_s, rank).start()
     return _ACTIVE
 

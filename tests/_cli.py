@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -109,8 +110,11 @@ def train(tmp_path, config, world=1, env=None, name="run", gpu=False, timeout=30
     path.write_text(yaml.safe_dump(config))
     log = tmp_path / f"{name}.log"
     with open(log, "w") as f:  # a file, not a pipe: a killed run's leftovers cannot hold it open
-        result = _run_alone(["llamafactory-cli", "train", str(path), *args], env=cli_env(world, env, gpu),
-                            stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=tmp_path, alone=alone)
+        try:
+            result = _run_alone(["llamafactory-cli", "train", str(path), *args], env=cli_env(world, env, gpu),
+                                stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=tmp_path, alone=alone)
+        except AssertionError as timed_out:  # the output, stacks included, went to the log
+            raise AssertionError(f"{timed_out}{log.read_text()[-15000:]}") from None
     return result, log.read_text()
 
 
@@ -173,20 +177,47 @@ def _run_alone(args, alone: bool = True, **kwargs) -> subprocess.CompletedProces
     ``result.seconds``: the command's own time, not the wait for its turn."""
     count = (kwargs.get("env") or os.environ).get("NPROC_PER_NODE") or "1"
     processes = int(count) if count.isdigit() else None  # a test's deliberately bad value: as a large job
+    timeout = kwargs.pop("timeout", None)
     with one_job_at_a_time(processes) if alone else contextlib.nullcontext():
         start = time.perf_counter()
-        try:
-            result = subprocess.run(args, **kwargs)
-        except subprocess.TimeoutExpired as timeout:  # say where the command stood: its output so far
-            tail = f"{_text(timeout.stdout)[-4000:]}\n{_text(timeout.stderr)[-4000:]}"
-            raise AssertionError(f"{' '.join(map(str, args))} timed out after {timeout.timeout} s; the end of its "
-                                 f"output:\n{tail}") from None
+        if kwargs.pop("capture_output", False):
+            kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        with subprocess.Popen(args, **kwargs) as process:
+            try:
+                stdout, stderr = process.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:  # say where the command stood: its output so far, every rank's stacks
+                stdout, stderr = _stop_with_stacks(process)
+                raise AssertionError(f"{' '.join(map(str, args))} timed out after {timeout} s; the end of its "
+                                     f"output, with each process's stacks:\n{stdout[-3000:]}\n{stderr[-12000:]}"
+                                     ) from None
+        result = subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
         result.seconds = time.perf_counter() - start
     return result
 
 
+def _stop_with_stacks(process: subprocess.Popen) -> tuple[str, str]:
+    """A hung command's processes asked for their stacks (SIGUSR1: the workers' faulthandler prints them; a process
+    without a handler ends), then killed; all of its output."""
+    family = [process.pid] + [child.pid for child in _descendants(process.pid)]
+    for pid in family[1:]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+    time.sleep(3)
+    for pid in family:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    stdout, stderr = process.communicate()
+    return _text(stdout), _text(stderr)
+
+
+def _descendants(pid: int) -> list:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
 def _text(output) -> str:
-    """A timed-out command's output as ``TimeoutExpired`` holds it (bytes even under ``text=True``), or nothing."""
     return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 

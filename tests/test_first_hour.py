@@ -367,6 +367,18 @@ def test_a_collective_waiting_past_ddp_timeout_aborts_naming_rank_step_and_call(
     assert result.seconds < 120
 
 
+def test_a_command_that_times_out_in_a_test_shows_its_workers_stacks():
+    """A hang seen once in CI is found from its log: the test harness asks a timed-out command's processes for their
+    stacks (SIGUSR1, which every worker's faulthandler answers) before it kills them, and fails with them."""
+    code = "import time; from llamafactory_mca import watchdog; watchdog.start(600, 0); time.sleep(300)"
+    started = time.monotonic()
+    with pytest.raises(AssertionError) as failed:
+        run(["bash", "-c", f'{sys.executable} -c "{code}"; true'], timeout=45, alone=False)  # python: a child
+    message = str(failed.value)
+    assert "timed out after 45 s" in message and 'File "<string>", line 1 in <module>' in message, message
+    assert time.monotonic() - started < 70
+
+
 def test_the_known_pipeline_hang_trains(assets, tmp_path):
     """Two identical short rows, PP2 x VPP2, two micro-batches of one row, one step: it used to wait forever."""
     from llamafactory_mca.tools.tiny import write_alpaca_dataset
