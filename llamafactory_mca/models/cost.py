@@ -151,8 +151,8 @@ def model_parameter_count(config: Any) -> int:
     layer = attention_sizes(t)[0] + 2 * h
     if t.get("add_qkv_bias"):
         layer += q + 2 * kv
-    if t.get("qk_layernorm"):
-        layer += 2 * head_dim
+    if t.get("qk_layernorm"):  # per head, or across all heads of a token (MiniMax-M2)
+        layer += q + kv if t.get("qk_norm_across_heads") else 2 * head_dim
     if t.get("post_layer_norms"):
         layer += 2 * h
     if t.get("multi_latent_attention"):  # the latent norms
