@@ -67,7 +67,13 @@ from .native.experts import NativeGroupedMLP, describe_experts
 from .native.gated_delta import NativeGatedDeltaNet
 from .native.gated_delta import describe_kernel as describe_delta_rule
 from .native.kernels import cudnn_attention_device, varlen_attn_available, varlen_windows_available
-from .native.norm import NativeNorm, ProjectionRMSNorm, compiles_head_norms, compiles_zero_centred_norms
+from .native.norm import (
+    NativeNorm,
+    ProjectionRMSNorm,
+    compiles_head_norms,
+    compiles_zero_centred_norms,
+    norms_across_heads,
+)
 from .native.sublayers import NativeSelfAttention, needs_sublayers
 
 
@@ -189,7 +195,7 @@ def native_layer_spec(config: TransformerConfig, moe: bool = True, linear: bool 
     check_supported(config)
     qk_norm = L2Norm if getattr(config, "qk_l2_norm", False) else _QK_NORM if config.qk_layernorm else IdentityOp
     q_norm = k_norm = qk_norm
-    if config.qk_layernorm and getattr(config, "qk_norm_across_heads", False):
+    if norms_across_heads(config):
         q_norm, k_norm = (ModuleSpec(module=ProjectionRMSNorm, params={"kind": kind}) for kind in ("query", "key"))
     if config.num_moe_experts and moe:
         mlp = get_moe_module_spec_for_backend(_NativeBackend(), num_experts=config.num_moe_experts,
@@ -276,12 +282,12 @@ def describe_kernels(config: TransformerConfig) -> str:
         line += f"; attention sinks ({config.softmax_type}): {how}"
     if getattr(config, "linear_attention_freq", None):
         line += f"; gated delta rule: {describe_delta_rule()}"
-    if config.qk_layernorm and getattr(config, "qk_norm_across_heads", False):
+    if norms_across_heads(config):
         line += "; q/k norms across all heads (statistics summed over TP ranks)"
     line += f"; MoE experts: {experts}" if config.num_moe_experts else ""
     rope = getattr(config, "apply_rope_fusion", False) and native_rope.compiled_in_use()
     qk_norms = (choice == "native" and getattr(config, "qk_layernorm", False) and compiles_head_norms(config)
-                and not getattr(config, "qk_l2_norm", False) and not getattr(config, "qk_norm_across_heads", False))
+                and not getattr(config, "qk_l2_norm", False) and not norms_across_heads(config))
     zero_centred = choice == "native" and compiles_zero_centred_norms(config)
     fused = [name for name, on in (("RoPE", rope), ("q/k norms", qk_norms), ("(1 + w) norms", zero_centred)) if on]
     line += f"; Triton: {' and '.join(fused)}" if fused else ""
@@ -320,7 +326,7 @@ def _native_only(config: TransformerConfig) -> str | None:
         return "post-sublayer norms / a RoPE base per layer kind: our attention and MLP sublayers"
     if getattr(config, "softmax_type", "vanilla") != "vanilla":
         return "attention sinks on packed sequences: our attention"
-    if config.qk_layernorm and getattr(config, "qk_norm_across_heads", False):
+    if norms_across_heads(config):
         return "q/k norms across all heads: our ProjectionRMSNorm"
     if config.num_moe_experts and getattr(config, "add_bias_linear", False) and config.moe_grouped_gemm:
         return "biased grouped experts: our grouped GEMM"

@@ -234,8 +234,9 @@ class McaTrainer:
         logger.info("Step 1 took %.1f s, of it compiling kernels %.1f s (our Triton kernels %.1f s: %d compiled, %d "
                     "from Triton's cache; torch.compile %.1f s); both caches keep them for the next launch on this "
                     "machine", seconds, compiling + triton_seconds, triton_seconds, built, cached, compiling)
-        if debug_enabled():
-            logger.info("Compiled kernels, slowest first:\n%s", "\n".join(triton_records() + compile_records()))
+        records = triton_records() + compile_records() if debug_enabled() else []
+        if records:
+            logger.info("Compiled kernels, slowest first:\n%s", "\n".join(records))
 
     def train_step(self, micro_batches: list) -> dict[str, float]:
         self._zero_grad()

@@ -61,21 +61,25 @@ class ProjectionRMSNorm(torch.nn.Module):
         super().__init__()
         heads = config.num_attention_heads if kind == "query" else config.num_query_groups
         self.width, self.eps = heads * hidden_size, eps
-        self.group = ps.get_tensor_model_parallel_group() if ps.model_parallel_is_initialized() else None
-        tp = ps.get_tensor_model_parallel_world_size() if self.group is not None else 1
+        tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+        self.group = ps.get_tensor_model_parallel_group() if tp > 1 else None  # None: every head on this rank
         self.local = self.width // tp
         self.start = self.local * (ps.get_tensor_model_parallel_rank() if tp > 1 else 0)
-        self.split = tp > 1
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         self.weight = torch.nn.Parameter(torch.ones(self.width, device=device, dtype=config.params_dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.flatten(-2).float()
         squares = flat.square().sum(-1, keepdim=True)
-        if self.split:
+        if self.group is not None:
             squares = torch.distributed.nn.functional.all_reduce(squares, group=self.group)
         normed = (flat * torch.rsqrt(squares / self.width + self.eps)).to(x.dtype)
         return (self.weight.narrow(0, self.start, self.local) * normed).view_as(x)
+
+
+def norms_across_heads(config: TransformerConfig) -> bool:
+    """Whether the config's q/k norms are ProjectionRMSNorms (over all heads of a token) rather than per head."""
+    return bool(config.qk_layernorm and getattr(config, "qk_norm_across_heads", False))
 
 
 def _zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
