@@ -7,6 +7,7 @@ recipe needs without a download: tiny Qwen3 and Qwen3-MoE models, a tokenizer, s
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -114,7 +115,7 @@ def train(tmp_path, config, world=1, env=None, name="run", gpu=False, timeout=30
             result = _run_alone(["llamafactory-cli", "train", str(path), *args], env=cli_env(world, env, gpu),
                                 stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=tmp_path, alone=alone)
         except AssertionError as timed_out:  # the output, stacks included, went to the log
-            raise AssertionError(f"{timed_out}{log.read_text()[-15000:]}") from None
+            raise AssertionError(f"{timed_out}{condensed_stacks(log.read_text())[-15000:]}") from None
     return result, log.read_text()
 
 
@@ -188,8 +189,8 @@ def _run_alone(args, alone: bool = True, **kwargs) -> subprocess.CompletedProces
             except subprocess.TimeoutExpired:  # say where the command stood: its output so far, every rank's stacks
                 stdout, stderr = _stop_with_stacks(process)
                 raise AssertionError(f"{' '.join(map(str, args))} timed out after {timeout} s; the end of its "
-                                     f"output, with each process's stacks:\n{stdout[-3000:]}\n{stderr[-12000:]}"
-                                     ) from None
+                                     f"output, with each process's stacks:\n{stdout[-3000:]}\n"
+                                     f"{condensed_stacks(stderr)[-12000:]}") from None
         result = subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
         result.seconds = time.perf_counter() - start
     return result
@@ -199,15 +200,41 @@ def _stop_with_stacks(process: subprocess.Popen) -> tuple[str, str]:
     """A hung command's processes asked for their stacks (SIGUSR1: the workers' faulthandler prints them; a process
     without a handler ends), then killed; all of its output."""
     family = [process.pid] + [child.pid for child in _descendants(process.pid)]
-    for pid in family[1:]:
+    for pid in family[1:]:  # one at a time: their stacks do not interleave
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGUSR1)
-    time.sleep(3)
+        time.sleep(0.5)
+    time.sleep(2)
     for pid in family:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     stdout, stderr = process.communicate()
     return _text(stdout), _text(stderr)
+
+
+_THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):$")
+
+
+def condensed_stacks(text: str, frames: int = 8) -> str:
+    """``text`` with each thread's stack (faulthandler's format) cut to its innermost ``frames`` frames and each
+    process's stacks numbered: eight ranks' stacks then fit in the end of the output a failure shows."""
+    lines, process, kept = [], 1, None
+    for line in text.splitlines():
+        header = _THREAD.match(line)
+        if header:
+            lines.append(f"[process {process}] {line}")
+            process += header.group(1) == "Current thread"
+            kept = 0
+        elif kept is not None and line.startswith("  File "):
+            kept += 1
+            if kept <= frames:
+                lines.append(line)
+            elif kept == frames + 1:
+                lines.append("  ...")
+        else:
+            kept = None
+            lines.append(line)
+    return "\n".join(lines)
 
 
 def _descendants(pid: int) -> list:

@@ -376,6 +376,7 @@ def test_a_command_that_times_out_in_a_test_shows_its_workers_stacks():
         run(["bash", "-c", f'{sys.executable} -c "{code}"; true'], timeout=45, alone=False)  # python: a child
     message = str(failed.value)
     assert "timed out after 45 s" in message and 'File "<string>", line 1 in <module>' in message, message
+    assert "[process 1] Current thread" in message, message  # numbered, one process's stacks after another
     assert time.monotonic() - started < 70
 
 

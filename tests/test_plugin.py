@@ -3,6 +3,8 @@
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import yaml
@@ -71,6 +73,29 @@ def test_llamafactorys_import_time_bf16_check_leaves_cuda_untouched():
     result = _python(code, {"USE_MCA": "1"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[-3:] == ["True", "True", "False"], result.stdout + result.stderr
+
+
+def test_a_forked_rank_waits_for_the_last_fork_before_it_connects(tmp_path, monkeypatch):
+    """A rank forked while the launcher's store thread held glibc's resolver lock hung connecting to the store (one
+    in a few 8-rank starts on a busy 2-core machine): no rank starts its script, which connects, before the launcher
+    has forked the last one; a group restarted by torch's agent waits for its own ranks."""
+    from llamafactory_mca.errors import STATUS_DIR_ENV
+    from llamafactory_mca.launch import torchrun
+
+    monkeypatch.setenv(STATUS_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    open(tmp_path / "forked-1", "w").close()  # a previous start's folder name, as a file: not looked at
+    waiter = threading.Thread(target=torchrun._wait_for_all_forked)
+    waiter.start()
+    for rank in (0, 2):
+        time.sleep(0.3)
+        assert waiter.is_alive()
+        (tmp_path / "forked-2").mkdir(exist_ok=True)
+        (tmp_path / "forked-2" / str(rank)).touch()
+    waiter.join(timeout=5)
+    assert not waiter.is_alive() and sorted(os.listdir(tmp_path / "forked-2")) == ["0", "1", "2"]
 
 
 def test_without_use_mca_llamafactory_is_untouched(tmp_path):

@@ -256,6 +256,24 @@ def _launch(args, forked: bool) -> None:
     elastic_launch(config=config, entrypoint=_forked_rank)(*script_and_args)
 
 
+def _wait_for_all_forked() -> None:
+    """Return once every local rank of this start of the workers has been forked.
+
+    The ranks connect to the launcher's rendezvous store only after that: the store's server thread, in the launcher,
+    looks up each new connection's address (getnameinfo, under glibc's resolver lock), and a rank forked while it did
+    inherits the lock taken and hangs at its own first lookup, connecting to the store. Markers in the run's folder,
+    one per rank and start (a restarted group forks again), rather than a barrier a killed rank would leave broken.
+    """
+    folder = os.path.join(os.environ[STATUS_DIR_ENV], f"forked-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+    os.makedirs(folder, exist_ok=True)
+    open(os.path.join(folder, os.environ.get("LOCAL_RANK", "0")), "w").close()
+    ranks, parent = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), os.getppid()
+    while len(os.listdir(folder)) < ranks:
+        if os.getppid() != parent:  # the launcher is gone
+            os._exit(1)
+        time.sleep(0.01)
+
+
 # What a rank imports before its first step: LLaMA-Factory's training entry (transformers, peft, trl, datasets) and
 # ours (Megatron-Core, the trainer, the models).
 PRELOAD = ("llamafactory.train.tuner", "llamafactory_mca.workflow", "llamafactory_mca.trainer.trainer",
@@ -291,6 +309,7 @@ def _forked_rank(script: str, *script_args: str) -> None:
     quiet_worker()
     parallel.leave_by_returning()
     try:
+        _wait_for_all_forked()
         run_script_path(script, *script_args)
     except KeyboardInterrupt:  # before the run's own handling (workflow._run): the agent says it in one line
         raise SystemExit(128 + signal.SIGINT) from None
