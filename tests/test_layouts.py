@@ -139,6 +139,13 @@ LORA_CASES = [
     ("lora-cp2", "qwen3", {"context_parallel_size": 2}, 4),
     ("lora-dp4-recompute", "qwen3", {"recompute_granularity": "full", "recompute_method": "uniform",
                                      "recompute_num_layers": 1}, 2),
+    # the adapters' all-gather after each step overlapped with the next forward: each layer waits for its adapters'
+    # shards (they sit in lora_A / lora_B, which are never called), before the first stage's chunk with VPP
+    ("lora-dp4-overlap", "qwen3", {"use_distributed_optimizer": True, "overlap_grad_reduce": True,
+                                   "overlap_param_gather": True}, 2),
+    ("lora-pp2-vpp2-overlap", "qwen3", {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2,
+                                        "use_distributed_optimizer": True, "overlap_grad_reduce": True,
+                                        "overlap_param_gather": True}, 4),
     ("lora-moe-dp4", "qwen3_moe", {"moe_grouped_gemm": True}, 2),
     ("lora-moe-ep2", "qwen3_moe", {"expert_model_parallel_size": 2, "moe_grouped_gemm": True}, 2),
 ]

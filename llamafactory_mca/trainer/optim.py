@@ -8,6 +8,7 @@ biases and norms get ``wd_mult=0``), so LLaMA-Factory recipes keep their meaning
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -42,8 +43,28 @@ def wrap_ddp(chunks: list[torch.nn.Module], tc: Any, args: Any) -> list[Distribu
         tc.grad_sync_func = wrapped[0].start_grad_sync if single else [w.start_grad_sync for w in wrapped]
     if args.overlap_param_gather:
         tc.param_sync_func = wrapped[0].start_param_sync if single else [w.start_param_sync for w in wrapped]
+        for ddp in wrapped:
+            _wait_for_adapters(ddp)
     tc.finalize_model_grads_func = finalize_model_grads  # OptimizerStep puts its own in its place
     return wrapped
+
+
+def _wait_for_adapters(ddp: DistributedDataParallel) -> None:
+    """Megatron's forward pre-hook makes a module wait for the all-gather of its own parameters (overlapped with the
+    forward after each step); a LoRA layer's adapters are the parameters of its ``lora_A`` / ``lora_B`` children,
+    which are never called, so the layer's own forward waits for them too. Without it a rank computed with the other
+    ranks' adapter shards of the step before (and an interleaved pipeline's next step found the gather pending)."""
+    hook = ddp._make_forward_pre_hook()  # the one Megatron registers on every module (DDP.enable_forward_pre_hook)
+    for module in ddp.module.modules():
+        adapters = [child for name in ("lora_A", "lora_B")
+                    if isinstance(child := module._modules.get(name), torch.nn.ParameterDict)]
+        if adapters:
+            module.register_forward_pre_hook(functools.partial(_wait_for, hook, tuple(adapters)))
+
+
+def _wait_for(hook: Any, adapters: tuple[torch.nn.Module, ...], module: torch.nn.Module, args: tuple) -> None:
+    for held in adapters:
+        hook(held)
 
 
 logger = logging.getLogger(__name__)
