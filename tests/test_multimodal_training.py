@@ -3,7 +3,8 @@ rows with images (and, for Qwen3-VL and Qwen3.5, videos), resized by ``image_max
 global batch is the whole set, so row order cannot matter) at PP2 (the tower on the first stage, with Qwen3-VL's
 deepstack layers), padded for Qwen2-VL and packed for Qwen3-VL; Qwen3.5 packed at TP2 + SP (gated delta-rule layers
 restarting per sequence, and its multi-token-prediction layer trained on the image features); GLM-4.5V packed at
-EP2 with images; Gemma 3 packed at PP2 (image tokens that see their whole image, on both stages); the tower frozen as
+EP2 with images; Gemma 3 packed at PP2 (image tokens that see their whole image, on both stages); InternVL packed at
+TP2 + SP; the tower frozen as
 LLaMA-Factory freezes it by default; the export loading into ``transformers``.
 (Packed PP4 and PP2 x EP4: the recipes in tests/test_examples.py.)"""
 
@@ -31,7 +32,9 @@ EP2 = {"expert_model_parallel_size": 2}
     # argument it no longer takes, on either path (videos: tests/models/test_multimodal.py)
     ("glm4v_moe", "glm4_5v", 0, True, EP2),
     # Gemma 3: a pack's image tokens see their whole image, on the later stage too (it has the tokens, not the pixels)
-    ("gemma3", "gemma3", 0, True, PP2)])
+    ("gemma3", "gemma3", 0, True, PP2),
+    # InternVL: the tower replicated over TP ranks, its features scattered over SP ranks
+    ("internvl", "intern_vl", 0, True, TP2_SP)])
 def test_vision_language_sft_matches_llamafactory_and_keeps_the_tower_frozen(tmp_path, family, template, video_every,
                                                                             packing, layout):
     from llamafactory.model.model_utils.visual import COMPOSITE_MODELS
@@ -56,7 +59,8 @@ def test_vision_language_sft_matches_llamafactory_and_keeps_the_tower_frozen(tmp
     ok(result, output)
     ours = losses(tmp_path / "ours")
     assert ours[1] == pytest.approx(theirs, rel=1e-6), theirs  # the next-token loss (MTP's is logged apart)
-    tower = "over a micro-batch's images" if family == "gemma3" else "per image or window"  # varlen_attn on GPUs
+    llava = family in ("gemma3", "internvl")
+    tower = "over a micro-batch's images" if llava else "per image or window"  # varlen_attn on GPUs
     assert f"; vision tower: SDPA {tower}" in output, output[-3000:]
     assert ("image tokens see their whole image: one SDPA call under a mask" in output) == (family == "gemma3")
     assert ours[3] < ours[2] < ours[1], ours

@@ -282,6 +282,17 @@ QWEN2_VL_7B = dict(SHAPES["vl"], model_type="qwen2_vl",
                    text_config={**SHAPES["vl"]["text_config"], "max_position_embeddings": 32768},
                    vision_config=dict(depth=32, embed_dim=1280, hidden_size=3584, mlp_ratio=4, num_heads=16,
                                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2))
+# InternVL3.5-38B-HF: Qwen3-32B's decoder and the InternViT-6B encoder (45 blocks of 3200, q/k norms, RMSNorm),
+# 448-pixel tiles of 14-pixel patches folded 2 x 2 into 256 tokens
+INTERNVL3_5_38B = dict(
+    model_type="internvl", image_seq_length=256, downsample_ratio=0.5, image_token_id=151671,
+    tie_word_embeddings=False,
+    text_config=dict(model_type="qwen3", hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                     num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    vision_config=dict(hidden_size=3200, intermediate_size=12800, num_hidden_layers=45, num_attention_heads=25,
+                       use_qk_norm=True, norm_type="rms_norm", image_size=[448, 448], patch_size=[14, 14]))
 # The recipes with the hardware their header names (GPUs, GiB), each planned on its model's full-size config: the
 # benchmarks' shapes, or the one above. Not here: qwen3_5_full.yaml (no config of Qwen3.5-27B's size is at hand).
 RECIPES = {"qwen3_dense_sft.yaml": ("dense", 1, 80), "qwen3_long_context_cp2.yaml": ("dense", 2, 80),
@@ -290,7 +301,8 @@ RECIPES = {"qwen3_dense_sft.yaml": ("dense", 1, 80), "qwen3_long_context_cp2.yam
            "glm4_5_air_lora.yaml": ("glm", 8, 80), "moonlight_full.yaml": ("moonlight", 8, 80),
            "qwen3_next_full.yaml": ("next", 8, 80), "qwen2_vl_full.yaml": (QWEN2_VL_7B, 8, 80),
            "qwen3_vl_moe_full.yaml": ("vl_moe", 8, 80), "qwen3_5_moe_full.yaml": ("vl_next", 8, 80),
-           "glm4_5v_lora.yaml": ("glm_vl", 8, 80), "gemma3_27b_full.yaml": ("gemma_vl", 8, 80)}
+           "glm4_5v_lora.yaml": ("glm_vl", 8, 80), "gemma3_27b_full.yaml": ("gemma_vl", 8, 80),
+           "internvl3_5_38b_lora.yaml": (INTERNVL3_5_38B, 8, 80)}
 
 
 # Plans each recipe given on the command line (a JSON list of the plan command's arguments) in one process: the plan

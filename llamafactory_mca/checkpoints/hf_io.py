@@ -103,7 +103,7 @@ class SafetensorsSource:
             raise UserError(f"{path} holds no Hugging Face safetensors weights (neither {SINGLE_NAME} nor "
                              f"{INDEX_NAME}). Point model_name_or_path at a model folder saved with save_pretrained.")
         # (prefix, other prefix): a tensor the files hold under the other spelling is read under ours (a family's
-        # ``Vision.tower_aliases``: transformers writes some towers' names shorter than the hub stores them)
+        # ``Vision.aliases``: a checkpoint may spell the tower or the language model's prefix otherwise)
         self._stored: dict[str, str] = {}
         for ours, theirs in aliases:
             for name in [n for n in self.weight_map if n.startswith(theirs)]:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import UserError
 from .batch import MicroBatch
 from .rows import Sample
 
@@ -44,6 +45,12 @@ def placeholder_types(ids: torch.Tensor, image_token_id: int, video_token_id: in
 def image_token_id(hf_config: dict[str, Any]) -> int:
     """The image placeholder's id (Gemma 3's config.json calls it ``image_token_index``)."""
     return hf_config["image_token_id"] if "image_token_id" in hf_config else hf_config["image_token_index"]
+
+
+def tokens_per_image(hf_config: dict[str, Any]) -> int | None:
+    """Placeholder tokens per image (per tile, InternVL's) in LLaVA's layout, where every image is cut to one size;
+    None where the count follows each image's patch grid (Qwen-VL's, GLM-4.5V's)."""
+    return hf_config.get("mm_tokens_per_image") or hf_config.get("image_seq_length")  # Gemma 3's, InternVL's
 
 
 def image_blocks(ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
@@ -76,9 +83,9 @@ class VisionInputs:
         self.plugin, self.processor = mm_plugin, processor
         self.image_token_id, self.video_token_id = image_token_id(hf_config), hf_config.get("video_token_id")
         self.video_span = video_span
-        # LLaVA's layout (Gemma 3): every image the same count of tokens, plain 1-D positions; otherwise patch grids
-        # (t, h, w) merged merge x merge into tokens, and multimodal RoPE's 3-D positions
-        self.tokens_per_image = hf_config.get("mm_tokens_per_image")
+        # LLaVA's layout (Gemma 3, InternVL): every image the same count of tokens, plain 1-D positions; otherwise
+        # patch grids (t, h, w) merged merge x merge into tokens, and multimodal RoPE's 3-D positions
+        self.tokens_per_image = tokens_per_image(hf_config)
         if self.tokens_per_image is None:
             self.rope_index = _rope_index(hf_config)
             self.merge = hf_config["vision_config"]["spatial_merge_size"]
@@ -96,6 +103,12 @@ class VisionInputs:
             [s for _ in range(width) for s in samples]
         images = [image for sample in order for image in sample.images]
         videos = [video for sample in order for video in sample.videos]
+        if videos and self.tokens_per_image:
+            # LLaMA-Factory's plugin (InternVL's) gives a batch's video frames after all of its images, which the
+            # placeholders, row after row, would take in another order: rows would train on each other's features
+            raise UserError(f"{len(videos)} video(s) in a micro-batch of a model with a fixed count of tokens per "
+                            "image (LLaVA's layout: InternVL, Gemma 3): videos are not supported there. Train on "
+                            "images, or drop the dataset's videos column.")
         vision: dict[str, torch.Tensor] = {}
         if images or videos:
             inputs = self.plugin.get_mm_inputs(images, videos, [], [len(images)], [len(videos)], [0], [[]],

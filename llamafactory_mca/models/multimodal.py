@@ -45,10 +45,7 @@ VISION_PREFIX = "vision."  # our name of the tower inside a model chunk
 def _tower_class(hf: Any) -> type:
     """The vision tower class ``transformers`` builds for this VL config (the PreTrainedModel of its vision config,
     in the modeling module of the VL model), so the language model is never built beside it."""
-    # here: transformers' model registry loads its generation modules, which nothing else here needs
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
-
-    module = sys.modules[getattr(transformers, MODEL_MAPPING_NAMES[hf.model_type]).__module__]
+    module = sys.modules[_vl_model_class(hf).__module__]
     for obj in vars(module).values():
         if inspect.isclass(obj) and issubclass(obj, transformers.PreTrainedModel) and \
                 getattr(obj, "config_class", None) is type(hf.vision_config):
@@ -58,29 +55,41 @@ def _tower_class(hf: Any) -> type:
 
 
 class TowerWithProjector(torch.nn.Module):
-    """LLaVA's layout (Gemma 3): transformers' encoder for the vision config, then the VL model's projector (Gemma 3's
-    pools the patches to a fixed count per image and maps them to the decoder's width), under the names transformers
-    gives them, so the checkpoint maps one to one. Images come whole and of one size: SDPA over the batch of images is
-    already one call per block."""
+    """LLaVA's layout (Gemma 3, InternVL): transformers' encoder for the vision config and the VL model's projector,
+    under the names transformers gives them, so the checkpoint maps one to one. The features are the VL model's own
+    ``get_image_features`` (Gemma 3's projector pools the patches to a fixed count per image; InternVL's drops the
+    class token and folds 2 x 2 patches into one before its projector), run on a VL model that holds these two parts
+    and no language model. Images come whole and of one size: SDPA over the batch of images is already one call per
+    block."""
 
     def __init__(self, hf: Any, dtype: torch.dtype) -> None:
         super().__init__()
         self.vision_tower = transformers.AutoModel.from_config(hf.vision_config, dtype=dtype,
                                                                attn_implementation="sdpa")
         self.multi_modal_projector = _vl_class(hf, "MultiModalProjector")(hf).to(dtype)
+        model = _vl_model_class(hf)
+        features = model.__new__(model)  # its __init__ would build the language model
+        torch.nn.Module.__init__(features)
+        features.config, features.vision_tower, features.multi_modal_projector = (
+            hf, self.vision_tower, self.multi_modal_projector)
+        object.__setattr__(self, "_features", features)  # not a submodule: the parameters are this module's
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: None = None) -> torch.Tensor:
-        """[images, channels, height, width] -> [images x tokens per image, hidden]."""
-        patches = self.vision_tower(pixel_values=pixel_values).last_hidden_state
-        return self.multi_modal_projector(patches).flatten(0, 1)
+        """[images, channels, height, width] -> [images, tokens per image, hidden]."""
+        return self._features.get_image_features(pixel_values=pixel_values, return_dict=True).pooler_output
+
+
+def _vl_model_class(hf: Any) -> type:
+    """The VL model class (without its head) ``transformers`` builds for this config."""
+    # here: transformers' model registry loads its generation modules, which nothing else here needs
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    return getattr(transformers, MODEL_MAPPING_NAMES[hf.model_type])
 
 
 def _vl_class(hf: Any, suffix: str) -> type:
     """The class named ``*<suffix>`` in the modeling module of the VL model of ``hf``."""
-    # here: transformers' model registry loads its generation modules, which nothing else here needs
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
-
-    module = sys.modules[getattr(transformers, MODEL_MAPPING_NAMES[hf.model_type]).__module__]
+    module = sys.modules[_vl_model_class(hf).__module__]
     for name, obj in vars(module).items():
         if name.endswith(suffix) and isinstance(obj, type):
             return obj

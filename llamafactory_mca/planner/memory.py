@@ -99,6 +99,7 @@ def vision_tower(config: Any, training: Training) -> VisionTower | None:
 def _count_tower(config: Any, vision: dict[str, Any], training: Training) -> VisionTower:
     import torch  # the planner of a text model never needs torch
 
+    from ..data.multimodal import tokens_per_image
     from ..models.families import get_family
     from ..models.freeze import vision_frozen
     from ..models.multimodal import build_vision_tower
@@ -111,15 +112,16 @@ def _count_tower(config: Any, vision: dict[str, Any], training: Training) -> Vis
     glu = 2 if any(".gate_proj." in name for name in params) else 1
     # the block's width and its MLP's as built (its first norm, its MLP's input projection): the configs name them
     # differently (Qwen2-VL's embed_dim and mlp_ratio, Qwen2.5/3-VL's hidden_size and intermediate_size; GLM-4.5V's
-    # blocks take out_hidden_size, its intermediate_size is the merger's; SigLIP's blocks are encoder.layers)
+    # blocks take out_hidden_size, its intermediate_size is the merger's; SigLIP's blocks are encoder.layers,
+    # InternViT's encoder.layer, whose first norm is layernorm_before)
     prefix = next(m.group(1) for name in params if (m := _FIRST_BLOCK.match(name)))
     block = {name[len(prefix):]: p for name, p in params.items() if name.startswith(prefix)}
-    width = next(p.shape[0] for name, p in block.items() if name.endswith("norm1.weight"))
+    width = next(p.shape[0] for name, p in block.items() if name.endswith(("norm1.weight", "norm_before.weight")))
     ffn = next(p.shape[0] for name, p in block.items() if name.startswith("mlp.") and p.dim() == 2
                and p.shape[1] == width)
     # patches behind a placeholder: merged n x n, or (LLaVA's layout) a whole image pooled to a fixed count
     patches = vision.get("spatial_merge_size", 2) ** 2 if not projector else \
-        (vision["image_size"] // vision["patch_size"]) ** 2 // config.hf_config["mm_tokens_per_image"]
+        _side(vision["image_size"]) ** 2 // _side(vision["patch_size"]) ** 2 // tokens_per_image(config.hf_config)
     return VisionTower(params=sum(p.numel() for p in params.values()),
                        trainable=sum(p.numel() for n, p in params.items() if not frozen(n)),
                        hidden=width, ffn=ffn,
@@ -127,7 +129,12 @@ def _count_tower(config: Any, vision: dict[str, Any], training: Training) -> Vis
                        patches_per_token=patches)
 
 
-_FIRST_BLOCK = re.compile(r"^(.*?\b(?:blocks|layers)\.0\.)")
+_FIRST_BLOCK = re.compile(r"^(.*?\b(?:blocks|layers|layer)\.0\.)")
+
+
+def _side(size: int | list[int]) -> int:
+    """A square image's or patch's side (InternVL's config gives [height, width])."""
+    return size[0] if isinstance(size, (list, tuple)) else size
 
 
 def _shapes(config: Any) -> dict[str, int]:

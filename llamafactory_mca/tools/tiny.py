@@ -148,6 +148,14 @@ TINY_VL["gemma3"] = dict(
                        image_size=16, patch_size=4, vision_use_head=False),
     mm_tokens_per_image=4, image_token_index=196, boi_token_index=192, eoi_token_index=193)
 
+# InternVL 3.5: Qwen3's tiny decoder (untied output layer, as the 2B-38B models); a 2-block InternViT of 16-pixel tiles
+# cut into 4-pixel patches, whose 16 patches the projector folds 2 x 2 into 4 tokens per tile
+TINY_VL["internvl"] = dict(
+    text_config=dict(TINY["qwen3"], model_type="qwen3"),
+    vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                       image_size=[16, 16], patch_size=[4, 4]),
+    image_seq_length=4, downsample_ratio=0.5, image_token_id=196, tie_word_embeddings=False)
+
 
 def model_type_of(name: str) -> str:
     return "llama" if name.startswith("llama") else name
@@ -326,6 +334,10 @@ VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad
 GLM_VL_TOKENS = ["<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>",
                  "<|video|>"]  # GLM-4.5V's (LLaMA-Factory's glm4v plugin writes them)
 GEMMA_VL_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+# InternVL's, by the names its processor asks the tokenizer for (LLaMA-Factory's intern_vl plugin writes the first
+# three)
+INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+                   "video_token": "<video>"}
 
 
 def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None, seed: int = 0,
@@ -341,23 +353,27 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
         Gemma3ImageProcessor,
         Gemma3Processor,
         Glm4vProcessor,
+        GotOcr2ImageProcessor,
+        InternVLProcessor,
         Qwen2_5_VLProcessor,
         Qwen2VLProcessor,
         Qwen3VLProcessor,
     )
     from transformers.models.glm4v import Glm4vImageProcessor, Glm4vVideoProcessor
+    from transformers.models.internvl import InternVLVideoProcessor
     from transformers.models.qwen2_vl import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
     from transformers.models.qwen3_vl import Qwen3VLVideoProcessor
 
     save_tiny_tokenizer(directory, texts)
-    glm, gemma = name == "glm4v_moe", name == "gemma3"
-    # Gemma 3's processor asks its tokenizer for the image tokens by name
-    named = {"extra_special_tokens": GEMMA_VL_TOKENS} if gemma else {}
-    tokenizer = AutoTokenizer.from_pretrained(directory, **named)
-    vision_tokens = GLM_VL_TOKENS if glm else list(GEMMA_VL_TOKENS.values()) if gemma else VL_TOKENS
+    glm, gemma, intern = name == "glm4v_moe", name == "gemma3", name == "internvl"
+    # Gemma 3's and InternVL's processors ask their tokenizer for the image tokens by name
+    named_tokens = GEMMA_VL_TOKENS if gemma else INTERNVL_TOKENS if intern else {}
+    tokenizer = AutoTokenizer.from_pretrained(directory, **({"extra_special_tokens": named_tokens} if named_tokens
+                                                            else {}))
+    vision_tokens = GLM_VL_TOKENS if glm else list(named_tokens.values()) if named_tokens else VL_TOKENS
     template_tokens = GLM_TOKENS if glm else GEMMA_TOKENS if gemma else ["<|im_start|>"]
     tokenizer.add_special_tokens({"additional_special_tokens": [*template_tokens, *vision_tokens]},
-                                 replace_extra_special_tokens=not gemma)
+                                 replace_extra_special_tokens=not named_tokens)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in vision_tokens}
     text = dict(TINY_VL[name]["text_config"], **(text_config or {}))
     text["vocab_size"] = max(text["vocab_size"], len(tokenizer) + 3)
@@ -369,6 +385,13 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
         processor = Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": size, "width": size}),
                                     tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
                                     image_seq_length=extra["mm_tokens_per_image"])
+    elif intern:  # every tile resized to the encoder's size (one tile per image: LLaMA-Factory's default)
+        height, width = vision["image_size"]
+        tile = {"height": height, "width": width}
+        processor = InternVLProcessor(image_processor=GotOcr2ImageProcessor(size=tile),
+                                      video_processor=InternVLVideoProcessor(size=tile), tokenizer=tokenizer,
+                                      chat_template=CHAT_TEMPLATE,
+                                      image_seq_length=TINY_VL[name]["image_seq_length"])
     else:
         patch, merge = vision["patch_size"], vision["spatial_merge_size"]
         pixels = dict(patch_size=patch, merge_size=merge, temporal_patch_size=vision["temporal_patch_size"],
@@ -395,6 +418,8 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
                     video_end_token_id="<|end_of_video|>")
     elif gemma:
         keys = {f"{kind}_index": token for kind, token in GEMMA_VL_TOKENS.items()}
+    elif intern:
+        keys = dict(image_token_id=INTERNVL_TOKENS["context_image_token"])
     else:
         keys = dict(image_token_id="<|image_pad|>", video_token_id="<|video_pad|>",
                     vision_start_token_id="<|vision_start|>", vision_end_token_id="<|vision_end|>")

@@ -48,3 +48,18 @@ def test_gemma3_images_are_whole_and_see_each_other():
     # two rows: blocks count per row
     rows = torch.tensor([[image, image, 1, image], [1, image, image, 2]])
     assert image_blocks(rows, image).tolist() == [[0, 0, -1, 1], [-1, 0, 0, -1]]
+
+
+def test_internvl_tiles_are_image_seq_length_tokens_each():
+    """InternVL: every tile (pixel_values row) is image_seq_length (4) tokens; a two-tile image and a one-tile image
+    are three tiles' tokens (LLaMA-Factory's plugin writes them between <img> and </img>)."""
+    vision = _inputs("internvl")
+    image = 196
+    tokens = torch.tensor([[1] + [image] * 8 + [5] + [image] * 4 + [2]])
+    vision._check_counts(SimpleNamespace(tokens=tokens), {"pixel_values": torch.zeros(3, 3, 16, 16)})
+    with pytest.raises(ValueError, match=r"12 placeholder tokens but 8 vision features"):
+        vision._check_counts(SimpleNamespace(tokens=tokens), {"pixel_values": torch.zeros(2, 3, 16, 16)})
+    # videos: LLaMA-Factory's plugin gives a batch's frames after all of its images, out of the placeholders' order
+    sample = SimpleNamespace(sequences=[[1]], images=["a.png"], videos=[["f0.png", "f1.png"]])
+    with pytest.raises(ValueError, match=r"1 video\(s\) in a micro-batch .* videos are not supported there"):
+        vision.attach(SimpleNamespace(packed=True), [sample])

@@ -241,7 +241,7 @@ def test_unsupported_models_fail_with_the_supported_list(tmp_path):
 
     GPT2Config(n_layer=1).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(ValueError, match="not supported by llamafactory_mca; supported: deepseek_v3, gemma3, "
-                                         "gemma3_text, glm4_moe, glm4v_moe, gpt_oss, llama"):
+                                         "gemma3_text, glm4_moe, glm4v_moe, gpt_oss, internvl, llama"):
         AutoConfig.from_pretrained(str(tmp_path / "gpt2"))
     LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 4.0}, max_position_embeddings=256).save_pretrained(
         tmp_path / "dynamic")
@@ -257,6 +257,12 @@ def test_unsupported_models_fail_with_the_supported_list(tmp_path):
     tiny_hf_config("glm4_moe", norm_topk_prob=False).save_pretrained(tmp_path / "glm")
     with pytest.raises(ValueError, match="norm_topk_prob=False with sigmoid routing"):
         AutoConfig.from_pretrained(str(tmp_path / "glm"))
+    # InternVL on a decoder it is not declared with (InternVL 3.5 30B-A3B's)
+    moe = dict(tiny_hf_config("qwen3_moe").to_dict(), model_type="qwen3_moe")
+    tiny_hf_config("internvl", text_config=moe).save_pretrained(tmp_path / "internvl_moe")
+    with pytest.raises(ValueError, match="internvl: a qwen3_moe decoder \\(text_config.model_type\\) is not supported "
+                                         "by llamafactory_mca. Supported: qwen3."):
+        AutoConfig.from_pretrained(str(tmp_path / "internvl_moe"))
 
 
 # DeepSeek-V3's routing where megatron-core scores a group unlike transformers: 8 experts in 4 groups, the best 2

@@ -8,6 +8,7 @@ from . import (  # noqa: F401
     glm4_moe,
     glm4v_moe,
     gpt_oss,
+    internvl,
     llama,
     minimax_m2,
     mistral,

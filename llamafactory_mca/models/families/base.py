@@ -315,11 +315,13 @@ class Vision(Part):
     ``video_start_token_id`` and ``video_end_token_id``, and each frame is a row of its own for the tower (GLM-4.5V).
     Deepstack (Qwen3-VL: features of middle tower blocks added after the first decoder layers) follows from the
     config's ``deepstack_visual_indexes``.
-    ``projector``: LLaVA's layout (Gemma 3): an encoder of fixed-size images (transformers' auto class of the vision
-    config) and the VL model's ``MultiModalProjector``; the text half rotates by plain RoPE, and the tower's
-    alternative spellings in hub checkpoints are ``tower_aliases`` (prefix as transformers writes it, prefix as the
-    hub stores it). ``image_look_ahead``: an image's tokens see the whole image, later ones too (Gemma 3's
-    bidirectional attention inside each image).
+    ``projector``: LLaVA's layout (Gemma 3, InternVL): an encoder of fixed-size images (transformers' auto class of
+    the vision config) and the VL model's ``MultiModalProjector``; the text half rotates by plain RoPE.
+    ``aliases``: other spellings of the checkpoint's prefixes (prefix as written here, prefix as another checkpoint
+    stores it: Gemma 3's hub files nest the encoder deeper; a checkpoint may hold transformers' in-memory names).
+    ``image_look_ahead``: an image's tokens see the whole image, later ones too (Gemma 3's bidirectional attention
+    inside each image). ``decoders``: the text config's model types the layout is declared
+    with, where the VL model takes several (InternVL); empty: the family's own.
     """
 
     tower_prefix: str = "visual."
@@ -328,8 +330,9 @@ class Vision(Part):
     default_mrope: tuple[int, ...] | None = None  # what transformers' rotary takes when the config names none
     video_frames_as_images: bool = False
     projector: bool = False
-    tower_aliases: tuple[tuple[str, str], ...] = ()
+    aliases: tuple[tuple[str, str], ...] = ()
     image_look_ahead: bool = False
+    decoders: tuple[str, ...] = ()
 
     def video_span(self, hf_config: dict[str, Any]) -> tuple[int, int] | None:
         """The ids opening and closing a video whose frames are image tokens (``video_frames_as_images``)."""
@@ -342,6 +345,9 @@ class Vision(Part):
         return list(section) if section else None
 
     def check(self, model_type: str, hf: Any) -> None:
+        if self.decoders and hf.model_type not in self.decoders:
+            refuse(model_type, f"a {hf.model_type} decoder (text_config.model_type)",
+                   f"Supported: {', '.join(self.decoders)}.")
         if not self.projector and not self.mrope_section(hf):
             refuse(model_type, "a vision-language config without mrope_section", "Supported: multimodal RoPE.")
 
@@ -353,10 +359,17 @@ class Vision(Part):
         return vision_ops(config.hf_config, self.tower_prefix, self.projector)
 
     def text_ops(self, ops: list[Op]) -> list[Op]:
-        """The language model's ops with their HF names under ``text_prefix``."""
+        """The language model's ops with their HF names under ``text_prefix``; in LLaVA's layout
+        (``language_model.model.``) the output layer sits beside the decoder, under ``language_model.``."""
         if self.text_prefix == "model.":
             return ops
-        move = lambda name: self.text_prefix + name[len("model."):] if name.startswith("model.") else name  # noqa: E731
+        head = self.text_prefix[:-len("model.")] if self.text_prefix.endswith(".model.") else ""
+
+        def move(name: str) -> str:
+            if name.startswith("model."):
+                return self.text_prefix + name[len("model."):]
+            return head + name if name.startswith("lm_head.") else name
+
         return [replace(op, hf=tuple(move(name) for name in op.hf)) for op in ops]
 
 
@@ -593,7 +606,7 @@ class DecoderFamily(Family):
 
     @property
     def source_aliases(self) -> tuple[tuple[str, str], ...]:
-        return self.vision.tower_aliases if self.vision else ()
+        return self.vision.aliases if self.vision else ()
 
     @property
     def hf_layers(self) -> str:

@@ -20,4 +20,4 @@ class Gemma3Family(Gemma3TextFamily):
     # transformers writes the encoder's parameters directly under vision_tower.; the hub's files under
     # vision_tower.vision_model. (transformers renames them on load)
     vision = Vision(tower_prefix="", text_prefix="language_model.model.", projector=True, image_look_ahead=True,
-                    tower_aliases=(("vision_tower.", "vision_tower.vision_model."),))
+                    aliases=(("vision_tower.", "vision_tower.vision_model."),))

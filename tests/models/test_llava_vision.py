@@ -1,10 +1,13 @@
-"""Gemma 3 with images (``gemma3``: LLaVA's layout, a SigLIP encoder and a pooling projector, image tokens that see
-their whole image) against ``transformers`` (CPU, fp32): logits of a padded row and of a pack of two sequences at DP2,
-TP2 with sequence parallelism and PP2; the hub's tensor names read as transformers' own; the round trip bit for bit.
-(Training through the recipe: tests/test_multimodal_training.py.)"""
+"""LLaVA's layout against ``transformers`` (CPU, fp32): Gemma 3 with images (a SigLIP encoder and a pooling projector,
+image tokens that see their whole image) and InternVL 3.5 (InternViT, whose class token the projector drops and whose
+patches it folds 2 x 2, on Qwen3's decoder with its own output layer). Logits of a padded row and of a pack of two
+sequences at DP2, TP2 with sequence parallelism and PP2; another checkpoint's spelling of the prefixes (Gemma 3's
+hub files, InternVL's in-memory names) read as transformers' own; the round trip bit for bit. (Training through the
+recipe: tests/test_multimodal_training.py.)"""
 
 import os
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -19,14 +22,17 @@ LAYOUTS = [("dp2", {}), ("tp2-sp", {"tensor_model_parallel_size": 2, "sequence_p
 
 def _rows(config) -> list[dict]:
     """Two sequences: text, an image, text, a second image right after a short text, text; and one with an image at
-    its very start. Each image is <start_of_image>, its tokens, <end_of_image>."""
+    its very start. Each image is an opening token, its tokens, a closing token (plain text ids here: Gemma 3's config
+    names its own, InternVL's does not)."""
     g = torch.Generator().manual_seed(0)
     text = lambda n: torch.randint(0, 190, (n,), generator=g)  # noqa: E731
-    image = lambda: torch.tensor([config.boi_token_index, *[config.image_token_index] * config.mm_tokens_per_image,  # noqa: E731
-                                  config.eoi_token_index])
+    tokens = getattr(config, "mm_tokens_per_image", None) or config.image_seq_length
+    image_id = getattr(config, "image_token_index", None) or config.image_token_id
+    image = lambda: torch.tensor([190, *[image_id] * tokens, 191])  # noqa: E731
     first = torch.cat([text(5), image(), text(1), image(), text(6)])
     second = torch.cat([text(1), image(), text(9)])
     size = config.vision_config.image_size
+    size = size[0] if isinstance(size, list) else size
     return [{"input_ids": ids.view(1, -1), "pixel_values": torch.randn(n, 3, size, size, generator=g)}
             for ids, n in ((first, 2), (second, 1))]
 
@@ -36,9 +42,11 @@ def _hf_logits(model_dir: str) -> tuple[list[dict], list[torch.Tensor]]:
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     rows = _rows(model.config)
-    with torch.no_grad():  # token_type_ids: what LLaMA-Factory's collator gives, and what turns the look-ahead on
-        logits = [model(**row, token_type_ids=(row["input_ids"] == model.config.image_token_index).long()).logits[0]
-                  for row in rows]
+    extra = lambda row: {}  # noqa: E731
+    if model.config.model_type == "gemma3":  # what LLaMA-Factory's collator gives, and what turns the look-ahead on
+        extra = lambda row: {"token_type_ids": (row["input_ids"] == model.config.image_token_index).long()}  # noqa: E731
+    with torch.no_grad():
+        logits = [model(**row, **extra(row)).logits[0] for row in rows]
     return rows, logits
 
 
@@ -96,25 +104,38 @@ def _ours(model_dirs: dict, rows: list[dict], back_dir: str) -> dict:
     return found
 
 
-def _as_the_hub_stores_it(model_dir: str, hub_dir: str) -> str:
-    """The same model under the hub's names: the encoder under ``vision_tower.vision_model.``."""
+# Another checkpoint's spelling of the prefixes transformers writes: Gemma 3's hub files nest the encoder deeper;
+# InternVL's may hold transformers' in-memory names
+OTHER_PREFIXES = {"gemma3": {"vision_tower.": "vision_tower.vision_model."},
+                  "internvl": {"language_model.model.": "model.language_model.", "language_model.lm_head.": "lm_head.",
+                               "vision_tower.": "model.vision_tower.",
+                               "multi_modal_projector.": "model.multi_modal_projector."}}
+
+
+def _renamed(name: str, prefixes: dict[str, str]) -> str:
+    return next((other + name[len(ours):] for ours, other in prefixes.items() if name.startswith(ours)), name)
+
+
+def _as_another_checkpoint_spells_it(model_dir: str, hub_dir: str, family: str) -> str:
+    """The same model under ``OTHER_PREFIXES``."""
     os.makedirs(hub_dir)
     for file in os.listdir(model_dir):
         if file != "model.safetensors":
             with open(os.path.join(model_dir, file), "rb") as src, open(os.path.join(hub_dir, file), "wb") as dst:
                 dst.write(src.read())
     tensors = load_file(os.path.join(model_dir, "model.safetensors"))
-    renamed = {("vision_tower.vision_model." + k[len("vision_tower."):] if k.startswith("vision_tower.") else k): v
-               for k, v in tensors.items()}
+    renamed = {_renamed(k, OTHER_PREFIXES[family]): v for k, v in tensors.items()}
+    assert sorted(renamed) != sorted(tensors)
     save_file(renamed, os.path.join(hub_dir, "model.safetensors"), metadata={"format": "pt"})
     return hub_dir
 
 
-def test_gemma3_vision_logits_and_round_trip_match_transformers(tmp_path):
-    model_dir = save_tiny_model("gemma3", str(tmp_path / "gemma3"))
+@pytest.mark.parametrize("family", ["gemma3", "internvl"])
+def test_llava_layout_logits_and_round_trip_match_transformers(tmp_path, family):
+    model_dir = save_tiny_model(family, str(tmp_path / family))
     rows, expected = _hf_logits(model_dir)
-    hub_dir = _as_the_hub_stores_it(model_dir, str(tmp_path / "hub"))
-    dirs = {"transformers": model_dir, "hub": hub_dir}
+    other = _as_another_checkpoint_spells_it(model_dir, str(tmp_path / "hub"), family)
+    dirs = {"transformers": model_dir, "hub": other}
     back_dir = str(tmp_path / "back")
     found = {k: v for rank in run_distributed(_ours, 2, dirs, rows, back_dir) for k, v in rank.items()}
     assert sorted(found) == sorted((n, layout, b) for n in dirs for layout, _ in LAYOUTS for b in ("padded", "packed"))
@@ -125,5 +146,6 @@ def test_gemma3_vision_logits_and_round_trip_match_transformers(tmp_path):
         assert diff < 1e-4, (name, layout, batch, diff)
     original, back = hf_tensors(model_dir), hf_tensors(back_dir)
     assert sorted(original) == sorted(back) and any(k.startswith("vision_tower.encoder.") for k in back)
+    assert ("language_model.lm_head.weight" in back) == (family == "internvl")  # Gemma 3 ties it
     for key in original:
         assert torch.equal(original[key], back[key]), key
