@@ -61,18 +61,32 @@ def image_blocks(ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
     return torch.where(image, torch.cumsum(starts.int(), dim=-1) - 1, -1)
 
 
-def _rope_index(hf_config: dict[str, Any]):
-    """``get_rope_index`` of the HF VL model, bound to an instance that holds only its config: the method reads
-    nothing else, and building the model (billions of parameters) to call it would be absurd."""
+def vl_model_class(model_type: str) -> type:
+    """The VL model class (without its head) ``transformers`` builds for ``model_type``."""
     # here: data/ loads without transformers, which takes seconds to import; only VL models need it
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
+    return getattr(transformers, MODEL_MAPPING_NAMES[model_type])
+
+
+def vl_model_shell(config: Any) -> Any:
+    """An instance of the HF VL model for ``config`` (transformers' config object) that holds only the config: its
+    methods that read nothing else (``get_rope_index``), or the parts a caller gives it (the tower and projector for
+    ``get_image_features``), run without building the model (billions of parameters)."""
+    model_class = vl_model_class(config.model_type)
+    shell = model_class.__new__(model_class)  # its __init__ would build every part
+    torch.nn.Module.__init__(shell)
+    shell.config = config
+    return shell
+
+
+def _rope_index(hf_config: dict[str, Any]):
+    """``get_rope_index`` of the HF VL model, on a shell holding only its config."""
+    import transformers  # here: see vl_model_class
+
     config = transformers.AutoConfig.for_model(**hf_config)  # model_type first, the rest as keywords
-    model_class = getattr(transformers, MODEL_MAPPING_NAMES[config.model_type])
-    holder = model_class.__new__(model_class)
-    object.__setattr__(holder, "config", config)
-    return holder.get_rope_index
+    return vl_model_shell(config).get_rope_index
 
 
 class VisionInputs:

@@ -31,7 +31,15 @@ import transformers
 from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
 from megatron.core.transformer.multi_token_prediction import roll_tensor
 
-from ..data.multimodal import IMAGE, VIDEO, image_blocks, image_token_id, placeholder_types
+from ..data.multimodal import (
+    IMAGE,
+    VIDEO,
+    image_blocks,
+    image_token_id,
+    placeholder_types,
+    vl_model_class,
+    vl_model_shell,
+)
 from ..errors import UserError
 from .config import hf_config_object
 from .mapping import Op, Rename, WeightTable
@@ -45,7 +53,7 @@ VISION_PREFIX = "vision."  # our name of the tower inside a model chunk
 def _tower_class(hf: Any) -> type:
     """The vision tower class ``transformers`` builds for this VL config (the PreTrainedModel of its vision config,
     in the modeling module of the VL model), so the language model is never built beside it."""
-    module = sys.modules[_vl_model_class(hf).__module__]
+    module = sys.modules[vl_model_class(hf.model_type).__module__]
     for obj in vars(module).values():
         if inspect.isclass(obj) and issubclass(obj, transformers.PreTrainedModel) and \
                 getattr(obj, "config_class", None) is type(hf.vision_config):
@@ -67,11 +75,8 @@ class TowerWithProjector(torch.nn.Module):
         self.vision_tower = transformers.AutoModel.from_config(hf.vision_config, dtype=dtype,
                                                                attn_implementation="sdpa")
         self.multi_modal_projector = _vl_class(hf, "MultiModalProjector")(hf).to(dtype)
-        model = _vl_model_class(hf)
-        features = model.__new__(model)  # its __init__ would build the language model
-        torch.nn.Module.__init__(features)
-        features.config, features.vision_tower, features.multi_modal_projector = (
-            hf, self.vision_tower, self.multi_modal_projector)
+        features = vl_model_shell(hf)
+        features.vision_tower, features.multi_modal_projector = self.vision_tower, self.multi_modal_projector
         object.__setattr__(self, "_features", features)  # not a submodule: the parameters are this module's
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: None = None) -> torch.Tensor:
@@ -79,17 +84,9 @@ class TowerWithProjector(torch.nn.Module):
         return self._features.get_image_features(pixel_values=pixel_values, return_dict=True).pooler_output
 
 
-def _vl_model_class(hf: Any) -> type:
-    """The VL model class (without its head) ``transformers`` builds for this config."""
-    # here: transformers' model registry loads its generation modules, which nothing else here needs
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
-
-    return getattr(transformers, MODEL_MAPPING_NAMES[hf.model_type])
-
-
 def _vl_class(hf: Any, suffix: str) -> type:
     """The class named ``*<suffix>`` in the modeling module of the VL model of ``hf``."""
-    module = sys.modules[_vl_model_class(hf).__module__]
+    module = sys.modules[vl_model_class(hf.model_type).__module__]
     for name, obj in vars(module).items():
         if name.endswith(suffix) and isinstance(obj, type):
             return obj
