@@ -566,6 +566,26 @@ def test_saves_leave_no_helper_and_a_writer_killed_mid_save_is_one_line_keeping_
     verify_checkpoint(str(out / "checkpoint-6"))
 
 
+STOPPED_BY_SIGINT = "[llamafactory_mca] error: stopped by SIGINT; the workers were stopped too."
+# Sends SIGINT to this process once, at its first fork after torch's agent took SIGINT over. The hook is a builtin
+# (no Python runs in it), so the signal is raised in the next fork hook that is Python's: logging's.
+SIGINT_AT_THE_FIRST_FORK = """
+import itertools, os, signal
+
+_signal = signal.signal
+
+
+def _arm_at_torchs_handler(signum, handler):
+    if signum == signal.SIGINT and getattr(handler, "__name__", "") == "_terminate_process_handler":
+        once = itertools.chain(map(os.kill, [os.getpid()], [signal.SIGINT]), itertools.repeat(None))
+        os.register_at_fork(before=once.__next__)
+    return _signal(signum, handler)
+
+
+signal.signal = _arm_at_torchs_handler
+"""
+
+
 def test_ctrl_c_during_start_up_or_a_save_is_one_line_and_keeps_the_last_checkpoint(assets, tmp_path):
     """Ctrl-C reaches every process of the run at once (the terminal signals its process group): the launcher,
     torchrun, each rank and their file writers. During start-up (the launcher's imports, its checks, torchrun's
@@ -574,7 +594,9 @@ def test_ctrl_c_during_start_up_or_a_save_is_one_line_and_keeps_the_last_checkpo
     ends in one line."""
     for delay in (2, 9):
         with one_job_at_a_time():
-            process, log = _start(tmp_path, recipe(assets, tmp_path / f"early{delay}"), f"early{delay}")
+            # steps enough that the keypress lands before the run ends, however quick the machine
+            process, log = _start(tmp_path, recipe(assets, tmp_path / f"early{delay}", max_steps=10_000),
+                                  f"early{delay}")
             time.sleep(delay)
             os.killpg(process.pid, signal.SIGINT)
             assert process.wait(timeout=120) == 130, log.read_text()[-3000:]
@@ -582,6 +604,19 @@ def test_ctrl_c_during_start_up_or_a_save_is_one_line_and_keeps_the_last_checkpo
         last = [line for line in output.splitlines() if line.strip()][-1]
         assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-4000:]
         assert last.startswith("[llamafactory_mca] ") and ("SIGINT" in last or "interrupted" in last), output[-4000:]
+    # the keypress that lands inside a fork hook of the launcher, where Python ignores exceptions, as it forks rank 0
+    hook = tmp_path / "at_fork"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SIGINT_AT_THE_FIRST_FORK)
+    with one_job_at_a_time():
+        process, log = _start(tmp_path, recipe(assets, tmp_path / "at_fork_run"), "at_fork",
+                              env={"PYTHONPATH": str(hook)})
+        everything = _family(process.pid)
+        assert process.wait(timeout=120) == 130, log.read_text()[-3000:]
+        assert _wait_for(lambda: not _alive(everything), 30), [command_of(p) for p in _alive(everything)]
+    output = log.read_text()
+    assert "Traceback" not in output and "Exception ignored" not in output, output[-4000:]
+    assert output.rstrip().splitlines()[-1] == STOPPED_BY_SIGINT, output[-4000:]
     out = tmp_path / "out"
     config = recipe(assets, out, max_steps=8, save_strategy="steps", save_steps=4, gradient_accumulation_steps=2,
                     use_distributed_optimizer=True)
@@ -594,7 +629,7 @@ def test_ctrl_c_during_start_up_or_a_save_is_one_line_and_keeps_the_last_checkpo
     output = log.read_text()
     lines = [line for line in output.splitlines() if line.strip()]
     assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-4000:]
-    assert lines[-1] == "[llamafactory_mca] error: stopped by SIGINT; the workers were stopped too.", output[-4000:]
+    assert lines[-1] == STOPPED_BY_SIGINT, output[-4000:]
     assert output.count("SIGINT") == 1 and "interrupted" not in output, output[-4000:]
     assert sorted(n for n in os.listdir(out) if n.startswith(("checkpoint-", "tmp-"))) == ["checkpoint-4"], \
         os.listdir(out)

@@ -43,6 +43,7 @@ import uuid
 
 from ..errors import ERROR_FILE_ENV, LAUNCHER_PID_ENV, PREFIX, STATUS_DIR_ENV, debug_enabled
 from ..quiet import quiet_third_party
+from .interrupts import SwallowedSignals
 
 
 NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"  # torch's: its CUDA checks through NVML, without cuInit
@@ -195,27 +196,35 @@ def main(argv: list[str] | None = None, in_launcher: bool = False) -> int:
     os.environ[ERROR_FILE_ENV] = error_file
     os.environ[STATUS_DIR_ENV] = run_dir
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    swallowed = SwallowedSignals(SignalException)
     try:
         args = parse_args(argv)
         forked = _forks_ranks(args)
         if debug_enabled():
             how = "forked from" if forked else "spawned by"
             print(f"[llamafactory_mca] ranks {how} the launcher", file=sys.stderr, flush=True)
-        _launch(args, forked)
+        with swallowed:
+            _launch(args, forked)
         return 0
     except ChildFailedError as err:
+        if swallowed.signum is not None:  # sent again, but a rank it reached ended first
+            return _stopped_by(signal.Signals(swallowed.signum))
         message = _read(error_file)
         print(message or _failure_line(err, _nproc(argv) if forked else 0), file=sys.stderr, flush=True)
         return 1
     except SignalException as err:
-        print(f"{PREFIX}stopped by {err.sigval.name}; the workers were stopped too.", file=sys.stderr, flush=True)
-        return 128 + int(err.sigval)
+        return _stopped_by(err.sigval)
     except KeyboardInterrupt:  # Ctrl-C while this process imports what the ranks will run
         print(f"{PREFIX}stopped by SIGINT before the workers started.", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
         os.environ.pop(LAUNCHER_PID_ENV, None)  # a run in this process later, without a launcher, has none
+
+
+def _stopped_by(signum: signal.Signals) -> int:
+    print(f"{PREFIX}stopped by {signum.name}; the workers were stopped too.", file=sys.stderr, flush=True)
+    return 128 + int(signum)
 
 
 def _quiet_elastic_loggers() -> None:
