@@ -74,22 +74,31 @@ def recipe(assets, out, **overrides):
     return {**base, **overrides}
 
 
-# LLaMA-Factory's default path (``llamafactory-cli train`` without USE_MCA) with transformers' eager attention for
-# gpt-oss, whose default path loads a FlashAttention-3 kernel from the hub (no network here, no such GPU kernel on
-# CPU); eager attention has the sinks and is the reference. One process: LLaMA-Factory runs it in-process on CPU.
-DEFAULT_PATH_EAGER_GPT_OSS = (
+# Families whose reference is transformers' eager attention: gpt-oss's default path loads a FlashAttention-3 kernel
+# from the hub (no network here, no such GPU kernel on CPU; eager has the sinks); GLM-5's SDPA path drops the causal
+# mask when no row is padded (its sparse-attention mask replaces SDPA's is_causal), so a query sees later tokens.
+EAGER_REFERENCE = ("gpt_oss", "glm_moe_dsa")
+# LLaMA-Factory's default path (``llamafactory-cli train`` without USE_MCA), with eager attention for those. One
+# process: LLaMA-Factory runs it in-process on CPU.
+DEFAULT_PATH_EAGER = (
     "import sys\n"
     "from llamafactory.model import patcher\n"
     "from llamafactory.cli import main\n"
     "kernel_choice = patcher.configure_attn_implementation\n"
-    "def eager_for_gpt_oss(config, model_args):\n"
-    "    if getattr(config, 'model_type', None) != 'gpt_oss':\n"
+    "def eager_reference(config, model_args):\n"
+    f"    if getattr(config, 'model_type', None) not in {EAGER_REFERENCE}:\n"
     "        return kernel_choice(config, model_args)\n"
     "    setattr(config, '_attn_implementation', 'eager')\n"
-    "patcher.configure_attn_implementation = eager_for_gpt_oss\n"
+    "patcher.configure_attn_implementation = eager_reference\n"
     "sys.argv = ['llamafactory-cli', *sys.argv[1:]]\n"
     "main()\n"
 )
+
+
+def reference_attention(model_dir: str) -> str | None:
+    """transformers' attention for the reference logits of the model in ``model_dir`` (None: its default)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return "eager" if json.load(f)["model_type"] in EAGER_REFERENCE else None
 
 
 def cli_env(world: int | None = 1, env: dict | None = None, gpu: bool = False) -> dict:
@@ -122,7 +131,7 @@ def train(tmp_path, config, world=1, env=None, name="run", gpu=False, timeout=30
 def run_default_path(tmp_path, config, name="default", command=("llamafactory-cli",)) -> Path:
     """The recipe through LLaMA-Factory's default path (``llamafactory-cli train`` without USE_MCA, one CPU process;
     ``sequence_packing`` is ours and left out): the run's folder, ``tmp_path / name``. ``command`` stands in for
-    ``llamafactory-cli`` (``DEFAULT_PATH_EAGER_GPT_OSS``)."""
+    ``llamafactory-cli`` (``DEFAULT_PATH_EAGER``)."""
     tmp_path = Path(tmp_path)
     config = {k: v for k, v in config.items() if k != "sequence_packing"} | {"output_dir": str(tmp_path / name)}
     (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(config))

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from tests._cli import DEFAULT_PATH_EAGER_GPT_OSS, default_path_losses, losses, ok, one_error, recipe, train
+from tests._cli import DEFAULT_PATH_EAGER, EAGER_REFERENCE, default_path_losses, losses, ok, one_error, recipe, train
 from tests._dist import run_distributed
 from tests.models._bridge import INPUT, pipeline_logits
 
@@ -215,7 +215,7 @@ def test_a_dataset_of_empty_rows_is_refused(assets, tmp_path):
 def _sft_against_default(family: str, assets, tmp_path, **overrides) -> tuple[dict, float, str, str, str]:
     """Four sft steps of a tiny ``family`` model through the real command (checkpoint-4 merged), and one step of
     LLaMA-Factory's default path on the same rows (8 rows, one global batch of all of them: row order cannot
-    matter; gpt-oss with transformers' eager attention, ``DEFAULT_PATH_EAGER_GPT_OSS``). Returns (our losses, the
+    matter; gpt-oss and GLM-5 with transformers' eager attention, ``DEFAULT_PATH_EAGER``). Returns (our losses, the
     default path's step-1 loss, our log, the model's folder, the merged one)."""
 
     from llamafactory_mca.tools.tiny import save_tiny_model, save_tiny_tokenizer
@@ -230,7 +230,7 @@ def _sft_against_default(family: str, assets, tmp_path, **overrides) -> tuple[di
     assert f"llamafactory_mca: training {family}" in output and ours[4] < ours[1], ours
 
     default = {k: v for k, v in config.items() if k not in ("save_strategy", "save_steps")} | {"max_steps": 1}
-    command = [sys.executable, "-c", DEFAULT_PATH_EAGER_GPT_OSS] if family == "gpt_oss" else ["llamafactory-cli"]
+    command = [sys.executable, "-c", DEFAULT_PATH_EAGER] if family in EAGER_REFERENCE else ["llamafactory-cli"]
     theirs = default_path_losses(tmp_path, default, command=command)[1]
     assert abs(ours[1] - theirs) <= 1e-4 * theirs, (ours[1], theirs)
 
@@ -304,7 +304,7 @@ PACKED_FAMILIES = {
                      "model.layers.0.pre_feedforward_layernorm.weight", "model.layers.2.self_attn.q_norm.weight")),
     # gpt-oss: sinks, biases everywhere, windows of 6 on every other layer, YaRN, biased experts stored interleaved,
     # the clamped SwiGLU; LLaMA-Factory's `all` is the attention's projections (the experts are 3-D parameters), and
-    # its default path runs transformers' eager attention here (``DEFAULT_PATH_EAGER_GPT_OSS``)
+    # its default path runs transformers' eager attention here (``DEFAULT_PATH_EAGER``)
     "gpt_oss": (("sliding window 6 tokens on 2 of 4 layers", "attention sinks (learnable): fp32 scores per sequence"),
                 ("o_proj", "q_proj"), "GptOssForCausalLM",
                 ("model.layers.1.self_attn.sinks", "model.layers.0.self_attn.o_proj.bias",

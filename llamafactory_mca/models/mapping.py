@@ -302,6 +302,38 @@ class StackedExpert(Op):
         return [tensor.t().contiguous()]
 
 
+@dataclass(frozen=True)
+class RopeRows(Op):
+    """A projection whose rows come in blocks (one per head) ending in ``rope`` rows that transformers rotates in
+    halves (rotate_half: dim i pairs with i + rope/2) while Megatron's multi-latent attention first de-interleaves
+    them (dim 2i pairs with 2i + 1): Megatron holds those rows interleaved, so that its de-interleave gives back
+    transformers' order (GLM-5's MLA). ``block``: rows per block (None: the whole tensor is one block). A rank reads
+    the whole tensor: the rows it keeps are permuted first."""
+
+    rope: int = 0
+    block: int | None = None
+
+    def _blocks(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        block = self.block or tensor.shape[0]
+        blocks = tensor.reshape(-1, block, *tensor.shape[1:])
+        return blocks[:, : block - self.rope], blocks[:, block - self.rope:]
+
+    def load(self, src, names, shard, dims):
+        weight = src.get(names[0])
+        rest, rope = self._blocks(weight)
+        first, second = rope.chunk(2, dim=1)
+        rope = torch.stack([first, second], dim=2).flatten(1, 2)  # x0 y0 x1 y1 ...
+        weight = torch.cat([rest, rope], dim=1).reshape(weight.shape)
+        if shard is not None:
+            lo, hi = shard.bounds(weight.shape[shard.dim])
+            weight = weight.narrow(shard.dim, lo, hi - lo)
+        return weight.contiguous()
+
+    def to_hf(self, tensor, dims):
+        rest, rope = self._blocks(tensor)
+        return [torch.cat([rest, rope[:, 0::2], rope[:, 1::2]], dim=1).reshape(tensor.shape).contiguous()]
+
+
 def stacked_experts(mca: str, hf: str, out_in: bool = False, interleaved: bool = False) -> list[Op]:
     """Experts at ``mca`` (…local_experts.*) from HF's stacked ``hf``.gate_up_proj / .down_proj (``out_in``: each
     expert stored [out, in], as Megatron holds it; ``interleaved``: gate and up alternate)."""

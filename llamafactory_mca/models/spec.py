@@ -74,6 +74,7 @@ from .native.norm import (
     compiles_zero_centred_norms,
     norms_across_heads,
 )
+from .native.sparse_attention import NativeSparseAttention, sparse_attention
 from .native.sublayers import NativeSelfAttention, needs_sublayers
 
 
@@ -206,7 +207,7 @@ def native_layer_spec(config: TransformerConfig, moe: bool = True, linear: bool 
     if linear:
         attention = ModuleSpec(module=NativeGatedDeltaNet)
     elif config.multi_latent_attention:
-        attention = _mla_spec()
+        attention = _mla_spec(config)
     else:
         attention = ModuleSpec(module=NativeSelfAttention if needs_sublayers(config) else SelfAttention,
                                params={"attn_mask_type": AttnMaskType.causal},
@@ -227,8 +228,9 @@ def native_layer_spec(config: TransformerConfig, moe: bool = True, linear: bool 
     )
 
 
-def _mla_spec() -> ModuleSpec:
-    """Multi-latent attention (DeepSeek-V3) as Megatron's local spec lays it out, with the native core attention.
+def _mla_spec(config: TransformerConfig) -> ModuleSpec:
+    """Multi-latent attention (DeepSeek-V3) as Megatron's local spec lays it out, with the native core attention
+    (with DeepSeek's sparse attention, GLM-5's, the native sparse one).
 
     The latent q/kv norms are always built here rather than through ``qk_layernorm``: with that flag Megatron's
     finalize_model_grads sums every ``q_layernorm`` gradient over tensor-parallel ranks by name, but MLA normalises the
@@ -240,8 +242,9 @@ def _mla_spec() -> ModuleSpec:
         submodules=MLASelfAttentionSubmodules(
             linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
             linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear,
-            linear_kv_up_proj=ColumnParallelLinear, core_attention=NativeDotProductAttention,
-            linear_proj=RowParallelLinear, q_layernorm=NativeNorm, kv_layernorm=NativeNorm,
+            linear_kv_up_proj=ColumnParallelLinear, linear_proj=RowParallelLinear, q_layernorm=NativeNorm,
+            kv_layernorm=NativeNorm, core_attention=NativeSparseAttention if sparse_attention(config)
+            else NativeDotProductAttention,
         ),
     )
 
@@ -282,6 +285,9 @@ def describe_kernels(config: TransformerConfig) -> str:
         line += f"; attention sinks ({config.softmax_type}): {how}"
     if getattr(config, "linear_attention_freq", None):
         line += f"; gated delta rule: {describe_delta_rule()}"
+    if sparse_attention(config):
+        line += (f"; DeepSeek sparse attention: the lightning indexer's top {config.dsa_indexer_topk} keys per query "
+                 "(frozen, as transformers runs it), SDPA under their mask")
     if norms_across_heads(config):
         line += "; q/k norms across all heads (statistics summed over TP ranks)"
     line += f"; MoE experts: {experts}" if config.num_moe_experts else ""
@@ -322,6 +328,8 @@ def _native_only(config: TransformerConfig) -> str | None:
     """What of the model only the native spec builds (None: nothing)."""
     if getattr(config, "linear_attention_freq", None):
         return "hybrid linear-attention model: our gated delta-rule layer"
+    if sparse_attention(config):
+        return "DeepSeek sparse attention: our indexer and attention"
     if needs_sublayers(config):
         return "post-sublayer norms / a RoPE base per layer kind: our attention and MLP sublayers"
     if getattr(config, "softmax_type", "vanilla") != "vanilla":

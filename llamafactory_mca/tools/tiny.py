@@ -59,6 +59,13 @@ TINY: dict[str, dict[str, Any]] = {
                         v_head_dim=6, rope_scaling={"type": "yarn", "factor": 4.0, "mscale": 1.0,
                                                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 128,
                                                     "beta_fast": 32, "beta_slow": 1}, num_nextn_predict_layers=1),
+    # GLM-5's layout: DeepSeek-V3's (RoPE plain, not YaRN) with a lightning indexer of 2 heads of 8 dims choosing 5
+    # keys per query, fewer than the tests' sequences hold (the attention is sparse there, dense on shorter ones)
+    "glm_moe_dsa": dict(BASE, **MOE, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+                        mlp_layer_types=["dense", "sparse", "sparse", "sparse"], n_group=2, topk_group=1,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=24, kv_lora_rank=16,
+                        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, index_topk=5, index_head_dim=8,
+                        index_n_heads=2, num_nextn_predict_layers=1),
     # Qwen3-Next's layout: gated delta-rule and gated full-attention layers in turn (each pipeline stage gets both),
     # value heads twice the key heads and wider (12 vs 8), RoPE on 4 of 16 dims, MoE with a gated shared expert, a
     # multi-token-prediction layer (under mtp.)
@@ -249,6 +256,9 @@ def add_mtp_layers(config: Any, directory: str, dtype: torch.dtype, device: str 
     deeper_text = {**text.to_dict(), "num_hidden_layers": layers + count, family.mtp.count: 0}
     if hybrid:
         deeper_text["layer_types"] = list(text.layer_types) + ["full_attention"] * count
+    for key in ("mlp_layer_types", "indexer_types"):  # GLM-5's lists per layer: an MTP layer is of the last's kind
+        if isinstance(deeper_text.get(key), list):
+            deeper_text[key] = deeper_text[key] + deeper_text[key][-1:] * count
     vision = hasattr(config, "vision_config")
     deeper = type(config)(**({**config.to_dict(), "text_config": deeper_text} if vision else deeper_text))
     with torch.device(device):

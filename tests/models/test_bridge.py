@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from llamafactory_mca.tools.tiny import TINY, save_tiny_model
+from tests._cli import reference_attention
 from tests._dist import run_distributed
 from tests.models._bridge import INPUT, hf_tensors, pipeline_logits, save_mxfp4_experts
 
@@ -18,7 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def _hf_logits(model_dir: str) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation=reference_attention(model_dir)).eval()
     with torch.no_grad():
         return model(INPUT).logits
 
@@ -87,25 +89,28 @@ LAYOUTS = {  # all run in one 4-process world (dp = 4 / model-parallel size)
     # qwen3_next first: its round trip runs here (the delta-rule layers' per-key-head rows split over TP)
     # (minimax_m2: its q/k norms' statistics summed over the TP ranks' heads)
     "tp2": ({"tensor_model_parallel_size": 2}, ["qwen3_next", "qwen3", "qwen2_moe", "mixtral", "llama3_tied",
-                                                 "mistral", "glm4_moe", "deepseek_v3", "gpt_oss", "minimax_m2"]),
+                                                 "mistral", "glm4_moe", "deepseek_v3", "gpt_oss", "minimax_m2",
+                                                 "glm_moe_dsa"]),
     # glm4_moe first: its round trip runs here (layer 0 dense, on stage 0 only)
     "pp2": ({"pipeline_model_parallel_size": 2}, ["glm4_moe", "llama3_tied", "qwen3_moe", "qwen3_next", "qwen2",
-                                                  "gemma3_text", "gpt_oss", "minimax_m2"]),
+                                                  "gemma3_text", "gpt_oss", "minimax_m2", "glm_moe_dsa"]),
     # qwen3_next first: its round trip runs here (its layer pattern, delta rule, attention, delta rule, attention,
     # cut into four virtual stages; the MTP layer with the last)
     "pp2_vpp2": ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
                  ["qwen3_next", "qwen2", "gemma3_text"]),
     # gemma3_text first: its round trip runs here (the post-sublayer norms on sequence-parallel slices)
-    "tp2_sp": ({"tensor_model_parallel_size": 2, "sequence_parallel": True}, ["gemma3_text"]),
+    # (glm_moe_dsa: the sparse attention's indexer on the whole sequence, gathered from the SP slices)
+    "tp2_sp": ({"tensor_model_parallel_size": 2, "sequence_parallel": True}, ["gemma3_text", "glm_moe_dsa"]),
     "ep2": ({"expert_model_parallel_size": 2}, ["qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "qwen3_next",
-                                                "gpt_oss", "minimax_m2"]),
+                                                "gpt_oss", "minimax_m2", "glm_moe_dsa"]),
     # gpt_oss first: its round trip runs here (the grouped experts' biases, each rank's two experts)
     "ep2_grouped": ({"expert_model_parallel_size": 2, "moe_grouped_gemm": True}, ["gpt_oss", "qwen2_moe"]),
     "ep2_etp2": ({"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2}, ["qwen3_moe", "glm4_moe",
                                                                                        "deepseek_v3"]),
-    # deepseek_v3 first: its round trip runs here (multi-latent attention split over TP, the dense layer on stage 0)
-    "tp2_pp2": ({"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, ["deepseek_v3", "llama",
-                                                                                      "qwen3_moe"]),
+    # glm_moe_dsa first: its round trip runs here (multi-latent attention split over TP, its RoPE rows interleaved,
+    # the indexer whole on each TP rank, the dense layer on stage 0, the MTP layer on stage 1)
+    "tp2_pp2": ({"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, ["glm_moe_dsa", "deepseek_v3",
+                                                                                      "llama", "qwen3_moe"]),
     # minimax_m2's round trip: the q/k norms' weights whole on both TP ranks, the correction bias on the MoE block
     "tp2_ep2": ({"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2}, ["minimax_m2"]),
     # uneven virtual stages placed by hand: the dense layer alone with the embedding, the MTP layer alone with the loss

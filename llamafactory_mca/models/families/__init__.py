@@ -7,6 +7,7 @@ from . import (  # noqa: F401
     gemma3,
     glm4_moe,
     glm4v_moe,
+    glm_moe_dsa,
     gpt_oss,
     internvl,
     llama,

@@ -1,0 +1,167 @@
+"""DeepSeek sparse attention (GLM-5, ``glm_moe_dsa``) on PyTorch kernels, without Transformer Engine.
+
+Megatron's multi-latent attention hands its core attention the layer's input and its low-rank query beside q, k and
+v (``x``, ``qr``: its ``experimental_attention_variant="dsa"`` call). The lightning indexer scores every earlier key
+of the query's sequence and keeps the best ``index_topk``; the attention sees only those. A sequence no longer than
+``index_topk`` keeps every key: its attention is the dense causal one.
+
+The indexer is transformers' (``GlmMoeDsaIndexer``), so the keys chosen are LLaMA-Factory's:
+``score(s, t) = sum_h w_h(s) relu(q_h(s) . k(t) / sqrt(d))`` with ``w = weights_proj(x) / sqrt(heads)``, RoPE on the
+*first* ``qk_rope_head_dim`` dims of q and k in halves (rotate_half), k through a LayerNorm, in fp32; no Hadamard
+rotation (orthogonal: the same scores). transformers computes it without gradient, so LLaMA-Factory's default path
+never trains it; here its weights are frozen. (Megatron's own ``DSAttention`` differs: RoPE on the last dims,
+a Hadamard kernel from ``fast_hadamard_transform``, a KL loss that trains the indexer, no packing.)
+
+Each sequence (a padded row, a packed document) is its own problem: its queries, in chunks that bound the scores'
+memory, pick their keys, then attend over them (SDPA with a boolean mask; the chunks of a long sequence are
+recomputed in the backward instead of keeping their scores).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch.utils.checkpoint import checkpoint
+
+
+# query rows per chunk: the indexer's fp32 scores are rows x heads x keys, the attention's heads x rows x keys
+_SCORE_BYTES = 256 * 2**20
+
+
+class LightningIndexer(MegatronModule):
+    """transformers' indexer weights under Megatron's names (Megatron-Bridge's too): ``linear_wq_b`` (the low-rank
+    query to the indexer's heads), ``linear_wk`` (the input to its one key head), ``k_norm`` (a LayerNorm with bias),
+    ``linear_weights_proj`` (the input to a weight per head). Whole on every tensor-parallel rank, frozen."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__(config=config)
+        self.heads, self.head_dim = config.dsa_indexer_n_heads, config.dsa_indexer_head_dim
+        self.rope_dim, self.topk = config.qk_pos_emb_head_dim, config.dsa_indexer_topk
+        self.rotary_base = config.rotary_base
+        q_in = config.q_lora_rank or config.hidden_size
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        made = dict(device=device, dtype=config.params_dtype)
+        self.linear_wq_b = torch.nn.Linear(q_in, self.heads * self.head_dim, bias=False, **made)
+        self.linear_wk = torch.nn.Linear(config.hidden_size, self.head_dim, bias=False, **made)
+        self.k_norm = torch.nn.LayerNorm(self.head_dim, eps=1e-6, **made)
+        self.linear_weights_proj = torch.nn.Linear(config.hidden_size, self.heads, bias=False, **made)
+        for param in self.parameters():
+            param.requires_grad_(False)
+
+    @torch.no_grad()
+    def queries_keys(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor):
+        """Per token (``x`` [n, hidden], ``qr`` [n, q_lora], ``positions`` [n]): q [n, heads, d], k [n, d] with
+        RoPE applied, the heads' weights [n, heads]; fp32."""
+        x, qr = x.float(), qr.float()
+        q = F.linear(qr, self.linear_wq_b.weight.float()).view(-1, self.heads, self.head_dim)
+        k = F.layer_norm(F.linear(x, self.linear_wk.weight.float()), (self.head_dim,),
+                         self.k_norm.weight.float(), self.k_norm.bias.float(), self.k_norm.eps)
+        cos, sin = self._rope(positions)
+        q = torch.cat([_rotate(q[..., : self.rope_dim], cos[:, None], sin[:, None]), q[..., self.rope_dim:]], -1)
+        k = torch.cat([_rotate(k[..., : self.rope_dim], cos, sin), k[..., self.rope_dim:]], -1)
+        weights = F.linear(x, self.linear_weights_proj.weight.float()) * self.heads ** -0.5
+        return q, k, weights
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = 1.0 / self.rotary_base ** (
+            torch.arange(0, self.rope_dim, 2, dtype=torch.float32, device=positions.device) / self.rope_dim)
+        angles = positions.float()[:, None] * inv_freq[None]
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos(), angles.sin()
+
+    @torch.no_grad()
+    def select(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, rows: slice) -> torch.Tensor:
+        """The chosen keys [len(rows), min(topk, keys)] of one sequence's query ``rows`` (all keys before them)."""
+        keys = rows.stop
+        scores = torch.einsum("shd,td->sht", q[rows], k[:keys]) * self.head_dim ** -0.5
+        scores = torch.einsum("sht,sh->st", scores.relu_(), weights[rows])
+        scores.masked_fill_(~causal(rows, q.device), float("-inf"))
+        return scores.topk(min(self.topk, keys), dim=-1).indices
+
+
+class NativeSparseAttention(MegatronModule):
+    """The core attention of a DSA layer: the indexer's keys, then attention over them (see the module's doc)."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None, k_channels: int | None = None,
+                 v_channels: int | None = None) -> None:
+        super().__init__(config=config)
+        self.indexer = LightningIndexer(config)
+        # (Megatron's Attention builds one without a scale first, which MLA replaces with one given its own)
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        tp = getattr(pg_collection, "tp", None) if pg_collection is not None else None
+        self.tp_group = tp if tp is not None else parallel_state.get_tensor_model_parallel_group()
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, x: torch.Tensor,
+                qr: torch.Tensor, attn_mask_type=None, attention_bias=None,
+                packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
+        if self.config.sequence_parallel and self.tp_group.size() > 1:  # the indexer sees the whole sequence
+            x = gather_from_sequence_parallel_region(x.detach(), group=self.tp_group)
+            qr = gather_from_sequence_parallel_region(qr.detach(), group=self.tp_group)
+        packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if packed:  # [t, heads, d]; every document its own sequence
+            cu = (packed_seq_params.cu_seqlens_q_padded if packed_seq_params.cu_seqlens_q_padded is not None
+                  else packed_seq_params.cu_seqlens_q)
+            bounds = cu.tolist()
+            q, k, v = query, key, value
+            x, qr = x.reshape(-1, x.size(-1)), qr.reshape(-1, qr.size(-1))
+        else:  # [s, b, heads, d]: each row a sequence, the tokens row after row
+            s, b = query.shape[:2]
+            bounds = [row * s for row in range(b + 1)]
+            q, k, v = (t.transpose(0, 1).reshape(s * b, *t.shape[2:]) for t in (query, key, value))
+            x, qr = (t.transpose(0, 1).reshape(s * b, t.size(-1)) for t in (x, qr))
+        out = torch.cat([self._sequence(q[lo:hi], k[lo:hi], v[lo:hi], x[lo:hi], qr[lo:hi])
+                         for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+                        + [q.new_zeros(len(q) - bounds[-1], *v.shape[1:])], dim=0)  # padding past the last
+        if packed:
+            return out.reshape(out.size(0), -1)
+        return out.reshape(b, s, -1).transpose(0, 1).contiguous()
+
+    def _sequence(self, q, k, v, x, qr) -> torch.Tensor:
+        """One sequence: [n, heads, d] in, [n, heads, dv] out."""
+        n = q.size(0)
+        iq, ik, weights = self.indexer.queries_keys(x, qr, torch.arange(n, device=q.device))
+        rows = max(1, _SCORE_BYTES // (4 * n * max(self.indexer.heads, q.size(1))))
+        outs = []
+        for start in range(0, n, rows):
+            chunk = slice(start, min(n, start + rows))
+            allowed = self._allowed(iq, ik, weights, chunk)
+            args = (q[chunk], k[: chunk.stop], v[: chunk.stop], allowed)
+            long = chunk.stop > rows and torch.is_grad_enabled()
+            outs.append(checkpoint(self._attend, *args, use_reentrant=False) if long else self._attend(*args))
+        return torch.cat(outs, dim=0)
+
+    def _allowed(self, iq, ik, weights, rows: slice) -> torch.Tensor:
+        """[rows, keys] True where a query attends: its chosen keys, never a later one."""
+        earlier = causal(rows, iq.device)
+        if rows.stop <= self.indexer.topk:  # every key is chosen: the causal mask alone
+            return earlier
+        chosen = torch.zeros_like(earlier).scatter_(1, self.indexer.select(iq, ik, weights, rows), True)
+        return chosen & earlier
+
+    def _attend(self, q, k, v, allowed) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             attn_mask=allowed, scale=self.softmax_scale)
+        return out.transpose(0, 1)
+
+
+def causal(rows: slice, device) -> torch.Tensor:
+    """[rows, keys up to the last row] True where the key is not after the query."""
+    return torch.arange(rows.stop, device=device)[None] <= torch.arange(rows.start, rows.stop, device=device)[:, None]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+def sparse_attention(config: TransformerConfig) -> bool:
+    return getattr(config, "experimental_attention_variant", None) == "dsa"
