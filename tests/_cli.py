@@ -19,6 +19,7 @@ import yaml
 
 from llamafactory_mca.tools.tiny import alpaca_rows, save_tiny_model, save_tiny_tokenizer, write_alpaca_dataset
 from tests._dist import one_job_at_a_time
+from tests._reference import EAGER_REFERENCE
 
 
 def command_of(process: psutil.Process) -> str:
@@ -74,11 +75,8 @@ def recipe(assets, out, **overrides):
     return {**base, **overrides}
 
 
-# Families whose reference is transformers' eager attention: gpt-oss's default path loads a FlashAttention-3 kernel
-# from the hub (no network here, no such GPU kernel on CPU; eager has the sinks); GLM-5's SDPA path drops the causal
-# mask when no row is padded (its sparse-attention mask replaces SDPA's is_causal), so a query sees later tokens.
-EAGER_REFERENCE = ("gpt_oss", "glm_moe_dsa")
-# LLaMA-Factory's default path (``llamafactory-cli train`` without USE_MCA), with eager attention for those. One
+# LLaMA-Factory's default path (``llamafactory-cli train`` without USE_MCA), with eager attention for the families
+# whose reference it is (``EAGER_REFERENCE``). One
 # process: LLaMA-Factory runs it in-process on CPU.
 DEFAULT_PATH_EAGER = (
     "import sys\n"
@@ -93,12 +91,6 @@ DEFAULT_PATH_EAGER = (
     "sys.argv = ['llamafactory-cli', *sys.argv[1:]]\n"
     "main()\n"
 )
-
-
-def reference_attention(model_dir: str) -> str | None:
-    """transformers' attention for the reference logits of the model in ``model_dir`` (None: its default)."""
-    with open(os.path.join(model_dir, "config.json")) as f:
-        return "eager" if json.load(f)["model_type"] in EAGER_REFERENCE else None
 
 
 def cli_env(world: int | None = 1, env: dict | None = None, gpu: bool = False) -> dict:

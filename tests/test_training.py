@@ -13,8 +13,9 @@ import sys
 import pytest
 import torch
 
-from tests._cli import DEFAULT_PATH_EAGER, EAGER_REFERENCE, default_path_losses, losses, ok, one_error, recipe, train
+from tests._cli import DEFAULT_PATH_EAGER, default_path_losses, losses, ok, one_error, recipe, train
 from tests._dist import run_distributed
+from tests._reference import EAGER_REFERENCE
 from tests.models._bridge import INPUT, pipeline_logits
 
 
@@ -310,7 +311,16 @@ PACKED_FAMILIES = {
                 ("model.layers.1.self_attn.sinks", "model.layers.0.self_attn.o_proj.bias",
                  "model.layers.2.mlp.router.bias", "model.layers.3.mlp.experts.gate_up_proj_bias",
                  "model.layers.0.mlp.experts.down_proj_bias", "model.layers.1.mlp.experts.gate_up_proj")),
+    # GLM-5: DeepSeek-V3's MLA and MoE with sparse attention (an indexer choosing 5 keys per query of rows of up to
+    # 64 tokens), LLaMA-Factory's default path with transformers' eager attention (``DEFAULT_PATH_EAGER``); the
+    # indexer stays as loaded (transformers runs it without gradient), and `all` leaves its linears out
+    "glm_moe_dsa": (("DeepSeek sparse attention: the lightning indexer's top 5 keys per query",),
+                    ("q_b_proj", "kv_a_proj_with_mqa"), "GlmMoeDsaForCausalLM",
+                    ("model.layers.1.self_attn.q_b_proj.weight", "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+                     "model.layers.2.mlp.gate.weight", "model.layers.3.mlp.shared_experts.down_proj.weight")),
 }
+FROZEN = {"glm_moe_dsa": ("model.layers.1.self_attn.indexer.wq_b.weight", "model.layers.2.self_attn.indexer.wk.weight",
+                          "model.layers.3.self_attn.indexer.k_norm.bias")}
 
 
 @pytest.mark.parametrize("finetuning", ["full", "lora"])
@@ -337,6 +347,8 @@ def test_sft_packed_matches_llamafactory_and_merges(family, finetuning, assets, 
     assert set(start) == set(end)
     for name in moved:
         assert not torch.equal(start[name], end[name]), name
+    for name in FROZEN.get(family, ()):
+        assert torch.equal(start[name], end[name]), name
 
 
 def test_moe_balancing_trains_as_llamafactorys_default_path_unless_asked(assets, tmp_path):

@@ -59,13 +59,13 @@ TINY: dict[str, dict[str, Any]] = {
                         v_head_dim=6, rope_scaling={"type": "yarn", "factor": 4.0, "mscale": 1.0,
                                                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 128,
                                                     "beta_fast": 32, "beta_slow": 1}, num_nextn_predict_layers=1),
-    # GLM-5's layout: DeepSeek-V3's (RoPE plain, not YaRN) with a lightning indexer of 2 heads of 8 dims choosing 5
+    # GLM-5's layout: DeepSeek-V3's (RoPE plain, not YaRN) with a lightning indexer of 16 heads of 8 dims choosing 5
     # keys per query, fewer than the tests' sequences hold (the attention is sparse there, dense on shorter ones)
     "glm_moe_dsa": dict(BASE, **MOE, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
                         mlp_layer_types=["dense", "sparse", "sparse", "sparse"], n_group=2, topk_group=1,
                         routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=24, kv_lora_rank=16,
                         qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, index_topk=5, index_head_dim=8,
-                        index_n_heads=2, num_nextn_predict_layers=1),
+                        index_n_heads=16, num_nextn_predict_layers=1),
     # Qwen3-Next's layout: gated delta-rule and gated full-attention layers in turn (each pipeline stage gets both),
     # value heads twice the key heads and wider (12 vs 8), RoPE on 4 of 16 dims, MoE with a gated shared expert, a
     # multi-token-prediction layer (under mtp.)
@@ -185,6 +185,7 @@ def save_tiny_model(name: str, directory: str, seed: int = 0, dtype: torch.dtype
     _randomize_correction_bias(model)
     _randomize_zero_biases(model)
     _randomize_zero_init(model)
+    _shape_indexer(model)
     model.save_pretrained(directory)
     if _mtp_layers(config):
         add_mtp_layers(config, directory, dtype)
@@ -218,6 +219,19 @@ def _randomize_zero_biases(model: Any) -> None:
         for name, param in model.named_parameters():
             if name.endswith("bias") and not param.any():
                 param.add_(0.1 * torch.randn_like(param))
+
+
+@torch.no_grad()
+def _shape_indexer(model: Any) -> None:
+    """GLM-5's indexer: its key norm starts at weight 1, bias 0 (perturbed, as the norms above); its heads' weights
+    made positive, so that a key scores 0 only where every head's ReLU is 0, which 16 heads make rare. Among keys
+    of equal score transformers' topk picks by the length of the row it runs on (ours: the earlier key), so the tests
+    hold our choice against transformers' where no two keys tie at the indexer's cut."""
+    for name, module in model.named_modules():
+        if name.endswith(".indexer"):
+            module.k_norm.weight.add_(0.1 * torch.randn_like(module.k_norm.weight))
+            module.k_norm.bias.add_(0.1 * torch.randn_like(module.k_norm.bias))
+            module.weights_proj.weight.abs_()
 
 
 def _randomize_correction_bias(model: Any) -> None:

@@ -7,6 +7,8 @@ imports this module at collection and needs none of them until it runs.
 
 import torch
 
+from tests._reference import reference_attention
+
 
 EXPERT_PARAMS = ["experts.gate_up_proj", "experts.down_proj"]  # peft's target_parameters for the routed experts
 
@@ -17,7 +19,8 @@ def hf_causal_lm(model_dir: str):
 
     vision = hasattr(AutoConfig.from_pretrained(model_dir), "vision_config")
     auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-    return auto.from_pretrained(model_dir, dtype=torch.float32).eval()
+    attention = reference_attention(model_dir)
+    return auto.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attention).eval()
 
 
 def make_peft_adapter(model_dir: str, out_dir: str, targets: list[str], experts: bool,

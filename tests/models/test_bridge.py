@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from llamafactory_mca.tools.tiny import TINY, save_tiny_model
-from tests._cli import reference_attention
 from tests._dist import run_distributed
+from tests._reference import reference_attention
 from tests.models._bridge import INPUT, hf_tensors, pipeline_logits, save_mxfp4_experts
 
 

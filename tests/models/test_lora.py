@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from llamafactory_mca.models.families import get_family
 from llamafactory_mca.tools.tiny import save_tiny_model
 from tests._dist import run_distributed
 from tests.models._bridge import INPUT, pipeline_logits
@@ -22,6 +23,10 @@ ADAPTERS = {"qwen3": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
             "glm4_moe": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], True, None),
             # multi-latent attention's low-rank projections (TP splits their outputs; MLA gathers the latents)
             "deepseek_v3": (["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj"], False,
+                            None),
+            # the same with GLM-5's sparse attention: q_b_proj's and kv_a_proj_with_mqa's RoPE rows interleaved for
+            # Megatron, their adapters' rows too
+            "glm_moe_dsa": (["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "down_proj"], False,
                             None),
             # gated delta-rule layers (in_proj fused from qkvz and ba, grouped per key head; ba left out here, so its
             # rows of the fused adapter are zero) and gated attention ([q | gate] per head); the shared expert's MLP
@@ -134,7 +139,8 @@ def _count(models: dict, cases: list) -> list[int]:
 
 def test_trainable_parameters_are_peft_s(tmp_path):
     """``all`` is LLaMA-Factory's expansion (on Qwen3-MoE: attention only; experts only by the word; on GLM-4.5V and
-    Gemma 3 the language model's linears, not the frozen tower's)."""
+    Gemma 3 the language model's linears, not the frozen tower's; on GLM-5 not the indexer's, which transformers
+    runs without gradient)."""
     from llamafactory.hparams import FinetuningArguments
     from llamafactory.model.model_utils.misc import find_all_linear_modules
     from llamafactory.model.model_utils.visual import patch_target_modules
@@ -145,14 +151,14 @@ def test_trainable_parameters_are_peft_s(tmp_path):
              ("glm4_moe", ["all"]), ("deepseek_v3", ["all", "experts"]),
              ("qwen3_next", ["all"]), ("qwen3_next", ["in_proj_qkvz", "in_proj_ba", "out_proj", "experts"]),
              ("qwen2_moe", ["all"]), ("glm4v_moe", ["all"]), ("gemma3", ["all"]), ("internvl", ["all"]),
-             ("minimax_m2", ["all", "experts"])]
+             ("minimax_m2", ["all", "experts"]), ("glm_moe_dsa", ["all"])]
     models = {name: save_tiny_model(name, str(tmp_path / name)) for name in {n for n, _ in cases}}
     (ours,) = run_distributed(_count, 1, models, cases)
     for (name, targets), count in zip(cases, ours):
         hf = hf_causal_lm(models[name])
         modules = [t for t in targets if t not in ("all", "experts")]
-        if "all" in targets:
-            modules += find_all_linear_modules(hf, True)
+        if "all" in targets:  # less what transformers runs without gradient (GLM-5's indexer: adapters never trained)
+            modules += sorted(set(find_all_linear_modules(hf, True)) - set(get_family(name).no_gradient))
         modules = patch_target_modules(hf, FinetuningArguments(finetuning_type="lora"), modules)  # a VL model's tower
         config = LoraConfig(r=4, lora_alpha=8, target_modules=modules,
                             target_parameters=EXPERT_PARAMS if "experts" in targets else None)

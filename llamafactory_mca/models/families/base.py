@@ -57,6 +57,9 @@ class Family:
     """What the bridge asks of a family (``model_type`` is set by ``registry.register``)."""
 
     model_type: str = ""
+    # HF linears transformers runs without gradient (GLM-5's indexer): LLaMA-Factory's ``lora_target: all`` wraps
+    # them, but their adapters never train (they stay zero); ``all`` leaves them out here
+    no_gradient: tuple[str, ...] = ()
 
     def check(self, hf: Any) -> None:
         """Refuse what we cannot honour, so a run never silently trains a different model."""

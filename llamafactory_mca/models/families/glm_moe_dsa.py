@@ -21,6 +21,8 @@ _INDEXER = (("linear_wq_b.weight", "wq_b.weight"), ("linear_wk.weight", "wk.weig
 
 @register("glm_moe_dsa")
 class GlmMoeDsaFamily(DeepseekV3Family):
+    no_gradient = ("wq_b", "wk", "weights_proj")
+
     def check(self, hf: Any) -> None:
         super().check(hf)
         if "shared" in (hf.indexer_types or []):

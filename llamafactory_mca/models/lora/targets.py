@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ...errors import UserError
+from ..families import get_family
 from ..mapping import GroupedRows, Op, WeightTable
 
 
@@ -137,8 +138,9 @@ def resolve_targets(hf_config: dict, settings: LoraSettings, freeze_vision_tower
         # here: LLaMA-Factory, only for lora_target all
         from llamafactory.model.model_utils.misc import find_all_linear_modules
 
-        names = [n for n in names if n != "all"] + sorted(find_all_linear_modules(meta_hf_model(hf_config),
-                                                                                 freeze_vision_tower))
+        untrained = get_family(hf_config["model_type"]).no_gradient
+        names = [n for n in names if n != "all"] + sorted(
+            set(find_all_linear_modules(meta_hf_model(hf_config), freeze_vision_tower)) - set(untrained))
     return list(dict.fromkeys(names))
 
 

@@ -83,7 +83,9 @@ class LightningIndexer(MegatronModule):
         scores = torch.einsum("shd,td->sht", q[rows], k[:keys]) * self.head_dim ** -0.5
         scores = torch.einsum("sht,sh->st", scores.relu_(), weights[rows])
         scores.masked_fill_(~causal(rows, q.device), float("-inf"))
-        return scores.topk(min(self.topk, keys), dim=-1).indices
+        # equal scores (a ReLU can zero every head's) go to the earlier key: a stable sort, not topk, whose choice
+        # among ties depends on the tensor's length, which differs between a padded row and a packed document
+        return scores.sort(dim=-1, descending=True, stable=True).indices[:, : self.topk]
 
 
 class NativeSparseAttention(MegatronModule):
