@@ -214,19 +214,23 @@ def _callback(recorder: _Recorder):
     return BenchCallback()
 
 
-def _eager_attention_for_gpt_oss() -> None:
-    """LLaMA-Factory's default path loads a FlashAttention-3 kernel from the hub for gpt-oss (no network here);
-    transformers' eager attention, which has the sinks, takes its place. Other models keep LLaMA-Factory's choice."""
+# LLaMA-Factory's default path loads a FlashAttention-3 kernel from the hub for gpt-oss (no network here); for GLM-5
+# transformers' SDPA path drops the causal mask on rows without padding (packed, or all of one length). transformers'
+# eager attention takes their place; other models keep LLaMA-Factory's choice.
+EAGER_FOR = ("gpt_oss", "glm_moe_dsa")
+
+
+def _eager_attention_where_needed() -> None:
     from llamafactory.model import patcher
 
     choose = patcher.configure_attn_implementation
 
-    def eager_for_gpt_oss(config, model_args):
-        if getattr(config, "model_type", None) != "gpt_oss":
+    def eager_where_needed(config, model_args):
+        if getattr(config, "model_type", None) not in EAGER_FOR:
             return choose(config, model_args)
         setattr(config, "_attn_implementation", "eager")
 
-    patcher.configure_attn_implementation = eager_for_gpt_oss
+    patcher.configure_attn_implementation = eager_where_needed
 
 
 def main() -> None:
@@ -245,7 +249,7 @@ def main() -> None:
             return training_step(self, model, inputs, *args, **kwargs)
 
         Trainer.training_step = counting_training_step
-        _eager_attention_for_gpt_oss()
+        _eager_attention_where_needed()
 
     from llamafactory.train.tuner import run_exp
 

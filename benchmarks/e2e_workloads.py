@@ -48,6 +48,17 @@ MOONLIGHT = dict(model_type="deepseek_v3", hidden_size=2048, num_hidden_layers=2
                  n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, n_group=1, topk_group=1,
                  routed_scaling_factor=2.446, norm_topk_prob=True, vocab_size=163840, max_position_embeddings=8192,
                  rope_theta=50000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+# GLM-5 (zai-org/GLM-5 config.json): DeepSeek-V3's multi-latent attention (q rank 2048, kv rank 512, q/k heads of
+# 192 + 64 RoPE, values 256) with DeepSeek sparse attention (an indexer of 32 heads of 128 keeping 2048 keys per
+# query), the first 3 layers dense, 256 routed experts (top 8) + 1 shared, a multi-token-prediction layer; layers set
+# per run.
+GLM_5 = dict(model_type="glm_moe_dsa", hidden_size=6144, num_hidden_layers=78, num_attention_heads=64,
+             num_key_value_heads=64, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
+             v_head_dim=256, intermediate_size=12288, moe_intermediate_size=2048, n_routed_experts=256,
+             n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+             norm_topk_prob=True, index_topk=2048, index_head_dim=128, index_n_heads=32, num_nextn_predict_layers=1,
+             vocab_size=154880, max_position_embeddings=202752, rms_norm_eps=1e-5, tie_word_embeddings=False,
+             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
 # Qwen3-Next-80B-A3B (Qwen/Qwen3-Next-80B-A3B-Instruct config.json): gated delta-rule layers (16 key / 32 value heads
 # of 128) with every 4th layer gated full attention (16 heads of 256, 2 kv heads, RoPE on a quarter), 512 routed
 # experts (top 10) + a gated shared expert in every layer; layers and their kinds set per run (``layer_pattern``).
@@ -171,21 +182,27 @@ SMOKE_SHAPES["glm_mtp"] = {**SMOKE_SHAPES["glm"], "num_nextn_predict_layers": 1}
 SMOKE_SHAPES["gemma3"] = {**GEMMA3_1B, **TINY, "sliding_window": 64, "query_pre_attn_scalar": 16}
 SMOKE_SHAPES["gpt_oss"] = {**GPT_OSS_20B, **TINY, "num_local_experts": 8, "num_experts_per_tok": 2,
                            "sliding_window": 64}
+# (no head_dim: GLM-5's config reads it as qk_rope_head_dim; 16 indexer heads: ties between keys' scores are rare)
+SMOKE_SHAPES["glm5"] = {**GLM_5, **{k: v for k, v in TINY.items() if k != "head_dim"}, "num_key_value_heads": 4,
+                        "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+                        "v_head_dim": 8, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                        "index_n_heads": 16, "index_head_dim": 16, "index_topk": 64}
 SHAPES = {"dense": QWEN3_1_7B, "dense8b": QWEN3_8B, "moe": QWEN3_30B_A3B, "glm": GLM_4_5_AIR,
           "glm_mtp": {**GLM_4_5_AIR, "num_nextn_predict_layers": 1}, "moonlight": MOONLIGHT, "next": QWEN3_NEXT_80B,
-          "gemma3": GEMMA3_1B, "gpt_oss": GPT_OSS_20B, **VL}
+          "gemma3": GEMMA3_1B, "gpt_oss": GPT_OSS_20B, "glm5": GLM_5, **VL}
 LABELS = {"dense": "Qwen3-1.7B shape", "dense8b": "Qwen3-8B shape", "moe": "Qwen3-30B-A3B shape",
           "glm": "GLM-4.5-Air shape", "glm_mtp": "GLM-4.5-Air shape with its MTP layer",
           "moonlight": "Moonlight-16B-A3B shape (DeepSeek-V3 architecture)",
           "next": "Qwen3-Next-80B-A3B shape",
           "gemma3": "Gemma-3-1B shape",
           "gpt_oss": "gpt-oss-20b shape",
+          "glm5": "GLM-5 shape (DeepSeek sparse attention)",
           "vl": "Qwen2.5-VL-7B shape",
           "vl_moe": "Qwen3-VL-30B-A3B shape",
           "vl_next": "Qwen3.5-35B-A3B shape",
           "glm_vl": "GLM-4.5V shape",
           "gemma_vl": "Gemma-3-27B shape (with images)"}
-MOE_KINDS = ("moe", "vl_moe", "vl_next", "glm_vl", "glm", "glm_mtp", "moonlight", "next", "gpt_oss")
+MOE_KINDS = ("moe", "vl_moe", "vl_next", "glm_vl", "glm", "glm_mtp", "moonlight", "next", "gpt_oss", "glm5")
 
 
 def image_side(kind: str, smoke: bool) -> int:
@@ -406,6 +423,13 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                        f"frozen, LLaMA-Factory's default) and log-uniform {max(32 // k, 4)}..{cut // 2} text tokens; "
                        "padded: 2 rows x 4 (ours without their padding, `padding_free`), packed: 1 pack x 8. MFU: the "
                        "language model only"),
+        # GLM-5: a full-size MoE layer (256 experts) is ~10B parameters, beyond one GPU with Adam states: LoRA
+        Workload("glm5", "glm5", cut, packed, _pair(1, 8, "1 GPU", lf_layout="1 GPU, gradient checkpointing, eager"),
+                 steps=8, warmup=2, layers=2 if smoke else 5, tuning=lora,
+                 about="LoRA rank 16 on `lora_target: all` of the first 5 layers (3 dense, 2 of 256 experts: about "
+                       f"what one H200 holds in bf16), {cut}-token packed micro-batches, global batch 8; "
+                       "LLaMA-Factory with transformers' eager attention (its SDPA path is not causal on rows without "
+                       "padding)"),
         Workload("lora_dense", "dense8b", cut, packed,
                  _pair(1, 8, "1 GPU", lf_layout="1 GPU, gradient checkpointing (LF default)")
                  + [Run("ours_recompute", "ours", 1, True, 1, 8, "1 GPU, recompute full", recompute)],

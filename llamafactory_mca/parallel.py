@@ -178,6 +178,10 @@ def check_layout(config: Any, layout: ParallelLayout, custom_pipeline_layout: bo
             problems.append(f"context_parallel_size={layout.cp}: the gated delta-rule layers cannot split a sequence "
                             "(their recurrent state runs through it; context_parallel_size must be 1 — for long "
                             "sequences use tensor parallelism and recompute)")
+    if t.get("experimental_attention_variant") == "dsa" and layout.cp > 1:
+        problems.append(f"context_parallel_size={layout.cp}: DeepSeek sparse attention's indexer ranks every earlier "
+                        "key of a query's sequence, which context parallelism spreads over ranks (context_parallel_"
+                        "size must be 1 — for long sequences use tensor parallelism and recompute)")
     if config.num_experts:
         experts, moe_ffn = config.num_experts, t["moe_ffn_hidden_size"]
         if experts % ep:

@@ -103,6 +103,13 @@ def plan_run(stage: str, model_args: Any, data_args: Any, training_args: Any, fi
     if config.num_experts and training_args.moe_grouped_gemm is False and config.transformer.get("moe_grouped_gemm"):
         raise UserError(f"{config.hf_model_type}: moe_grouped_gemm=False, but this model's experts have biases, "
                         "which only the grouped experts hold. Remove moe_grouped_gemm or set it to true.")
+    rebuilt = list(training_args.recompute_modules or ["core_attn"])
+    if config.transformer.get("experimental_attention_variant") == "dsa" and "core_attn" in rebuilt and \
+            training_args.recompute_granularity == "selective":
+        raise UserError(f"{config.hf_model_type}: recompute_modules={rebuilt} with recompute_granularity=selective: "
+                        "Megatron recomputes core_attn without what DeepSeek sparse attention's indexer reads (its "
+                        "long sequences' scores are recomputed anyway). List other modules (e.g. recompute_modules: "
+                        "mla_up_proj,moe_act) or use recompute_granularity: full.")
     reference = None
     if stage in ("dpo", "kto") and getattr(finetuning_args, "ref_model", None):
         ref_path = resolve(finetuning_args.ref_model, model_args, field="ref_model")
