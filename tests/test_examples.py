@@ -44,7 +44,7 @@ FAMILY = {"Qwen/Qwen3-1.7B": "qwen3", "Qwen/Qwen3-30B-A3B-Instruct-2507": "qwen3
           "Qwen/Qwen3.5-35B-A3B": "qwen3_5_moe", "google/gemma-3-1b-it": "gemma3_text",
           "openai/gpt-oss-120b": "gpt_oss", "zai-org/GLM-4.5V": "glm4v_moe",
           "google/gemma-3-27b-it": "gemma3", "MiniMaxAI/MiniMax-M2": "minimax_m2",
-          "OpenGVLab/InternVL3_5-38B-HF": "internvl"}
+          "OpenGVLab/InternVL3_5-38B-HF": "internvl", "zai-org/GLM-5": "glm_moe_dsa"}
 # LLaMA-Factory's own dataset_info.json entries for its demo sets (data/dataset_info.json in its repository).
 LLAMAFACTORY_INFO = {
     "identity": {"file_name": "identity.json"},
@@ -122,11 +122,11 @@ def world(tmp_path_factory):
                      "gemma3": {"num_key_value_heads": 4}, "internvl": {"num_hidden_layers": 8}}.get(family)
             model = save_tiny_vl_model(family, str(root / "models" / family), text_config=extra)
         else:
-            # GLM, Moonlight, Qwen3-Next, gpt-oss, MiniMax-M2: as many experts as the recipes' expert parallel size
-            # (8); GLM's, Gemma's, gpt-oss's and MiniMax's template tokens
-            extra = {"glm4_moe": GLM_TOKENS, "gemma3_text": GEMMA_TOKENS, "gpt_oss": GPT_OSS_TOKENS,
-                     "minimax_m2": MINIMAX_TOKENS}.get(family, ())
-            experts = ({"n_routed_experts": 8} if family in ("glm4_moe", "deepseek_v3")
+            # GLM-4.5 and 5, Moonlight, Qwen3-Next, gpt-oss, MiniMax-M2: as many experts as the recipes' expert
+            # parallel size (8); GLM's, Gemma's, gpt-oss's and MiniMax's template tokens
+            extra = {"glm4_moe": GLM_TOKENS, "glm_moe_dsa": GLM_TOKENS, "gemma3_text": GEMMA_TOKENS,
+                     "gpt_oss": GPT_OSS_TOKENS, "minimax_m2": MINIMAX_TOKENS}.get(family, ())
+            experts = ({"n_routed_experts": 8} if family in ("glm4_moe", "deepseek_v3", "glm_moe_dsa")
                        else {"num_experts": 8} if family == "qwen3_next"
                        else {"num_local_experts": 8} if family in ("gpt_oss", "minimax_m2") else {})
             model = save_tiny_model(family, str(root / "models" / family), vocab_size=vocab + len(extra), **experts)
@@ -138,7 +138,7 @@ def world(tmp_path_factory):
 def test_every_example_is_covered():
     assert [os.path.basename(e) for e in EXAMPLES] == ["gemma3_1b_full.yaml", "gemma3_27b_full.yaml",
                                                        "glm4_5_air_lora.yaml",
-                                                       "glm4_5v_lora.yaml",
+                                                       "glm4_5v_lora.yaml", "glm5_lora.yaml",
                                                        "gpt_oss_120b_lora.yaml", "internvl3_5_38b_lora.yaml",
                                                        "minimax_m2_lora.yaml",
                                                        "moonlight_full.yaml", "qwen2_vl_full.yaml",

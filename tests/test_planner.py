@@ -274,6 +274,16 @@ def test_plan_bad_input(tmp_path, assets):
     one_error(result, output, "tensor_model_parallel_size=3")
     result, output = run(["llamafactory-mca", "plan", str(path), "--gpus", "0"], alone=False)
     one_error(result, output, "--gpus 0")
+    # GLM-5's sparse attention and Megatron's selective recompute of core attention, which drops the indexer's inputs
+    from llamafactory_mca.tools.tiny import save_tiny_model, save_tiny_tokenizer
+
+    model = save_tiny_model("glm_moe_dsa", str(tmp_path / "glm5"), vocab_size=assets["vocab"])
+    save_tiny_tokenizer(model)
+    path.write_text(yaml.safe_dump(recipe(assets, tmp_path / "out", model_name_or_path=model,
+                                          recompute_granularity="selective")))
+    result, output = run(["llamafactory-mca", "plan", str(path), "--gpus", "1", "--gpu-memory", "16"], alone=False)
+    one_error(result, output, "glm_moe_dsa: recompute_modules=['core_attn'] with recompute_granularity=selective",
+              "recompute_granularity: full")
 
 
 # Qwen/Qwen2-VL-7B-Instruct's config.json: Qwen2.5-VL-7B's language model (the benchmarks' shape) with a shorter
@@ -302,7 +312,7 @@ RECIPES = {"qwen3_dense_sft.yaml": ("dense", 1, 80), "qwen3_long_context_cp2.yam
            "qwen3_next_full.yaml": ("next", 8, 80), "qwen2_vl_full.yaml": (QWEN2_VL_7B, 8, 80),
            "qwen3_vl_moe_full.yaml": ("vl_moe", 8, 80), "qwen3_5_moe_full.yaml": ("vl_next", 8, 80),
            "glm4_5v_lora.yaml": ("glm_vl", 8, 80), "gemma3_27b_full.yaml": ("gemma_vl", 8, 80),
-           "internvl3_5_38b_lora.yaml": (INTERNVL3_5_38B, 8, 80)}
+           "internvl3_5_38b_lora.yaml": (INTERNVL3_5_38B, 8, 80), "glm5_lora.yaml": ("glm5", 16, 141)}
 
 
 # Plans each recipe given on the command line (a JSON list of the plan command's arguments) in one process: the plan

@@ -131,6 +131,16 @@ def attention_sizes(t: dict[str, Any]) -> tuple[int, int, int]:
     return h * (q + 2 * kv) + q * h + gate, q, q
 
 
+def indexer_weights(t: dict[str, Any]) -> int:
+    """One layer's lightning indexer (DeepSeek sparse attention, GLM-5), 0 without one: the low-rank query to its
+    heads, the input to its key and to its heads' weights, the key's LayerNorm. It runs without gradient, so the
+    model's FLOPs leave it out."""
+    if t.get("experimental_attention_variant") != "dsa":
+        return 0
+    h, heads, dim = t["hidden_size"], t["dsa_indexer_n_heads"], t["dsa_indexer_head_dim"]
+    return (t.get("q_lora_rank") or h) * heads * dim + h * dim + 2 * dim + h * heads
+
+
 def _layer_count(t: dict[str, Any]) -> int:
     """Decoder layers, and the transformer layers of multi-token prediction."""
     return t["num_layers"] + (t.get("mtp_num_layers") or 0)

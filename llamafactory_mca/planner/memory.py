@@ -20,7 +20,7 @@ import json
 import re
 from typing import Any
 
-from ..models.cost import attention_sizes
+from ..models.cost import attention_sizes, indexer_weights
 from ..models.mapping import is_moe_layer
 from ..models.native.logit_chunks import logit_rows
 from ..parallel import ParallelLayout
@@ -143,7 +143,8 @@ def _shapes(config: Any) -> dict[str, int]:
     attn_weights, q, _ = attention_sizes(t)
     _, groups, head_dim = config.attention
     glu = 2 if t.get("gated_linear_unit", True) else 1
-    return dict(h=h, q=q, kv=groups * head_dim if not t.get("multi_latent_attention") else q, attn=attn_weights,
+    return dict(h=h, q=q, kv=groups * head_dim if not t.get("multi_latent_attention") else q,
+                attn=attn_weights + indexer_weights(t), dsa=int(t.get("experimental_attention_variant") == "dsa"),
                 f=t["ffn_hidden_size"], glu=glu, experts=t.get("num_moe_experts") or 0,
                 topk=t.get("moe_router_topk") or 0,
                 fm=t.get("moe_ffn_hidden_size") or 0, fs=t.get("moe_shared_expert_intermediate_size") or 0,
@@ -166,6 +167,9 @@ def _layer_activations(s: dict[str, int], tokens: float, layout: ParallelLayout,
     hidden = 2 * tokens * s["h"] * 4 / sp  # the inputs of both norms, of QKV and of the MLP
     core = 0 if "core_attn" in rebuilt else s["q"]  # the attention kernel's output (also out-projection's input)
     attention = 2 * tokens * (s["q"] + 2 * s["kv"] + 2 * (s["q"] + s["kv"]) + s["q"] + core) / tp  # qkv, norm+rope
+    # sparse attention keeps which keys each query attends (a byte per query and earlier key of its sequence: at
+    # most a micro-batch of one sequence, whole on every TP rank)
+    attention += s.get("dsa", 0) * tokens * tokens / 2
     if not moe:
         mlp = 0 if "mlp" in rebuilt else 2 * tokens * (s["glu"] + 1 + (s["glu"] if lora else 0)) * s["f"] / tp
         return hidden + attention + mlp

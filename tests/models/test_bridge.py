@@ -212,6 +212,7 @@ def _layout(**sizes):
     ("llama", {"pp": 8}, "8 stages is more than num_layers=4"),
     ("llama", {"pp": 3}, "does not split evenly"),
     ("qwen3_next", {"cp": 2}, "context_parallel_size=2: the gated delta-rule layers cannot split a sequence"),
+    ("glm_moe_dsa", {"cp": 2}, "context_parallel_size=2: DeepSeek sparse attention's indexer ranks every earlier key"),
 ])
 def test_layout_errors_name_the_sizes(name, sizes, message, tiny_models, tmp_path):
     from llamafactory_mca.models.auto import AutoConfig
@@ -246,7 +247,7 @@ def test_unsupported_models_fail_with_the_supported_list(tmp_path):
 
     GPT2Config(n_layer=1).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(ValueError, match="not supported by llamafactory_mca; supported: deepseek_v3, gemma3, "
-                                         "gemma3_text, glm4_moe, glm4v_moe, gpt_oss, internvl, llama"):
+                                         "gemma3_text, glm4_moe, glm4v_moe, glm_moe_dsa, gpt_oss, internvl, llama"):
         AutoConfig.from_pretrained(str(tmp_path / "gpt2"))
     LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 4.0}, max_position_embeddings=256).save_pretrained(
         tmp_path / "dynamic")
@@ -268,6 +269,17 @@ def test_unsupported_models_fail_with_the_supported_list(tmp_path):
     with pytest.raises(ValueError, match="internvl: a qwen3_moe decoder \\(text_config.model_type\\) is not supported "
                                          "by llamafactory_mca. Supported: qwen3."):
         AutoConfig.from_pretrained(str(tmp_path / "internvl_moe"))
+    # GLM-5 variants the sparse attention does not implement
+    for name, overrides, message in [
+            ("shared", {"indexer_types": ["full", "shared", "full", "shared"]},
+             "indexer_types=.*reusing the previous layer's keys.*an indexer of its own in every layer"),
+            ("yarn", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                          "original_max_position_embeddings": 128}}, "Supported: plain RoPE"),
+            ("interleaved", {"mlp_layer_types": ["dense", "sparse", "dense", "sparse"]},
+             "Supported: the dense layers first, then MoE ones")]:
+        tiny_hf_config("glm_moe_dsa", **overrides).save_pretrained(tmp_path / name)
+        with pytest.raises(ValueError, match=message):
+            AutoConfig.from_pretrained(str(tmp_path / name))
 
 
 # DeepSeek-V3's routing where megatron-core scores a group unlike transformers: 8 experts in 4 groups, the best 2

@@ -99,15 +99,16 @@ class NativeSparseAttention(MegatronModule):
         self.indexer = LightningIndexer(config)
         # (Megatron's Attention builds one without a scale first, which MLA replaces with one given its own)
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
-        tp = getattr(pg_collection, "tp", None) if pg_collection is not None else None
-        self.tp_group = tp if tp is not None else parallel_state.get_tensor_model_parallel_group()
+        self.tp_group = getattr(pg_collection, "tp", None)  # None: Megatron's, asked where SP needs it
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, x: torch.Tensor,
                 qr: torch.Tensor, attn_mask_type=None, attention_bias=None,
                 packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
-        if self.config.sequence_parallel and self.tp_group.size() > 1:  # the indexer sees the whole sequence
-            x = gather_from_sequence_parallel_region(x.detach(), group=self.tp_group)
-            qr = gather_from_sequence_parallel_region(qr.detach(), group=self.tp_group)
+        group = (self.tp_group or parallel_state.get_tensor_model_parallel_group()) if self.config.sequence_parallel \
+            else None
+        if group is not None and group.size() > 1:  # the indexer sees the whole sequence
+            x = gather_from_sequence_parallel_region(x.detach(), group=group)
+            qr = gather_from_sequence_parallel_region(qr.detach(), group=group)
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if packed:  # [t, heads, d]; every document its own sequence
             cu = (packed_seq_params.cu_seqlens_q_padded if packed_seq_params.cu_seqlens_q_padded is not None
