@@ -89,6 +89,27 @@ def test_freeze_and_evaluation(assets, tmp_path):
         assert torch.equal(after[key], tensor) != key.startswith(last), key  # only the last layer moved
 
 
+def test_freeze_tuning_leaves_what_transformers_never_trains(assets, tmp_path):
+    """GLM-5's indexer runs without gradient in transformers: freeze-tuning its last two layers at DP2 with the grads'
+    reduce overlapped (which waits for a gradient of every trainable parameter) trains their attention and MLP and
+    leaves their indexers as loaded."""
+    from llamafactory_mca.tools.tiny import save_tiny_model, save_tiny_tokenizer
+
+    model = save_tiny_model("glm_moe_dsa", str(tmp_path / "glm5"), vocab_size=assets["vocab"])
+    save_tiny_tokenizer(model)
+    config = recipe(assets, tmp_path / "out", model_name_or_path=model, finetuning_type="freeze",
+                    freeze_trainable_layers=2, use_distributed_optimizer=True, overlap_grad_reduce=True,
+                    weight_decay=0.1)
+    result, output = train(tmp_path, config, world=2)
+    ok(result, output)
+    before, after = _weights(model), _weights(tmp_path / "out")
+    trained = "model.layers.3.self_attn.q_b_proj.weight"
+    assert not torch.equal(before[trained], after[trained])
+    for name in ("wq_b.weight", "wk.weight", "k_norm.bias", "weights_proj.weight"):
+        key = f"model.layers.3.self_attn.indexer.{name}"
+        assert torch.equal(before[key], after[key]), key
+
+
 def test_fusion_keys_train_what_the_plain_path_trains(assets, tmp_path):
     """``apply_rope_fusion`` and ``qk_norm_fusion`` (on by default on GPUs for graphed and MoE runs) through the real
     command: packed, with evaluation between steps, the losses equal the unfused run's (on CPU the fused functions run

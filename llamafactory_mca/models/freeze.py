@@ -52,6 +52,7 @@ def apply_freeze(model: Any, finetuning_args: Any) -> int:
             match = _LAYER.match(name)
             if match and numbers.get(f"decoder.layers.{match.group(1)}.") in layers:
                 train = train or "all" in modules or match.group(2) in wanted
+            train = train and not getattr(param, "no_gradient", False)  # GLM-5's indexer: transformers' no_grad
             param.requires_grad_(train)
             trainable += param.numel() if train else 0
     return trainable

@@ -54,6 +54,7 @@ class LightningIndexer(MegatronModule):
         self.linear_weights_proj = torch.nn.Linear(config.hidden_size, self.heads, bias=False, **made)
         for param in self.parameters():
             param.requires_grad_(False)
+            param.no_gradient = True  # never trained: freeze-tuning keeps it so in the layers it trains
 
     @torch.no_grad()
     def queries_keys(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor):
