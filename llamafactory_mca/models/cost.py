@@ -158,7 +158,7 @@ def model_parameter_count(config: Any) -> int:
     heads, groups, head_dim = config.attention
     q, kv = heads * head_dim, groups * head_dim
     glu = 3 if t.get("gated_linear_unit", True) else 2
-    layer = attention_sizes(t)[0] + 2 * h
+    layer = attention_sizes(t)[0] + indexer_weights(t) + 2 * h
     if t.get("add_qkv_bias"):
         layer += q + 2 * kv
     if t.get("qk_layernorm"):  # per head, or across all heads of a token (MiniMax-M2)

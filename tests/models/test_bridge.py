@@ -162,7 +162,6 @@ def _assert_same_weights(exported_dir: str, source_dir: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,name", [(layout, names[0]) for layout, (_, names) in LAYOUTS.items()])
 def test_round_trip_is_bit_identical(layout, name, layouts, tiny_models):
-    from transformers import AutoModelForCausalLM
 
     work = layouts[(layout, name)]["work"]
     _assert_same_weights(os.path.join(work, "hf"), tiny_models[name])  # through save_pretrained
@@ -172,9 +171,8 @@ def test_round_trip_is_bit_identical(layout, name, layouts, tiny_models):
                             env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     _assert_same_weights(merged, tiny_models[name])  # through a dist checkpoint and megatron_merge.py
-    model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
     with torch.no_grad():
-        assert torch.allclose(model(INPUT).logits, _hf_logits(tiny_models[name]), atol=1e-5)
+        assert torch.allclose(_hf_logits(merged), _hf_logits(tiny_models[name]), atol=1e-5)
 
 
 @pytest.mark.slow
