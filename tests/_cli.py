@@ -76,8 +76,7 @@ def recipe(assets, out, **overrides):
 
 
 # LLaMA-Factory's default path (``llamafactory-cli train`` without USE_MCA), with eager attention for the families
-# whose reference it is (``EAGER_REFERENCE``). One
-# process: LLaMA-Factory runs it in-process on CPU.
+# whose reference it is (``EAGER_REFERENCE``). One process: LLaMA-Factory runs it in-process on CPU.
 DEFAULT_PATH_EAGER = (
     "import sys\n"
     "from llamafactory.model import patcher\n"

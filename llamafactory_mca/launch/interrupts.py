@@ -33,7 +33,7 @@ class SwallowedSignals:
         self._signal_exception = signal_exception
         self.signum: int | None = None  # the last signal that was swallowed, once one was
         self._sending = False  # one at a time: the second of two would interrupt the agent's shutdown
-        self._previous = sys.unraisablehook
+        self._previous = None  # the hook in place when the block began (__enter__)
 
     def __enter__(self) -> SwallowedSignals:
         self._previous = sys.unraisablehook
