@@ -10,7 +10,9 @@ longer hold, rather than a failure deep in a rank.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import types
 from functools import cache, partial
 
 
@@ -22,7 +24,7 @@ UPSTREAM_CHANGES = (
     ("llamafactory", "launch/torchrun.py", "extras/misc.py's import-time bf16 check, answered from NVML (no cuInit)"),
     ("llamafactory", "launch/board.py", "LlamaBoard's private _parse_train_args and _initialize (the Megatron keys)"),
     ("megatron-core", "compat.py", "the router's te_general_gemm, clip_grads' norm and scale, MLA's TE check, MTP's "
-                                   "packed roll and its recompute's arguments"),
+                                   "packed roll and its recompute's arguments, jit_fuser compiling on first call"),
     ("megatron-core", "cpu_mode.py", "CUDA streams, events, the RNG tracker and MoE's device moves, on CPUs"),
     ("megatron-core", "trainer/param_remainders.py", "the distributed optimizer's Adam (fp32 masters as remainders)"),
     ("megatron-core", "models/native/", "the layer spec's attention, norms, RoPE, experts and loss"),
@@ -66,6 +68,34 @@ def has_transformer_engine() -> bool:
 
 def has_flash_attn() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
+
+
+JIT_MODULE = "megatron.core.jit"
+
+
+def compile_on_first_call(jit: types.ModuleType) -> None:
+    """megatron-core 0.16.x: ``megatron.core.jit`` (imported early in ``megatron.core``'s own import) sets
+    ``jit_fuser = torch.compile``, which some forty functions are decorated with while Megatron imports: the first
+    decoration imports torch's inductor (0.7 s of a 2-core CPU; seconds on a GPU host), in the launcher and in every
+    spawned rank, though our layer spec calls few of those functions or none (dense: none). Run under USE_MCA (the
+    startup hook's import finder calls this right after the module runs), each is compiled when first called
+    instead: what torch.compile does itself on the first call, without the import up front."""
+    jit.jit_fuser = _compiled_on_first_call
+
+
+def _compiled_on_first_call(function):
+    compiled = None
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        nonlocal compiled
+        if compiled is None:
+            import torch  # here: loaded already by the module this decorates; compat.py imports nothing heavy
+
+            compiled = torch.compile(function)
+        return compiled(*args, **kwargs)
+
+    return call
 
 
 _APPLIED = False

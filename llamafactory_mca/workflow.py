@@ -14,13 +14,12 @@ import os
 import time
 from typing import Any
 
-import psutil
 import torch
 from llamafactory.data import get_dataset, get_template_and_fix_tokenizer
 from llamafactory.extras.ploting import plot_loss
 from llamafactory.model import load_tokenizer
 
-from . import memory_report, parallel, run_lock, watchdog
+from . import memory_report, parallel, run_lock, start_clock, watchdog
 from .checkpoints import SideFiles
 from .data import BatchingConfig, DataPlan, check_trainable, empty_rows_warning, format_stats
 from .data.content import template_tokens
@@ -200,6 +199,22 @@ def _run(stage: str, model_args, data_args, training_args, finetuning_args, call
     parallel.destroy()
 
 
+def _startup(rank_start: float, before_run: float, started: float, data_ready: float, model_ready: float) -> str:
+    """The summary's ``startup`` line: the launcher's phases (``start_clock``), rank 0's, what step 1 does."""
+    launcher = start_clock.launcher_phases(rank_start)
+    forked = start_clock.IMPORTED in start_clock.marks()
+    rank = (f"{'arguments and process group' if forked else 'imports, arguments and process group'} "
+            f"{before_run:.1f} s, data {data_ready - started:.1f} s (read, tokenized, planned), model "
+            f"{model_ready - data_ready:.1f} s (built, loaded), optimizer {time.monotonic() - model_ready:.1f} s")
+    step = ("step 1 compiles and captures what it needs" if torch.cuda.is_available()
+            else "nothing is compiled on CPUs (eager kernels)")
+    if launcher is None:  # a bare torchrun: this rank's own clock only
+        return f"rank 0: {rank}; {step}"
+    total = time.time() - (rank_start - launcher[0])
+    return (f"{total:.1f} s from the command to training: launcher {launcher[0]:.1f} s ({launcher[1]}); "
+            f"rank 0: {rank}; {step}")
+
+
 def _resolve_once_per_node(name: str, model_args: Any, field: str) -> str:
     """A hub id as a local folder: the launcher resolved it (LLAMAFACTORY_MCA_RESOLVED); under a bare torchrun the
     first rank of each node downloads while the others wait, then all read the same snapshot."""
@@ -211,8 +226,8 @@ def _resolve_once_per_node(name: str, model_args: Any, field: str) -> str:
 
 def _train(stage: str, model_args, data_args, training_args, finetuning_args, callbacks=None) -> None:
     """A worker's run, built from the plan: data, model, trainer, then LLaMA-Factory's bookkeeping."""
-    started = time.monotonic()
-    imports = time.time() - psutil.Process().create_time()  # this worker's interpreter and imports, before the run
+    started, rank_start = time.monotonic(), start_clock.process_started()
+    before_run = time.time() - rank_start  # from this process's start: its imports (spawned), the arguments, the group
     setup_logging()
     quiet_transformers()
     # before joining the group: a launcher killed now takes the rendezvous store with it, and the join would wait
@@ -262,11 +277,7 @@ def _train(stage: str, model_args, data_args, training_args, finetuning_args, ca
         reward=stage == "rm",
     )
     if rank == 0:
-        now = time.monotonic()
-        startup = (f"imports {imports:.1f} s, data {data_ready - started:.1f} s (read, tokenized, planned), model "
-                   f"{model_ready - data_ready:.1f} s (built, loaded), optimizer {now - model_ready:.1f} s; "
-                   + ("step 1 compiles and captures what it needs" if torch.cuda.is_available()
-                      else "nothing is compiled on CPUs (eager kernels)"))
+        startup = _startup(rank_start, before_run, started, data_ready, model_ready)
         logger.info("\n" + _summary(plan, model, trainer, train_plan, training_args, finetuning_args, startup))
 
     result = trainer.train(training_args.resume_from_checkpoint)

@@ -57,6 +57,25 @@ def test_use_mca_resolves_llamafactory_imports_to_us():
     assert "resolved" in result.stdout
 
 
+def test_megatrons_fused_functions_are_compiled_when_first_called():
+    """Megatron decorates some forty functions with torch.compile as it imports, which imported torch's inductor in the
+    launcher and every rank (seconds on a GPU host) though a dense run of ours calls none of them: under USE_MCA=1 a
+    function is compiled at its first call (here with dynamo off, as on CPUs: the eager math)."""
+    code = (
+        "import sys, torch\n"
+        "from megatron.core.fusions import fused_bias_swiglu as f\n"
+        "before = 'torch._inductor.compile_fx' in sys.modules\n"
+        "torch._dynamo.config.disable = True\n"
+        "x = torch.randn(3, 8)\n"
+        "a, b = x.chunk(2, -1)\n"
+        "assert torch.equal(f.swiglu(x), torch.nn.functional.silu(a) * b)\n"
+        "print(before, 'torch._inductor.compile_fx' in sys.modules)\n"
+    )
+    result = _python(code, {"USE_MCA": "1"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-2:] == ["False", "True"], result.stdout + result.stderr
+
+
 def test_llamafactorys_import_time_bf16_check_leaves_cuda_untouched():
     """LLaMA-Factory's extras/misc.py asks at import whether the GPU has bf16, which initialised CUDA in every launcher
     (so its ranks could not be forked): under USE_MCA=1 the answer comes from NVML's compute capability (faked here:

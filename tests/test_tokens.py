@@ -4,6 +4,7 @@ path on the same data. (Every layout's epoch accounting is in tests/test_layouts
 
 import json
 import os
+import re
 
 import pytest
 
@@ -86,7 +87,13 @@ def test_pt_first_step_loss_is_llamafactory_corrected_for_its_unpredicted_first_
     result, output = train(tmp_path, config)
     ok(result, output)
     assert "tokens per step (packed)" in output, output[-3000:]
-    assert "startup     imports " in output and "Step 1 took " in output, output[-3000:]  # where the first wait goes
+    # where the first wait goes: the launcher (which forks the ranks with everything imported), rank 0, step 1
+    startup = re.search(r"startup     ([\d.]+) s from the command to training: launcher ([\d.]+) s \(LLaMA-Factory's "
+                        r"imports and the recipe's checks ([\d.]+) s, the ranks' imports ([\d.]+) s, forking "
+                        r"[\d.]+ s\); rank 0: arguments and process group [\d.]+ s, data ", output)
+    assert startup and "Step 1 took " in output, output[-3000:]
+    total, launcher, checks, imports = map(float, startup.groups())
+    assert 0 < checks + imports <= launcher + 0.1 <= total + 0.1, startup.group(0)
     ours = losses(tmp_path / "mca")[1]
     _default_path(tmp_path, config, "default")
     theirs = losses(tmp_path / "default")[1]

@@ -24,8 +24,8 @@ import signal
 import sys
 import types
 
-from .. import __version__
-from ..compat import version_note
+from .. import __version__, start_clock
+from ..compat import JIT_MODULE, compile_on_first_call, version_note
 from ..errors import UserError
 from ..quiet import quiet_third_party
 from . import torchrun
@@ -178,7 +178,9 @@ def _take_over_launch(module: types.ModuleType) -> None:
             if len(sys.argv) > 1 and sys.argv[1] == "train":
                 from .preflight import run_preflight  # here: only a launcher checks a recipe
 
+                start_clock.start()
                 run_preflight(sys.argv[2:])
+                start_clock.mark(start_clock.CHECKED)
                 swapped = module.subprocess = _Torchrun(module.subprocess, module.__file__, sys.argv[2:])
             original()
         except KeyboardInterrupt:
@@ -201,7 +203,7 @@ def _board(name: str):
 BOARD_MODULES = ("llamafactory.webui.locales", "llamafactory.webui.components.train", "llamafactory.webui.runner",
                  "llamafactory.webui.control", "llamafactory.webui.components.export")
 _PATCHES = {PARSER_NAME: _guard_train_args, LAUNCHER_NAME: _take_over_launch, TUNER_NAME: _route_stages,
-            **{n: _board(n) for n in BOARD_MODULES}}
+            JIT_MODULE: compile_on_first_call, **{n: _board(n) for n in BOARD_MODULES}}
 # what must hold while a module runs (its import-time checks)
 _WHILE_IMPORTING = {MISC_NAME: torchrun.bf16_answered_by_nvml}
 
@@ -224,7 +226,8 @@ class _PatchingLoader(importlib.abc.Loader):
 
 class McaFinder(importlib.abc.MetaPathFinder):
     """Answers ``mcore_adapter`` and ``llamafactory.train.mca`` with llamafactory_mca's modules, and adjusts
-    LLaMA-Factory's argument parser and launcher (and keeps its extras from initialising CUDA on import)."""
+    LLaMA-Factory's argument parser and launcher (and keeps its extras from initialising CUDA on import) and
+    Megatron's ``jit_fuser`` (compat.py)."""
 
     def find_spec(self, fullname: str, path=None, target=None) -> importlib.machinery.ModuleSpec | None:
         if fullname in _PATCHES or fullname in _WHILE_IMPORTING:

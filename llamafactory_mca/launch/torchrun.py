@@ -41,6 +41,7 @@ import time
 import traceback
 import uuid
 
+from .. import start_clock
 from ..errors import ERROR_FILE_ENV, LAUNCHER_PID_ENV, PREFIX, STATUS_DIR_ENV, debug_enabled
 from ..quiet import quiet_third_party
 from .interrupts import SwallowedSignals
@@ -200,6 +201,8 @@ def main(argv: list[str] | None = None, in_launcher: bool = False) -> int:
     try:
         args = parse_args(argv)
         forked = _forks_ranks(args)
+        if forked:
+            start_clock.mark(start_clock.IMPORTED)
         if debug_enabled():
             how = "forked from" if forked else "spawned by"
             print(f"[llamafactory_mca] ranks {how} the launcher", file=sys.stderr, flush=True)
