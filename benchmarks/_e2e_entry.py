@@ -26,6 +26,8 @@ import os
 import sys
 import time
 
+from llamafactory_mca.models.reference import EAGER_REFERENCE
+
 
 # a rank forked by our torchrun runs this file through runpy, which leaves this folder off the import path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -214,19 +216,13 @@ def _callback(recorder: _Recorder):
     return BenchCallback()
 
 
-# LLaMA-Factory's default path loads a FlashAttention-3 kernel from the hub for gpt-oss (no network here); for GLM-5
-# transformers' SDPA path drops the causal mask on rows without padding (packed, or all of one length). transformers'
-# eager attention takes their place; other models keep LLaMA-Factory's choice.
-EAGER_FOR = ("gpt_oss", "glm_moe_dsa")
-
-
 def _eager_attention_where_needed() -> None:
     from llamafactory.model import patcher
 
     choose = patcher.configure_attn_implementation
 
     def eager_where_needed(config, model_args):
-        if getattr(config, "model_type", None) not in EAGER_FOR:
+        if getattr(config, "model_type", None) not in EAGER_REFERENCE:
             return choose(config, model_args)
         setattr(config, "_attn_implementation", "eager")
 

@@ -4,11 +4,7 @@ at collection use it)."""
 import json
 import os
 
-
-# Families whose reference is transformers' eager attention: gpt-oss's default path loads a FlashAttention-3 kernel
-# from the hub (no network here, no such GPU kernel on CPU; eager has the sinks); GLM-5's SDPA path drops the causal
-# mask when no row is padded (its sparse-attention mask replaces SDPA's is_causal), so a query sees later tokens.
-EAGER_REFERENCE = ("gpt_oss", "glm_moe_dsa")
+from llamafactory_mca.models.reference import EAGER_REFERENCE
 
 
 def reference_attention(model_dir: str) -> str | None:

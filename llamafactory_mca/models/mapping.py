@@ -110,6 +110,13 @@ class Op:
         """The full Megatron tensor back to its HF tensors, in the order of ``self.hf``."""
         raise NotImplementedError
 
+    def rows_as_ours(self, rows: torch.Tensor) -> torch.Tensor:
+        """A tensor of this weight's output rows (a LoRA B) from HF's row order to the one Megatron holds."""
+        return rows
+
+    def rows_as_hf(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows
+
 
 class Dims(NamedTuple):
     """The few sizes the fused ops need."""
@@ -332,6 +339,12 @@ class RopeRows(Op):
     def to_hf(self, tensor, dims):
         rest, rope = self._blocks(tensor)
         return [torch.cat([rest, rope[:, 0::2], rope[:, 1::2]], dim=1).reshape(tensor.shape).contiguous()]
+
+    def rows_as_ours(self, rows):
+        return self.load(DictSource({self.hf[0]: rows}), list(self.hf), None, None)
+
+    def rows_as_hf(self, rows):
+        return self.to_hf(rows, None)[0]
 
 
 def stacked_experts(mca: str, hf: str, out_in: bool = False, interleaved: bool = False) -> list[Op]:

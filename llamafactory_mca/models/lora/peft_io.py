@@ -30,7 +30,7 @@ from ..export import read_tensor
 from ..families import get_family
 from ..freeze import EXTRA_MODULES
 from ..loading import dims_for, local_targets
-from ..mapping import DictSource, RopeRows
+from ..mapping import DictSource
 from ..value_head import V_HEAD_SAFE_WEIGHTS_NAME
 from ..value_head import write_file as write_value_head
 from .layers import LoraGroupedExpertsMixin, apply_lora, lora_modules, merge_lora
@@ -159,7 +159,7 @@ def export_adapter(checkpoint: str, output: str, dtype: torch.dtype | None = Non
                                            read_tensor(reader, pattern % "B", (layer,), config))
                 else:
                     a, b = (read_tensor(reader, f"{target.mca}.lora_{w}.{piece.name}", (layer,), config) for w in "AB")
-                    pair = a, _rows_as_peft(target, b)
+                    pair = a, target.op.rows_as_hf(b)  # B's rows as the weight's (mapping.Op)
                 for which, tensor in zip("AB", pair):
                     tensors[peft_key(target, piece.name, layer, which)] = cast(tensor).contiguous()
     names = {n for n, _ in meta_hf_model(config.hf_config).named_parameters()}
@@ -179,17 +179,6 @@ def export_adapter(checkpoint: str, output: str, dtype: torch.dtype | None = Non
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return {"tensors": len(tensors), "side_files": copied}
-
-
-def _rows_as_ours(target: TargetLinear, b: torch.Tensor) -> torch.Tensor:
-    """B's rows in the base weight's order: a linear whose RoPE rows Megatron holds interleaved (``RopeRows``) holds
-    its adapter's so too, from peft's order, as it holds its weight."""
-    op = target.op
-    return op.load(DictSource({op.hf[0]: b}), list(op.hf), None, None) if isinstance(op, RopeRows) else b
-
-
-def _rows_as_peft(target: TargetLinear, b: torch.Tensor) -> torch.Tensor:
-    return target.op.to_hf(b, None)[0] if isinstance(target.op, RopeRows) else b
 
 
 def _read_adapter_tensors(path: str) -> dict[str, torch.Tensor]:
@@ -239,7 +228,7 @@ def load_adapter(model: Any, path: str) -> None:
                 a, b = a_all[expert], b_all[expert]
             else:
                 a, b = take(peft_key(target, piece.name, layer, "A")), take(peft_key(target, piece.name, layer, "B"))
-                b = _rows_as_ours(target, b)
+                b = target.op.rows_as_ours(b)  # B's rows as the weight's
             if module.lora_column:
                 b = b.chunk(tp, dim=0)[rank]
             elif not getattr(module, "lora_replicated", False):
