@@ -39,6 +39,7 @@ from e2e_workloads import (
 
 
 ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_e2e_entry.py")
+LAUNCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_e2e_launch.py")
 
 
 # ---- machine and versions -----------------------------------------------------------------------------------------
@@ -173,9 +174,9 @@ def launch(run: Run, recipe_path: str, run_dir: str, timeout: int, smoke: bool, 
     torch.profiler: it comes after the measured steps, so the profiler's overhead never reaches their rates."""
     torchrun = run.path == "ours" or run.gpus > 1  # the launcher forces torchrun under USE_MCA=1
     metrics = os.path.join(run_dir, "metrics")
-    if torchrun:  # ours through our torchrun, as LLaMA-Factory's launcher runs it under USE_MCA=1 (ranks forked)
-        launcher = "llamafactory_mca.launch.torchrun" if run.path == "ours" else "torch.distributed.run"
-        cmd = [sys.executable, "-m", launcher, "--nnodes", "1", "--node_rank", "0",
+    if torchrun:  # ours: our preflight and torchrun, as llamafactory-cli runs them under USE_MCA=1 (ranks forked)
+        launcher = [LAUNCH] if run.path == "ours" else ["-m", "torch.distributed.run"]
+        cmd = [sys.executable, *launcher, "--nnodes", "1", "--node_rank", "0",
                "--nproc_per_node", str(run.gpus), "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
                ENTRY, recipe_path]
     else:

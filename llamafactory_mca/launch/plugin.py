@@ -24,7 +24,7 @@ import signal
 import sys
 import types
 
-from .. import __version__, start_clock
+from .. import __version__
 from ..compat import JIT_MODULE, compile_on_first_call, version_note
 from ..errors import UserError
 from ..quiet import quiet_third_party
@@ -178,9 +178,7 @@ def _take_over_launch(module: types.ModuleType) -> None:
             if len(sys.argv) > 1 and sys.argv[1] == "train":
                 from .preflight import run_preflight  # here: only a launcher checks a recipe
 
-                start_clock.start()
                 run_preflight(sys.argv[2:])
-                start_clock.mark(start_clock.CHECKED)
                 swapped = module.subprocess = _Torchrun(module.subprocess, module.__file__, sys.argv[2:])
             original()
         except KeyboardInterrupt:

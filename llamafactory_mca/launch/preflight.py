@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import fields
 from typing import Any
 
+from .. import start_clock
 from ..args import LAYOUT_KEYS, DistributingParallelArguments, MegatronArguments
 from ..errors import UserError, user_errors
 from ..quiet import quiet_third_party
@@ -320,10 +321,12 @@ def check_recipe(recipe: dict[str, Any] | list[str], where: str) -> tuple[Any, A
 
 
 def run_preflight(argv: list[str]) -> Any:
-    """The launcher's entry: help, checks (one message and exit 1 on a user error), the output_dir lock."""
+    """The launcher's entry: help, checks (one message and exit 1 on a user error), the output_dir lock; the start
+    clock's first two marks (the startup line's launcher phases)."""
     if not argv or any(a in ("-h", "--help") for a in argv):
         print(train_help())
         raise SystemExit(0)
+    start_clock.start()
     quiet_third_party()
     with user_errors(also=(ValueError,)):
         plan, output_dir = preflight(argv)
@@ -331,6 +334,7 @@ def run_preflight(argv: list[str]) -> Any:
             lock = acquire(output_dir)
             atexit.register(lock.release)
             os.environ[HELD_ENV] = lock.path
+    start_clock.mark(start_clock.CHECKED)
     return plan
 
 
