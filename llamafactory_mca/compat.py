@@ -27,6 +27,7 @@ UPSTREAM_CHANGES = (
                                    "packed roll and its recompute's arguments, jit_fuser compiling on first call"),
     ("megatron-core", "cpu_mode.py", "CUDA streams, events, the RNG tracker and MoE's device moves, on CPUs"),
     ("megatron-core", "trainer/param_remainders.py", "the distributed optimizer's Adam (fp32 masters as remainders)"),
+    ("megatron-core", "trainer/graphs.py", "the schedules' create_cudagraphs, timed for the step-1 line"),
     ("megatron-core", "models/native/", "the layer spec's attention, norms, RoPE, experts and loss"),
     ("megatron-core", "models/lora/layers.py", "adapter classes mixed into the parallel linears"),
     ("megatron-core", "checkpoints/writers.py", "the checkpoint writer's results queue and processes, watched"),

@@ -16,6 +16,30 @@ import torch
 
 
 _MANAGER = "cudagraph_manager"  # the attribute megatron-core's layers test to route a call through their graphs
+_CAPTURE = {"seconds": 0.0}
+
+
+def time_capture() -> None:
+    """megatron-core 0.16.x captures the graphs at the end of step 1 (``schedules.create_cudagraphs``) and returns how
+    long that took, which its schedules drop: kept here for the step-1 line (:func:`capture_seconds`)."""
+    from megatron.core.pipeline_parallel import schedules
+
+    create = schedules.create_cudagraphs
+    if getattr(create, "timed", False):
+        return
+
+    def timed():
+        stats = create()
+        if stats:
+            _CAPTURE["seconds"] += stats.get("time", 0.0)
+        return stats
+
+    timed.timed = True
+    schedules.create_cudagraphs = timed
+
+
+def capture_seconds() -> float:
+    return _CAPTURE["seconds"]
 
 
 @contextmanager

@@ -48,7 +48,7 @@ from ..parallel import ParallelLayout
 from . import checkpoint as ckpt
 from .faults import maybe_crash, maybe_hang, nan_loss
 from .feeder import StepFeeder
-from .graphs import eager_layers
+from .graphs import capture_seconds, eager_layers, time_capture
 from .loss import PreferenceConfig, collect_pair_logps, lm_loss, preference_loss, reward_loss
 from .metrics import (
     compile_records,
@@ -115,6 +115,8 @@ class McaTrainer:
         self.train_data, self.eval_data = train_data, eval_data
         self.train_feed = StepFeeder(train_data, layout, fixed_shapes=bool(getattr(args, "cuda_graphs", False)),
                                      prefetch=args.run_prefetch_steps())
+        if args.run_cuda_graphs():
+            time_capture()
         self.eval_feed = StepFeeder(eval_data, layout) if eval_data is not None else None
         self.tokenizer, self.processor = tokenizer, processor
         self.preference, self.reference = preference, reference  # DPO's ref_model: (folder, its planned config)
@@ -231,9 +233,11 @@ class McaTrainer:
             return
         compiling = compile_seconds()
         triton_seconds, built, cached = triton_compiles()
+        capture = f", capturing CUDA graphs {capture_seconds():.1f} s" if self.args.run_cuda_graphs() else ""
         logger.info("Step 1 took %.1f s, of it compiling kernels %.1f s (our Triton kernels %.1f s: %d compiled, %d "
-                    "from Triton's cache; torch.compile %.1f s); both caches keep them for the next launch on this "
-                    "machine", seconds, compiling + triton_seconds, triton_seconds, built, cached, compiling)
+                    "from Triton's cache; torch.compile %.1f s)%s; both caches keep the kernels for the next launch "
+                    "on this machine", seconds, compiling + triton_seconds, triton_seconds, built, cached, compiling,
+                    capture)
         records = triton_records() + compile_records() if debug_enabled() else []
         if records:
             logger.info("Compiled kernels, slowest first:\n%s", "\n".join(records))
