@@ -255,9 +255,22 @@ class Page:
                 self.driver.find_element(By.TAG_NAME, "body").click()
                 return None
 
-        option = _wait(f"{choice} among the options of {label}", offered, 60, every=1)
-        option[0].click()
-        _wait(f"{label} = {choice}", lambda: element.get_attribute("value") == choice, 10)
+        def held() -> bool:
+            """The choice stays for two seconds: an answer to the page's previous event (a form loaded for the
+            option picked before) may still arrive and put the old value back, and then it is picked again."""
+            try:
+                _wait(f"{label} = {choice}", lambda: element.get_attribute("value") == choice, 10)
+            except AssertionError:
+                return False
+            time.sleep(2)
+            return element.get_attribute("value") == choice
+
+        for _ in range(3):
+            option = _wait(f"{choice} among the options of {label}", offered, 60, every=1)
+            option[0].click()
+            if held():
+                return
+        raise AssertionError(f"{label} did not keep {choice}: {element.get_attribute('value')}")
 
     def click(self, text: str, tab: bool = False):
         role = "@role='tab'" if tab else "not(@role='tab')"
