@@ -112,15 +112,15 @@ def _kernels(single: bool) -> dict:
     return kernels
 
 
-def _time(fn, repeat: int) -> float:
+def _time(fn, repeat: int, warmup: int = 2) -> float:
     times = []
-    for i in range(repeat + 2):
+    for i in range(repeat + warmup):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
         torch.cuda.synchronize()
-        if i >= 2:
+        if i >= warmup:
             times.append(start.elapsed_time(end))
     return statistics.median(times)
 

@@ -1,6 +1,6 @@
 """benchmarks/ on CPU: what the e2e launcher entry counts, one smoke workload through both paths, the report's
 verdicts (two GPUs against one, a host of four against LLaMA-Factory), the planner's proposal as a run, the
-delta-rule bench in smoke shapes."""
+delta-rule and sparse-attention benches in smoke shapes."""
 
 import importlib.util
 import json
@@ -129,6 +129,17 @@ def test_delta_rule_bench_smoke_compares_the_rules(tmp_path):
     assert {(r["workload"], r["impl"]) for r in rows} >= {(w, i) for w in ("padded", "packed")
                                                           for i in ("transformers", "ours")}
     assert all(r["ms"] > 0 for r in rows) and "| packed | ours |" in (tmp_path / "delta_rule.md").read_text()
+
+
+def test_sparse_attention_bench_smoke_is_dense_while_every_key_is_chosen(tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "sparse_attention_bench.py"), "--smoke",
+                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {(r["tokens"], r["attention"].split()[0]): r
+            for r in json.loads((tmp_path / "sparse_attention.json").read_text())["rows"]}
+    assert rows[32, "sparse"]["out_diff"] == 0.0  # no more keys than the indexer keeps: dense attention
+    assert rows[96, "sparse"]["out_diff"] > 0 and rows[96, "sparse"]["keys_per_query"] < rows[96, "dense"][
+        "keys_per_query"]
 
 
 def test_node_report_counts_no_run_that_strays_and_judges_the_planners_proposal():
