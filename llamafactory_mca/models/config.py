@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from ..errors import UserError
 from .mapping import in_linear_attention_layers, in_moe_layers, is_linear_attention_layer, is_moe_layer
@@ -38,8 +39,11 @@ _ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.ge
 # ``image_look_ahead``: an image's tokens also see the image's later tokens (Gemma 3, ``native/attention.py``).
 # ``padding_idx``: the word embedding row that lookups never train (transformers' ``pad_token_id``).
 # ``qk_norm_across_heads``: the q/k norms normalise all heads of a token at once (MiniMax-M2, ``native/norm.py``).
+# Gemma 4's: ``global_attention`` (the full-attention layers' own shape and RoPE: ``global_layer_configs``),
+# ``value_norm`` (an RMSNorm without weight on each value head), ``layer_scalars`` (each layer's output times a
+# stored scalar), ``final_logit_softcapping`` (logits = cap · tanh(logits / cap)).
 MODEL_OPTIONS = ("post_layer_norms", "embedding_multiplier", "window_rotary_base", "image_look_ahead", "padding_idx",
-                 "qk_norm_across_heads")
+                 "qk_norm_across_heads", "global_attention", "value_norm", "layer_scalars", "final_logit_softcapping")
 
 
 class AttentionShape(NamedTuple):
@@ -127,6 +131,19 @@ class McaConfig:
     def attention(self) -> AttentionShape:
         return attention_shape(self.transformer)
 
+    def windowed(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (from 0) attends through a sliding window (``window_fields``)."""
+        if not self.transformer.get("window_size"):
+            return False
+        pattern = self.transformer.get("window_attn_skip_freq")
+        return True if pattern is None else bool(pattern[layer])
+
+    @property
+    def global_attention_shape(self) -> AttentionShape:
+        """The full-attention layers' heads where they are not the others' (Gemma 4: ``global_attention``)."""
+        full = self.transformer["global_attention"]
+        return AttentionShape(self.attention.num_heads, full["num_query_groups"], full["kv_channels"])
+
     def padded_vocab_size(self, tensor_parallel_size: int) -> int:
         """Megatron pads the vocabulary to a multiple of tp × 128; the padding is trimmed on export."""
         multiple = 128 * tensor_parallel_size
@@ -156,10 +173,36 @@ class McaConfig:
         if unknown:
             raise UserError(f"Unknown TransformerConfig fields {unknown} (from additional_configs or the model "
                              f"config); megatron-core's {cls.__name__} has no such fields.")
+        if native.get("global_attention"):
+            kwargs["heterogeneous_block_specs"] = True  # the block asks get_config_for_layer for each layer's config
         config = cls(**kwargs)
         for name, value in native.items():  # our layer spec's options ride on the config it is built from
             setattr(config, name, value)
+        if native.get("global_attention"):
+            global_layer_configs(config)
         return config
+
+
+def global_layer_configs(config: TransformerConfig) -> None:
+    """Gemma 4's full-attention layers (the layers without a window) have wider heads (``global_head_dim``), their
+    own number of key/value heads and, where ``attention_k_eq_v``, keys that are also the values. Megatron builds
+    each layer from ``config.get_config_for_layer`` where ``heterogeneous_block_specs`` is set (its per-layer configs,
+    Nemotron-NAS's), and then checkpoints each layer under keys of its own: the windowed layers get ``config``, the
+    others one copy with their attention's shape."""
+    shape = config.global_attention
+    fields = {f.name for f in dataclasses.fields(config) if f.init}
+    full = dataclasses.replace(config, kv_channels=shape["kv_channels"], num_query_groups=shape["num_query_groups"])
+    for name, value in vars(config).items():  # ours, set on the config after it was built
+        if name not in fields:
+            setattr(full, name, value)
+    full.keys_are_values = bool(shape.get("keys_are_values"))
+
+    def config_for_layer(layer_number: int) -> TransformerConfig:
+        windowed = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
+        return config if windowed else full
+
+    config.get_config_for_layer = config_for_layer
+    full.get_config_for_layer = config_for_layer
 
 
 def window_fields(window: int, layer_types: list[str] | None, num_layers: int) -> dict[str, Any]:

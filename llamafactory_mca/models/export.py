@@ -76,7 +76,8 @@ def iter_hf_tensors(reader: DistCheckpointReader, config: McaConfig, dtype: torc
     stacking: dict[str, list[torch.Tensor]] = {}  # HF tensors that stack a layer's experts, until complete
     for op, index in order:
         tensor = read_tensor(reader, op.mca, index, config)
-        for pattern, hf_tensor in zip(op.hf, op.to_hf(tensor, dims)):
+        mapped = table.at(op, index)
+        for pattern, hf_tensor in zip(mapped.hf, mapped.to_hf(tensor, dims)):
             name = fill(pattern, index[: pattern.count("*")])
             hf_tensor = hf_tensor if dtype is None else hf_tensor.to(dtype)
             base, expert = split_expert(name)

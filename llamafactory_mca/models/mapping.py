@@ -230,6 +230,51 @@ class FusedQKV(Op):
 
 
 @dataclass(frozen=True)
+class FusedQK(FusedQKV):
+    """Attention whose keys are also its values (Gemma 4's ``attention_k_eq_v``): no v_proj; Megatron's linear_qkv
+    holds per query group [its heads' q | k]."""
+
+    def group_parts(self, dims: Dims) -> tuple[tuple[int, int], ...]:
+        return (0, dims.num_heads // dims.num_query_groups * dims.head_dim), (1, dims.head_dim)
+
+
+@dataclass(frozen=True)
+class Reshaped(Op):
+    """``inner`` with attention sizes of its own: a layer whose heads are not the model's (``PerLayer``)."""
+
+    inner: Op | None = None
+    shape: tuple[int, int, int] = (0, 0, 0)  # heads, query groups, head_dim
+
+    def _dims(self, dims: Dims) -> Dims:
+        heads, groups, head_dim = self.shape
+        return dims._replace(num_heads=heads, num_query_groups=groups, head_dim=head_dim)
+
+    def load(self, src, names, shard, dims):
+        return self.inner.load(src, names, shard, self._dims(dims))
+
+    def to_hf(self, tensor, dims):
+        return self.inner.to_hf(tensor, self._dims(dims))
+
+    def rows_as_ours(self, rows):
+        return self.inner.rows_as_ours(rows)
+
+    def rows_as_hf(self, rows):
+        return self.inner.rows_as_hf(rows)
+
+
+@dataclass(frozen=True)
+class PerLayer(Op):
+    """A tensor every decoder layer has, mapped differently in some layers (Gemma 4's full-attention layers: wider
+    heads, fewer key/value heads, keys that are the values): ``layers[i]`` maps layer i. ``hf`` lists every HF name
+    some layer maps it from, for the tables that ask which HF tensors exist; ``WeightTable.at`` gives a layer's op."""
+
+    layers: tuple[Op, ...] = ()
+
+    def at(self, layer: int) -> Op:
+        return self.layers[layer]
+
+
+@dataclass(frozen=True)
 class GatedFusedQKV(FusedQKV):
     """Attention with an output gate (Qwen3-Next, Qwen3.5): HF's ``q_proj`` gives each head [q | gate]; Megatron's
     linear_qkv (``attention_output_gate``) takes per query group [its heads' q | their gates | k | v]."""
@@ -547,4 +592,10 @@ class WeightTable:
         op = self._by_mca.get(pattern)
         if op is None:
             raise KeyError(f"no weight mapping for Megatron tensor {mca_name!r}")
+        op = self.at(op, indices)
         return op, [self.stored(fill(p, indices[: p.count("*")])) for p in op.hf]
+
+    @staticmethod
+    def at(op: Op, indices: tuple[int, ...]) -> Op:
+        """The op that maps the tensor at ``indices`` (its layer's, where the op differs between layers)."""
+        return op.at(indices[0]) if isinstance(op, PerLayer) else op

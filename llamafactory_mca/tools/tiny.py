@@ -87,6 +87,13 @@ TINY: dict[str, dict[str, Any]] = {
                     head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"] * 2,
                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128}),
+    # Gemma 4's dense layout: a window on layers 0 and 2 (4 key/value heads); layers 1 and 3 full attention with wider
+    # heads (32), 2 key/value heads and keys that are the values, proportional RoPE on a quarter of them; soft-capped
+    # logits
+    "gemma4_text": dict(BASE, num_key_value_heads=4, head_dim=16, global_head_dim=32, num_global_key_value_heads=2,
+                        attention_k_eq_v=True,
+                        sliding_window=6, hidden_size_per_layer_input=0, final_logit_softcapping=3.0,
+                        tie_word_embeddings=True, layer_types=["sliding_attention", "full_attention"] * 2),
     "mixtral": dict(BASE, intermediate_size=32, num_local_experts=3, num_experts_per_tok=2, router_aux_loss_coef=0.0,
                     sliding_window=None),
 }
@@ -200,15 +207,18 @@ def _mtp_layers(config: Any) -> int:
 
 def _randomize_zero_init(model: Any) -> None:
     """Models with zero-centred norms (hybrid ones, Gemma 3) start them at 0, and the delta rule's decay at fixed
-    values: perturb them, so a test cannot pass by mistaking a norm's weight for its scale."""
-    zero_centred = (get_family(model.config.model_type).config_from_hf(model.config).transformer
-                    .get("layernorm_zero_centered_gamma"))
-    if not zero_centred:
+    values; Gemma 4 its norms and layer scalars at 1: perturb them, so a test cannot pass by mistaking a norm's weight
+    for its scale, or by leaving a scalar out."""
+    transformer = get_family(model.config.model_type).config_from_hf(model.config).transformer
+    if not (transformer.get("layernorm_zero_centered_gamma") or transformer.get("layer_scalars")):
         return
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("norm.weight", "dt_bias", "A_log")):
                 param.add_(0.2 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.uniform_(0.5, 1.5)
 
 
 def _randomize_zero_biases(model: Any) -> None:

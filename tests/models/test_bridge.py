@@ -90,7 +90,7 @@ LAYOUTS = {  # all run in one 4-process world (dp = 4 / model-parallel size)
     # (minimax_m2: its q/k norms' statistics summed over the TP ranks' heads)
     "tp2": ({"tensor_model_parallel_size": 2}, ["qwen3_next", "qwen3", "qwen2_moe", "mixtral", "llama3_tied",
                                                  "mistral", "glm4_moe", "deepseek_v3", "gpt_oss", "minimax_m2",
-                                                 "glm_moe_dsa"]),
+                                                 "glm_moe_dsa", "gemma4_text"]),
     # glm4_moe first: its round trip runs here (layer 0 dense, on stage 0 only)
     "pp2": ({"pipeline_model_parallel_size": 2}, ["glm4_moe", "llama3_tied", "qwen3_moe", "qwen3_next", "qwen2",
                                                   "gemma3_text", "gpt_oss", "minimax_m2", "glm_moe_dsa"]),
@@ -111,6 +111,10 @@ LAYOUTS = {  # all run in one 4-process world (dp = 4 / model-parallel size)
     # the indexer whole on each TP rank, the dense layer on stage 0, the MTP layer on stage 1)
     "tp2_pp2": ({"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, ["glm_moe_dsa", "deepseek_v3",
                                                                                       "llama", "qwen3_moe"]),
+    # gemma4_text's round trip: its full-attention layers' own shapes (checkpointed per layer), each stage's layer
+    # scalars, the values' norm and the soft-capped logits on sequence-parallel slices
+    "tp2_pp2_sp": ({"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2, "sequence_parallel": True},
+                   ["gemma4_text"]),
     # minimax_m2's round trip: the q/k norms' weights whole on both TP ranks, the correction bias on the MoE block
     "tp2_ep2": ({"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2}, ["minimax_m2"]),
     # uneven virtual stages placed by hand: the dense layer alone with the embedding, the MTP layer alone with the loss

@@ -5,6 +5,7 @@ from ..registry import FAMILIES
 from . import (  # noqa: F401
     deepseek_v3,
     gemma3,
+    gemma4,
     glm4_moe,
     glm4v_moe,
     glm_moe_dsa,

@@ -225,6 +225,7 @@ class NativeCrossEntropy:
         """A training forward's loss through the output layer a chunk at a time (``chunked_cross_entropy``)."""
         # a stage before the last has no output layer (its _postprocess hands the hidden states on)
         if not isinstance(getattr(self, "output_layer", None), FusedLossOutputLayer) \
+                or getattr(self.config, "final_logit_softcapping", None) \
                 or self.config.cross_entropy_loss_fusion \
                 or not getattr(self.config, "native_cross_entropy", True):
             return False
@@ -246,17 +247,39 @@ def _untrained_lookups(pad: int, module: Any, inputs: tuple, output: torch.Tenso
     return torch.where(mask.unsqueeze(-1), output.detach(), output)
 
 
+def _times_layer_scalar(layer: Any, inputs: tuple, output: Any) -> Any:
+    if isinstance(output, tuple):
+        return (output[0] * layer.layer_scalar, *output[1:])
+    return output * layer.layer_scalar
+
+
+def _softcap(cap: float, module: Any, inputs: tuple, output: Any) -> Any:
+    logits, *rest = output
+    return (torch.tanh(logits / cap) * cap, *rest)
+
+
+def proportional_inv_freq(head_dim: int, base: float, fraction: float, device: Any = None) -> torch.Tensor:
+    """transformers' proportional RoPE (Gemma 4's full-attention layers): the frequencies of plain RoPE over the
+    whole ``head_dim`` for the first ``fraction`` of each half, zero (no rotation) for the rest."""
+    angles = int(fraction * head_dim // 2)
+    rotated = 1.0 / base ** (torch.arange(0, 2 * angles, 2, dtype=torch.float32, device=device) / head_dim)
+    return torch.cat([rotated, torch.zeros(head_dim // 2 - angles, dtype=torch.float32, device=device)])
+
+
 class LanguageModel(NativeCrossEntropy, GPTModel):
     """Megatron's GPTModel with the loss above (parameters and checkpoint keys are GPTModel's).
 
     Asked for logits (no labels), a model with multi-token-prediction layers skips them: megatron-core 0.16.1 runs
     them regardless and then fails cloning the missing labels for their loss.
 
-    Three architecture fields of ours (``config.MODEL_OPTIONS``): ``embedding_multiplier`` scales the word embeddings
+    Architecture fields of ours (``config.MODEL_OPTIONS``): ``embedding_multiplier`` scales the word embeddings
     (Gemma: sqrt(hidden), rounded to the activations' dtype as transformers does), on the embedding's output, so a
     vision-language model scales the text before image features replace placeholders; ``window_rotary_base`` gives
-    the windowed layers their own RoPE table, stacked after the model's (``native/sublayers.py`` picks);
-    ``padding_idx`` is a row the lookups do not train, as in transformers."""
+    the windowed layers their own RoPE table, ``global_attention`` the full-attention layers theirs (Gemma 4: wider
+    heads, proportional RoPE), laid beside the model's (``native/sublayers.py`` picks); ``padding_idx`` is a row the
+    lookups do not train, as in transformers; ``layer_scalars``: each decoder layer's output times its stored
+    ``layer_scalar`` (Gemma 4; frozen, as transformers keeps it a buffer); ``final_logit_softcapping``: the logits
+    through cap · tanh(logits / cap) before the loss (which then takes them whole, not in chunks)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -269,30 +292,48 @@ class LanguageModel(NativeCrossEntropy, GPTModel):
         pad = getattr(self.config, "padding_idx", None)
         if pad is not None and self.pre_process:
             self.embedding.word_embeddings.register_forward_hook(partial(_untrained_lookups, pad))
-        base = getattr(self.config, "window_rotary_base", None)
-        self.window_rotary_pos_emb = None
-        if base and self.position_embedding_type != "rope":  # the layers would index a single table
-            raise ValueError(f"window_rotary_base with position_embedding_type={self.position_embedding_type!r}: "
-                             "a RoPE base per kind of layer is built for plain RoPE only.")
-        if base:
-            rope = self.rotary_pos_emb
-            self.window_rotary_pos_emb = RotaryEmbedding(
-                kv_channels=self.config.kv_channels, rotary_percent=kwargs.get("rotary_percent", 1.0),
-                rotary_interleaved=self.config.rotary_interleaved, rotary_base=base,
-                use_cpu_initialization=self.config.use_cpu_initialization, cp_group=rope.cp_group)
+        self.other_rotary_pos_emb = self._other_rope(kwargs.get("rotary_percent", 1.0))
+        if getattr(self.config, "layer_scalars", False):
+            for layer in self.decoder.layers:
+                layer.layer_scalar = torch.nn.Parameter(torch.ones(1, dtype=self.config.params_dtype, device=(
+                    "cpu" if self.config.use_cpu_initialization else torch.cuda.current_device())),
+                    requires_grad=False)
+                layer.layer_scalar.no_gradient = True  # freeze-tuning keeps it so in the layers it trains
+                layer.register_forward_hook(_times_layer_scalar)
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap and self.post_process:  # before models/auto.py's hook sets the padded vocabulary to -inf
+            self.output_layer.register_forward_hook(partial(_softcap, float(cap)))
+
+    def _other_rope(self, rotary_percent: float) -> RotaryEmbedding | None:
+        """The RoPE of the layers that do not rotate by the model's (``window_rotary_base``, ``global_attention``)."""
+        window, full = getattr(self.config, "window_rotary_base", None), getattr(self.config, "global_attention", None)
+        if not (window or full):
+            return None
+        if self.position_embedding_type != "rope" or rotary_percent != 1.0:  # the layers cut the tables by head dim
+            raise ValueError(f"a RoPE per kind of layer with position_embedding_type={self.position_embedding_type!r}"
+                             f", rotary_percent={rotary_percent}: built for plain RoPE on whole heads only.")
+        rope = self.rotary_pos_emb
+        other = RotaryEmbedding(
+            kv_channels=full["kv_channels"] if full else self.config.kv_channels, rotary_percent=1.0,
+            rotary_interleaved=self.config.rotary_interleaved, rotary_base=full["rotary_base"] if full else window,
+            use_cpu_initialization=self.config.use_cpu_initialization, cp_group=rope.cp_group)
+        if full:
+            other.inv_freq = proportional_inv_freq(full["kv_channels"], full["rotary_base"], full["rope_fraction"],
+                                                   other.inv_freq.device)
+        return other
 
     def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
                     packed_seq_params=None, *args, **kwargs):
         out = super()._preprocess(input_ids, position_ids, decoder_input, inference_context, packed_seq_params,
                                   *args, **kwargs)
-        if self.window_rotary_pos_emb is None or out[1] is None:
+        if self.other_rotary_pos_emb is None or out[1] is None:
             return out
         length = self.rotary_pos_emb.get_rotary_seq_len(inference_context, self.decoder, out[0], self.config,
                                                         packed_seq_params)
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
-        window = self.window_rotary_pos_emb(length, packed_seq=packed,
-                                            cp_group=packed_seq_params.cp_group if packed_seq_params else None)
-        return (out[0], torch.stack((out[1], window)), *out[2:])
+        other = self.other_rotary_pos_emb(length, packed_seq=packed,
+                                          cp_group=packed_seq_params.cp_group if packed_seq_params else None)
+        return (out[0], torch.cat((out[1], other), dim=-1), *out[2:])
 
     def _postprocess(self, *args, **kwargs):
         if getattr(self, "value_head", None) is not None:  # a reward model (models/value_head.py): no logits

@@ -4,10 +4,15 @@
   ``post_attention_layernorm`` and ``post_feedforward_layernorm``). It sits outside the output projection, so LoRA's
   delta on ``linear_proj`` / ``linear_fc2`` is normalised with the base's output, as in HF. Under sequence parallelism
   it sees this rank's tokens with the whole hidden size, its weight marked for the gradient sum like every SP norm.
-- A RoPE base per kind of layer (``window_rotary_base``: Gemma 3 rotates its sliding-window layers with base 10,000
-  and its global ones with 1,000,000, scaled). ``LanguageModel`` computes both frequency tables once per micro-batch
-  and hands the decoder the two stacked; each attention layer takes its own and gives Megatron's attention one table,
-  as it always has.
+- A RoPE table per kind of layer (``window_rotary_base``: Gemma 3 rotates its sliding-window layers with base 10,000
+  and its global ones with 1,000,000, scaled; ``global_attention``: Gemma 4's full-attention layers rotate their
+  wider heads by their own, proportional RoPE). ``LanguageModel`` computes both frequency tables once per micro-batch
+  and hands the decoder the two side by side, the model's first; each attention layer takes its own (the other
+  kind's table is the last ``kv_channels`` of it) and gives Megatron's attention one table, as it always has.
+
+And Gemma 4's attention: an RMSNorm without weight on each value head (``value_norm``), and in its full-attention
+layers keys that are also the values (``keys_are_values``): linear_qkv holds q and k only, and the values are the
+keys before their norm and RoPE.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from .norm import NativeNorm
 
 def needs_sublayers(config: Any) -> bool:
     """Whether a model's layers need these sublayers rather than Megatron's."""
-    return bool(getattr(config, "post_layer_norms", False) or getattr(config, "window_rotary_base", None))
+    return any(getattr(config, name, None) for name in ("post_layer_norms", "window_rotary_base", "global_attention",
+                                                        "value_norm"))
 
 
 def _post_norm(config: Any) -> torch.nn.Module | None:
@@ -42,15 +48,61 @@ class NativeSelfAttention(SelfAttention):
     def __init__(self, config: Any, submodules: Any, layer_number: int, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, submodules, layer_number, *args, **kwargs)
         windowed = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
-        # index into the stacked tables (LanguageModel._preprocess): 0 the model's RoPE, 1 the windowed layers'
-        self.rope_table = int(windowed) if getattr(config, "window_rotary_base", None) else None
+        # which of the two tables side by side (LanguageModel._preprocess) rotates this layer: None the model's only
+        self.other_rope = None
+        if getattr(config, "window_rotary_base", None):
+            self.other_rope = windowed
+        elif getattr(config, "global_attention", None):
+            self.other_rope = not windowed
         self.post_layernorm = _post_norm(config)
+        self.value_norm = bool(getattr(config, "value_norm", False))
+        if getattr(config, "keys_are_values", False):
+            if config.num_query_groups < self.world_size:
+                raise ValueError(f"keys that are the values in {config.num_query_groups} key/value heads cannot be "
+                                 f"split over {self.world_size} tensor-parallel ranks")
+            # q and k only (Megatron's sized it for q, k and v)
+            self.linear_qkv_out_dim = self.query_projection_size + self.kv_projection_size
+            self.linear_qkv = submodules.linear_qkv(
+                config.hidden_size, self.linear_qkv_out_dim, config=config, init_method=config.init_method,
+                gather_output=False, bias=config.add_bias_linear or config.add_qkv_bias, skip_bias_add=False,
+                is_expert=False, tp_comm_buffer_name="qkv", tp_group=self.pg_collection.tp)
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, rotary_pos_emb: Any = None, **kwargs: Any):
-        if self.rope_table is not None and rotary_pos_emb is not None:
-            rotary_pos_emb = rotary_pos_emb[self.rope_table]
+        if self.other_rope is not None and rotary_pos_emb is not None:
+            width = self.config.kv_channels
+            rotary_pos_emb = (rotary_pos_emb[..., -width:] if self.other_rope else rotary_pos_emb[..., :width])
+            rotary_pos_emb = rotary_pos_emb.contiguous()
         output, bias = super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
         return (self.post_layernorm(output) if self.post_layernorm is not None else output), bias
+
+    def get_query_key_value_tensors(self, hidden_states: torch.Tensor, key_value_states: Any = None,
+                                    output_gate: bool = False, split_qkv: bool = True):
+        if not getattr(self.config, "keys_are_values", False):
+            out = super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate, split_qkv)
+            if not self.value_norm:
+                return out
+            query, key, value = out
+            return query, key, _rms(value, self.config.layernorm_epsilon)
+        if output_gate or not split_qkv:
+            raise ValueError("keys that are the values: no output gate, and q, k, v split here")
+        mixed, _ = self.linear_qkv(hidden_states)
+        groups = self.num_query_groups_per_partition
+        per_group = self.num_attention_heads_per_partition // groups
+        d = self.hidden_size_per_attention_head
+        mixed = mixed.view(*mixed.shape[:-1], groups, (per_group + 1) * d)
+        query, key = torch.split(mixed, [per_group * d, d], dim=-1)
+        query = query.reshape(*query.shape[:-2], -1, d)
+        value = _rms(key, self.config.layernorm_epsilon) if self.value_norm else key
+        if self.q_layernorm is not None:
+            query = self.q_layernorm(query)
+        if self.k_layernorm is not None:
+            key = self.k_layernorm(key)
+        return query, key, value
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a weight, in fp32 (Gemma 4's values)."""
+    return torch.nn.functional.rms_norm(x.float(), (x.size(-1),), eps=eps).to(x.dtype)
 
 
 class PostNormMLP(MLP):
