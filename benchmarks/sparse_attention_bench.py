@@ -129,14 +129,16 @@ def main() -> None:
     lengths = [int(n) for n in args.lengths.split(",")] if not args.smoke else [32, 96]
     meta = {"machine": f"1 x {torch.cuda.get_device_name()}" if device == "cuda" else "CPU (smoke shape)",
             "versions": f"torch {torch.__version__}"}
-    rows = [row for n in lengths for row in _case(shape, n, args.repeat, device)]
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "sparse_attention.json"), "w") as f:
-        json.dump({**meta, "shape": shape, "rows": rows}, f, indent=1)
-    text = _markdown(meta, rows)
-    with open(os.path.join(args.out, "sparse_attention.md"), "w") as f:
-        f.write(text)
-    print(text)
+    rows: list[dict] = []
+    for n in lengths:  # written after each length: a run stopped at its time limit keeps the lengths it finished
+        rows += _case(shape, n, args.repeat, device)
+        with open(os.path.join(args.out, "sparse_attention.json"), "w") as f:
+            json.dump({**meta, "shape": shape, "rows": rows}, f, indent=1)
+        text = _markdown(meta, rows)
+        with open(os.path.join(args.out, "sparse_attention.md"), "w") as f:
+            f.write(text)
+        print(text, flush=True)
 
 
 if __name__ == "__main__":
