@@ -324,6 +324,12 @@ PACKED_FAMILIES = {
                     ("model.layers.1.post_attention_layernorm.weight",
                      "model.layers.3.post_feedforward_layernorm.weight",
                      "model.layers.0.pre_feedforward_layernorm.weight", "model.layers.2.self_attn.q_norm.weight")),
+    # Gemma 4's dense decoder: windows of 6 on every other layer, the full-attention layers' wider heads whose keys are
+    # the values, the values' norm, layer scalars (stored, never trained), soft-capped logits
+    "gemma4_text": (("sliding window 6 tokens on 2 of 4 layers",), ("o_proj", "q_proj"), "Gemma4ForCausalLM",
+                    ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
+                     "model.layers.0.self_attn.v_proj.weight", "model.layers.3.self_attn.k_norm.weight",
+                     "model.layers.2.post_feedforward_layernorm.weight")),
     # gpt-oss: sinks, biases everywhere, windows of 6 on every other layer, YaRN, biased experts stored interleaved,
     # the clamped SwiGLU; LLaMA-Factory's `all` is the attention's projections (the experts are 3-D parameters), and
     # its default path runs transformers' eager attention here (``DEFAULT_PATH_EAGER``)
@@ -341,7 +347,8 @@ PACKED_FAMILIES = {
                      "model.layers.2.mlp.gate.weight", "model.layers.3.mlp.shared_experts.down_proj.weight")),
 }
 FROZEN = {"glm_moe_dsa": ("model.layers.1.self_attn.indexer.wq_b.weight", "model.layers.2.self_attn.indexer.wk.weight",
-                          "model.layers.3.self_attn.indexer.k_norm.bias")}
+                          "model.layers.3.self_attn.indexer.k_norm.bias"),
+          "gemma4_text": ("model.layers.0.layer_scalar", "model.layers.3.layer_scalar")}
 
 
 @pytest.mark.parametrize("finetuning", ["full", "lora"])

@@ -245,15 +245,15 @@ class Reshaped(Op):
     inner: Op | None = None
     shape: tuple[int, int, int] = (0, 0, 0)  # heads, query groups, head_dim
 
-    def _dims(self, dims: Dims) -> Dims:
+    def dims_of(self, dims: Dims) -> Dims:
         heads, groups, head_dim = self.shape
         return dims._replace(num_heads=heads, num_query_groups=groups, head_dim=head_dim)
 
     def load(self, src, names, shard, dims):
-        return self.inner.load(src, names, shard, self._dims(dims))
+        return self.inner.load(src, names, shard, self.dims_of(dims))
 
     def to_hf(self, tensor, dims):
-        return self.inner.to_hf(tensor, self._dims(dims))
+        return self.inner.to_hf(tensor, self.dims_of(dims))
 
     def rows_as_ours(self, rows):
         return self.inner.rows_as_ours(rows)

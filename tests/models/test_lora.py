@@ -36,6 +36,9 @@ ADAPTERS = {"qwen3": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
             # o_proj's and down_proj's adapters feed the norms on the sublayers' outputs (Gemma's sandwich norms)
             "gemma3_text": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False,
                             None),
+            # Gemma 4: the full-attention layers' q_proj, k_proj and o_proj are wider and they have no v_proj (the
+            # keys are the values), so each layer has adapters of its own shapes
+            "gemma4_text": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"], False, None),
             # every attention projection carries a bias beside its adapter (the experts are 3-D parameters, which
             # LLaMA-Factory's lora_target: all leaves out)
             "gpt_oss": (["q_proj", "k_proj", "v_proj", "o_proj"], False, None),
@@ -151,7 +154,7 @@ def test_trainable_parameters_are_peft_s(tmp_path):
              ("glm4_moe", ["all"]), ("deepseek_v3", ["all", "experts"]),
              ("qwen3_next", ["all"]), ("qwen3_next", ["in_proj_qkvz", "in_proj_ba", "out_proj", "experts"]),
              ("qwen2_moe", ["all"]), ("glm4v_moe", ["all"]), ("gemma3", ["all"]), ("internvl", ["all"]),
-             ("minimax_m2", ["all", "experts"]), ("glm_moe_dsa", ["all"])]
+             ("minimax_m2", ["all", "experts"]), ("glm_moe_dsa", ["all"]), ("gemma4_text", ["all"])]
     models = {name: save_tiny_model(name, str(tmp_path / name)) for name in {n for n, _ in cases}}
     (ours,) = run_distributed(_count, 1, models, cases)
     for (name, targets), count in zip(cases, ours):

@@ -51,7 +51,7 @@ from ...errors import UserError
 from ..families import get_family
 from ..freeze import EXTRA_MODULES
 from ..loading import dims_for, global_layer_names
-from ..mapping import DictSource, Dims, GroupedRows, Op, WeightTable
+from ..mapping import DictSource, Dims, GroupedRows, Op, Reshaped, WeightTable
 from ..native.experts import NativeGroupedMLP, grouped_mm
 from ..value_head import PREFIX as VALUE_HEAD_PREFIX
 from .targets import (
@@ -118,8 +118,11 @@ class LoraLinearMixin:
                                sequence_parallel=sp and not self.lora_column)
             self.lora_A[piece.name], self.lora_B[piece.name] = A, B
         names = [p.name for p in target.pieces]
+        op = target.op
+        if isinstance(op, Reshaped):  # a layer whose heads are not the model's
+            dims, op = op.dims_of(dims), op.inner
         local = dims._replace(num_heads=dims.num_heads // tp, num_query_groups=dims.num_query_groups // tp)
-        op = _local_op(target.op, tp)
+        op = _local_op(op, tp)
 
         def assemble(b: dict[str, torch.Tensor]) -> torch.Tensor:
             """The pieces' B as one [rows of the fused linear, pieces x r] matrix, block-diagonal by piece."""
@@ -406,6 +409,8 @@ def apply_lora(model: Any, settings: LoraSettings, freeze_vision_tower: bool = T
                 module.init_lora(gate, f"{glob}.gate", settings)
                 placed += 1
             target = by_pattern.get(pattern)
+            if target is not None and target.layers is not None:
+                target = target.at(WeightTable.pattern_of(glob)[1][0])  # this layer's (Gemma 4's full-attention)
             if target is not None and isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.__class__ = _lora_class(type(module), LoraLinearMixin)
                 module.init_lora(target, glob, settings, dims)

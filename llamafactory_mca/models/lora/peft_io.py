@@ -147,9 +147,10 @@ def export_adapter(checkpoint: str, output: str, dtype: torch.dtype | None = Non
     reader = DistCheckpointReader(dist_checkpoint_dir(checkpoint))
     tensors: dict[str, torch.Tensor] = {}
     cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
-    for target in _targets(config, settings):
+    for every in _targets(config, settings):
         for layer in range(config.num_layers):
-            if not config.holds(f"{target.mca}.weight", layer):  # e.g. a dense layer's MLP: only there
+            target = every.at(layer)  # (where the linear differs between layers, this layer's)
+            if target is None or not config.holds(f"{target.mca}.weight", layer):  # e.g. a dense layer's MLP
                 continue
             for piece in target.pieces:
                 if target.experts:

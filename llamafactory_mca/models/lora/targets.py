@@ -16,7 +16,7 @@ import torch
 
 from ...errors import UserError
 from ..families import get_family
-from ..mapping import GroupedRows, Op, WeightTable
+from ..mapping import GroupedRows, Op, PerLayer, WeightTable
 
 
 EXPERTS_WORD = "experts"  # lora_target word for the routed experts (peft target_parameters)
@@ -103,6 +103,13 @@ class TargetLinear:
     op: Op | None  # the weight op laying the pieces' rows out (None for experts)
     pieces: tuple[Piece, ...]
     experts: bool = False
+    # where the linear differs between layers (mapping.PerLayer: Gemma 4's full-attention layers), each layer's target
+    # (None: no adapter there); ``pieces`` then lists every layer's
+    layers: tuple[TargetLinear | None, ...] | None = None
+
+    def at(self, layer: int) -> TargetLinear | None:
+        """The target in decoder layer ``layer``."""
+        return self if self.layers is None else self.layers[layer]
 
 
 @functools.cache
@@ -173,15 +180,9 @@ def plan_targets(hf_config: dict, table: WeightTable, settings: LoraSettings,
     found: set[str] = set()
     homes: set[str] = set()  # every HF module an adapter could go on
     targets = []
-    for op in table.ops:
-        if ".local_experts." in op.mca or not op.mca.startswith("decoder.layers."):
-            continue
-        if op.mca.endswith(SHARED_GATE + "_weight"):
-            linear = op.mca[: -len("_weight")]
-        elif op.mca.endswith(".weight") and op.mca[: -len(".weight")].rsplit(".", 1)[-1] in _ADAPTABLE:
-            linear = op.mca[: -len(".weight")]
-        else:
-            continue
+
+    def pieces_of(op: Op, layer: int | None) -> tuple[Piece, ...]:
+        """The adapters on ``op``'s linear: of the first layer that has each module, or of ``layer``'s."""
         pieces = []
         for hf_name in op.hf:
             module = hf_name[: -len(".weight")]
@@ -192,11 +193,39 @@ def plan_targets(hf_config: dict, table: WeightTable, settings: LoraSettings,
             path = by_suffix.get(module.split(".layers.*.", 1)[-1])
             if path is None:
                 continue
-            out_features, in_features = modules[path].weight.shape
-            pieces.append(Piece(short, out_features, in_features, path))
+            module = modules[path] if layer is None else layered.get(path.replace(".*.", f".{layer}.", 1))
+            if module is None:
+                continue
+            pieces.append(Piece(short, *module.weight.shape, path))
             found.add(short)
-        if pieces:
-            targets.append(TargetLinear(linear, op, tuple(pieces)))
+        return tuple(pieces)
+
+    layered = dict(meta_hf_model(hf_config).named_modules())
+    num_layers = (hf_config.get("text_config") or hf_config)["num_hidden_layers"]
+    for op in table.ops:
+        if ".local_experts." in op.mca or not op.mca.startswith("decoder.layers."):
+            continue
+        if op.mca.endswith(SHARED_GATE + "_weight"):
+            linear = op.mca[: -len("_weight")]
+        elif op.mca.endswith(".weight") and op.mca[: -len(".weight")].rsplit(".", 1)[-1] in _ADAPTABLE:
+            linear = op.mca[: -len(".weight")]
+        else:
+            continue
+        if isinstance(op, PerLayer):
+            per_layer = tuple(TargetLinear(linear, layer_op, pieces) if (pieces := pieces_of(layer_op, i)) else None
+                              for i, layer_op in enumerate(op.layers))
+            every = tuple({p.name: p for t in per_layer if t for p in t.pieces}.values())
+            if every:
+                targets.append(TargetLinear(linear, op, every, layers=per_layer))
+            continue
+        pieces = pieces_of(op, None)
+        shapes = {pieces_of(op, i) for i in range(num_layers)} - {()}
+        if len(shapes) > 1:  # its shape differs between layers (Gemma 4's full-attention o_proj): one per layer
+            per_layer = tuple(TargetLinear(linear, op, layer) if (layer := pieces_of(op, i)) else None
+                              for i in range(num_layers))
+            targets.append(TargetLinear(linear, op, pieces, layers=per_layer))
+        elif pieces:
+            targets.append(TargetLinear(linear, op, pieces))
     gates = [p.name for t in targets if t.mca.endswith(SHARED_GATE) for p in t.pieces]
     if gates and settings.dropout:
         raise UserError(f"lora_dropout={settings.dropout} with LoRA on {gates}: its adapter is folded into the gate's "
@@ -248,7 +277,7 @@ def refuse_split_pieces(targets: list[TargetLinear], tensor_parallel: int) -> No
     k and v of every head in turn): a tensor-parallel rank's rows of such a module are not one block of it, so
     their adapter's B cannot be split over TP ranks as each adapter is (a dist checkpoint's adapter is peft's)."""
     split = set()
-    for target in targets:
+    for target in (t for every in targets for t in (every.layers or (every,)) if t):
         if isinstance(target.op, GroupedRows):
             indices = [i for i, _ in target.op.parts]
             held = {target.op.hf[i][: -len(".weight")].rsplit(".", 1)[-1] for i in indices if indices.count(i) > 1}
