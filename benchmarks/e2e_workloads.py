@@ -190,8 +190,7 @@ SMOKE_SHAPES["glm5"] = {**GLM_5, **{k: v for k, v in TINY.items() if k != "head_
 SHAPES = {"dense": QWEN3_1_7B, "dense8b": QWEN3_8B, "moe": QWEN3_30B_A3B, "glm": GLM_4_5_AIR,
           "glm_mtp": {**GLM_4_5_AIR, "num_nextn_predict_layers": 1}, "moonlight": MOONLIGHT, "next": QWEN3_NEXT_80B,
           # GLM-5 without its MTP layer: one more full-size MoE layer (~19 GB) filled the GPU machine's 64 GiB disk,
-          # and
-          # LLaMA-Factory's default path drops it anyway
+          # and LLaMA-Factory's default path drops it anyway
           "gemma3": GEMMA3_1B, "gpt_oss": GPT_OSS_20B, "glm5": {**GLM_5, "num_nextn_predict_layers": 0}, **VL}
 LABELS = {"dense": "Qwen3-1.7B shape", "dense8b": "Qwen3-8B shape", "moe": "Qwen3-30B-A3B shape",
           "glm": "GLM-4.5-Air shape", "glm_mtp": "GLM-4.5-Air shape with its MTP layer",
