@@ -157,8 +157,12 @@ def check_layout(config: Any, layout: ParallelLayout, custom_pipeline_layout: bo
     has_dense = not all(config.is_moe_layer(i) for i in range(t["num_layers"]))
     dense_ffn = t["ffn_hidden_size"] if has_dense else None
 
+    # Gemma 4's full-attention layers have key/value heads of their own
+    full_groups = config.global_attention_shape.num_query_groups if t.get("global_attention") else groups
+
     def tp_fits(d: int) -> bool:
-        return heads % d == 0 and groups % d == 0 and (dense_ffn is None or dense_ffn % d == 0)
+        return (heads % d == 0 and groups % d == 0 and full_groups % d == 0
+                and (dense_ffn is None or dense_ffn % d == 0))
 
     problems = []
     tp_hint = f" (sizes that fit this model: {_listing(d for d in _divisors(heads) if tp_fits(d))})"
@@ -167,6 +171,9 @@ def check_layout(config: Any, layout: ParallelLayout, custom_pipeline_layout: bo
     elif groups % tp:
         problems.append(f"tensor_model_parallel_size={tp} does not divide the key/value heads "
                         f"(num_key_value_heads={groups})" + tp_hint)
+    elif full_groups % tp:
+        problems.append(f"tensor_model_parallel_size={tp} does not divide the full-attention layers' key/value heads "
+                        f"(num_global_key_value_heads={full_groups})" + tp_hint)
     elif dense_ffn is not None and dense_ffn % tp:
         problems.append(f"tensor_model_parallel_size={tp} does not divide ffn_hidden_size={dense_ffn}" + tp_hint)
     if config.is_hybrid:  # gated delta-rule layers: TP splits their key and value heads; no CP for them yet

@@ -36,10 +36,9 @@ def flops_per_sequence_set(t: dict[str, Any], vocab_size: int, seqlens: Sequence
     the shared expert and the router; the output layer counts the full vocabulary.
     """
     tokens = float(sum(seqlens))
-    squares = _attention_squares(t, seqlens)
     h = t["hidden_size"]
-    per_layer = 2 * tokens * attention_sizes(t)[0]  # the projections
-    per_layer += _core_attention_forward(t, squares)
+    per_layer = sum(share * (2 * tokens * attention_sizes(kind)[0] + _core_attention_forward(kind, squares))
+                    for share, kind, squares in _attention_kinds(t, seqlens))  # the projections, the core
     linear_layers = sum(t.get("linear_attention_freq") or [])
     if linear_layers:  # hybrid models: the gated delta-rule layers replace that many attention layers
         per_layer = (per_layer * (_layer_count(t) - linear_layers) + _delta_rule_flops(t, tokens) * linear_layers
@@ -67,21 +66,37 @@ def _core_attention_forward(t: dict[str, Any], squares: float) -> float:
 def core_attention_flops(t: dict[str, Any], seqlens: Sequence[int]) -> float:
     """QK^T and AV of every softmax-attention layer, forward only: what selective recompute of core attention adds."""
     layers = _layer_count(t) - sum(t.get("linear_attention_freq") or [])
-    return _core_attention_forward(t, _attention_squares(t, seqlens)) * layers
+    return sum(share * _core_attention_forward(kind, squares) for share, kind, squares in _attention_kinds(t, seqlens)
+               ) * layers
 
 
-def _attention_squares(t: dict[str, Any], seqlens: Sequence[int]) -> float:
-    """The squared lengths the causal-attention count halves, averaged over the layers: a sliding window of W tokens
-    sees s·W - W²/2 pairs of a sequence of s > W tokens (2·s·W - W² in squares) on the layers it covers."""
+def _attention_kinds(t: dict[str, Any], seqlens: Sequence[int]) -> list[tuple[float, dict[str, Any], float]]:
+    """(share of the layers, their fields, the squared lengths the causal count halves) for the windowed and the
+    full-attention layers: a sliding window of W tokens sees s·W - W²/2 pairs of a sequence of s > W tokens
+    (2·s·W - W² in squares); Gemma 4's full-attention layers have heads of their own (``global_attention``)."""
     full = float(sum(s * s for s in seqlens))
     if not t.get("window_size"):
-        return full
+        return [(1.0, full_attention_fields(t), full)]
     w = t["window_size"][0] + 1
     windowed = float(sum(s * s if s <= w else 2 * s * w - w * w for s in seqlens))
     pattern = t.get("window_attn_skip_freq")
     share = (sum(pattern) / len(pattern) if isinstance(pattern, list)  # 1: a windowed layer
              else 1 - 1 / pattern if isinstance(pattern, int) else 1.0)  # every n-th layer full, or none
-    return share * windowed + (1 - share) * full
+    return [(share, t, windowed), (1 - share, full_attention_fields(t), full)]
+
+
+def attention_layer_kinds(t: dict[str, Any]) -> list[tuple[float, dict[str, Any]]]:
+    """(share of the layers, their fields) of the windowed and the full-attention layers."""
+    return [(share, kind) for share, kind, _ in _attention_kinds(t, ())]
+
+
+def full_attention_fields(t: dict[str, Any]) -> dict[str, Any]:
+    """The full-attention layers' fields: Gemma 4's heads of their own (``global_attention``), else the model's."""
+    full = t.get("global_attention")
+    if not full:
+        return t
+    return {**t, "kv_channels": full["kv_channels"], "num_query_groups": full["num_query_groups"],
+            "keys_are_values": full.get("keys_are_values", False)}
 
 
 def _routed_expert_forward(t: dict[str, Any], tokens: float) -> float:
@@ -128,7 +143,8 @@ def attention_sizes(t: dict[str, Any]) -> tuple[int, int, int]:
     heads, groups, head_dim = attention_shape(t)
     q, kv = heads * head_dim, groups * head_dim
     gate = q * h if t.get("attention_output_gate") else 0  # q_proj's second half (Qwen3-Next)
-    return h * (q + 2 * kv) + q * h + gate, q, q
+    kv_projections = 1 if t.get("keys_are_values") else 2  # Gemma 4's full-attention layers: no v_proj
+    return h * (q + kv_projections * kv) + q * h + gate, q, q
 
 
 def indexer_weights(t: dict[str, Any]) -> int:
@@ -187,4 +203,9 @@ def model_parameter_count(config: Any) -> int:
         linear = sum(t["linear_attention_freq"]) * (projections + other - full)
     embeddings = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
     mtp = (t.get("mtp_num_layers") or 0) * (3 * h + 2 * h * h)  # enorm, hnorm, final norm, eh_proj
-    return layers * layer + moe_layers * moe + (layers - moe_layers) * dense + embeddings + h + mtp + linear
+    full = 0  # Gemma 4's full-attention layers: their own heads (its layer scalars are buffers in transformers)
+    if t.get("global_attention"):
+        wide = full_attention_fields(t)
+        extra = attention_sizes(wide)[0] - attention_sizes(t)[0] + 2 * (wide["kv_channels"] - head_dim)
+        full = sum(not config.windowed(i) for i in range(t["num_layers"])) * extra
+    return layers * layer + moe_layers * moe + (layers - moe_layers) * dense + embeddings + h + mtp + linear + full

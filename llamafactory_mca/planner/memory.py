@@ -20,7 +20,8 @@ import json
 import re
 from typing import Any
 
-from ..models.cost import attention_sizes, indexer_weights
+from ..models.config import attention_shape
+from ..models.cost import attention_layer_kinds, attention_sizes, indexer_weights
 from ..models.mapping import is_moe_layer
 from ..models.native.logit_chunks import logit_rows
 from ..parallel import ParallelLayout
@@ -140,10 +141,13 @@ def _side(size: int | list[int]) -> int:
 def _shapes(config: Any) -> dict[str, int]:
     t = config.transformer
     h = t["hidden_size"]
-    attn_weights, q, _ = attention_sizes(t)
-    _, groups, head_dim = config.attention
+    # per layer, averaged over the windowed and the full-attention layers (Gemma 4's have heads of their own)
+    kinds = attention_layer_kinds(t)
+    attn_weights = sum(share * attention_sizes(kind)[0] for share, kind in kinds)
+    q = sum(share * attention_sizes(kind)[1] for share, kind in kinds)
+    kv = sum(share * attention_shape(kind).num_query_groups * attention_shape(kind).head_dim for share, kind in kinds)
     glu = 2 if t.get("gated_linear_unit", True) else 1
-    return dict(h=h, q=q, kv=groups * head_dim if not t.get("multi_latent_attention") else q,
+    return dict(h=h, q=q, kv=kv if not t.get("multi_latent_attention") else q,
                 attn=attn_weights + indexer_weights(t), dsa=int(t.get("experimental_attention_variant") == "dsa"),
                 f=t["ffn_hidden_size"], glu=glu, experts=t.get("num_moe_experts") or 0,
                 topk=t.get("moe_router_topk") or 0,

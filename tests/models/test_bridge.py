@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from llamafactory_mca.tools.tiny import TINY, save_tiny_model
+from llamafactory_mca.tools.tiny import TINY, save_tiny_model, tiny_hf_config
 from tests._dist import run_distributed
 from tests._reference import reference_attention
 from tests.models._bridge import INPUT, hf_tensors, pipeline_logits, save_mxfp4_experts
@@ -207,6 +207,7 @@ def _layout(**sizes):
 @pytest.mark.parametrize("name,sizes,message", [
     ("qwen3", {"tp": 8}, "does not divide num_attention_heads=4"),
     ("qwen3", {"tp": 4}, "does not divide the key/value heads"),
+    ("gemma4_text", {"tp": 4}, r"does not divide the full-attention layers' key/value heads \(num_global_key_value"),
     ("llama_odd_ffn", {"tp": 2}, "does not divide ffn_hidden_size=93"),
     ("glm4_moe_odd_ffn", {"tp": 2}, "does not divide ffn_hidden_size=93"),  # its dense first layer's MLP
     ("mixtral", {"ep": 2}, "expert_model_parallel_size=2 does not divide num_experts=3"),
@@ -249,8 +250,16 @@ def test_unsupported_models_fail_with_the_supported_list(tmp_path):
 
     GPT2Config(n_layer=1).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(ValueError, match="not supported by llamafactory_mca; supported: deepseek_v3, gemma3, "
-                                         "gemma3_text, glm4_moe, glm4v_moe, glm_moe_dsa, gpt_oss, internvl, llama"):
+                                         "gemma3_text, gemma4_text, glm4_moe, glm4v_moe, glm_moe_dsa, gpt_oss, "
+                                         "internvl, llama"):
         AutoConfig.from_pretrained(str(tmp_path / "gpt2"))
+    # Gemma 4's parts of the small and MoE models, one line each
+    for key, value, what in (("hidden_size_per_layer_input", 8, "per-layer input embeddings"),
+                             ("num_kv_shared_layers", 2, "layers sharing another layer's keys and values"),
+                             ("enable_moe_block", True, "the MoE block beside the MLP")):
+        tiny_hf_config("gemma4_text", **{key: value}).save_pretrained(tmp_path / key)
+        with pytest.raises(ValueError, match=f"gemma4_text: {key}={value!r} \\({what}"):
+            AutoConfig.from_pretrained(str(tmp_path / key))
     LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 4.0}, max_position_embeddings=256).save_pretrained(
         tmp_path / "dynamic")
     with pytest.raises(ValueError, match="rope scaling 'dynamic' is not supported.*supported: default, linear, "
@@ -260,7 +269,6 @@ def test_unsupported_models_fail_with_the_supported_list(tmp_path):
     with pytest.raises(ValueError, match="attention_bias=True"):
         AutoConfig.from_pretrained(str(tmp_path / "bias"))
     # sigmoid routing Megatron cannot reproduce
-    from llamafactory_mca.tools.tiny import tiny_hf_config
 
     tiny_hf_config("glm4_moe", norm_topk_prob=False).save_pretrained(tmp_path / "glm")
     with pytest.raises(ValueError, match="norm_topk_prob=False with sigmoid routing"):
