@@ -55,6 +55,12 @@ def marks() -> dict[str, float]:
     return found
 
 
+def forked() -> bool:
+    """Whether the launcher imported what the ranks run and forked them (else they were spawned, or started by a bare
+    torchrun, and imported it themselves)."""
+    return IMPORTED in marks()
+
+
 def launcher_phases(rank_start: float) -> tuple[float, str] | None:
     """The launcher's time until this rank began, and how it split; None without a launcher of ours (a bare
     torchrun). A spawned rank imports for itself: its launcher's part ends at the checks."""
@@ -62,7 +68,7 @@ def launcher_phases(rank_start: float) -> tuple[float, str] | None:
     if COMMAND not in at or CHECKED not in at:
         return None
     parts = [f"LLaMA-Factory's imports and the recipe's checks {at[CHECKED] - at[COMMAND]:.1f} s"]
-    if IMPORTED in at:
+    if forked():
         parts += [f"the ranks' imports {at[IMPORTED] - at[CHECKED]:.1f} s",
                   f"forking {max(rank_start - at[IMPORTED], 0.0):.1f} s"]
     else:

@@ -202,8 +202,7 @@ def _run(stage: str, model_args, data_args, training_args, finetuning_args, call
 def _startup(rank_start: float, before_run: float, started: float, data_ready: float, model_ready: float) -> str:
     """The summary's ``startup`` line: the launcher's phases (``start_clock``), rank 0's, what step 1 does."""
     launcher = start_clock.launcher_phases(rank_start)
-    forked = start_clock.IMPORTED in start_clock.marks()
-    rank = (f"{'arguments and process group' if forked else 'imports, arguments and process group'} "
+    rank = (f"{'arguments and process group' if start_clock.forked() else 'imports, arguments and process group'} "
             f"{before_run:.1f} s, data {data_ready - started:.1f} s (read, tokenized, planned), model "
             f"{model_ready - data_ready:.1f} s (built, loaded), optimizer {time.monotonic() - model_ready:.1f} s")
     step = ("step 1 compiles and captures what it needs" if torch.cuda.is_available()

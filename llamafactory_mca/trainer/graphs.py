@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
+from megatron.core.pipeline_parallel import schedules
 
 
 _MANAGER = "cudagraph_manager"  # the attribute megatron-core's layers test to route a call through their graphs
@@ -22,8 +23,6 @@ _CAPTURE = {"seconds": 0.0}
 def time_capture() -> None:
     """megatron-core 0.16.x captures the graphs at the end of step 1 (``schedules.create_cudagraphs``) and returns how
     long that took, which its schedules drop: kept here for the step-1 line (:func:`capture_seconds`)."""
-    from megatron.core.pipeline_parallel import schedules
-
     create = schedules.create_cudagraphs
     if getattr(create, "timed", False):
         return
