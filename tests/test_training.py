@@ -326,7 +326,10 @@ PACKED_FAMILIES = {
                      "model.layers.0.pre_feedforward_layernorm.weight", "model.layers.2.self_attn.q_norm.weight")),
     # Gemma 4's dense decoder: windows of 6 on every other layer, the full-attention layers' wider heads whose keys are
     # the values, the values' norm, layer scalars (stored, never trained), soft-capped logits
-    "gemma4_text": (("sliding window 6 tokens on 2 of 4 layers",), ("o_proj", "q_proj"), "Gemma4ForCausalLM",
+    "gemma4_text": (("sliding window 6 tokens on 2 of 4 layers",
+                     "full-attention layers: heads of 32, 2 key/value heads (the keys are the values), RoPE on 25% of "
+                     "each head (base 1e+06)",
+                     "logits soft-capped at 3 (the loss takes them whole)"), ("o_proj", "q_proj"), "Gemma4ForCausalLM",
                     ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
                      "model.layers.0.self_attn.v_proj.weight", "model.layers.3.self_attn.k_norm.weight",
                      "model.layers.2.post_feedforward_layernorm.weight")),

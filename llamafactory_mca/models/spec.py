@@ -277,6 +277,13 @@ def describe_kernels(config: TransformerConfig) -> str:
         line += f"; sliding window {config.window_size[0] + 1} tokens on {layers} ({how})"
         if getattr(config, "window_rotary_base", None):
             line += f", RoPE base {config.window_rotary_base:g} there"
+    full = getattr(config, "global_attention", None)
+    if full:
+        line += (f"; full-attention layers: heads of {full['kv_channels']}, {full['num_query_groups']} key/value heads"
+                 + (" (the keys are the values)" if full.get("keys_are_values") else "")
+                 + f", RoPE on {full['rope_fraction']:.0%} of each head (base {full['rotary_base']:g})")
+    if getattr(config, "final_logit_softcapping", None):
+        line += f"; logits soft-capped at {config.final_logit_softcapping:g} (the loss takes them whole)"
     if getattr(config, "image_look_ahead", False):
         line += "; image tokens see their whole image: one SDPA call under a mask"
     if getattr(config, "softmax_type", "vanilla") != "vanilla":
