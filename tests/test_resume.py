@@ -5,7 +5,7 @@ the same losses (fp32 on CPU, the same padded rows in every layout: equal to 1e-
 The chain changes, one link at a time: PP2 (the plain optimizer) -> TP2 (the distributed optimizer: model space into
 its buckets), TP2 -> TP2 x DP2, TP2 x DP2 -> PP2, PP2 -> PP2 x VPP2, PP2 x VPP2 -> PP2, PP2 -> CP2 with the plain
 optimizer again (the buckets read back in model space). The MoE model: EP2 -> EP1 -> TP2 x ETP2; gpt-oss (sinks,
-biased experts): EP2 -> TP2 -> PP2. LoRA: TP2 -> PP2
+biased experts): EP2 -> TP2 -> PP2; Gemma 4 (layers of two shapes): TP2 -> PP2. LoRA: TP2 -> PP2
 (the adapters' optimizer state). What cannot continue the same run (another stage, LoRA <-> full, another model) is
 one line before any worker starts, and a checkpoint of an earlier version under another layout names the change and
 the way out.
@@ -141,6 +141,25 @@ def test_gpt_oss_resumes_from_ep2_to_tp2_and_to_pp2(assets, tmp_path):
                           pipeline_model_parallel_size=2, gradient_accumulation_steps=4, model_name_or_path=model)
     ok(result, output)
     _same_losses(expected, losses(tmp_path / "pp2"), (5, 6))
+
+
+def test_gemma4_resumes_from_tp2_to_pp2(assets, tmp_path):
+    """Gemma 4's full-attention layers (their own head sizes, checkpointed per layer; q and k only where the keys are
+    the values) and its frozen layer scalars, with the distributed optimizer's buckets: TP2 + SP -> PP2 trains the
+    same steps."""
+    from llamafactory_mca.tools.tiny import save_tiny_model, save_tiny_tokenizer
+
+    model = save_tiny_model("gemma4_text", str(tmp_path / "gemma4"), vocab_size=assets["vocab"])
+    save_tiny_tokenizer(model)
+    result, output = _run(tmp_path, assets, "tp2", 2, 4, tensor_model_parallel_size=2, sequence_parallel=True,
+                          gradient_accumulation_steps=4, model_name_or_path=model)
+    ok(result, output)
+    expected = losses(tmp_path / "tp2")
+    result, output = _run(tmp_path, assets, "pp2", 2, 4, resume=tmp_path / "tp2" / "checkpoint-2",
+                          pipeline_model_parallel_size=2, gradient_accumulation_steps=4, model_name_or_path=model)
+    ok(result, output)
+    assert "tensor_model_parallel_size 2 -> 1, pipeline_model_parallel_size 1 -> 2" in output, output[-3000:]
+    _same_losses(expected, losses(tmp_path / "pp2"), (3, 4))
 
 
 def test_lora_resumes_from_tp2_to_pp2(assets, tmp_path):
