@@ -458,8 +458,7 @@ class GemmaScales(Part):
 
 def _window_rope(hf: Any) -> dict[str, Any] | None:
     """The sliding-window layers' RoPE where the config gives RoPE per kind of layer."""
-    params = getattr(hf, "rope_parameters", None)
-    return dict(params["sliding_attention"]) if layer_typed_rope(params) and params.get("sliding_attention") else None
+    return typed_rope(hf, "sliding_attention") or None
 
 
 def _rope_dict(hf: Any) -> dict[str, Any]:
@@ -485,6 +484,52 @@ class SlidingWindow:
         return window_fields(window, getattr(hf, "layer_types", None), hf.num_hidden_layers) if window else {}
 
 
+def typed_rope(hf: Any, kind: str) -> dict[str, Any]:
+    """The RoPE of ``kind``'s layers where the config gives RoPE per kind of layer (empty otherwise)."""
+    params = getattr(hf, "rope_parameters", None)
+    return dict(params.get(kind) or {}) if layer_typed_rope(params) else {}
+
+
+@dataclass(frozen=True)
+class Gemma4Layers(Part):
+    """What Gemma 4's layers add to Gemma 3's: the full-attention layers' own heads (``global_attention``: their head
+    size, key/value heads, keys that are the values, proportional RoPE), the values' weightless norm, q·k unscaled,
+    the layer scalars, soft-capped logits (``families/gemma4.py``); the small and MoE models' parts refused."""
+
+    def check(self, model_type: str, hf: Any) -> None:
+        refusals = (("hidden_size_per_layer_input", "per-layer input embeddings (Gemma 4's E2B/E4B)"),
+                    ("num_kv_shared_layers", "layers sharing another layer's keys and values (Gemma 4's E2B/E4B)"),
+                    ("enable_moe_block", "the MoE block beside the MLP (Gemma 4's 26B-A4B)"),
+                    ("use_bidirectional_attention", "bidirectional attention"))
+        for key, what in refusals:
+            if getattr(hf, key, None):
+                refuse(model_type, f"{key}={getattr(hf, key)!r} ({what})", "Supported: Gemma 4's dense decoder "
+                       "(the 31B's layout).")
+        if not layer_typed_rope(hf.rope_parameters):
+            refuse(model_type, f"rope_parameters={hf.rope_parameters}", "Supported: RoPE per kind of layer.")
+        window, full = typed_rope(hf, "sliding_attention"), typed_rope(hf, "full_attention")
+        if window.get("rope_type", "default") != "default" or window.get("partial_rotary_factor", 1.0) != 1.0:
+            refuse(model_type, f"RoPE {window} on the sliding-window layers", "Supported: plain RoPE on whole heads.")
+        if full.get("rope_type", "default") not in ("default", "proportional") or full.get("factor", 1.0) != 1.0:
+            refuse(model_type, f"RoPE {full} on the full-attention layers",
+                   "Supported: plain or proportional RoPE, unscaled (Gemma 4's).")
+
+    def transformer(self, hf: Any) -> dict[str, Any]:
+        full = typed_rope(hf, "full_attention")
+        keys_are_values = bool(hf.attention_k_eq_v)
+        groups = (hf.num_global_key_value_heads if keys_are_values and hf.num_global_key_value_heads
+                  else hf.num_key_value_heads)
+        fraction = full.get("partial_rotary_factor", 1.0) if full.get("rope_type") == "proportional" else 1.0
+        return dict(embedding_multiplier=hf.hidden_size ** 0.5, softmax_scale=1.0, value_norm=True,
+                    layer_scalars=True, final_logit_softcapping=hf.final_logit_softcapping or None,
+                    global_attention=dict(kv_channels=hf.global_head_dim or hf.head_dim, num_query_groups=groups,
+                                          keys_are_values=keys_are_values,
+                                          rotary_base=float(full.get("rope_theta", 1e6)), rope_fraction=fraction))
+
+    def weights(self, config: McaConfig) -> list[Op]:
+        return [Rename(f"{LAYER}layer_scalar", (f"{HF_LAYER}layer_scalar",))]
+
+
 # HF's activation of a gated MLP -> ours (``config._ACTIVATIONS``): SwiGLU, and GeGLU with GELU's tanh approximation
 GLU_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -508,10 +553,11 @@ class DecoderFamily(Family):
     linear_biases: LinearBiases | None = None
     sinks: AttentionSinks | None = None
     expert_activation: ClampedSwiGLU | None = None
+    gemma4: Gemma4Layers | None = None
 
     def parts(self) -> list[Part]:
         """The declared parts, in the order their weight ops follow the layer's."""
-        return [part for part in (self.qk_norm, self.sandwich_norms, self.gemma, self.linear_attention,
+        return [part for part in (self.qk_norm, self.sandwich_norms, self.gemma, self.gemma4, self.linear_attention,
                                   self.linear_biases, self.sinks, self.expert_activation, self.moe, self.mtp,
                                   self.vision) if part is not None]
 
