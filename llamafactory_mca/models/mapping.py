@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol
 
 import torch
@@ -116,6 +116,10 @@ class Op:
 
     def rows_as_hf(self, rows: torch.Tensor) -> torch.Tensor:
         return rows
+
+    def moved(self, move: Callable[[str], str]) -> Op:
+        """This op with its HF names moved (a VL checkpoint keeps the language model under a prefix)."""
+        return replace(self, hf=tuple(move(name) for name in self.hf))
 
 
 class Dims(NamedTuple):
@@ -261,6 +265,9 @@ class Reshaped(Op):
     def rows_as_hf(self, rows):
         return self.inner.rows_as_hf(rows)
 
+    def moved(self, move):
+        return replace(super().moved(move), inner=self.inner.moved(move))
+
 
 @dataclass(frozen=True)
 class PerLayer(Op):
@@ -272,6 +279,9 @@ class PerLayer(Op):
 
     def at(self, layer: int) -> Op:
         return self.layers[layer]
+
+    def moved(self, move):
+        return replace(super().moved(move), layers=tuple(op.moved(move) for op in self.layers))
 
 
 @dataclass(frozen=True)

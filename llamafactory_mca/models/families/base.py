@@ -9,7 +9,7 @@ own config fields, refusals and weight ops: a family file only declares which pa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from ..config import (
@@ -373,7 +373,7 @@ class Vision(Part):
                 return self.text_prefix + name[len("model."):]
             return head + name if name.startswith("lm_head.") else name
 
-        return [replace(op, hf=tuple(move(name) for name in op.hf)) for op in ops]
+        return [op.moved(move) for op in ops]
 
 
 @dataclass(frozen=True)
