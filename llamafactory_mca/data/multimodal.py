@@ -93,14 +93,15 @@ class VisionInputs:
     """What a vision-language model needs beside the tokens, built at collation."""
 
     def __init__(self, mm_plugin: Any, processor: Any, hf_config: dict[str, Any],
-                 video_span: tuple[int, int] | None = None) -> None:
+                 video_span: tuple[int, int] | None = None, images: bool = True) -> None:
         self.plugin, self.processor = mm_plugin, processor
         self.image_token_id, self.video_token_id = image_token_id(hf_config), hf_config.get("video_token_id")
         self.video_span = video_span
+        self.model_type, self.images = hf_config["model_type"], images  # (images: False, text rows only)
         # LLaVA's layout (Gemma 3, InternVL): every image the same count of tokens, plain 1-D positions; otherwise
         # patch grids (t, h, w) merged merge x merge into tokens, and multimodal RoPE's 3-D positions
         self.tokens_per_image = tokens_per_image(hf_config)
-        if self.tokens_per_image is None:
+        if self.tokens_per_image is None and images:
             self.rope_index = _rope_index(hf_config)
             self.merge = hf_config["vision_config"]["spatial_merge_size"]
 
@@ -117,6 +118,12 @@ class VisionInputs:
             [s for _ in range(width) for s in samples]
         images = [image for sample in order for image in sample.images]
         videos = [video for sample in order for video in sample.videos]
+        if (images or videos) and not self.images:
+            raise UserError(f"{len(images)} image(s) and {len(videos)} video(s) in a micro-batch of {self.model_type}"
+                            ": llamafactory_mca trains its language model on text rows and does not support images "
+                            "or videos for it yet. Drop the dataset's images and videos columns, or unset USE_MCA.")
+        if not self.images:
+            return batch
         if videos and self.tokens_per_image:
             # LLaMA-Factory's plugin (InternVL's) gives a batch's video frames after all of its images, which the
             # placeholders, row after row, would take in another order: rows would train on each other's features

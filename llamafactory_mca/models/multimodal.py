@@ -74,14 +74,25 @@ class TowerWithProjector(torch.nn.Module):
         super().__init__()
         self.vision_tower = transformers.AutoModel.from_config(hf.vision_config, dtype=dtype,
                                                                attn_implementation="sdpa")
-        self.multi_modal_projector = _vl_class(hf, "MultiModalProjector")(hf).to(dtype)
+        name, projector = _projector(hf)
+        setattr(self, name, projector.to(dtype))
         features = vl_model_shell(hf)
-        features.vision_tower, features.multi_modal_projector = self.vision_tower, self.multi_modal_projector
+        features.vision_tower = self.vision_tower
+        setattr(features, name, getattr(self, name))
         object.__setattr__(self, "_features", features)  # not a submodule: the parameters are this module's
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: None = None) -> torch.Tensor:
         """[images, channels, height, width] -> [images, tokens per image, hidden]."""
         return self._features.get_image_features(pixel_values=pixel_values, return_dict=True).pooler_output
+
+
+def _projector(hf: Any) -> tuple[str, torch.nn.Module]:
+    """The VL model's projector under its name there: LLaVA's ``multi_modal_projector`` (Gemma 3, InternVL), or
+    Gemma 4's ``embed_vision`` (a weightless RMSNorm and a linear, ``*MultimodalEmbedder``)."""
+    try:
+        return "multi_modal_projector", _vl_class(hf, "MultiModalProjector")(hf)
+    except ValueError:
+        return "embed_vision", _vl_class(hf, "MultimodalEmbedder")(hf.vision_config, hf.get_text_config())
 
 
 def _vl_class(hf: Any, suffix: str) -> type:

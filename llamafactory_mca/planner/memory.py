@@ -117,12 +117,19 @@ def _count_tower(config: Any, vision: dict[str, Any], training: Training) -> Vis
     # InternViT's encoder.layer, whose first norm is layernorm_before)
     prefix = next(m.group(1) for name in params if (m := _FIRST_BLOCK.match(name)))
     block = {name[len(prefix):]: p for name, p in params.items() if name.startswith(prefix)}
-    width = next(p.shape[0] for name, p in block.items() if name.endswith(("norm1.weight", "norm_before.weight")))
+    width = next(p.shape[0] for name, p in block.items()
+                 if name.endswith(("norm1.weight", "norm_before.weight", "input_layernorm.weight")))
     ffn = next(p.shape[0] for name, p in block.items() if name.startswith("mlp.") and p.dim() == 2
                and p.shape[1] == width)
-    # patches behind a placeholder: merged n x n, or (LLaVA's layout) a whole image pooled to a fixed count
-    patches = vision.get("spatial_merge_size", 2) ** 2 if not projector else \
-        _side(vision["image_size"]) ** 2 // _side(vision["patch_size"]) ** 2 // tokens_per_image(config.hf_config)
+    # patches behind a placeholder: merged n x n, pooled k x k (Gemma 4), or (LLaVA's layout) a whole image pooled
+    # to a fixed count
+    if not projector:
+        patches = vision.get("spatial_merge_size", 2) ** 2
+    elif vision.get("pooling_kernel_size"):
+        patches = vision["pooling_kernel_size"] ** 2
+    else:
+        patches = _side(vision["image_size"]) ** 2 // _side(vision["patch_size"]) ** 2 // tokens_per_image(
+            config.hf_config)
     return VisionTower(params=sum(p.numel() for p in params.values()),
                        trainable=sum(p.numel() for n, p in params.items() if not frozen(n)),
                        hidden=width, ffn=ffn,

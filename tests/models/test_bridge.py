@@ -180,6 +180,30 @@ def test_round_trip_is_bit_identical(layout, name, layouts, tiny_models):
 
 
 @pytest.mark.slow
+def test_gemma4_as_the_hub_stores_it_trains_its_text_and_carries_its_tower(tmp_path):
+    """Gemma 4's hub layout (``gemma4``: the decoder under model.language_model., a vision tower and its embedder
+    beside it): text logits equal transformers' at DP2, TP2 + SP and PP2, and every tensor, the tower's and the
+    embedder's too, comes back bit for bit through save_pretrained and megatron_merge. Images are refused for now
+    (tests/models/test_multimodal.py)."""
+    model = save_tiny_model("gemma4", str(tmp_path / "gemma4"))
+    plan = [(name, sizes, [("gemma4", model, str(tmp_path / name) if name == "tp2_sp" else None)])
+            for name, sizes in (("dp2", {}), ("tp2_sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+                                ("pp2", {"pipeline_model_parallel_size": 2}))]
+    per_rank = run_distributed(_run_layouts, 2, plan)
+    reference = _hf_logits(model)
+    for name, _, _ in plan:
+        got = next(r[(name, "gemma4")]["logits"] for r in per_rank if r[(name, "gemma4")]["logits"] is not None)
+        assert (got[..., :reference.shape[-1]] - reference).abs().max().item() <= 1e-4, name
+    _assert_same_weights(str(tmp_path / "tp2_sp" / "hf"), model)
+    merged = str(tmp_path / "merged")
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "megatron_merge.py"), "--checkpoint_path",
+                             str(tmp_path / "tp2_sp" / "ckpt"), "--output_path", merged], capture_output=True,
+                            text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    _assert_same_weights(merged, model)
+
+
+@pytest.mark.slow
 def test_each_rank_reads_only_its_slices(layouts, tiny_models):
     """TP2: each rank reads about half of the weights (norms and the router are replicated)."""
     total = sum(t.numel() * t.element_size() for t in hf_tensors(tiny_models["qwen3"]).values())
@@ -250,8 +274,8 @@ def test_unsupported_models_fail_with_the_supported_list(tmp_path):
 
     GPT2Config(n_layer=1).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(ValueError, match="not supported by llamafactory_mca; supported: deepseek_v3, gemma3, "
-                                         "gemma3_text, gemma4_text, glm4_moe, glm4v_moe, glm_moe_dsa, gpt_oss, "
-                                         "internvl, llama"):
+                                         "gemma3_text, gemma4, gemma4_text, glm4_moe, glm4v_moe, glm_moe_dsa, "
+                                         "gpt_oss, internvl, llama"):
         AutoConfig.from_pretrained(str(tmp_path / "gpt2"))
     # Gemma 4's parts of the small and MoE models, one line each
     for key, value, what in (("hidden_size_per_layer_input", 8, "per-layer input embeddings"),
@@ -260,6 +284,9 @@ def test_unsupported_models_fail_with_the_supported_list(tmp_path):
         tiny_hf_config("gemma4_text", **{key: value}).save_pretrained(tmp_path / key)
         with pytest.raises(ValueError, match=f"gemma4_text: {key}={value!r} \\({what}"):
             AutoConfig.from_pretrained(str(tmp_path / key))
+    tiny_hf_config("gemma4", audio_config={}).save_pretrained(tmp_path / "audio")  # the E2B/E4B checkpoints' ears
+    with pytest.raises(ValueError, match=r"gemma4: an audio tower \(audio_config\) is not supported"):
+        AutoConfig.from_pretrained(str(tmp_path / "audio"))
     LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 4.0}, max_position_embeddings=256).save_pretrained(
         tmp_path / "dynamic")
     with pytest.raises(ValueError, match="rope scaling 'dynamic' is not supported.*supported: default, linear, "

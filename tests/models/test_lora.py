@@ -154,7 +154,8 @@ def test_trainable_parameters_are_peft_s(tmp_path):
              ("glm4_moe", ["all"]), ("deepseek_v3", ["all", "experts"]),
              ("qwen3_next", ["all"]), ("qwen3_next", ["in_proj_qkvz", "in_proj_ba", "out_proj", "experts"]),
              ("qwen2_moe", ["all"]), ("glm4v_moe", ["all"]), ("gemma3", ["all"]), ("internvl", ["all"]),
-             ("minimax_m2", ["all", "experts"]), ("glm_moe_dsa", ["all"]), ("gemma4_text", ["all"])]
+             ("minimax_m2", ["all", "experts"]), ("glm_moe_dsa", ["all"]), ("gemma4_text", ["all"]),
+             ("gemma4", ["all"])]
     models = {name: save_tiny_model(name, str(tmp_path / name)) for name in {n for n, _ in cases}}
     (ours,) = run_distributed(_count, 1, models, cases)
     for (name, targets), count in zip(cases, ours):

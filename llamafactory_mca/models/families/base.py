@@ -324,7 +324,9 @@ class Vision(Part):
     stores it: Gemma 3's hub files nest the encoder deeper; a checkpoint may hold transformers' in-memory names).
     ``image_look_ahead``: an image's tokens see the whole image, later ones too (Gemma 3's bidirectional attention
     inside each image). ``decoders``: the text config's model types the layout is declared
-    with, where the VL model takes several (InternVL); empty: the family's own.
+    with, where the VL model takes several (InternVL); empty: the family's own. ``images``: False where images are
+    not supported yet (Gemma 4): the tower and projector are carried (loaded, frozen unless trained, merged back),
+    rows train on their text, and a micro-batch with images or videos is refused in one line.
     """
 
     tower_prefix: str = "visual."
@@ -336,6 +338,7 @@ class Vision(Part):
     aliases: tuple[tuple[str, str], ...] = ()
     image_look_ahead: bool = False
     decoders: tuple[str, ...] = ()
+    images: bool = True
 
     def video_span(self, hf_config: dict[str, Any]) -> tuple[int, int] | None:
         """The ids opening and closing a video whose frames are image tokens (``video_frames_as_images``)."""

@@ -5,9 +5,13 @@ have wider heads (``global_head_dim``), their own number of key/value heads and,
 that are also the values (``config.global_layer_configs``, ``native/sublayers.py``); they rotate by proportional RoPE
 (a share of each head's frequencies, the rest unrotated), the windowed layers by plain RoPE, the model's table.
 
+The hub's checkpoints (``gemma4``) hold this decoder under ``model.language_model.`` beside a vision tower and its
+``embed_vision``: those are carried (loaded, frozen unless trained, merged back) and rows train on their text; images
+and videos are not supported yet (a micro-batch with them is refused, naming them), nor an audio tower.
+
 Refused, one line each: the per-layer input embeddings and key/value-sharing layers of the small models
 (``hidden_size_per_layer_input``, ``num_kv_shared_layers``), the MoE block (``enable_moe_block``), bidirectional
-attention."""
+attention, the audio tower."""
 
 from dataclasses import replace
 from typing import Any
@@ -15,7 +19,7 @@ from typing import Any
 from ..config import McaConfig
 from ..mapping import FusedQK, FusedQKV, Op, PerLayer, Reshaped
 from ..registry import register
-from .base import DecoderFamily, Gemma4Layers, QKNorm, SandwichNorms, SlidingWindow, typed_rope
+from .base import DecoderFamily, Gemma4Layers, QKNorm, SandwichNorms, SlidingWindow, Vision, refuse, typed_rope
 
 
 @register("gemma4_text")
@@ -46,3 +50,14 @@ class Gemma4TextFamily(DecoderFamily):
             else Reshaped(qkv.mca, qkv.hf, inner=FusedQKV(qkv.mca, qkv.hf), shape=shape)
         layers = tuple(qkv if config.windowed(i) else full for i in range(config.num_layers))
         return [PerLayer(op.mca, op.hf, layers=layers) if op is qkv else op for op in ops]
+
+
+@register("gemma4")
+class Gemma4Family(Gemma4TextFamily):
+    vision = Vision(tower_prefix="model.", text_prefix="model.language_model.", projector=True, images=False)
+
+    def config_from_hf(self, hf: Any) -> McaConfig:
+        if getattr(hf, "audio_config", None) is not None:
+            refuse(self.model_type, "an audio tower (audio_config)", "Supported: the checkpoints without audio "
+                   "(Gemma 4 26B-A4B, 31B).")
+        return super().config_from_hf(hf)
