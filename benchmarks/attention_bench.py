@@ -174,17 +174,26 @@ def _isolated(case: str, kernel: str, repeat: int) -> dict:
     return {"case": case, "kernel": kernel, "sequences": "", "max_len": "", "status": error[-1][:160]}
 
 
-def _markdown(meta: dict, rows: list[dict]) -> str:
-    lines = ["# Causal attention kernels, forward + backward", "", meta["machine"] + "; " + meta["versions"], "",
-             "| case | kernel | sequences (max) | fwd ms | fwd+bwd ms | TFLOP/s | out diff | dq diff | status |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        def f(key, fmt):
-            return format(r[key], fmt) if key in r else ""
-        lines.append(f"| {r['case']} | {r['kernel']} | {r['sequences']} ({r['max_len']}) | {f('fwd_ms', '.3f')} | "
-                     f"{f('fwd_bwd_ms', '.3f')} | {f('tflops', '.0f')} | {f('out_diff', '.1e')} | "
-                     f"{f('dq_diff', '.1e')} | {r['status']} |")
+def number(key: str, fmt: str):
+    """A table cell: the row's ``key`` formatted, empty where the row has none."""
+    return lambda r: format(r[key], fmt) if key in r else ""
+
+
+def markdown_table(title: str, meta: dict, columns: list[tuple[str, object]], rows: list[dict]) -> str:
+    """``columns``: (header, the cell of a row)."""
+    lines = [f"# {title}", "", meta["machine"] + "; " + meta["versions"], "",
+             "| " + " | ".join(header for header, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r) for _, cell in columns) + " |" for r in rows]
     return "\n".join(lines) + "\n"
+
+
+def _markdown(meta: dict, rows: list[dict]) -> str:
+    return markdown_table("Causal attention kernels, forward + backward", meta, [
+        ("case", lambda r: r["case"]), ("kernel", lambda r: r["kernel"]),
+        ("sequences (max)", lambda r: f"{r['sequences']} ({r['max_len']})"), ("fwd ms", number("fwd_ms", ".3f")),
+        ("fwd+bwd ms", number("fwd_bwd_ms", ".3f")), ("TFLOP/s", number("tflops", ".0f")),
+        ("out diff", number("out_diff", ".1e")), ("dq diff", number("dq_diff", ".1e")),
+        ("status", lambda r: r["status"])], rows)
 
 
 def main() -> None:

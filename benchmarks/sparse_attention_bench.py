@@ -29,7 +29,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from attention_bench import _time  # noqa: E402
+from attention_bench import _time, markdown_table, number  # noqa: E402
 
 from llamafactory_mca.models.native.kernels import make_plan, segment_attention  # noqa: E402
 from llamafactory_mca.models.native.sparse_attention import NativeSparseAttention  # noqa: E402
@@ -103,17 +103,11 @@ def _case(shape: dict, n: int, repeat: int, device: str) -> list[dict]:
 
 
 def _markdown(meta: dict, rows: list[dict]) -> str:
-    lines = ["# GLM-5's sparse attention against dense attention, one layer, forward + backward", "",
-             meta["machine"] + "; " + meta["versions"], "",
-             "| tokens | attention | keys per query | fwd ms | fwd+bwd ms | speed vs dense | peak GiB | out diff |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        def f(key, fmt):
-            return format(r[key], fmt) if key in r else ""
-        lines.append(f"| {r['tokens']} | {r['attention']} | {r['keys_per_query']:.0f} | {f('fwd_ms', '.1f')} | "
-                     f"{f('fwd_bwd_ms', '.1f')} | {f('vs_dense', '.2f')} | {f('peak_gib', '.2f')} | "
-                     f"{f('out_diff', '.1e')} |")
-    return "\n".join(lines) + "\n"
+    return markdown_table("GLM-5's sparse attention against dense attention, one layer, forward + backward", meta, [
+        ("tokens", lambda r: str(r["tokens"])), ("attention", lambda r: r["attention"]),
+        ("keys per query", number("keys_per_query", ".0f")), ("fwd ms", number("fwd_ms", ".1f")),
+        ("fwd+bwd ms", number("fwd_bwd_ms", ".1f")), ("speed vs dense", number("vs_dense", ".2f")),
+        ("peak GiB", number("peak_gib", ".2f")), ("out diff", number("out_diff", ".1e"))], rows)
 
 
 def main() -> None:
