@@ -93,7 +93,8 @@ def test_pt_first_step_loss_is_llamafactory_corrected_for_its_unpredicted_first_
                         r"[\d.]+ s\); rank 0: arguments and process group [\d.]+ s, data ", output)
     assert startup and "Step 1 took " in output, output[-3000:]
     total, launcher, checks, imports = map(float, startup.groups())
-    assert 0 < checks + imports <= launcher + 0.1 <= total + 0.1, startup.group(0)
+    # each printed to 0.1 s: two rounded phases may exceed their rounded sum by up to 0.1 s
+    assert 0 < checks + imports <= launcher + 0.15 and launcher <= total + 0.1, startup.group(0)
     ours = losses(tmp_path / "mca")[1]
     _default_path(tmp_path, config, "default")
     theirs = losses(tmp_path / "default")[1]
