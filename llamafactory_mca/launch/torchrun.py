@@ -262,10 +262,29 @@ def _launch(args, forked: bool) -> None:
     if args.master_port is None:
         args.master_port = 29500
     args.run_path, args.start_method = True, "fork"
+    if not _QUIET_FORKS:
+        os.register_at_fork(after_in_child=_quiet_until_ranked)
+        _QUIET_FORKS.append(True)
     config, _, script_and_args = config_from_args(args)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()  # or a rank would inherit, and print again, what is still buffered here
     elastic_launch(config=config, entrypoint=_forked_rank)(*script_and_args)
+
+
+_QUIET_FORKS: list[bool] = []  # the fork hook below, registered once per process
+
+
+def _quiet_until_ranked() -> None:
+    """In a forked rank from its first instruction until ``_forked_rank`` sets its own handlers: a signal (Ctrl-C to
+    the terminal's process group, the launcher's death through torch's pdeathsig) ends it without a word, as the
+    launcher says what happened. The agent's handler it inherits would raise torch's SignalException, whose traceback
+    multiprocessing's bootstrap prints (seen in CI: Ctrl-C as the ranks were forked)."""
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT"):
+        signal.signal(getattr(signal, name), _leave_quietly)
+
+
+def _leave_quietly(signum, frame) -> None:
+    os._exit(128 + signum)
 
 
 def _wait_for_all_forked() -> None:
