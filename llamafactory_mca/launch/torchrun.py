@@ -278,7 +278,10 @@ def _quiet_until_ranked() -> None:
     """In a forked rank from its first instruction until ``_forked_rank`` sets its own handlers: a signal (Ctrl-C to
     the terminal's process group, the launcher's death through torch's pdeathsig) ends it without a word, as the
     launcher says what happened. The agent's handler it inherits would raise torch's SignalException, whose traceback
-    multiprocessing's bootstrap prints (seen in CI: Ctrl-C as the ranks were forked)."""
+    multiprocessing's bootstrap prints (seen in CI: Ctrl-C as the ranks were forked). Processes a rank forks in turn
+    (its checkpoint writers, data workers) inherit the hook and are left as they were."""
+    if str(os.getppid()) != os.environ.get(LAUNCHER_PID_ENV):
+        return
     for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT"):
         signal.signal(getattr(signal, name), _leave_quietly)
 
