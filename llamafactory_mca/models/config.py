@@ -133,10 +133,8 @@ class McaConfig:
 
     def windowed(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` (from 0) attends through a sliding window (``window_fields``)."""
-        if not self.transformer.get("window_size"):
-            return False
-        pattern = self.transformer.get("window_attn_skip_freq")
-        return True if pattern is None else bool(pattern[layer])
+        return is_layer_window_attention(self.transformer.get("window_size"),
+                                         self.transformer.get("window_attn_skip_freq"), layer + 1)
 
     @property
     def global_attention_shape(self) -> AttentionShape:
