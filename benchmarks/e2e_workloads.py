@@ -78,6 +78,19 @@ GEMMA3_1B = dict(model_type="gemma3_text", hidden_size=1152, num_hidden_layers=2
                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                   "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
                  tie_word_embeddings=True)
+# Gemma 4 31B (google/gemma-4-31B-it config.json, its text model): GeGLU, sandwich norms, 32 query heads; windows of
+# 1,024 tokens on five of every six layers (16 kv heads of 256, RoPE base 10,000); the others full attention with
+# heads of 512, 4 kv heads whose keys are the values and proportional RoPE on a quarter; soft-capped logits; layers
+# and their kinds set per run
+GEMMA4_31B = dict(model_type="gemma4_text", hidden_size=5376, num_hidden_layers=60, intermediate_size=21504,
+                  num_attention_heads=32, num_key_value_heads=16, head_dim=256, num_global_key_value_heads=4,
+                  global_head_dim=512, attention_k_eq_v=True, sliding_window=1024, final_logit_softcapping=30.0,
+                  hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False,
+                  enable_moe_block=False, vocab_size=262144, max_position_embeddings=262144, rms_norm_eps=1e-6,
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                      "rope_theta": 1000000.0}},
+                  tie_word_embeddings=True)
 # gpt-oss-20b (openai/gpt-oss-20b config.json, bf16 in place of its MXFP4 experts): 64 query heads of 64, 8 kv heads,
 # sinks, windows of 128 tokens on every other layer, YaRN x32, 32 biased experts (top 4) of 2880 in every layer
 GPT_OSS_20B = dict(model_type="gpt_oss", hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
@@ -180,6 +193,8 @@ SMOKE_SHAPES |= {kind: dict(model_type=shape["model_type"]) for kind, shape in V
 # default path drops it (transformers has no MTP)
 SMOKE_SHAPES["glm_mtp"] = {**SMOKE_SHAPES["glm"], "num_nextn_predict_layers": 1}
 SMOKE_SHAPES["gemma3"] = {**GEMMA3_1B, **TINY, "sliding_window": 64, "query_pre_attn_scalar": 16}
+SMOKE_SHAPES["gemma4"] = {**GEMMA4_31B, **TINY, "num_global_key_value_heads": 1, "global_head_dim": 32,
+                          "sliding_window": 64}
 SMOKE_SHAPES["gpt_oss"] = {**GPT_OSS_20B, **TINY, "num_local_experts": 8, "num_experts_per_tok": 2,
                            "sliding_window": 64}
 # (no head_dim: GLM-5's config reads it as qk_rope_head_dim; 16 indexer heads: ties between keys' scores are rare)
@@ -191,12 +206,14 @@ SHAPES = {"dense": QWEN3_1_7B, "dense8b": QWEN3_8B, "moe": QWEN3_30B_A3B, "glm":
           "glm_mtp": {**GLM_4_5_AIR, "num_nextn_predict_layers": 1}, "moonlight": MOONLIGHT, "next": QWEN3_NEXT_80B,
           # GLM-5 without its MTP layer: one more full-size MoE layer (~19 GB) filled the GPU machine's 64 GiB disk,
           # and LLaMA-Factory's default path drops it anyway
-          "gemma3": GEMMA3_1B, "gpt_oss": GPT_OSS_20B, "glm5": {**GLM_5, "num_nextn_predict_layers": 0}, **VL}
+          "glm5": {**GLM_5, "num_nextn_predict_layers": 0},
+          "gemma3": GEMMA3_1B, "gemma4": GEMMA4_31B, "gpt_oss": GPT_OSS_20B, **VL}
 LABELS = {"dense": "Qwen3-1.7B shape", "dense8b": "Qwen3-8B shape", "moe": "Qwen3-30B-A3B shape",
           "glm": "GLM-4.5-Air shape", "glm_mtp": "GLM-4.5-Air shape with its MTP layer",
           "moonlight": "Moonlight-16B-A3B shape (DeepSeek-V3 architecture)",
           "next": "Qwen3-Next-80B-A3B shape",
           "gemma3": "Gemma-3-1B shape",
+          "gemma4": "Gemma-4-31B shape",
           "gpt_oss": "gpt-oss-20b shape",
           "glm5": "GLM-5 shape (DeepSeek sparse attention)",
           "vl": "Qwen2.5-VL-7B shape",
@@ -376,6 +393,11 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                  warmup=3, layers=2 if smoke else 26,
                  about=f"full fine-tuning of the whole model (26 layers, windows of 512 tokens on 5 of every 6), "
                        f"{cut}-token packed micro-batches, global batch 8"),
+        Workload("gemma4", "gemma4", cut, packed, _pair(1, 8, "1 GPU"), steps=10, warmup=3,
+                 layers=2 if smoke else 6,
+                 about=f"full fine-tuning of the first 6 layers (5 windowed, 1 full attention; with the 262,144-token "
+                       f"embedding about what one H200 holds with Adam states), {cut}-token packed micro-batches, "
+                       "global batch 8"),
         Workload("gpt_oss", "gpt_oss", cut, packed,
                  [Run("lf_nopack", "lf", 1, False, 2, 4, "1 GPU, padded, eager attention"),
                   Run("ours", "ours", 1, True, 1, 8, "1 GPU, packed"),
@@ -427,9 +449,10 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                        "language model only"),
         # GLM-5: a full-size MoE layer (256 experts) is ~10B parameters, beyond one GPU with Adam states: LoRA
         Workload("glm5", "glm5", cut, packed, _pair(1, 8, "1 GPU", lf_layout="1 GPU, gradient checkpointing, eager"),
-                 steps=8, warmup=2, layers=2 if smoke else 5, tuning=lora,
-                 about="LoRA rank 16 on `lora_target: all` of the first 5 layers (3 dense, 2 of 256 experts: about "
-                       f"what one H200 holds in bf16), {cut}-token packed micro-batches, global batch 8; "
+                 steps=8, warmup=2, layers=2 if smoke else 4, tuning=lora,
+                 about="LoRA rank 16 on `lora_target: all` of the first 4 layers (3 dense, 1 of 256 experts: a "
+                       "second one is 19 GB more to build, save and load twice in one GPU call), "
+                       f"{cut}-token packed micro-batches, global batch 8; "
                        "LLaMA-Factory with transformers' eager attention (its SDPA path is not causal on rows without "
                        "padding)"),
         Workload("lora_dense", "dense8b", cut, packed,
@@ -559,6 +582,9 @@ def model_config(kind: str, layers: int, smoke: bool) -> dict:
             text["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
                                    for i in range(layers)]
         return {**shape, "text_config": text, "num_hidden_layers": layers}
+    if kind == "gemma4":  # Gemma 4's pattern: every 6th layer full attention
+        shape = {**shape, "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                          for i in range(layers)]}
     if kind == "next":  # Qwen3-Next's pattern (every 4th layer full attention), the last layer full in a short cut
         shape = {**shape, "layer_types": _hybrid_pattern(layers)}
     return {**shape, "num_hidden_layers": layers}

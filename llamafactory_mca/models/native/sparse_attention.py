@@ -12,9 +12,11 @@ rotation (orthogonal: the same scores). transformers computes it without gradien
 never trains it; here its weights are frozen. (Megatron's own ``DSAttention`` differs: RoPE on the last dims,
 a Hadamard kernel from ``fast_hadamard_transform``, a KL loss that trains the indexer, no packing.)
 
-Each sequence (a padded row, a packed document) is its own problem: its queries, in chunks that bound the scores'
-memory, pick their keys, then attend over them (SDPA with a boolean mask; the chunks of a long sequence are
-recomputed in the backward instead of keeping their scores).
+Each sequence (a padded row, a packed document) is its own problem: its queries, in chunks that bound the indexer's
+scores, pick their keys; then they attend over them (SDPA with a boolean mask; the chunks of a long sequence are
+recomputed in the backward instead of keeping their scores). On a GPU SDPA's fused kernels never hold the scores, so
+an attention chunk spans many of the indexer's and is bounded by its mask instead: every chunk reads all of K and V
+once, and fewer chunks read them fewer times.
 """
 
 from __future__ import annotations
@@ -31,8 +33,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.utils.checkpoint import checkpoint
 
 
-# query rows per chunk: the indexer's fp32 scores are rows x heads x keys, the attention's heads x rows x keys
+# query rows per chunk: the indexer's fp32 scores are rows x heads x keys, the math attention's (CPU) heads x rows
+# x keys
 _SCORE_BYTES = 256 * 2**20
+# on a GPU, query rows per attention chunk: its mask (rows x keys) as SDPA's fused kernels take it, in bf16
+_MASK_BYTES = 64 * 2**20
 
 
 class LightningIndexer(MegatronModule):
@@ -101,6 +106,7 @@ class NativeSparseAttention(MegatronModule):
         # (Megatron's Attention builds one without a scale first, which MLA replaces with one given its own)
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         self.tp_group = getattr(pg_collection, "tp", None)  # None: Megatron's, asked where SP needs it
+        self.mask_bytes = _MASK_BYTES  # (the bench sets 0 to measure chunks as small as the indexer's)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, x: torch.Tensor,
                 qr: torch.Tensor, attn_mask_type=None, attention_bias=None,
@@ -133,19 +139,24 @@ class NativeSparseAttention(MegatronModule):
         """One sequence: [n, heads, d] in, [n, heads, dv] out."""
         n = q.size(0)
         iq, ik, weights = self.indexer.queries_keys(x, qr, torch.arange(n, device=q.device))
-        rows = max(1, _SCORE_BYTES // (4 * n * max(self.indexer.heads, q.size(1))))
+        picked = max(1, _SCORE_BYTES // (4 * n * self.indexer.heads))
+        if _fused_sdpa(q):
+            rows = max(picked, self.mask_bytes // (2 * n))
+        else:  # SDPA's math path holds heads x rows x keys scores
+            rows = max(1, _SCORE_BYTES // (4 * n * max(self.indexer.heads, q.size(1))))
         outs = []
         for start in range(0, n, rows):
             chunk = slice(start, min(n, start + rows))
-            allowed = self._allowed(iq, ik, weights, chunk)
+            allowed = torch.cat([self._allowed(iq, ik, weights, slice(lo, min(chunk.stop, lo + picked)), chunk.stop)
+                                 for lo in range(chunk.start, chunk.stop, picked)])
             args = (q[chunk], k[: chunk.stop], v[: chunk.stop], allowed)
             long = chunk.stop > rows and torch.is_grad_enabled()
             outs.append(checkpoint(self._attend, *args, use_reentrant=False) if long else self._attend(*args))
         return torch.cat(outs, dim=0)
 
-    def _allowed(self, iq, ik, weights, rows: slice) -> torch.Tensor:
+    def _allowed(self, iq, ik, weights, rows: slice, keys: int) -> torch.Tensor:
         """[rows, keys] True where a query attends: its chosen keys, never a later one."""
-        earlier = causal(rows, iq.device)
+        earlier = causal(rows, iq.device, keys)
         if rows.stop <= self.indexer.topk:  # every key is chosen: the causal mask alone
             return earlier
         chosen = torch.zeros_like(earlier).scatter_(1, self.indexer.select(iq, ik, weights, rows), True)
@@ -157,9 +168,15 @@ class NativeSparseAttention(MegatronModule):
         return out.transpose(0, 1)
 
 
-def causal(rows: slice, device) -> torch.Tensor:
-    """[rows, keys up to the last row] True where the key is not after the query."""
-    return torch.arange(rows.stop, device=device)[None] <= torch.arange(rows.start, rows.stop, device=device)[:, None]
+def _fused_sdpa(q: torch.Tensor) -> bool:
+    """Whether SDPA under a mask runs a fused kernel (memory-efficient attention), which never holds the scores."""
+    return q.is_cuda
+
+
+def causal(rows: slice, device, keys: int | None = None) -> torch.Tensor:
+    """[rows, keys (up to the last row unless given)] True where the key is not after the query."""
+    return (torch.arange(keys or rows.stop, device=device)[None]
+            <= torch.arange(rows.start, rows.stop, device=device)[:, None])
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
