@@ -41,9 +41,11 @@ _ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.ge
 # ``qk_norm_across_heads``: the q/k norms normalise all heads of a token at once (MiniMax-M2, ``native/norm.py``).
 # Gemma 4's: ``global_attention`` (the full-attention layers' own shape and RoPE: ``global_layer_configs``),
 # ``value_norm`` (an RMSNorm without weight on each value head), ``layer_scalars`` (each layer's output times a
-# stored scalar), ``final_logit_softcapping`` (logits = cap · tanh(logits / cap)).
+# stored scalar), ``final_logit_softcapping`` (logits = cap · tanh(logits / cap)), ``moe_block`` (a dense MLP beside
+# the routed experts: ``native/moe_block.py``).
 MODEL_OPTIONS = ("post_layer_norms", "embedding_multiplier", "window_rotary_base", "image_look_ahead", "padding_idx",
-                 "qk_norm_across_heads", "global_attention", "value_norm", "layer_scalars", "final_logit_softcapping")
+                 "qk_norm_across_heads", "global_attention", "value_norm", "layer_scalars", "final_logit_softcapping",
+                 "moe_block")
 
 
 class AttentionShape(NamedTuple):

@@ -194,6 +194,8 @@ def model_parameter_count(config: Any) -> int:
         moe += biased * experts * ((glu - 1) * width + h + 1)
         shared = t.get("moe_shared_expert_intermediate_size") or 0
         moe += glu * h * shared + (h if t.get("moe_shared_expert_gate") else 0)
+        if t.get("moe_block"):  # Gemma 4's: three more norms, the router's input scale and per-expert scales
+            moe += 4 * h + experts
     dense = glu * h * t["ffn_hidden_size"] + biased * ((glu - 1) * t["ffn_hidden_size"] + h)
     moe_layers, layers = _moe_layer_count(t), _layer_count(t)
     linear = 0  # the gated delta-rule layers have their own weights instead of the attention's

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -74,6 +75,7 @@ from .native.norm import (
     compiles_zero_centred_norms,
     norms_across_heads,
 )
+from .native.moe_block import MoEBlockRouter, moe_block
 from .native.sparse_attention import NativeSparseAttention, sparse_attention
 from .native.sublayers import NativeSelfAttention, needs_sublayers
 
@@ -198,9 +200,13 @@ def native_layer_spec(config: TransformerConfig, moe: bool = True, linear: bool 
     q_norm = k_norm = qk_norm
     if norms_across_heads(config):
         q_norm, k_norm = (ModuleSpec(module=ProjectionRMSNorm, params={"kind": kind}) for kind in ("query", "key"))
+    pre_mlp_norm = NativeNorm
     if config.num_moe_experts and moe:
         mlp = get_moe_module_spec_for_backend(_NativeBackend(), num_experts=config.num_moe_experts,
                                               moe_grouped_gemm=config.moe_grouped_gemm)
+        if moe_block(config):  # Gemma 4's (LocalDispatchLayer makes it a MoEBlock): it normalises its inputs itself
+            mlp = replace(mlp, submodules=replace(mlp.submodules, router=MoEBlockRouter))
+            pre_mlp_norm = IdentityOp
     else:
         mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                               linear_fc2=RowParallelLinear))
@@ -220,7 +226,7 @@ def native_layer_spec(config: TransformerConfig, moe: bool = True, linear: bool 
             input_layernorm=NativeNorm,
             self_attention=attention,
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=NativeNorm,
+            pre_mlp_layernorm=pre_mlp_norm,
             mlp=mlp,
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map=dict(NORM_ALIASES),  # dist-checkpoint keys as the TE spec's
@@ -339,6 +345,8 @@ def _native_only(config: TransformerConfig) -> str | None:
         return "DeepSeek sparse attention: our indexer and attention"
     if needs_sublayers(config):
         return "post-sublayer norms / a RoPE base per layer kind: our attention and MLP sublayers"
+    if moe_block(config):
+        return "Gemma 4's MoE block: our block around Megatron's MoE layer"
     if getattr(config, "softmax_type", "vanilla") != "vanilla":
         return "attention sinks on packed sequences: our attention"
     if norms_across_heads(config):

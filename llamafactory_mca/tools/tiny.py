@@ -94,6 +94,12 @@ TINY: dict[str, dict[str, Any]] = {
                         attention_k_eq_v=True,
                         sliding_window=6, hidden_size_per_layer_input=0, final_logit_softcapping=3.0,
                         tie_word_embeddings=True, layer_types=["sliding_attention", "full_attention"] * 2),
+    # Gemma 4's 26B-A4B layout on the above: a dense MLP and 4 routed experts (top 2) side by side in every layer
+    "gemma4_text_moe": dict(BASE, num_key_value_heads=4, head_dim=16, global_head_dim=32, num_global_key_value_heads=2,
+                            attention_k_eq_v=True, sliding_window=6, hidden_size_per_layer_input=0,
+                            final_logit_softcapping=3.0, tie_word_embeddings=True,
+                            layer_types=["sliding_attention", "full_attention"] * 2, enable_moe_block=True,
+                            num_experts=4, top_k_experts=2, moe_intermediate_size=32),
     "mixtral": dict(BASE, intermediate_size=32, num_local_experts=3, num_experts_per_tok=2, router_aux_loss_coef=0.0,
                     sliding_window=None),
 }
@@ -181,8 +187,12 @@ TINY_VL["internvl"] = dict(
     image_seq_length=4, downsample_ratio=0.5, image_token_id=196, tie_word_embeddings=False)
 
 
+# TINY's names that are a variant of a family's layout, and the family
+VARIANTS = {"llama3_tied": "llama", "gemma4_text_moe": "gemma4_text"}
+
+
 def model_type_of(name: str) -> str:
-    return "llama" if name.startswith("llama") else name
+    return VARIANTS.get(name, name)
 
 
 def tiny_hf_config(name: str, **overrides: Any):
@@ -217,14 +227,15 @@ def _mtp_layers(config: Any) -> int:
 
 def _randomize_zero_init(model: Any) -> None:
     """Models with zero-centred norms (hybrid ones, Gemma 3) start them at 0, and the delta rule's decay at fixed
-    values; Gemma 4 its norms and layer scalars at 1: perturb them, so a test cannot pass by mistaking a norm's weight
+    values; Gemma 4 its norms, router scales and layer scalars at 1: perturb them, so a test cannot pass by mistaking a norm's weight
     for its scale, or by leaving a scalar out."""
     transformer = get_family(model.config.model_type).config_from_hf(model.config).transformer
     if not (transformer.get("layernorm_zero_centered_gamma") or transformer.get("layer_scalars")):
         return
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(("norm.weight", "dt_bias", "A_log")):
+            if name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight", "router.scale", "per_expert_scale",
+                              "dt_bias", "A_log")):
                 param.add_(0.2 * torch.randn_like(param))
         for name, buffer in model.named_buffers():
             if name.endswith("layer_scalar"):

@@ -102,7 +102,7 @@ LAYOUTS = {  # all run in one 4-process world (dp = 4 / model-parallel size)
     # (glm_moe_dsa: the sparse attention's indexer on the whole sequence, gathered from the SP slices)
     "tp2_sp": ({"tensor_model_parallel_size": 2, "sequence_parallel": True}, ["gemma3_text", "glm_moe_dsa"]),
     "ep2": ({"expert_model_parallel_size": 2}, ["qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "qwen3_next",
-                                                "gpt_oss", "minimax_m2", "glm_moe_dsa"]),
+                                                "gpt_oss", "minimax_m2", "glm_moe_dsa", "gemma4_text_moe"]),
     # gpt_oss first: its round trip runs here (the grouped experts' biases, each rank's two experts)
     "ep2_grouped": ({"expert_model_parallel_size": 2, "moe_grouped_gemm": True}, ["gpt_oss", "qwen2_moe"]),
     "ep2_etp2": ({"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2}, ["qwen3_moe", "glm4_moe",
@@ -117,6 +117,10 @@ LAYOUTS = {  # all run in one 4-process world (dp = 4 / model-parallel size)
                    ["gemma4_text"]),
     # minimax_m2's round trip: the q/k norms' weights whole on both TP ranks, the correction bias on the MoE block
     "tp2_ep2": ({"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2}, ["minimax_m2"]),
+    # gemma4_text_moe's round trip: the MoE block's norms and router scales beside experts split over EP, the dense
+    # MLP over TP, on sequence-parallel slices
+    "tp2_ep2_sp": ({"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2, "sequence_parallel": True},
+                   ["gemma4_text_moe"]),
     # uneven virtual stages placed by hand: the dense layer alone with the embedding, the MTP layer alone with the loss
     "pp2_layout": ({"pipeline_model_parallel_size": 2, "pipeline_model_parallel_layout": "Et|tt|t|mL"},
                    ["deepseek_v3", "glm4_moe"]),
@@ -277,10 +281,10 @@ def test_unsupported_models_fail_with_the_supported_list(tmp_path):
                                          "gemma3_text, gemma4, gemma4_text, glm4_moe, glm4v_moe, glm_moe_dsa, "
                                          "gpt_oss, internvl, llama"):
         AutoConfig.from_pretrained(str(tmp_path / "gpt2"))
-    # Gemma 4's parts of the small and MoE models, one line each
+    # Gemma 4's parts of the small models, one line each
     for key, value, what in (("hidden_size_per_layer_input", 8, "per-layer input embeddings"),
                              ("num_kv_shared_layers", 2, "layers sharing another layer's keys and values"),
-                             ("enable_moe_block", True, "the MoE block beside the MLP")):
+                             ("use_double_wide_mlp", True, "the double-wide MLP")):
         tiny_hf_config("gemma4_text", **{key: value}).save_pretrained(tmp_path / key)
         with pytest.raises(ValueError, match=f"gemma4_text: {key}={value!r} \\({what}"):
             AutoConfig.from_pretrained(str(tmp_path / key))

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from llamafactory_mca.models.families import get_family
-from llamafactory_mca.tools.tiny import save_tiny_model
+from llamafactory_mca.tools.tiny import model_type_of, save_tiny_model
 from tests._dist import run_distributed
 from tests.models._bridge import INPUT, pipeline_logits
 from tests.models._lora import EXPERT_PARAMS, hf_causal_lm, make_peft_adapter, model_with_adapter
@@ -39,6 +39,9 @@ ADAPTERS = {"qwen3": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
             # Gemma 4: the full-attention layers' q_proj, k_proj and o_proj are wider and they have no v_proj (the
             # keys are the values), so each layer has adapters of its own shapes
             "gemma4_text": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"], False, None),
+            # Gemma 4's MoE block: the dense MLP beside the experts, and the router's projection (a linear in HF:
+            # its adapter folded into Megatron's router weight)
+            "gemma4_text_moe": (["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "proj"], True, None),
             # every attention projection carries a bias beside its adapter (the experts are 3-D parameters, which
             # LLaMA-Factory's lora_target: all leaves out)
             "gpt_oss": (["q_proj", "k_proj", "v_proj", "o_proj"], False, None),
@@ -143,7 +146,7 @@ def _count(models: dict, cases: list) -> list[int]:
 def test_trainable_parameters_are_peft_s(tmp_path):
     """``all`` is LLaMA-Factory's expansion (on Qwen3-MoE: attention only; experts only by the word; on GLM-4.5V and
     Gemma 3 the language model's linears, not the frozen tower's; on GLM-5 not the indexer's, which transformers
-    runs without gradient)."""
+    runs without gradient; on Gemma 4's MoE block its router's projection too)."""
     from llamafactory.hparams import FinetuningArguments
     from llamafactory.model.model_utils.misc import find_all_linear_modules
     from llamafactory.model.model_utils.visual import patch_target_modules
@@ -155,14 +158,14 @@ def test_trainable_parameters_are_peft_s(tmp_path):
              ("qwen3_next", ["all"]), ("qwen3_next", ["in_proj_qkvz", "in_proj_ba", "out_proj", "experts"]),
              ("qwen2_moe", ["all"]), ("glm4v_moe", ["all"]), ("gemma3", ["all"]), ("internvl", ["all"]),
              ("minimax_m2", ["all", "experts"]), ("glm_moe_dsa", ["all"]), ("gemma4_text", ["all"]),
-             ("gemma4", ["all"])]
+             ("gemma4", ["all"]), ("gemma4_text_moe", ["all", "experts"])]
     models = {name: save_tiny_model(name, str(tmp_path / name)) for name in {n for n, _ in cases}}
     (ours,) = run_distributed(_count, 1, models, cases)
     for (name, targets), count in zip(cases, ours):
         hf = hf_causal_lm(models[name])
         modules = [t for t in targets if t not in ("all", "experts")]
         if "all" in targets:  # less what transformers runs without gradient (GLM-5's indexer: adapters never trained)
-            modules += sorted(set(find_all_linear_modules(hf, True)) - set(get_family(name).no_gradient))
+            modules += sorted(set(find_all_linear_modules(hf, True)) - set(get_family(model_type_of(name)).no_gradient))
         modules = patch_target_modules(hf, FinetuningArguments(finetuning_type="lora"), modules)  # a VL model's tower
         config = LoraConfig(r=4, lora_alpha=8, target_modules=modules,
                             target_parameters=EXPERT_PARAMS if "experts" in targets else None)

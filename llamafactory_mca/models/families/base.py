@@ -497,17 +497,18 @@ def typed_rope(hf: Any, kind: str) -> dict[str, Any]:
 class Gemma4Layers(Part):
     """What Gemma 4's layers add to Gemma 3's: the full-attention layers' own heads (``global_attention``: their head
     size, key/value heads, keys that are the values, proportional RoPE), the values' weightless norm, q·k unscaled,
-    the layer scalars, soft-capped logits (``families/gemma4.py``); the small and MoE models' parts refused."""
+    the layer scalars, soft-capped logits, and the 26B-A4B's MoE block beside the MLP (``enable_moe_block``:
+    ``native/moe_block.py``) (``families/gemma4.py``); the small models' parts refused."""
 
     def check(self, model_type: str, hf: Any) -> None:
         refusals = (("hidden_size_per_layer_input", "per-layer input embeddings (Gemma 4's E2B/E4B)"),
                     ("num_kv_shared_layers", "layers sharing another layer's keys and values (Gemma 4's E2B/E4B)"),
-                    ("enable_moe_block", "the MoE block beside the MLP (Gemma 4's 26B-A4B)"),
+                    ("use_double_wide_mlp", "the double-wide MLP of the key/value-sharing layers (Gemma 4's E2B/E4B)"),
                     ("use_bidirectional_attention", "bidirectional attention"))
         for key, what in refusals:
             if getattr(hf, key, None):
-                refuse(model_type, f"{key}={getattr(hf, key)!r} ({what})", "Supported: Gemma 4's dense decoder "
-                       "(the 31B's layout).")
+                refuse(model_type, f"{key}={getattr(hf, key)!r} ({what})", "Supported: Gemma 4's 31B and 26B-A4B "
+                       "layouts.")
         if not layer_typed_rope(hf.rope_parameters):
             refuse(model_type, f"rope_parameters={hf.rope_parameters}", "Supported: RoPE per kind of layer.")
         window, full = typed_rope(hf, "sliding_attention"), typed_rope(hf, "full_attention")
@@ -523,14 +524,30 @@ class Gemma4Layers(Part):
         groups = (hf.num_global_key_value_heads if keys_are_values and hf.num_global_key_value_heads
                   else hf.num_key_value_heads)
         fraction = full.get("partial_rotary_factor", 1.0) if full.get("rope_type") == "proportional" else 1.0
-        return dict(embedding_multiplier=hf.hidden_size ** 0.5, softmax_scale=1.0, value_norm=True,
-                    layer_scalars=True, final_logit_softcapping=hf.final_logit_softcapping or None,
-                    global_attention=dict(kv_channels=hf.global_head_dim or hf.head_dim, num_query_groups=groups,
-                                          keys_are_values=keys_are_values,
-                                          rotary_base=float(full.get("rope_theta", 1e6)), rope_fraction=fraction))
+        fields = dict(embedding_multiplier=hf.hidden_size ** 0.5, softmax_scale=1.0, value_norm=True,
+                      layer_scalars=True, final_logit_softcapping=hf.final_logit_softcapping or None,
+                      global_attention=dict(kv_channels=hf.global_head_dim or hf.head_dim, num_query_groups=groups,
+                                            keys_are_values=keys_are_values,
+                                            rotary_base=float(full.get("rope_theta", 1e6)), rope_fraction=fraction))
+        if hf.enable_moe_block:  # the dense MLP is Megatron's shared expert; transformers trains with no aux loss
+            fields |= dict(moe_block=True, num_moe_experts=hf.num_experts, moe_ffn_hidden_size=hf.moe_intermediate_size,
+                           moe_router_topk=hf.top_k_experts, moe_router_pre_softmax=False,
+                           moe_shared_expert_intermediate_size=hf.intermediate_size,
+                           moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+        return fields
 
     def weights(self, config: McaConfig) -> list[Op]:
-        return [Rename(f"{LAYER}layer_scalar", (f"{HF_LAYER}layer_scalar",))]
+        ops: list[Op] = [Rename(f"{LAYER}layer_scalar", (f"{HF_LAYER}layer_scalar",))]
+        if not config.transformer.get("moe_block"):
+            return ops
+        renames = [("router.weight", "router.proj.weight"), ("router.scale", "router.scale"),
+                   ("router.per_expert_scale", "router.per_expert_scale"),
+                   ("dense_post_norm.weight", "post_feedforward_layernorm_1.weight"),
+                   ("pre_experts_norm.weight", "pre_feedforward_layernorm_2.weight"),
+                   ("experts_post_norm.weight", "post_feedforward_layernorm_2.weight")]
+        return (ops + [Rename(f"{LAYER}mlp.{mine}", (f"{HF_LAYER}{hf}",)) for mine, hf in renames]
+                + stacked_experts(f"{LAYER}mlp.experts.local_experts.*", f"{HF_LAYER}experts", out_in=True)
+                + gated_mlp(f"{LAYER}mlp.shared_experts", f"{HF_LAYER}mlp"))
 
 
 # HF's activation of a gated MLP -> ours (``config._ACTIVATIONS``): SwiGLU, and GeGLU with GELU's tanh approximation

@@ -9,15 +9,18 @@ The hub's checkpoints (``gemma4``) hold this decoder under ``model.language_mode
 ``embed_vision``: those are carried (loaded, frozen unless trained, merged back) and rows train on their text; images
 and videos are not supported yet (a micro-batch with them is refused, naming them), nor an audio tower.
 
-Refused, one line each: the per-layer input embeddings and key/value-sharing layers of the small models
-(``hidden_size_per_layer_input``, ``num_kv_shared_layers``), the MoE block (``enable_moe_block``), bidirectional
-attention, the audio tower."""
+The 26B-A4B's layers have a dense MLP and routed experts side by side (``enable_moe_block``: ``native/moe_block.py``):
+Megatron's MoE layer with the dense MLP as its shared expert, each branch under its own norms.
+
+Refused, one line each: the per-layer input embeddings, key/value-sharing layers and double-wide MLP of the small
+models (``hidden_size_per_layer_input``, ``num_kv_shared_layers``, ``use_double_wide_mlp``), bidirectional attention,
+the audio tower."""
 
 from dataclasses import replace
 from typing import Any
 
 from ..config import McaConfig
-from ..mapping import FusedQK, FusedQKV, Op, PerLayer, Reshaped
+from ..mapping import LAYER, FusedQK, FusedQKV, Op, PerLayer, Rename, Reshaped
 from ..registry import register
 from .base import DecoderFamily, Gemma4Layers, QKNorm, SandwichNorms, SlidingWindow, Vision, refuse, typed_rope
 
@@ -49,7 +52,11 @@ class Gemma4TextFamily(DecoderFamily):
             if config.transformer["global_attention"]["keys_are_values"] \
             else Reshaped(qkv.mca, qkv.hf, inner=FusedQKV(qkv.mca, qkv.hf), shape=shape)
         layers = tuple(qkv if config.windowed(i) else full for i in range(config.num_layers))
-        return [PerLayer(op.mca, op.hf, layers=layers) if op is qkv else op for op in ops]
+        ops = [PerLayer(op.mca, op.hf, layers=layers) if op is qkv else op for op in ops]
+        if config.transformer.get("moe_block"):  # the block normalises its dense MLP's input itself
+            ops = [Rename(f"{LAYER}mlp.pre_dense_norm.weight", op.hf) if op.mca.endswith(".pre_mlp_layernorm.weight")
+                   else op for op in ops]
+        return ops
 
 
 @register("gemma4")

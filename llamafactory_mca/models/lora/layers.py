@@ -5,7 +5,8 @@ adapter are peft's: Megatron's fused ``linear_qkv`` carries separate q, k and v 
 the gated delta-rule layer's ``in_proj`` Qwen3-Next's qkvz and ba (Qwen3.5's qkv, z, b and a). Their low-rank
 outputs are laid out like the fused weight's rows with the weight table's own op (``FusedQKV`` interleaves per query
 group, ``GroupedRows`` per key head), so the HF <-> Megatron layout is written once (``mapping.py``). The shared
-expert's gate, a weight rather than a linear in Megatron, takes its adapter folded in (``LoraSharedGateMixin``).
+expert's gate and Gemma 4's router projection, weights rather than linears in Megatron, take their adapters folded in
+(``LoraFoldedMixin``).
 
 Placement on tensor-parallel ranks (each adapter parameter holds exactly the HF tensor's rows it covers, so a dist
 checkpoint's global adapter tensor *is* peft's tensor):
@@ -43,6 +44,7 @@ from megatron.core.tensor_parallel.layers import (
     RowParallelLinear,
     set_tensor_model_parallel_attributes,
 )
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
@@ -268,19 +270,18 @@ class LoraGroupedExpertsMixin:
         return base
 
 
-class LoraSharedGateMixin:
-    """An adapter on the shared expert's gate (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE: HF's ``shared_expert_gate``, a
-    [1, hidden] linear; Megatron's SharedExpertMLP keeps its ``gate_weight`` and applies it with ``F.linear`` in
-    both its forward paths). Every read of ``gate_weight`` gives W + s·B·A, so the gate's logits are peft's
-    x·Wᵀ + s·(x·Aᵀ)·Bᵀ (without dropout: refused in ``plan_targets``). A and B are whole on every rank, marked
-    ``sequence_parallel`` like the gate under SP (their gradients are then summed over TP)."""
+class LoraFoldedMixin:
+    """An adapter on a weight Megatron applies whole rather than through a parallel linear (``folded``: the
+    parameter's name). Every read of it gives W + s·B·A, so its logits are peft's x·Wᵀ + s·(x·Aᵀ)·Bᵀ (without
+    dropout: refused in ``plan_targets``). A and B are whole on every rank, marked ``sequence_parallel`` like the
+    weight under SP (their gradients are then summed over TP)."""
 
+    folded = ""
     lora_enabled: bool = True
     lora_replicated = True  # load_adapter: neither factor is split over tensor-parallel ranks
 
-    @property
-    def gate_weight(self) -> torch.Tensor:
-        weight = self._parameters["gate_weight"]
+    def folded_weight(self) -> torch.Tensor:
+        weight = self._parameters[self.folded]
         if not self.lora_enabled:
             return weight
         (piece,) = self.lora_pieces
@@ -289,7 +290,7 @@ class LoraSharedGateMixin:
     def init_lora(self, target: TargetLinear, global_name: str, settings: LoraSettings) -> None:
         self.lora_pieces, self.lora_scaling = target.pieces, settings.scaling
         self.lora_name, self.lora_target, self.lora_column = global_name, target, False
-        weight = self._parameters["gate_weight"]
+        weight = self._parameters[self.folded]
         (piece,) = target.pieces
         a = _init_a((settings.rank, piece.in_features), f"{global_name}.lora_A.{piece.name}", settings.seed)
         self.lora_A, self.lora_B = torch.nn.ParameterDict(), torch.nn.ParameterDict()
@@ -300,10 +301,22 @@ class LoraSharedGateMixin:
     @torch.no_grad()
     def merge_lora(self) -> None:
         (piece,) = self.lora_pieces
-        weight = self._parameters["gate_weight"]
+        weight = self._parameters[self.folded]
         delta = self.lora_B[piece.name].float() @ self.lora_A[piece.name].float() * self.lora_scaling
         weight.add_(delta.to(weight.dtype))
         self.lora_B[piece.name].zero_()
+
+
+class LoraSharedGateMixin(LoraFoldedMixin):
+    """The shared expert's gate (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE: HF's ``shared_expert_gate``, a [1, hidden]
+    linear; Megatron's SharedExpertMLP keeps its ``gate_weight`` and applies it with ``F.linear`` in both its forward
+    paths)."""
+
+    folded = "gate_weight"
+
+    @property
+    def gate_weight(self) -> torch.Tensor:
+        return self.folded_weight()
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         held = {name: self._modules.pop(name) for name in ("lora_A", "lora_B")}  # MLP's asks every child for its own
@@ -315,6 +328,18 @@ class LoraSharedGateMixin:
         return base | make_sharded_tensors_for_checkpoint(
             adapters, prefix, {}, sharded_offsets, tp_group=self.tp_group,
             dp_cp_group=(metadata or {}).get("dp_cp_group"))
+
+
+class LoraRouterMixin(LoraFoldedMixin):
+    """A router's projection where HF's is a linear (Gemma 4's ``router.proj``, which LLaMA-Factory's ``all``
+    selects): TopKRouter's ``weight``, read in its ``gating``. Its adapters are checkpointed beside it by
+    MegatronModule's default (replicated, as the weight)."""
+
+    folded = "weight"
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.folded_weight()
 
 
 @functools.cache
@@ -408,6 +433,10 @@ def apply_lora(model: Any, settings: LoraSettings, freeze_vision_tower: bool = T
                 module.__class__ = _lora_class(type(module), LoraSharedGateMixin)
                 module.init_lora(gate, f"{glob}.gate", settings)
                 placed += 1
+            if isinstance(module, TopKRouter) and pattern in by_pattern:
+                module.__class__ = _lora_class(type(module), LoraRouterMixin)
+                module.init_lora(by_pattern[pattern], glob, settings)
+                placed += 1
             target = by_pattern.get(pattern)
             if target is not None and target.layers is not None:
                 target = target.at(WeightTable.pattern_of(glob)[1][0])  # this layer's (Gemma 4's full-attention)
@@ -433,7 +462,7 @@ def _activations_need_grad(module: torch.nn.Module, inputs: Any, output: torch.T
 
 def lora_modules(model: Any) -> list[torch.nn.Module]:
     return [m for chunk in model.chunks for m in chunk.modules()
-            if isinstance(m, (LoraLinearMixin, LoraGroupedExpertsMixin, LoraSharedGateMixin))]
+            if isinstance(m, (LoraLinearMixin, LoraGroupedExpertsMixin, LoraFoldedMixin))]
 
 
 def set_lora_enabled(model: Any, enabled: bool) -> None:

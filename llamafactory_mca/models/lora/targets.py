@@ -165,8 +165,10 @@ def _text_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 # Megatron's linears an adapter can sit on: attention (multi-latent attention's five projections among them, each one
 # HF module; the gated delta-rule layer's in_proj, fused from two HF modules or four, and out_proj) and the dense or
-# shared-expert MLP; and the shared expert's gate (a weight, not a linear: LoraSharedGateMixin)
+# shared-expert MLP; and weights that are not linears (``layers.LoraFoldedMixin``): the shared expert's gate, and a
+# router whose HF projection is a linear (Gemma 4's)
 SHARED_GATE = ".mlp.shared_experts.gate"
+ROUTER = ".mlp.router"
 _ADAPTABLE = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj", "linear_q_down_proj",
               "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "in_proj", "out_proj")
 
@@ -207,6 +209,8 @@ def plan_targets(hf_config: dict, table: WeightTable, settings: LoraSettings,
             continue
         if op.mca.endswith(SHARED_GATE + "_weight"):
             linear = op.mca[: -len("_weight")]
+        elif op.mca.endswith(ROUTER + ".weight"):
+            linear = op.mca[: -len(".weight")]
         elif op.mca.endswith(".weight") and op.mca[: -len(".weight")].rsplit(".", 1)[-1] in _ADAPTABLE:
             linear = op.mca[: -len(".weight")]
         else:
@@ -226,11 +230,11 @@ def plan_targets(hf_config: dict, table: WeightTable, settings: LoraSettings,
             targets.append(TargetLinear(linear, op, pieces, layers=per_layer))
         elif pieces:
             targets.append(TargetLinear(linear, op, pieces))
-    gates = [p.name for t in targets if t.mca.endswith(SHARED_GATE) for p in t.pieces]
-    if gates and settings.dropout:
-        raise UserError(f"lora_dropout={settings.dropout} with LoRA on {gates}: its adapter is folded into the gate's "
-                        "weight, which leaves no place for dropout. Set lora_dropout: 0, or leave it out of "
-                        "lora_target.")
+    folded = [p.name for t in targets if t.mca.endswith((SHARED_GATE, ROUTER)) for p in t.pieces]
+    if folded and settings.dropout:
+        raise UserError(f"lora_dropout={settings.dropout} with LoRA on {folded}: its adapter is folded into a weight "
+                        "that is not a linear here (a gate or a router), which leaves no place for dropout. Set "
+                        "lora_dropout: 0, or leave it out of lora_target.")
     if settings.experts:
         targets += _expert_targets(hf_config, modules)
     missing = [name for name in wanted if name not in found]

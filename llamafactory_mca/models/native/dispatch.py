@@ -33,6 +33,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from . import combine_triton
+from .moe_block import MoEBlock, moe_block
 from .sublayers import PostNormMLP
 
 
@@ -137,13 +138,16 @@ class _Gather(torch.autograd.Function):
 
 class LocalDispatchLayer(TransformerLayer):
     """Megatron's TransformerLayer whose MoE layer (if any) routes with ``LocalTokenDispatcher`` where it applies,
-    and whose dense MLP is normalised on its way out where the model has post norms (``sublayers.PostNormMLP``)."""
+    and whose dense MLP is normalised on its way out where the model has post norms (``sublayers.PostNormMLP``), and whose
+    MoE layer is Gemma 4's block where the model has it (``moe_block.py``)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if isinstance(self.mlp, MoELayer) and LocalTokenDispatcher.applies(self.mlp):
             self.mlp.token_dispatcher = LocalTokenDispatcher(self.mlp.token_dispatcher)
-        if getattr(self.config, "post_layer_norms", False):
+        if isinstance(self.mlp, MoELayer) and moe_block(self.config):
+            MoEBlock.attach(self.mlp)  # with its own norms, the post norm among them
+        elif getattr(self.config, "post_layer_norms", False):
             if type(self.mlp) is not MLP:
                 raise ValueError(f"post_layer_norms on a {type(self.mlp).__name__}: only dense MLPs have them here.")
             PostNormMLP.attach(self.mlp)

@@ -163,9 +163,10 @@ class NativeSparseAttention(MegatronModule):
         return chosen & earlier
 
     def _attend(self, q, k, v, allowed) -> torch.Tensor:
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             attn_mask=allowed, scale=self.softmax_scale)
-        return out.transpose(0, 1)
+        # [1, heads, rows, d]: SDPA's fused kernels take 4-D inputs only (3-D ones run the math path, scores held)
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[None, None], scale=self.softmax_scale)
+        return out[0].transpose(0, 1)
 
 
 def _fused_sdpa(q: torch.Tensor) -> bool:
