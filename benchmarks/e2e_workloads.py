@@ -91,6 +91,13 @@ GEMMA4_31B = dict(model_type="gemma4_text", hidden_size=5376, num_hidden_layers=
                                    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                                       "rope_theta": 1000000.0}},
                   tie_word_embeddings=True)
+# Gemma 4 26B-A4B (google/gemma-4-26B-A4B-it config.json, its text model): 2816 wide, 16 query heads; in every layer
+# a dense MLP of 2112 beside 128 routed experts of 704 (top 8); Gemma 4's windowed layers (8 kv heads of 256) and
+# full-attention ones (2 kv heads of 512, the keys the values); layers and their kinds set per run
+GEMMA4_26B_A4B = {**GEMMA4_31B, **dict(hidden_size=2816, num_hidden_layers=30, intermediate_size=2112,
+                                       num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=2,
+                                       enable_moe_block=True, num_experts=128, top_k_experts=8,
+                                       moe_intermediate_size=704)}
 # gpt-oss-20b (openai/gpt-oss-20b config.json, bf16 in place of its MXFP4 experts): 64 query heads of 64, 8 kv heads,
 # sinks, windows of 128 tokens on every other layer, YaRN x32, 32 biased experts (top 4) of 2880 in every layer
 GPT_OSS_20B = dict(model_type="gpt_oss", hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
@@ -195,6 +202,8 @@ SMOKE_SHAPES["glm_mtp"] = {**SMOKE_SHAPES["glm"], "num_nextn_predict_layers": 1}
 SMOKE_SHAPES["gemma3"] = {**GEMMA3_1B, **TINY, "sliding_window": 64, "query_pre_attn_scalar": 16}
 SMOKE_SHAPES["gemma4"] = {**GEMMA4_31B, **TINY, "num_global_key_value_heads": 1, "global_head_dim": 32,
                           "sliding_window": 64}
+SMOKE_SHAPES["gemma4_moe"] = {**SMOKE_SHAPES["gemma4"], "enable_moe_block": True, "num_experts": 8,
+                              "top_k_experts": 2, "moe_intermediate_size": 32}
 SMOKE_SHAPES["gpt_oss"] = {**GPT_OSS_20B, **TINY, "num_local_experts": 8, "num_experts_per_tok": 2,
                            "sliding_window": 64}
 # (no head_dim: GLM-5's config reads it as qk_rope_head_dim; 16 indexer heads: ties between keys' scores are rare)
@@ -207,13 +216,14 @@ SHAPES = {"dense": QWEN3_1_7B, "dense8b": QWEN3_8B, "moe": QWEN3_30B_A3B, "glm":
           # GLM-5 without its MTP layer: one more full-size MoE layer (~19 GB) filled the GPU machine's 64 GiB disk,
           # and LLaMA-Factory's default path drops it anyway
           "glm5": {**GLM_5, "num_nextn_predict_layers": 0},
-          "gemma3": GEMMA3_1B, "gemma4": GEMMA4_31B, "gpt_oss": GPT_OSS_20B, **VL}
+          "gemma3": GEMMA3_1B, "gemma4": GEMMA4_31B, "gemma4_moe": GEMMA4_26B_A4B, "gpt_oss": GPT_OSS_20B, **VL}
 LABELS = {"dense": "Qwen3-1.7B shape", "dense8b": "Qwen3-8B shape", "moe": "Qwen3-30B-A3B shape",
           "glm": "GLM-4.5-Air shape", "glm_mtp": "GLM-4.5-Air shape with its MTP layer",
           "moonlight": "Moonlight-16B-A3B shape (DeepSeek-V3 architecture)",
           "next": "Qwen3-Next-80B-A3B shape",
           "gemma3": "Gemma-3-1B shape",
           "gemma4": "Gemma-4-31B shape",
+          "gemma4_moe": "Gemma-4-26B-A4B shape",
           "gpt_oss": "gpt-oss-20b shape",
           "glm5": "GLM-5 shape (DeepSeek sparse attention)",
           "vl": "Qwen2.5-VL-7B shape",
@@ -221,7 +231,8 @@ LABELS = {"dense": "Qwen3-1.7B shape", "dense8b": "Qwen3-8B shape", "moe": "Qwen
           "vl_next": "Qwen3.5-35B-A3B shape",
           "glm_vl": "GLM-4.5V shape",
           "gemma_vl": "Gemma-3-27B shape (with images)"}
-MOE_KINDS = ("moe", "vl_moe", "vl_next", "glm_vl", "glm", "glm_mtp", "moonlight", "next", "gpt_oss", "glm5")
+MOE_KINDS = ("moe", "vl_moe", "vl_next", "glm_vl", "glm", "glm_mtp", "moonlight", "next", "gpt_oss", "glm5",
+             "gemma4_moe")
 
 
 def image_side(kind: str, smoke: bool) -> int:
@@ -395,9 +406,14 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                        f"{cut}-token packed micro-batches, global batch 8"),
         Workload("gemma4", "gemma4", cut, packed, _pair(1, 8, "1 GPU"), steps=10, warmup=3,
                  layers=2 if smoke else 6,
-                 about=f"full fine-tuning of the first 6 layers (5 windowed, 1 full attention; with the 262,144-token "
-                       f"embedding about what one H200 holds with Adam states), {cut}-token packed micro-batches, "
-                       "global batch 8"),
+                 about=f"full fine-tuning of the first 6 layers (5 windowed, the last full attention; with the "
+                       f"262,144-token embedding about what one H200 holds with Adam states), {cut}-token packed "
+                       "micro-batches, global batch 8"),
+        Workload("gemma4_moe", "gemma4_moe", cut, packed, _pair(1, 8, "1 GPU"), steps=8, warmup=3,
+                 layers=2 if smoke else 4,
+                 about=f"full fine-tuning of the first 4 layers (3 windowed, the last full attention; each a dense "
+                       f"MLP beside 128 experts: with the embedding about what one H200 holds with Adam states), "
+                       f"{cut}-token packed micro-batches, global batch 8"),
         Workload("gpt_oss", "gpt_oss", cut, packed,
                  [Run("lf_nopack", "lf", 1, False, 2, 4, "1 GPU, padded, eager attention"),
                   Run("ours", "ours", 1, True, 1, 8, "1 GPU, packed"),
@@ -582,9 +598,9 @@ def model_config(kind: str, layers: int, smoke: bool) -> dict:
             text["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
                                    for i in range(layers)]
         return {**shape, "text_config": text, "num_hidden_layers": layers}
-    if kind == "gemma4":  # Gemma 4's pattern: every 6th layer full attention
-        shape = {**shape, "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-                                          for i in range(layers)]}
+    if kind in ("gemma4", "gemma4_moe"):  # Gemma 4's pattern: every 6th layer full attention, the last one too
+        shape = {**shape, "layer_types": ["full_attention" if (i + 1) % 6 == 0 or i == layers - 1
+                                          else "sliding_attention" for i in range(layers)]}
     if kind == "next":  # Qwen3-Next's pattern (every 4th layer full attention), the last layer full in a short cut
         shape = {**shape, "layer_types": _hybrid_pattern(layers)}
     return {**shape, "num_hidden_layers": layers}

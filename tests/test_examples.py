@@ -44,7 +44,8 @@ FAMILY = {"Qwen/Qwen3-1.7B": "qwen3", "Qwen/Qwen3-30B-A3B-Instruct-2507": "qwen3
           "Qwen/Qwen3.5-35B-A3B": "qwen3_5_moe", "google/gemma-3-1b-it": "gemma3_text",
           "openai/gpt-oss-120b": "gpt_oss", "zai-org/GLM-4.5V": "glm4v_moe",
           "google/gemma-3-27b-it": "gemma3", "MiniMaxAI/MiniMax-M2": "minimax_m2",
-          "OpenGVLab/InternVL3_5-38B-HF": "internvl", "zai-org/GLM-5": "glm_moe_dsa"}
+          "OpenGVLab/InternVL3_5-38B-HF": "internvl", "zai-org/GLM-5": "glm_moe_dsa",
+          "google/gemma-4-31B-it": "gemma4", "google/gemma-4-26B-A4B-it": "gemma4_moe"}
 # LLaMA-Factory's own dataset_info.json entries for its demo sets (data/dataset_info.json in its repository).
 LLAMAFACTORY_INFO = {
     "identity": {"file_name": "identity.json"},
@@ -116,10 +117,12 @@ def world(tmp_path_factory):
     vocab = len(AutoTokenizer.from_pretrained(tokenizer))
     for repo, family in FAMILY.items():
         if family in TINY_VL:
-            # Qwen3.5-MoE, GLM-4.5V: as many experts as their recipes' expert parallel size (8); Gemma 3: as many
-            # kv heads as its tensor parallel size (4); InternVL: a layer per virtual pipeline stage (4 x 2)
+            # Qwen3.5-MoE, GLM-4.5V, Gemma 4 26B-A4B: as many experts as their recipes' expert parallel size (8);
+            # Gemma 3: as many kv heads as its tensor parallel size (4); InternVL: a layer per virtual pipeline stage
+            # (4 x 2)
             extra = {"qwen3_5_moe": {"num_experts": 8}, "glm4v_moe": {"n_routed_experts": 8},
-                     "gemma3": {"num_key_value_heads": 4}, "internvl": {"num_hidden_layers": 8}}.get(family)
+                     "gemma3": {"num_key_value_heads": 4}, "internvl": {"num_hidden_layers": 8},
+                     "gemma4_moe": {"num_experts": 8}}.get(family)
             model = save_tiny_vl_model(family, str(root / "models" / family), text_config=extra)
         else:
             # GLM-4.5 and 5, Moonlight, Qwen3-Next, gpt-oss, MiniMax-M2: as many experts as the recipes' expert
@@ -137,6 +140,7 @@ def world(tmp_path_factory):
 
 def test_every_example_is_covered():
     assert [os.path.basename(e) for e in EXAMPLES] == ["gemma3_1b_full.yaml", "gemma3_27b_full.yaml",
+                                                       "gemma4_26b_a4b_full.yaml", "gemma4_31b_full.yaml",
                                                        "glm4_5_air_lora.yaml",
                                                        "glm4_5v_lora.yaml", "glm5_lora.yaml",
                                                        "gpt_oss_120b_lora.yaml", "internvl3_5_38b_lora.yaml",

@@ -240,7 +240,7 @@ def _sft_against_default(family: str, assets, tmp_path, **overrides) -> tuple[di
     matter; gpt-oss and GLM-5 with transformers' eager attention, ``DEFAULT_PATH_EAGER``). Returns (our losses, the
     default path's step-1 loss, our log, the model's folder, the merged one)."""
 
-    from llamafactory_mca.tools.tiny import save_tiny_model, save_tiny_tokenizer
+    from llamafactory_mca.tools.tiny import model_type_of, save_tiny_model, save_tiny_tokenizer
 
     model = save_tiny_model(family, str(tmp_path / family), vocab_size=assets["vocab"])
     save_tiny_tokenizer(model)
@@ -249,7 +249,7 @@ def _sft_against_default(family: str, assets, tmp_path, **overrides) -> tuple[di
     result, output = train(tmp_path, config)
     ok(result, output)
     ours = losses(tmp_path / "out")
-    assert f"llamafactory_mca: training {family}" in output and ours[4] < ours[1], ours
+    assert f"llamafactory_mca: training {model_type_of(family)}" in output and ours[4] < ours[1], ours
 
     default = {k: v for k, v in config.items() if k not in ("save_strategy", "save_steps")} | {"max_steps": 1}
     command = [sys.executable, "-c", DEFAULT_PATH_EAGER] if family in EAGER_REFERENCE else ["llamafactory-cli"]
@@ -333,6 +333,16 @@ PACKED_FAMILIES = {
                     ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
                      "model.layers.0.self_attn.v_proj.weight", "model.layers.3.self_attn.k_norm.weight",
                      "model.layers.2.post_feedforward_layernorm.weight")),
+    # Gemma 4's MoE block (the 26B-A4B's): a dense MLP and routed experts side by side, each under its own norms, a
+    # router with its own input scale and per-expert scales; `all` puts an adapter on the router's projection too
+    "gemma4_text_moe": (("MoE experts: ", "beside a dense MLP of 96 in every layer, each under its own norms"),
+                        ("o_proj", "proj"), "Gemma4ForCausalLM",
+                        ("model.layers.0.router.proj.weight", "model.layers.1.router.per_expert_scale",
+                         "model.layers.2.router.scale", "model.layers.3.experts.gate_up_proj",
+                         "model.layers.0.experts.down_proj", "model.layers.1.mlp.down_proj.weight",
+                         "model.layers.2.post_feedforward_layernorm_2.weight",
+                         "model.layers.3.pre_feedforward_layernorm_2.weight",
+                         "model.layers.0.post_feedforward_layernorm_1.weight")),
     # Gemma 4 as the hub stores it: the same decoder under model.language_model. beside a vision tower and its
     # embedder, which stay frozen (LLaMA-Factory's default) and merge back as loaded; text rows
     "gemma4": (("sliding window 6 tokens on 2 of 4 layers",), ("o_proj", "q_proj"), "Gemma4ForConditionalGeneration",
@@ -361,6 +371,7 @@ ONE_MICRO_BATCH = {"gemma4": dict(per_device_train_batch_size=8, gradient_accumu
 FROZEN = {"glm_moe_dsa": ("model.layers.1.self_attn.indexer.wq_b.weight", "model.layers.2.self_attn.indexer.wk.weight",
                           "model.layers.3.self_attn.indexer.k_norm.bias"),
           "gemma4_text": ("model.layers.0.layer_scalar", "model.layers.3.layer_scalar"),
+          "gemma4_text_moe": ("model.layers.1.layer_scalar",),
           "gemma4": ("model.language_model.layers.1.layer_scalar", "model.embed_vision.embedding_projection.weight",
                      "model.vision_tower.encoder.layers.1.self_attn.q_proj.linear.weight")}
 

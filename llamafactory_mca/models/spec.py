@@ -68,6 +68,7 @@ from .native.experts import NativeGroupedMLP, describe_experts
 from .native.gated_delta import NativeGatedDeltaNet
 from .native.gated_delta import describe_kernel as describe_delta_rule
 from .native.kernels import cudnn_attention_device, varlen_attn_available, varlen_windows_available
+from .native.moe_block import MoEBlockRouter, moe_block
 from .native.norm import (
     NativeNorm,
     ProjectionRMSNorm,
@@ -75,7 +76,6 @@ from .native.norm import (
     compiles_zero_centred_norms,
     norms_across_heads,
 )
-from .native.moe_block import MoEBlockRouter, moe_block
 from .native.sparse_attention import NativeSparseAttention, sparse_attention
 from .native.sublayers import NativeSelfAttention, needs_sublayers
 
@@ -304,6 +304,9 @@ def describe_kernels(config: TransformerConfig) -> str:
     if norms_across_heads(config):
         line += "; q/k norms across all heads (statistics summed over TP ranks)"
     line += f"; MoE experts: {experts}" if config.num_moe_experts else ""
+    if moe_block(config):
+        line += (f" beside a dense MLP of {config.moe_shared_expert_intermediate_size} in every layer, each under its "
+                 "own norms (Gemma 4's MoE block)")
     rope = getattr(config, "apply_rope_fusion", False) and native_rope.compiled_in_use()
     qk_norms = (choice == "native" and getattr(config, "qk_layernorm", False) and compiles_head_norms(config)
                 and not getattr(config, "qk_l2_norm", False) and not norms_across_heads(config))

@@ -178,6 +178,9 @@ TINY_VL["gemma4"] = dict(
     audio_config=None, image_token_id=196, video_token_id=197, audio_token_id=198, boi_token_id=192,
     eoi_token_id=193, boa_token_id=194, eoa_token_index=195, tie_word_embeddings=True)
 
+# Gemma 4 26B-A4B as the hub stores it: the same, on the MoE block's decoder
+TINY_VL["gemma4_moe"] = dict(TINY_VL["gemma4"], text_config=dict(TINY["gemma4_text_moe"], model_type="gemma4_text"))
+
 # InternVL 3.5: Qwen3's tiny decoder (untied output layer, as the 2B-38B models); a 2-block InternViT of 16-pixel tiles
 # cut into 4-pixel patches, whose 16 patches the projector folds 2 x 2 into 4 tokens per tile
 TINY_VL["internvl"] = dict(
@@ -188,7 +191,7 @@ TINY_VL["internvl"] = dict(
 
 
 # TINY's names that are a variant of a family's layout, and the family
-VARIANTS = {"llama3_tied": "llama", "gemma4_text_moe": "gemma4_text"}
+VARIANTS = {"llama3_tied": "llama", "gemma4_text_moe": "gemma4_text", "gemma4_moe": "gemma4"}
 
 
 def model_type_of(name: str) -> str:
@@ -227,8 +230,8 @@ def _mtp_layers(config: Any) -> int:
 
 def _randomize_zero_init(model: Any) -> None:
     """Models with zero-centred norms (hybrid ones, Gemma 3) start them at 0, and the delta rule's decay at fixed
-    values; Gemma 4 its norms, router scales and layer scalars at 1: perturb them, so a test cannot pass by mistaking a norm's weight
-    for its scale, or by leaving a scalar out."""
+    values; Gemma 4 its norms, router scales and layer scalars at 1: perturb them, so a test cannot pass by mistaking
+    a norm's weight for its scale, or by leaving a scalar out."""
     transformer = get_family(model.config.model_type).config_from_hf(model.config).transformer
     if not (transformer.get("layernorm_zero_centered_gamma") or transformer.get("layer_scalars")):
         return
@@ -340,6 +343,7 @@ def add_mtp_layers(config: Any, directory: str, dtype: torch.dtype, device: str 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 GLM_TOKENS = ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")  # glm4_moe template
 GEMMA_TOKENS = ("<start_of_turn>", "<end_of_turn>")  # LLaMA-Factory's gemma template (Gemma 3 1B)
+GEMMA4_TOKENS = ("<|turn>", "<turn|>")  # its gemma4 template
 MINIMAX_TOKENS = ("]~!b[", "]~b]", "[e~[")  # LLaMA-Factory's minimax2 template (its stop word becomes a special token)
 GPT_OSS_TOKENS = ("<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|return|>")  # its gpt_oss template
 CHAT_TEMPLATE = (
@@ -426,7 +430,8 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
     tokenizer = AutoTokenizer.from_pretrained(directory, **({"extra_special_tokens": named_tokens} if named_tokens
                                                             else {}))
     vision_tokens = GLM_VL_TOKENS if glm else list(named_tokens.values()) if named_tokens else VL_TOKENS
-    template_tokens = GLM_TOKENS if glm else GEMMA_TOKENS if gemma else ["<|im_start|>"]
+    template_tokens = (GLM_TOKENS if glm else GEMMA_TOKENS if gemma
+                       else GEMMA4_TOKENS if model_type_of(name) == "gemma4" else ["<|im_start|>"])
     tokenizer.add_special_tokens({"additional_special_tokens": [*template_tokens, *vision_tokens]},
                                  replace_extra_special_tokens=not named_tokens)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in vision_tokens}

@@ -165,7 +165,8 @@ def test_trainable_parameters_are_peft_s(tmp_path):
         hf = hf_causal_lm(models[name])
         modules = [t for t in targets if t not in ("all", "experts")]
         if "all" in targets:  # less what transformers runs without gradient (GLM-5's indexer: adapters never trained)
-            modules += sorted(set(find_all_linear_modules(hf, True)) - set(get_family(model_type_of(name)).no_gradient))
+            untrained = get_family(model_type_of(name)).no_gradient
+            modules += sorted(set(find_all_linear_modules(hf, True)) - set(untrained))
         modules = patch_target_modules(hf, FinetuningArguments(finetuning_type="lora"), modules)  # a VL model's tower
         config = LoraConfig(r=4, lora_alpha=8, target_modules=modules,
                             target_parameters=EXPERT_PARAMS if "experts" in targets else None)

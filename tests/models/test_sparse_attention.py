@@ -28,17 +28,22 @@ def test_equal_scores_choose_the_earlier_keys():
 
 def test_long_sequences_in_recomputed_chunks_give_the_same_output_and_gradients(monkeypatch):
     """Queries in chunks (each recomputed in the backward) where the scores of a whole sequence would be too large:
-    the same output and gradients as one pass, padded and packed."""
+    the same output and gradients as one pass, padded and packed; and the first ``index_topk`` queries of a sequence
+    (dense attention) are those of attention under the causal mask alone."""
     from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     from llamafactory_mca.models.native import sparse_attention
 
-    config = SimpleNamespace(dsa_indexer_n_heads=4, dsa_indexer_head_dim=8, qk_pos_emb_head_dim=4, dsa_indexer_topk=5,
-                             rotary_base=10000.0, q_lora_rank=12, hidden_size=16, use_cpu_initialization=True,
-                             params_dtype=torch.float32, sequence_parallel=False, kv_channels=6)
+    config = MLATransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=3, q_lora_rank=12, kv_lora_rank=8,
+                                  qk_head_dim=6, qk_pos_emb_head_dim=4, v_head_dim=6,
+                                  experimental_attention_variant="dsa", dsa_indexer_n_heads=4, dsa_indexer_head_dim=8,
+                                  dsa_indexer_topk=5, rotary_base=10000.0, use_cpu_initialization=True,
+                                  attention_dropout=0.0)
     torch.manual_seed(0)
-    attention = sparse_attention.NativeSparseAttention(config, 1, None, "self", softmax_scale=0.3,
-                                                       pg_collection=SimpleNamespace(tp=None))
+    attention = sparse_attention.NativeSparseAttention(config, 1, AttnMaskType.causal, "self", softmax_scale=0.3,
+                                                       pg_collection=SimpleNamespace(tp=None, cp=None))
     with torch.no_grad():
         for p in attention.parameters():
             p.normal_()
@@ -53,10 +58,14 @@ def test_long_sequences_in_recomputed_chunks_give_the_same_output_and_gradients(
         # one pass; 3 query rows per chunk; attention chunks of 8 rows (as on a GPU) over indexer chunks of 3
         for budget, fused in ((sparse_attention._SCORE_BYTES, False), (4 * 30 * 4 * 3, False), (4 * 30 * 4 * 3, True)):
             monkeypatch.setattr(sparse_attention, "_SCORE_BYTES", budget)
+            monkeypatch.setattr(sparse_attention, "_MASK_BYTES", 2 * 30 * 8)
             monkeypatch.setattr(sparse_attention, "_fused_sdpa", lambda q: fused)
-            attention.mask_bytes = 2 * 30 * 8
             out = attention(q, k, v, None, x, qr, packed_seq_params=params)
             grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), (q, k, v))
             runs.append((out, *grads))
         for one, *chunked in zip(*runs):
             assert all(torch.allclose(one, other, atol=1e-6) for other in chunked), name
+        causal = torch.nn.functional.scaled_dot_product_attention(
+            *(t[:5].transpose(0, 1) if params else t[:5, 0].transpose(0, 1) for t in (q, k, v)), is_causal=True,
+            scale=0.3).transpose(0, 1).flatten(1)
+        assert torch.allclose(runs[0][0][:5] if params else runs[0][0][:5, 0], causal, atol=1e-6), name

@@ -530,9 +530,9 @@ class Gemma4Layers(Part):
                                             keys_are_values=keys_are_values,
                                             rotary_base=float(full.get("rope_theta", 1e6)), rope_fraction=fraction))
         if hf.enable_moe_block:  # the dense MLP is Megatron's shared expert; transformers trains with no aux loss
-            fields |= dict(moe_block=True, num_moe_experts=hf.num_experts, moe_ffn_hidden_size=hf.moe_intermediate_size,
-                           moe_router_topk=hf.top_k_experts, moe_router_pre_softmax=False,
-                           moe_shared_expert_intermediate_size=hf.intermediate_size,
+            fields |= dict(moe_block=True, num_moe_experts=hf.num_experts,
+                           moe_ffn_hidden_size=hf.moe_intermediate_size, moe_router_topk=hf.top_k_experts,
+                           moe_router_pre_softmax=False, moe_shared_expert_intermediate_size=hf.intermediate_size,
                            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
         return fields
 

@@ -344,7 +344,10 @@ class LoraRouterMixin(LoraFoldedMixin):
 
 @functools.cache
 def _lora_class(base: type, mixin: type) -> type:
-    return type(f"Lora{base.__name__}", (mixin, base), {})
+    # a router's base classes (ABC first, then the module) leave it a layout a class with the mixin first cannot
+    # take over; the router's mixin overrides nothing of the base, so it may follow it
+    order = (base, mixin) if issubclass(mixin, LoraRouterMixin) else (mixin, base)
+    return type(f"Lora{base.__name__}", order, {})
 
 
 def is_adapter_key(name: str) -> bool:

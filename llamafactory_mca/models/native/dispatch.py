@@ -138,8 +138,8 @@ class _Gather(torch.autograd.Function):
 
 class LocalDispatchLayer(TransformerLayer):
     """Megatron's TransformerLayer whose MoE layer (if any) routes with ``LocalTokenDispatcher`` where it applies,
-    and whose dense MLP is normalised on its way out where the model has post norms (``sublayers.PostNormMLP``), and whose
-    MoE layer is Gemma 4's block where the model has it (``moe_block.py``)."""
+    and whose dense MLP is normalised on its way out where the model has post norms (``sublayers.PostNormMLP``), and
+    whose MoE layer is Gemma 4's block where the model has it (``moe_block.py``)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
