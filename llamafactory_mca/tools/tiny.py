@@ -393,6 +393,9 @@ VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad
 GLM_VL_TOKENS = ["<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>",
                  "<|video|>"]  # GLM-4.5V's (LLaMA-Factory's glm4v plugin writes them)
 GEMMA_VL_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+# Gemma 4's, by the names its processor asks the tokenizer for (LLaMA-Factory's gemma4 plugin asks the processor)
+GEMMA4_VL_TOKENS = {"boi_token": "<|image>", "eoi_token": "<image|>", "image_token": "<|image|>",
+                    "video_token": "<|video|>"}
 # InternVL's, by the names its processor asks the tokenizer for (LLaMA-Factory's intern_vl plugin writes the first
 # three)
 INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
@@ -411,6 +414,9 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
         AutoTokenizer,
         Gemma3ImageProcessor,
         Gemma3Processor,
+        Gemma4ImageProcessor,
+        Gemma4Processor,
+        Gemma4VideoProcessor,
         Glm4vProcessor,
         GotOcr2ImageProcessor,
         InternVLProcessor,
@@ -418,6 +424,7 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
         Qwen2VLProcessor,
         Qwen3VLProcessor,
     )
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
     from transformers.models.glm4v import Glm4vImageProcessor, Glm4vVideoProcessor
     from transformers.models.internvl import InternVLVideoProcessor
     from transformers.models.qwen2_vl import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
@@ -425,13 +432,13 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
 
     save_tiny_tokenizer(directory, texts)
     glm, gemma, intern = name == "glm4v_moe", name == "gemma3", name == "internvl"
-    # Gemma 3's and InternVL's processors ask their tokenizer for the image tokens by name
-    named_tokens = GEMMA_VL_TOKENS if gemma else INTERNVL_TOKENS if intern else {}
+    gemma4 = model_type_of(name) == "gemma4"
+    # Gemma 3's, Gemma 4's and InternVL's processors ask their tokenizer for the image tokens by name
+    named_tokens = GEMMA_VL_TOKENS if gemma else GEMMA4_VL_TOKENS if gemma4 else INTERNVL_TOKENS if intern else {}
     tokenizer = AutoTokenizer.from_pretrained(directory, **({"extra_special_tokens": named_tokens} if named_tokens
                                                             else {}))
     vision_tokens = GLM_VL_TOKENS if glm else list(named_tokens.values()) if named_tokens else VL_TOKENS
-    template_tokens = (GLM_TOKENS if glm else GEMMA_TOKENS if gemma
-                       else GEMMA4_TOKENS if model_type_of(name) == "gemma4" else ["<|im_start|>"])
+    template_tokens = GLM_TOKENS if glm else GEMMA_TOKENS if gemma else GEMMA4_TOKENS if gemma4 else ["<|im_start|>"]
     tokenizer.add_special_tokens({"additional_special_tokens": [*template_tokens, *vision_tokens]},
                                  replace_extra_special_tokens=not named_tokens)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in vision_tokens}
@@ -445,6 +452,10 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
         processor = Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": size, "width": size}),
                                     tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
                                     image_seq_length=extra["mm_tokens_per_image"])
+    elif gemma4:  # text rows only for now (models/families/gemma4.py): the hub's processors, their defaults
+        processor = Gemma4Processor(feature_extractor=Gemma4AudioFeatureExtractor(),
+                                    image_processor=Gemma4ImageProcessor(), video_processor=Gemma4VideoProcessor(),
+                                    tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
     elif intern:  # every tile resized to the encoder's size (one tile per image: LLaMA-Factory's default)
         height, width = vision["image_size"]
         tile = {"height": height, "width": width}
@@ -478,6 +489,8 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
                     video_end_token_id="<|end_of_video|>")
     elif gemma:
         keys = {f"{kind}_index": token for kind, token in GEMMA_VL_TOKENS.items()}
+    elif gemma4:
+        keys = {f"{kind}_id": token for kind, token in GEMMA4_VL_TOKENS.items()}
     elif intern:
         keys = dict(image_token_id=INTERNVL_TOKENS["context_image_token"])
     else:
