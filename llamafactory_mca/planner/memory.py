@@ -159,12 +159,14 @@ def _shapes(config: Any) -> dict[str, int]:
                 f=t["ffn_hidden_size"], glu=glu, experts=t.get("num_moe_experts") or 0,
                 topk=t.get("moe_router_topk") or 0,
                 fm=t.get("moe_ffn_hidden_size") or 0, fs=t.get("moe_shared_expert_intermediate_size") or 0,
-                vocab=config.vocab_size, layers=t["num_layers"], mtp=t.get("mtp_num_layers") or 0)
+                vocab=config.vocab_size, layers=t["num_layers"], mtp=t.get("mtp_num_layers") or 0,
+                block=int(bool(t.get("moe_block"))))
 
 
 def _layer_params(s: dict[str, int], moe: bool) -> tuple[int, int]:
     """(parameters split by TP, expert parameters split by EP x ETP) of one decoder layer."""
     mlp = (s["glu"] + 1) * s["h"] * s["fs"] + s["experts"] * s["h"] if moe else (s["glu"] + 1) * s["h"] * s["f"]
+    mlp += s.get("block", 0) * (4 * s["h"] + s["experts"])  # Gemma 4's MoE block: its norms and router scales
     experts = s["experts"] * (s["glu"] + 1) * s["h"] * s["fm"] if moe else 0
     return s["attn"] + 2 * s["h"] + mlp, experts
 
@@ -191,7 +193,9 @@ def _layer_activations(s: dict[str, int], tokens: float, layout: ParallelLayout,
         2 * s["h"] + (s["glu"] + 1) * s["fm"] / layout.etp
     experts = 0 if "moe" in rebuilt else 2 * routed * per_token
     shared = 2 * tokens * 2 * s["glu"] * s["fs"] / tp + 4 * tokens / sp * s["experts"]  # + fp32 router logits
-    return hidden + attention + experts + shared
+    # Gemma 4's MoE block: the inputs of its branches' output norms and of the norm on their sum
+    block = s.get("block", 0) * 2 * tokens * s["h"] * 3 / sp
+    return hidden + attention + experts + shared + block
 
 
 def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[str, float]:
