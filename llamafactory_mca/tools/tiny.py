@@ -168,10 +168,11 @@ TINY_VL["gemma3"] = dict(
                        image_size=16, patch_size=4, vision_use_head=False),
     mm_tokens_per_image=4, image_token_index=196, boi_token_index=192, eoi_token_index=193)
 
-# Gemma 4 as the hub stores it: Gemma 4's tiny decoder under model.language_model., a 2-layer vision tower of 4-pixel
-# patches (pooled 2 x 2) and its embedder beside it, no audio tower
+# Gemma 4 as the hub stores it: Gemma 4's tiny decoder under model.language_model. (images' tokens seeing one another
+# on the windowed layers, as the hub's configs say), a 2-layer vision tower of 4-pixel patches (pooled 2 x 2) and its
+# embedder beside it, no audio tower
 TINY_VL["gemma4"] = dict(
-    text_config=dict(TINY["gemma4_text"], model_type="gemma4_text"),
+    text_config=dict(TINY["gemma4_text"], model_type="gemma4_text", use_bidirectional_attention="vision"),
     vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
                        num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2,
                        position_embedding_size=64),
@@ -179,7 +180,8 @@ TINY_VL["gemma4"] = dict(
     eoi_token_id=193, boa_token_id=194, eoa_token_index=195, tie_word_embeddings=True)
 
 # Gemma 4 26B-A4B as the hub stores it: the same, on the MoE block's decoder
-TINY_VL["gemma4_moe"] = dict(TINY_VL["gemma4"], text_config=dict(TINY["gemma4_text_moe"], model_type="gemma4_text"))
+TINY_VL["gemma4_moe"] = dict(TINY_VL["gemma4"], text_config=dict(TINY["gemma4_text_moe"], model_type="gemma4_text",
+                                                                   use_bidirectional_attention="vision"))
 
 # InternVL 3.5: Qwen3's tiny decoder (untied output layer, as the 2B-38B models); a 2-block InternViT of 16-pixel tiles
 # cut into 4-pixel patches, whose 16 patches the projector folds 2 x 2 into 4 tokens per tile

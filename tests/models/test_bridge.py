@@ -284,7 +284,8 @@ def test_unsupported_models_fail_with_the_supported_list(tmp_path):
     # Gemma 4's parts of the small models, one line each
     for key, value, what in (("hidden_size_per_layer_input", 8, "per-layer input embeddings"),
                              ("num_kv_shared_layers", 2, "layers sharing another layer's keys and values"),
-                             ("use_double_wide_mlp", True, "the double-wide MLP")):
+                             ("use_double_wide_mlp", True, "the double-wide MLP"),
+                             ("use_bidirectional_attention", "all", "bidirectional attention between all tokens")):
         tiny_hf_config("gemma4_text", **{key: value}).save_pretrained(tmp_path / key)
         with pytest.raises(ValueError, match=f"gemma4_text: {key}={value!r} \\({what}"):
             AutoConfig.from_pretrained(str(tmp_path / key))

@@ -503,12 +503,16 @@ class Gemma4Layers(Part):
     def check(self, model_type: str, hf: Any) -> None:
         refusals = (("hidden_size_per_layer_input", "per-layer input embeddings (Gemma 4's E2B/E4B)"),
                     ("num_kv_shared_layers", "layers sharing another layer's keys and values (Gemma 4's E2B/E4B)"),
-                    ("use_double_wide_mlp", "the double-wide MLP of the key/value-sharing layers (Gemma 4's E2B/E4B)"),
-                    ("use_bidirectional_attention", "bidirectional attention"))
+                    ("use_double_wide_mlp", "the double-wide MLP of the key/value-sharing layers (Gemma 4's E2B/E4B)"))
         for key, what in refusals:
             if getattr(hf, key, None):
                 refuse(model_type, f"{key}={getattr(hf, key)!r} ({what})", "Supported: Gemma 4's 31B and 26B-A4B "
                        "layouts.")
+        # "vision" (the hub's): an image's tokens see one another on the windowed layers, text stays causal
+        if getattr(hf, "use_bidirectional_attention", None) not in (None, False, "vision"):
+            refuse(model_type, f"use_bidirectional_attention={hf.use_bidirectional_attention!r} (bidirectional "
+                   "attention between all tokens)", "Supported: causal attention, or 'vision' as the hub's "
+                   "checkpoints set it.")
         if not layer_typed_rope(hf.rope_parameters):
             refuse(model_type, f"rope_parameters={hf.rope_parameters}", "Supported: RoPE per kind of layer.")
         window, full = typed_rope(hf, "sliding_attention"), typed_rope(hf, "full_attention")
