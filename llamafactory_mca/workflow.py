@@ -83,7 +83,7 @@ def _data_plans(plan: RunPlan, template: Any, tokenizer_module: dict, model_args
     batching = dict(cutoff_len=plan.cutoff_len, packing=plan.packing, padding_free=plan.padding_free,
                     pad_multiple=plan.layout.pad_multiple, pad_token_id=pad_id)
     vision = VisionInputs(template.mm_plugin, processor, plan.config.hf_config, video_span=plan.video_span,
-                          images=plan.tower.images) if plan.vision else None
+                          projector=plan.tower.projector) if plan.vision else None
     reward = plan.stage == "rm"
     train_plan = DataPlan(dataset_module["train_dataset"],
                           BatchingConfig.from_args(training_args, micro_batch_size=plan.layout.micro_batch_size,

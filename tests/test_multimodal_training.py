@@ -4,7 +4,8 @@ global batch is the whole set, so row order cannot matter) at PP2 (the tower on 
 deepstack layers), padded for Qwen2-VL and packed for Qwen3-VL; Qwen3.5 packed at TP2 + SP (gated delta-rule layers
 restarting per sequence, and its multi-token-prediction layer trained on the image features); GLM-4.5V packed at
 EP2 with images; Gemma 3 packed at PP2 (image tokens that see their whole image, on both stages); InternVL packed at
-TP2 + SP; the tower frozen as
+TP2 + SP; Gemma 4 packed at PP2 (images of their own sizes, seeing themselves on the windowed layers); the tower
+frozen as
 LLaMA-Factory freezes it by default; the export loading into ``transformers``.
 (Packed PP4 and PP2 x EP4: the recipes in tests/test_examples.py.)"""
 
@@ -34,7 +35,9 @@ EP2 = {"expert_model_parallel_size": 2}
     # Gemma 3: a pack's image tokens see their whole image, on the later stage too (it has the tokens, not the pixels)
     ("gemma3", "gemma3", 0, True, PP2),
     # InternVL: the tower replicated over TP ranks, its features scattered over SP ranks
-    ("internvl", "intern_vl", 0, True, TP2_SP)])
+    ("internvl", "intern_vl", 0, True, TP2_SP),
+    # Gemma 4: images of their own sizes (up to 70 tokens each), whose tokens see one another on the windowed layers
+    ("gemma4", "gemma4", 0, True, PP2)])
 def test_vision_language_sft_matches_llamafactory_and_keeps_the_tower_frozen(tmp_path, family, template, video_every,
                                                                             packing, layout):
     from llamafactory.model.model_utils.visual import COMPOSITE_MODELS
@@ -46,23 +49,28 @@ def test_vision_language_sft_matches_llamafactory_and_keeps_the_tower_frozen(tmp
     assets = {"models": {"qwen3": model}, "sft": data}
     # image_max_pixels / image_min_pixels: every image (32 x 32 or 48 x 32 pixels) is scaled down, on both paths alike
     vl = dict(dataset="tiny_images", template=template, cutoff_len=256, gradient_accumulation_steps=3, max_steps=1,
-              image_max_pixels=768, image_min_pixels=256)
-    # 4 rows a micro-batch x 3: all 12 rows in the first step, on either path
-    default = recipe(assets, tmp_path / "default", **vl, per_device_train_batch_size=4)
+              image_max_pixels=768, image_min_pixels=256, per_device_train_batch_size=4)
+    if family == "gemma4":
+        # transformers' Trainer averages the micro-batches' means for Gemma 4's class (accepts_loss_kwargs = False),
+        # where we average the global batch's tokens: one micro-batch of all 12 rows compares them
+        vl.update(cutoff_len=512, gradient_accumulation_steps=1, per_device_train_batch_size=12)
+    # 4 rows a micro-batch x 3 (Gemma 4: 12 x 1): all 12 rows in the first step, on either path
+    default = recipe(assets, tmp_path / "default", **vl)
     theirs = default_path_losses(tmp_path, default)[1]
 
     # two ranks, dp 1. PP2: the pixels go to the first stage only. Packed: positions restart per sequence in the
     # pack. Three steps: each is one epoch of the 12 rows, so the loss must fall.
-    config = recipe(assets, tmp_path / "ours", **{**vl, "max_steps": 3}, **layout, sequence_packing=packing,
-                    per_device_train_batch_size=4)
+    config = recipe(assets, tmp_path / "ours", **{**vl, "max_steps": 3}, **layout, sequence_packing=packing)
     result, output = train(tmp_path, config, world=2, name="ours")
     ok(result, output)
     ours = losses(tmp_path / "ours")
     assert ours[1] == pytest.approx(theirs, rel=1e-6), theirs  # the next-token loss (MTP's is logged apart)
-    llava = family in ("gemma3", "internvl")
+    llava = family in ("gemma3", "internvl", "gemma4")
     tower = "over a micro-batch's images" if llava else "per image or window"  # varlen_attn on GPUs
     assert f"; vision tower: SDPA {tower}" in output, output[-3000:]
     assert ("image tokens see their whole image: one SDPA call under a mask" in output) == (family == "gemma3")
+    assert ("image tokens see their whole image on the windowed layers: one SDPA call" in output) == (
+        family == "gemma4")
     assert ours[3] < ours[2] < ours[1], ours
 
     before, after = hf_tensors(model), hf_tensors(tmp_path / "ours")

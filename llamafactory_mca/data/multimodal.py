@@ -93,15 +93,19 @@ class VisionInputs:
     """What a vision-language model needs beside the tokens, built at collation."""
 
     def __init__(self, mm_plugin: Any, processor: Any, hf_config: dict[str, Any],
-                 video_span: tuple[int, int] | None = None, images: bool = True) -> None:
+                 video_span: tuple[int, int] | None = None, projector: bool = False) -> None:
         self.plugin, self.processor = mm_plugin, processor
         self.image_token_id, self.video_token_id = image_token_id(hf_config), hf_config.get("video_token_id")
         self.video_span = video_span
-        self.model_type, self.images = hf_config["model_type"], images  # (images: False, text rows only)
-        # LLaVA's layout (Gemma 3, InternVL): every image the same count of tokens, plain 1-D positions; otherwise
+        self.model_type = hf_config["model_type"]
+        # LLaVA's layout (``projector``: Gemma 3, Gemma 4, InternVL): plain 1-D positions, and every image the same
+        # count of tokens (Gemma 4: as many as its valid patches pooled pool x pool, each image its own); otherwise
         # patch grids (t, h, w) merged merge x merge into tokens, and multimodal RoPE's 3-D positions
+        self.projector = projector
         self.tokens_per_image = tokens_per_image(hf_config)
-        if self.tokens_per_image is None and images:
+        if projector and self.tokens_per_image is None:
+            self.pool = hf_config["vision_config"]["pooling_kernel_size"]
+        elif self.tokens_per_image is None:
             self.rope_index = _rope_index(hf_config)
             self.merge = hf_config["vision_config"]["spatial_merge_size"]
 
@@ -118,26 +122,20 @@ class VisionInputs:
             [s for _ in range(width) for s in samples]
         images = [image for sample in order for image in sample.images]
         videos = [video for sample in order for video in sample.videos]
-        if (images or videos) and not self.images:
-            raise UserError(f"{len(images)} image(s) and {len(videos)} video(s) in a micro-batch of {self.model_type}"
-                            ": llamafactory_mca trains its language model on text rows and does not support images "
-                            "or videos for it yet. Drop the dataset's images and videos columns, or unset USE_MCA.")
-        if not self.images:
-            return batch
-        if videos and self.tokens_per_image:
+        if videos and self.projector:
             # LLaMA-Factory's plugin (InternVL's) gives a batch's video frames after all of its images, which the
             # placeholders, row after row, would take in another order: rows would train on each other's features
-            raise UserError(f"{len(videos)} video(s) in a micro-batch of a model with a fixed count of tokens per "
-                            "image (LLaVA's layout: InternVL, Gemma 3): videos are not supported there. Train on "
-                            "images, or drop the dataset's videos column.")
+            raise UserError(f"{len(videos)} video(s) in a micro-batch of {self.model_type} (LLaVA's layout: InternVL, "
+                            "Gemma 3, Gemma 4): videos are not supported there. Train on images, or drop the "
+                            "dataset's videos column.")
         vision: dict[str, torch.Tensor] = {}
         if images or videos:
             inputs = self.plugin.get_mm_inputs(images, videos, [], [len(images)], [len(videos)], [0], [[]],
                                                self.processor)
-            vision = {k: v for k, v in inputs.items() if k in ("pixel_values", "image_grid_thw",
+            vision = {k: v for k, v in inputs.items() if k in ("pixel_values", "image_grid_thw", "image_position_ids",
                                                                "pixel_values_videos", "video_grid_thw")}
         self._check_counts(batch, vision)
-        positions = None if self.tokens_per_image else self._positions(batch, vision)
+        positions = None if self.projector or self.tokens_per_image else self._positions(batch, vision)
         return replace(batch, rope_positions=positions, vision=vision or None)
 
     def _check_counts(self, batch: MicroBatch, vision: dict[str, torch.Tensor]) -> None:
@@ -147,6 +145,9 @@ class VisionInputs:
             if self.tokens_per_image:
                 pixels = vision.get("pixel_values" if kind == IMAGE else "pixel_values_videos")
                 features = 0 if pixels is None else len(pixels) * self.tokens_per_image
+            elif self.projector:  # Gemma 4: each image's valid patches (not at (-1, -1)), pooled pool x pool
+                patches = vision.get("image_position_ids") if kind == IMAGE else None
+                features = 0 if patches is None else int((patches >= 0).all(-1).sum()) // self.pool ** 2
             else:
                 features = sum(self._tokens(grid) for grid in vision.get(key, []))
             placeholders = int((types == kind).sum())

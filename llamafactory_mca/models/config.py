@@ -36,7 +36,8 @@ _ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.ge
 # read them (``native/sublayers.py``, ``native/cross_entropy.LanguageModel``): a norm on each sublayer's output
 # (Gemma's sandwich norms), the word embeddings' multiplier (Gemma: sqrt(hidden)), the RoPE base of the windowed
 # layers where it is not the others' (Gemma 3: 10,000 local, 1,000,000 global).
-# ``image_look_ahead``: an image's tokens also see the image's later tokens (Gemma 3, ``native/attention.py``).
+# ``image_look_ahead``: an image's tokens also see the image's later tokens (Gemma 3, ``native/attention.py``;
+# "windowed": on the windowed layers only, Gemma 4's).
 # ``padding_idx``: the word embedding row that lookups never train (transformers' ``pad_token_id``).
 # ``qk_norm_across_heads``: the q/k norms normalise all heads of a token at once (MiniMax-M2, ``native/norm.py``).
 # Gemma 4's: ``global_attention`` (the full-attention layers' own shape and RoPE: ``global_layer_configs``),

@@ -81,9 +81,12 @@ class TowerWithProjector(torch.nn.Module):
         setattr(features, name, getattr(self, name))
         object.__setattr__(self, "_features", features)  # not a submodule: the parameters are this module's
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: None = None) -> torch.Tensor:
-        """[images, channels, height, width] -> [images, tokens per image, hidden]."""
-        return self._features.get_image_features(pixel_values=pixel_values, return_dict=True).pooler_output
+    def forward(self, pixel_values: torch.Tensor, grid_thw: None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """[images, channels, height, width] -> [images, tokens per image, hidden]; Gemma 4's: [images, patches,
+        patch pixels] with each patch's (x, y) (``position_ids``, -1 for padding) -> [its images' tokens, hidden]."""
+        extra = {} if position_ids is None else {"image_position_ids": position_ids}
+        return self._features.get_image_features(pixel_values=pixel_values, return_dict=True, **extra).pooler_output
 
 
 def _projector(hf: Any) -> tuple[str, torch.nn.Module]:
@@ -200,7 +203,7 @@ class VisionLanguageModel(LanguageModel):
         self.image_token_id = image_token_id(hf_config)
         self.video_token_id = hf_config.get("video_token_id")
         self.video_span = vision.video_span(hf_config)
-        self.image_look_ahead = vision.image_look_ahead
+        self.image_look_ahead = bool(getattr(self.config, "image_look_ahead", False))
         if not vision.projector:
             self.rotary_pos_emb = MultimodalRope(self.rotary_pos_emb, vision.interleaved_mrope)
         self.deepstack = deepstack_layers(hf_config)
@@ -228,7 +231,7 @@ class VisionLanguageModel(LanguageModel):
 
     def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
               image_grid_thw: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
-              video_grid_thw: torch.Tensor | None = None
+              video_grid_thw: torch.Tensor | None = None, image_position_ids: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Token embeddings [s, b, h] (sequence-parallel: this rank's part) with the vision features at the
         placeholder tokens, the deepstack features laid out alike ([levels, s, b, h], zero at text tokens;
@@ -249,7 +252,8 @@ class VisionLanguageModel(LanguageModel):
             if kind == VIDEO and self.video_span is not None:
                 # each frame a tower row of its own: [t, h, w] -> t x [1, h, w], as transformers' get_video_features
                 grid = torch.repeat_interleave(grid, grid[:, 0], dim=0).index_fill(1, grid.new_tensor([0]), 1)
-            output = self.vision(pixels.to(self.config.params_dtype), grid_thw=grid)
+            where = {"position_ids": image_position_ids} if kind == IMAGE and image_position_ids is not None else {}
+            output = self.vision(pixels.to(self.config.params_dtype), grid_thw=grid, **where)
             features = getattr(output, "pooler_output", output).to(embeddings.dtype)
             # [b, s]: features fill row after row, as the rows hold their images (their counts agree: the data
             # side checks that on the host, ``VisionInputs.attach``, so no step waits on a device-to-host copy)
@@ -290,15 +294,16 @@ class VisionLanguageModel(LanguageModel):
                 decoder_input: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
                 pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
-                **kwargs: Any) -> torch.Tensor:
+                image_position_ids: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
         whole = None
         if self.pre_process and decoder_input is None:
             decoder_input, deepstack, whole = self.embed(input_ids, pixel_values, image_grid_thw,
-                                                         pixel_values_videos, video_grid_thw)
+                                                         pixel_values_videos, video_grid_thw, image_position_ids)
             if deepstack is not None:
                 kwargs["extra_block_kwargs"] = {"context": deepstack}
-        if self.image_look_ahead:
-            # the attention's mask: every stage has the tokens; the tower's stage alone has the pixels
+        if self.image_look_ahead and bool((input_ids == self.image_token_id).any()):
+            # the attention's mask: every stage has the tokens; the tower's stage alone has the pixels. A micro-batch
+            # of text keeps the causal kernels (varlen_attn, context parallelism), at the cost of reading one bool
             attention_mask = image_blocks(input_ids, self.image_token_id)
         if self.mtp_process:
             if whole is None:  # it sits with the tower: under pipelining ``resolve_mtp`` leaves it out

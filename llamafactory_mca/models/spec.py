@@ -291,7 +291,8 @@ def describe_kernels(config: TransformerConfig) -> str:
     if getattr(config, "final_logit_softcapping", None):
         line += f"; logits soft-capped at {config.final_logit_softcapping:g} (the loss takes them whole)"
     if getattr(config, "image_look_ahead", False):
-        line += "; image tokens see their whole image: one SDPA call under a mask"
+        where = " on the windowed layers" if config.image_look_ahead == "windowed" else ""
+        line += f"; image tokens see their whole image{where}: one SDPA call under a mask"
     if getattr(config, "softmax_type", "vanilla") != "vanilla":
         how = ("varlen_attn, its output and log-sum-exp corrected for the sink"
                if choice == "native" and varlen_attn_available() and not _cpu_only() else "fp32 scores per sequence")

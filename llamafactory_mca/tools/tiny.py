@@ -454,10 +454,13 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
         processor = Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": size, "width": size}),
                                     tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
                                     image_seq_length=extra["mm_tokens_per_image"])
-    elif gemma4:  # text rows only for now (models/families/gemma4.py): the hub's processors, their defaults
+    elif gemma4:  # every image resized to at most 70 tokens (its fewest) of 2 x 2 patches of 4 pixels
+        pixels = dict(patch_size=vision["patch_size"], pooling_kernel_size=vision["pooling_kernel_size"],
+                      max_soft_tokens=70)
         processor = Gemma4Processor(feature_extractor=Gemma4AudioFeatureExtractor(),
-                                    image_processor=Gemma4ImageProcessor(), video_processor=Gemma4VideoProcessor(),
-                                    tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
+                                    image_processor=Gemma4ImageProcessor(**pixels),
+                                    video_processor=Gemma4VideoProcessor(**pixels), tokenizer=tokenizer,
+                                    chat_template=CHAT_TEMPLATE)
     elif intern:  # every tile resized to the encoder's size (one tile per image: LLaMA-Factory's default)
         height, width = vision["image_size"]
         tile = {"height": height, "width": width}

@@ -7,12 +7,14 @@ import pytest
 import torch
 
 from llamafactory_mca.data.multimodal import VisionInputs, image_blocks
+from llamafactory_mca.models.families import get_family
 from llamafactory_mca.tools.tiny import tiny_hf_config
 
 
 def _inputs(family: str, video_span: tuple[int, int] | None = None) -> VisionInputs:
     """Built from the tiny model's config, as the workflow builds it (no plugin or processor: counts only)."""
-    return VisionInputs(None, None, tiny_hf_config(family).to_dict(), video_span=video_span)
+    return VisionInputs(None, None, tiny_hf_config(family).to_dict(), video_span=video_span,
+                        projector=get_family(family).vision.projector)
 
 
 def test_placeholders_and_features_must_pair_up():
@@ -62,4 +64,22 @@ def test_internvl_tiles_are_image_seq_length_tokens_each():
     # videos: LLaMA-Factory's plugin gives a batch's frames after all of its images, out of the placeholders' order
     sample = SimpleNamespace(sequences=[[1]], images=["a.png"], videos=[["f0.png", "f1.png"]])
     with pytest.raises(ValueError, match=r"1 video\(s\) in a micro-batch .* videos are not supported there"):
+        vision.attach(SimpleNamespace(packed=True), [sample])
+
+
+def test_gemma4_images_are_their_valid_patches_pooled():
+    """Gemma 4: each image its own count of tokens, its valid patches (positions not (-1, -1), the processor's
+    padding) pooled 2 x 2; a row with a video is refused as for the other LLaVA-layout models."""
+    vision = _inputs("gemma4")
+    image = tiny_hf_config("gemma4").image_token_id
+    # an image of 4 x 4 patches (4 tokens) and one of 4 x 2 (2 tokens), each padded to 20 patches
+    grids = [torch.stack(torch.meshgrid(torch.arange(w), torch.arange(4), indexing="xy"), -1).reshape(-1, 2)
+             for w in (4, 2)]
+    positions = torch.stack([torch.cat([g, torch.full((20 - len(g), 2), -1)]) for g in grids])
+    tokens = torch.tensor([[1] + [image] * 4 + [5] + [image] * 2 + [2]])
+    vision._check_counts(SimpleNamespace(tokens=tokens), {"image_position_ids": positions})
+    with pytest.raises(ValueError, match=r"6 placeholder tokens but 4 vision features"):
+        vision._check_counts(SimpleNamespace(tokens=tokens), {"image_position_ids": positions[:1]})
+    sample = SimpleNamespace(sequences=[[1]], images=[], videos=[["f0.png", "f1.png"]])
+    with pytest.raises(ValueError, match=r"1 video\(s\) in a micro-batch of gemma4 .* videos are not supported there"):
         vision.attach(SimpleNamespace(packed=True), [sample])

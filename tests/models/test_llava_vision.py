@@ -1,8 +1,10 @@
 """LLaVA's layout against ``transformers`` (CPU, fp32): Gemma 3 with images (a SigLIP encoder and a pooling projector,
-image tokens that see their whole image) and InternVL 3.5 (InternViT, whose class token the projector drops and whose
-patches it folds 2 x 2, on Qwen3's decoder with its own output layer). Logits of a padded row and of a pack of two
-sequences at DP2, TP2 with sequence parallelism and PP2; another checkpoint's spelling of the prefixes (Gemma 3's
-hub files, InternVL's in-memory names) read as transformers' own; the round trip bit for bit. (Training through the
+image tokens that see their whole image), InternVL 3.5 (InternViT, whose class token the projector drops and whose
+patches it folds 2 x 2, on Qwen3's decoder with its own output layer) and Gemma 4 (images of their own sizes as
+patches with their positions, pooled 2 x 2; image tokens that see their whole image on the windowed layers only).
+Logits of a padded row and of a pack of two sequences at DP2, TP2 with sequence parallelism and PP2; another
+checkpoint's spelling of the prefixes (Gemma 3's hub files, InternVL's in-memory names) read as transformers' own;
+the round trip bit for bit. (Training through the
 recipe: tests/test_multimodal_training.py.)"""
 
 import os
@@ -23,18 +25,32 @@ LAYOUTS = [("dp2", {}), ("tp2-sp", {"tensor_model_parallel_size": 2, "sequence_p
 def _rows(config) -> list[dict]:
     """Two sequences: text, an image, text, a second image right after a short text, text; and one with an image at
     its very start. Each image is an opening token, its tokens, a closing token (plain text ids here: Gemma 3's config
-    names its own, InternVL's does not)."""
+    names its own, InternVL's does not). Gemma 4's images are patches with their (x, y), of their own sizes: 4 x 4
+    patches (4 tokens, pooled 2 x 2), 4 x 2 (2 tokens) and 2 x 4, padded to 20 patches."""
     g = torch.Generator().manual_seed(0)
     text = lambda n: torch.randint(0, 190, (n,), generator=g)  # noqa: E731
-    tokens = getattr(config, "mm_tokens_per_image", None) or config.image_seq_length
     image_id = getattr(config, "image_token_index", None) or config.image_token_id
-    image = lambda: torch.tensor([190, *[image_id] * tokens, 191])  # noqa: E731
-    first = torch.cat([text(5), image(), text(1), image(), text(6)])
-    second = torch.cat([text(1), image(), text(9)])
-    size = config.vision_config.image_size
-    size = size[0] if isinstance(size, list) else size
-    return [{"input_ids": ids.view(1, -1), "pixel_values": torch.randn(n, 3, size, size, generator=g)}
-            for ids, n in ((first, 2), (second, 1))]
+    image = lambda tokens: torch.tensor([190, *[image_id] * tokens, 191])  # noqa: E731
+    if config.model_type == "gemma4":
+        grids = [(4, 4), (4, 2), (2, 4)]
+        sizes = [w * h // config.vision_config.pooling_kernel_size ** 2 for w, h in grids]
+        patch = 3 * config.vision_config.patch_size ** 2
+        positions = [torch.stack(torch.meshgrid(torch.arange(w), torch.arange(h), indexing="xy"), -1).reshape(-1, 2)
+                     for w, h in grids]
+        vision = [{"pixel_values": torch.randn(20, patch, generator=g),
+                   "image_position_ids": torch.cat([p, torch.full((20 - len(p), 2), -1)])} for p in positions]
+        for one, p in zip(vision, positions):
+            one["pixel_values"][len(p):] = 0  # the processor's padding
+    else:
+        tokens = getattr(config, "mm_tokens_per_image", None) or config.image_seq_length
+        sizes = [tokens] * 3
+        size = config.vision_config.image_size
+        size = size[0] if isinstance(size, list) else size
+        vision = [{"pixel_values": torch.randn(3, size, size, generator=g)} for _ in sizes]
+    first = torch.cat([text(5), image(sizes[0]), text(1), image(sizes[1]), text(6)])
+    second = torch.cat([text(1), image(sizes[2]), text(9)])
+    return [{"input_ids": ids.view(1, -1), **{k: torch.stack([v[k] for v in images]) for k in images[0]}}
+            for ids, images in ((first, vision[:2]), (second, vision[2:]))]
 
 
 def _hf_logits(model_dir: str) -> tuple[list[dict], list[torch.Tensor]]:
@@ -45,12 +61,14 @@ def _hf_logits(model_dir: str) -> tuple[list[dict], list[torch.Tensor]]:
     extra = lambda row: {}  # noqa: E731
     if model.config.model_type == "gemma3":  # what LLaMA-Factory's collator gives, and what turns the look-ahead on
         extra = lambda row: {"token_type_ids": (row["input_ids"] == model.config.image_token_index).long()}  # noqa: E731
+    if model.config.model_type == "gemma4":  # (its look-ahead: on the windowed layers)
+        extra = lambda row: {"mm_token_type_ids": (row["input_ids"] == model.config.image_token_id).long()}  # noqa: E731
     with torch.no_grad():
         logits = [model(**row, **extra(row)).logits[0] for row in rows]
     return rows, logits
 
 
-def _forward(model, ids: torch.Tensor, positions: torch.Tensor, pixels: torch.Tensor, params) -> torch.Tensor | None:
+def _forward(model, ids: torch.Tensor, positions: torch.Tensor, vision: dict, params) -> torch.Tensor | None:
     """Full-vocabulary logits [s, v] through Megatron's schedule; None on ranks without them."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -58,7 +76,7 @@ def _forward(model, ids: torch.Tensor, positions: torch.Tensor, pixels: torch.Te
 
     def step(iterator, chunk):
         next(iterator)
-        return chunk(ids, positions, None, pixel_values=pixels, packed_seq_params=params), lambda out, **_: out
+        return chunk(ids, positions, None, **vision, packed_seq_params=params), lambda out, **_: out
 
     with torch.no_grad():
         out = get_forward_backward_func()(
@@ -85,17 +103,18 @@ def _ours(model_dirs: dict, rows: list[dict], back_dir: str) -> dict:
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
                              cu_seqlens_kv_padded=cu, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
     pack_positions = torch.cat([torch.arange(n) for n in lengths]).view(1, -1)
-    pack_pixels = torch.cat([row["pixel_values"] for row in rows])
+    keys = [k for k in rows[0] if k != "input_ids"]
+    first_vision, pack_vision = {k: rows[0][k] for k in keys}, {k: torch.cat([row[k] for row in rows]) for k in keys}
     found = {}
     for layout, sizes in LAYOUTS:
         args = MegatronArguments(**sizes)
         parallel.initialize(parallel.ParallelLayout.from_args(args))
         for name, model_dir in model_dirs.items():
             model = AutoModel.from_pretrained(model_dir, args).eval()
-            for batch, (ids, positions, pixels, packed) in {
-                    "padded": (first, torch.arange(first.shape[1]).view(1, -1), rows[0]["pixel_values"], None),
-                    "packed": (pack, pack_positions, pack_pixels, params)}.items():
-                logits = _forward(model, ids, positions, pixels, packed)
+            for batch, (ids, positions, vision, packed) in {
+                    "padded": (first, torch.arange(first.shape[1]).view(1, -1), first_vision, None),
+                    "packed": (pack, pack_positions, pack_vision, params)}.items():
+                logits = _forward(model, ids, positions, vision, packed)
                 if logits is not None:
                     found[(name, layout, batch)] = logits
             if layout == LAYOUTS[0][0] and name == "transformers":
@@ -130,12 +149,13 @@ def _as_another_checkpoint_spells_it(model_dir: str, hub_dir: str, family: str) 
     return hub_dir
 
 
-@pytest.mark.parametrize("family", ["gemma3", "internvl"])
+@pytest.mark.parametrize("family", ["gemma3", "internvl", "gemma4"])
 def test_llava_layout_logits_and_round_trip_match_transformers(tmp_path, family):
     model_dir = save_tiny_model(family, str(tmp_path / family))
     rows, expected = _hf_logits(model_dir)
-    other = _as_another_checkpoint_spells_it(model_dir, str(tmp_path / "hub"), family)
-    dirs = {"transformers": model_dir, "hub": other}
+    dirs = {"transformers": model_dir}
+    if family in OTHER_PREFIXES:
+        dirs["hub"] = _as_another_checkpoint_spells_it(model_dir, str(tmp_path / "hub"), family)
     back_dir = str(tmp_path / "back")
     found = {k: v for rank in run_distributed(_ours, 2, dirs, rows, back_dir) for k, v in rank.items()}
     assert sorted(found) == sorted((n, layout, b) for n in dirs for layout, _ in LAYOUTS for b in ("padded", "packed"))
@@ -145,7 +165,8 @@ def test_llava_layout_logits_and_round_trip_match_transformers(tmp_path, family)
         diff = (logits[:, :vocab] - want).abs().max()
         assert diff < 1e-4, (name, layout, batch, diff)
     original, back = hf_tensors(model_dir), hf_tensors(back_dir)
-    assert sorted(original) == sorted(back) and any(k.startswith("vision_tower.encoder.") for k in back)
+    towers = (".vision_tower.encoder.", ".model.vision_tower.encoder.")  # Gemma 4's under model.
+    assert sorted(original) == sorted(back) and any(f".{k}".startswith(towers) for k in back)
     assert ("language_model.lm_head.weight" in back) == (family == "internvl")  # Gemma 3 ties it
     for key in original:
         assert torch.equal(original[key], back[key]), key

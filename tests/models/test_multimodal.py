@@ -259,22 +259,3 @@ def test_vision_towers_attend_in_one_call_per_block(name, monkeypatch):
     assert len(calls) == hf.vision_config.depth and all(cu is not None and cu[0] == 0 for cu in calls)
     assert calls[0][-1] == int(IMAGE_GRID.prod(-1).sum())  # every patch, packed
 
-
-def test_a_family_without_images_yet_refuses_a_micro_batch_with_them():
-    """Gemma 4 trains its language model on text rows; a micro-batch holding images (or videos) is one line naming
-    them, never a run whose rows lost their pictures."""
-    from types import SimpleNamespace
-
-    import numpy as np
-
-    from llamafactory_mca.data.multimodal import VisionInputs
-    from llamafactory_mca.data.rows import Sample
-    from llamafactory_mca.errors import UserError
-    from llamafactory_mca.tools.tiny import tiny_hf_config
-
-    vision = VisionInputs(None, None, tiny_hf_config("gemma4").to_dict(), images=False)
-    row = (np.arange(6), np.arange(6))
-    text = SimpleNamespace(packed=False)
-    assert vision.attach(text, [Sample([row])]) is text  # text rows pass as they are
-    with pytest.raises(UserError, match="1 image.* in a micro-batch of gemma4: .* does not support images or videos"):
-        vision.attach(text, [Sample([row]), Sample([row], images=["cat.png"])])

@@ -318,15 +318,13 @@ class Vision(Part):
     ``video_start_token_id`` and ``video_end_token_id``, and each frame is a row of its own for the tower (GLM-4.5V).
     Deepstack (Qwen3-VL: features of middle tower blocks added after the first decoder layers) follows from the
     config's ``deepstack_visual_indexes``.
-    ``projector``: LLaVA's layout (Gemma 3, InternVL): an encoder of fixed-size images (transformers' auto class of
+    ``projector``: LLaVA's layout (Gemma 3, Gemma 4, InternVL): an encoder (transformers' auto class of
     the vision config) and the VL model's ``MultiModalProjector``; the text half rotates by plain RoPE.
     ``aliases``: other spellings of the checkpoint's prefixes (prefix as written here, prefix as another checkpoint
     stores it: Gemma 3's hub files nest the encoder deeper; a checkpoint may hold transformers' in-memory names).
     ``image_look_ahead``: an image's tokens see the whole image, later ones too (Gemma 3's bidirectional attention
     inside each image). ``decoders``: the text config's model types the layout is declared
-    with, where the VL model takes several (InternVL); empty: the family's own. ``images``: False where images are
-    not supported yet (Gemma 4): the tower and projector are carried (loaded, frozen unless trained, merged back),
-    rows train on their text, and a micro-batch with images or videos is refused in one line.
+    with, where the VL model takes several (InternVL); empty: the family's own.
     """
 
     tower_prefix: str = "visual."
@@ -338,7 +336,6 @@ class Vision(Part):
     aliases: tuple[tuple[str, str], ...] = ()
     image_look_ahead: bool = False
     decoders: tuple[str, ...] = ()
-    images: bool = True
 
     def video_span(self, hf_config: dict[str, Any]) -> tuple[int, int] | None:
         """The ids opening and closing a video whose frames are image tokens (``video_frames_as_images``)."""

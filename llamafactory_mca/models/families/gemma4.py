@@ -6,8 +6,10 @@ that are also the values (``config.global_layer_configs``, ``native/sublayers.py
 (a share of each head's frequencies, the rest unrotated), the windowed layers by plain RoPE, the model's table.
 
 The hub's checkpoints (``gemma4``) hold this decoder under ``model.language_model.`` beside a vision tower and its
-``embed_vision``: those are carried (loaded, frozen unless trained, merged back) and rows train on their text; images
-and videos are not supported yet (a micro-batch with them is refused, naming them), nor an audio tower.
+``embed_vision`` (LLaVA's layout, ``multimodal.TowerWithProjector``): images of their own sizes come as patches with
+their (x, y) (``image_position_ids``), each pooled to as many tokens as its valid patches make; with
+``use_bidirectional_attention: vision`` (the hub's) an image's tokens see one another on the windowed layers only.
+Videos and an audio tower are not supported (refused in one line).
 
 The 26B-A4B's layers have a dense MLP and routed experts side by side (``enable_moe_block``: ``native/moe_block.py``):
 Megatron's MoE layer with the dense MLP as its shared expert, each branch under its own norms.
@@ -62,10 +64,15 @@ class Gemma4TextFamily(DecoderFamily):
 
 @register("gemma4")
 class Gemma4Family(Gemma4TextFamily):
-    vision = Vision(tower_prefix="model.", text_prefix="model.language_model.", projector=True, images=False)
+    vision = Vision(tower_prefix="model.", text_prefix="model.language_model.", projector=True)
 
     def config_from_hf(self, hf: Any) -> McaConfig:
+        """``use_bidirectional_attention: vision`` (the hub's): an image's tokens see one another on the windowed
+        layers (transformers ORs its image groups into the sliding masks only)."""
         if getattr(hf, "audio_config", None) is not None:
             refuse(self.model_type, "an audio tower (audio_config)", "Supported: the checkpoints without audio "
                    "(Gemma 4 26B-A4B, 31B).")
-        return super().config_from_hf(hf)
+        config = super().config_from_hf(hf)
+        if getattr(hf.get_text_config(), "use_bidirectional_attention", None) == "vision":
+            config = replace(config, transformer={**config.transformer, "image_look_ahead": "windowed"})
+        return config

@@ -82,7 +82,11 @@ class NativeDotProductAttention(MegatronModule):
         windowed = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, self.layer_number)
         self.window = config.window_size[0] if windowed else None
         self.attn_mask_type = attn_mask_type
-        self.image_look_ahead = bool(getattr(config, "image_look_ahead", False))
+        # the model's image look-ahead: on every layer (Gemma 3), or on the windowed ones only ("windowed": Gemma 4);
+        # where it is off, the image blocks the VL model passes as the mask are not this layer's
+        look_ahead = getattr(config, "image_look_ahead", False)
+        self.image_blocks = bool(look_ahead)
+        self.image_look_ahead = bool(look_ahead) and (look_ahead != "windowed" or self.window is not None)
         self._init_sink(config, pg_collection)
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -140,6 +144,8 @@ class NativeDotProductAttention(MegatronModule):
         causal = mask_type in _CAUSAL
         if self.image_look_ahead and attention_mask is not None:
             return self._image_look_ahead(query, key, value, attention_mask, packed_seq_params)
+        if self.image_blocks:
+            attention_mask = None  # causal alone here
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             if not causal:
                 raise ValueError(f"packed (THD) batches need causal attention, got attn_mask_type={mask_type}")
