@@ -16,8 +16,8 @@ Megatron's MoE layer with the dense MLP as its shared expert, each branch under 
 
 Refused, one line each: the per-layer input embeddings, key/value-sharing layers and double-wide MLP of the small
 models (``hidden_size_per_layer_input``, ``num_kv_shared_layers``, ``use_double_wide_mlp``), bidirectional attention
-between all tokens (``use_bidirectional_attention: all``; the hub's ``vision`` concerns images' tokens only, and rows
-here are text), the audio tower."""
+between all tokens (``use_bidirectional_attention: all``; the hub's ``vision`` is the images' look-ahead above), the
+audio tower."""
 
 from dataclasses import replace
 from typing import Any
