@@ -18,7 +18,7 @@ is laid out as a pair: its answer in the chosen place, its KL sample in the reje
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,11 +54,14 @@ class MicroBatch:
     rope_positions: torch.Tensor | None = None  # [b, s, 3] vision-language models' 3-D positions (mrope)
     vision: dict[str, torch.Tensor] | None = None  # pixel_values, image_grid_thw, ... (data/multimodal.py)
 
-    def model_inputs(self, first_stage: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(positions, extra keyword arguments) for the model chunk: 3-D positions [3, b, s] for multimodal RoPE, and
-        the pixels only where the vision tower is (the first stage)."""
+    def model_inputs(self, first_stage: bool) -> tuple[torch.Tensor, dict[str, Any]]:
+        """(positions, extra keyword arguments) for the model chunk: 3-D positions [3, b, s] for multimodal RoPE, the
+        pixels only where the vision tower is (the first stage), and to every stage whether the micro-batch holds
+        images (known here on the host: the attention's image mask then costs no device-to-host read)."""
         positions = self.position_ids if self.rope_positions is None else self.rope_positions.permute(2, 0, 1)
-        return positions, (self.vision or {}) if first_stage else {}
+        if not self.vision:
+            return positions, {}
+        return positions, {**(self.vision if first_stage else {}), "images": "pixel_values" in self.vision}
 
     @property
     def packed(self) -> bool:

@@ -294,16 +294,17 @@ class VisionLanguageModel(LanguageModel):
                 decoder_input: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
                 pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
-                image_position_ids: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+                image_position_ids: torch.Tensor | None = None, images: bool = False, **kwargs: Any) -> torch.Tensor:
+        """``images``: whether the micro-batch holds images (every stage is told; only the first has the pixels)."""
         whole = None
         if self.pre_process and decoder_input is None:
             decoder_input, deepstack, whole = self.embed(input_ids, pixel_values, image_grid_thw,
                                                          pixel_values_videos, video_grid_thw, image_position_ids)
             if deepstack is not None:
                 kwargs["extra_block_kwargs"] = {"context": deepstack}
-        if self.image_look_ahead and bool((input_ids == self.image_token_id).any()):
-            # the attention's mask: every stage has the tokens; the tower's stage alone has the pixels. A micro-batch
-            # of text keeps the causal kernels (varlen_attn, context parallelism), at the cost of reading one bool
+        if self.image_look_ahead and (images or pixel_values is not None):
+            # the attention's mask, from the tokens every stage has; a micro-batch of text keeps the causal kernels
+            # (varlen_attn, context parallelism)
             attention_mask = image_blocks(input_ids, self.image_token_id)
         if self.mtp_process:
             if whole is None:  # it sits with the tower: under pipelining ``resolve_mtp`` leaves it out
