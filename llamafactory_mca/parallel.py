@@ -209,6 +209,12 @@ def check_layout(config: Any, layout: ParallelLayout, custom_pipeline_layout: bo
                         "and expert_tensor_parallel_size: 1; tensor_model_parallel_size or "
                         "pipeline_model_parallel_size split a dense model)")
     layers, stages = t["num_layers"], pp * vpp
+    if stages > 1 and (t.get("per_layer_inputs") or t.get("kv_sharing")):
+        problems.append(f"pipeline_model_parallel_size={pp}" + (f" x virtual_pipeline_model_parallel_size={vpp}"
+                                                                  if vpp > 1 else "")
+                        + ": the per-layer inputs and shared keys and values of this model go from layer to layer "
+                        "beside the hidden states, which are all a pipeline stage hands on (pipeline_model_parallel_"
+                        "size must be 1; data and tensor parallelism split these models)")
     if not custom_pipeline_layout and (stages > layers or layers % stages):
         pp_fits = _listing(d // vpp for d in _divisors(layers) if d % vpp == 0)
         what = f"pipeline_model_parallel_size={pp}" + (f" x virtual_pipeline_model_parallel_size={vpp}" if vpp > 1

@@ -99,7 +99,7 @@ def plan_run(stage: str, model_args: Any, data_args: Any, training_args: Any, fi
     config, balancing = resolve_load_balancing(config, training_args, model_args.moe_aux_loss_coef)
     custom = training_args.pipeline_model_parallel_layout is not None
     check_layout(config, layout, custom, training_args.sequence_parallel)
-    check_model_fits(config, stage, layout, custom)
+    check_model_fits(config, stage, layout, custom, training_args.recompute_granularity)
     if config.num_experts and training_args.moe_grouped_gemm is False and config.transformer.get("moe_grouped_gemm"):
         raise UserError(f"{config.hf_model_type}: moe_grouped_gemm=False, but this model's experts have biases, "
                         "which only the grouped experts hold. Remove moe_grouped_gemm or set it to true.")
@@ -219,6 +219,9 @@ def check_cuda_graphs(stage: str, finetuning_args: Any, packing: bool, config: M
          "a vision-language model's 3-D positions or image blocks cover the whole pack"),
         ("a model without linear-attention layers", not config.transformer.get("linear_attention_freq"),
          "the gated delta rule plans its chunks on the host"),
+        ("a model without per-layer inputs or shared keys and values",
+         not (config.transformer.get("per_layer_inputs") or config.transformer.get("kv_sharing")),
+         "they go from layer to layer outside each layer's graph"),
     ]
     if config.num_experts:
         needs += [
@@ -273,11 +276,15 @@ def _check_output_dir(output_dir: str) -> None:
                          "to.") from err
 
 
-def check_model_fits(config: Any, stage: str, layout: Any, custom_pipeline_layout: bool = False
-                     ) -> None:
+def check_model_fits(config: Any, stage: str, layout: Any, custom_pipeline_layout: bool = False,
+                     recompute_granularity: str | None = None) -> None:
     """Refuse a model this run would train wrongly.
     ``custom_pipeline_layout``: a pipeline_model_parallel_layout places the layers, not the even split (the model
     build then checks where the deepstack layers went)."""
+    if recompute_granularity == "full" and config.transformer.get("kv_sharing"):
+        raise UserError(f"{config.hf_model_type}: recompute_granularity=full with layers that attend with an earlier "
+                        "layer's keys and values: a recomputed layer would hand them on without their gradients. Use "
+                        "recompute_granularity: selective (or leave it unset).")
     if config.vision_language:
         if stage == "rm":
             raise UserError(f"{config.hf_model_type}: stage rm on vision-language models is not supported with "

@@ -158,8 +158,10 @@ class SafetensorsSource:
             tensor = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
             return tensor.narrow(dim, start, (stop or tensor.shape[dim]) - start) if whole and dim else tensor
         piece = self._slice(name)
-        if dim is None:
-            index: tuple = (slice(None),)
+        if not piece.get_shape():  # a scalar
+            index: tuple = ()
+        elif dim is None:
+            index = (slice(None),)
         else:
             index = (slice(None),) * dim + (slice(start, stop),)
         try:
@@ -167,7 +169,8 @@ class SafetensorsSource:
         except Exception as err:
             raise UserError(f"reading {name!r} from {self.path} failed ({err}): the file is truncated or corrupt.") \
                 from err
-        if tensor.is_floating_point() and not all_finite(tensor):
+        # a scalar may be a bound that is no bound (Gemma 4's clipped linears: +-inf), never NaN
+        if tensor.is_floating_point() and not (all_finite(tensor) if tensor.dim() else not tensor.isnan()):
             raise UserError(f"tensor {name!r} in {os.path.join(self.path, self.weight_map[name])} holds NaN or inf "
                             "values: the model file is corrupt (re-download or re-save it).")
         self.bytes_read += tensor.numel() * tensor.element_size()

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..errors import UserError
 from .batch import IGNORE_INDEX
 
 
@@ -30,6 +31,7 @@ PT, SFT, PAIRWISE, REWARD, FEEDBACK = "pt", "sft", "pairwise", "reward", "feedba
 KTO_TAG = "kto_tags"  # LLaMA-Factory's kto rows: True where the answer is desirable
 DOCUMENT_START = "document_start"  # pt pieces (split_documents): False where a piece continues a document
 MEDIA_COLUMNS = ("images", "videos")  # LLaMA-Factory keeps a row's images and videos (paths) beside its tokens
+AUDIO_COLUMN = "audios"  # and its audios, which no model here takes
 # A feedback (KTO) row's second sequence is its prompt with another row's answer: the KL estimate's sample.
 _PREFIXES = {PT: ("",), SFT: ("",), PAIRWISE: ("chosen_", "rejected_"), REWARD: ("chosen_", "rejected_"),
              FEEDBACK: ("", "kl_")}
@@ -144,6 +146,10 @@ def scan_rows(dataset: Dataset, kind: str, cutoff_len: int, batch_size: int = 10
     lengths, losses, truncated, continues, content, content_loss = [], [], [], [], [], []
     split = DOCUMENT_START in dataset.column_names  # pieces of documents: long ones were split, not truncated
     for table in dataset.with_format("arrow").iter(batch_size=batch_size):
+        if AUDIO_COLUMN in table.column_names and any(table.column(AUDIO_COLUMN).to_pylist()):
+            # their placeholder tokens would train with no sound behind them
+            raise UserError("the dataset has audios (its audios column): audio inputs are not supported with "
+                            "USE_MCA=1. Drop the dataset's audios column, or unset USE_MCA.")
         if split:
             continues.append(~table.column(DOCUMENT_START).to_numpy(zero_copy_only=False).astype(bool))
         else:

@@ -43,10 +43,12 @@ _ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.ge
 # Gemma 4's: ``global_attention`` (the full-attention layers' own shape and RoPE: ``global_layer_configs``),
 # ``value_norm`` (an RMSNorm without weight on each value head), ``layer_scalars`` (each layer's output times a
 # stored scalar), ``final_logit_softcapping`` (logits = cap · tanh(logits / cap)), ``moe_block`` (a dense MLP beside
-# the routed experts: ``native/moe_block.py``).
+# the routed experts: ``native/moe_block.py``); the E2B/E4B's ``per_layer_inputs`` (each layer's own vector per token:
+# ``native/per_layer_inputs.py``) and ``kv_sharing`` (the layers from ``first`` on attend with an earlier layer's keys
+# and values, their MLP twice as wide where ``double_wide_mlp``: ``layer_configs``).
 MODEL_OPTIONS = ("post_layer_norms", "embedding_multiplier", "window_rotary_base", "image_look_ahead", "padding_idx",
                  "qk_norm_across_heads", "global_attention", "value_norm", "layer_scalars", "final_logit_softcapping",
-                 "moe_block")
+                 "moe_block", "per_layer_inputs", "kv_sharing")
 
 
 class AttentionShape(NamedTuple):
@@ -125,10 +127,17 @@ class McaConfig:
 
     def holds(self, pattern: str, layer: int) -> bool:
         """Whether decoder layer ``layer`` has the canonical tensor ``pattern`` (models mixing dense and MoE layers,
-        or linear- and full-attention layers, have some tensors in some layers only)."""
+        or linear- and full-attention layers, have some tensors in some layers only; a layer attending with another's
+        keys has no key norm)."""
         moe, linear = in_moe_layers(pattern), in_linear_attention_layers(pattern)
+        own_keys = not (pattern.endswith(".self_attention.k_layernorm.weight") and self.kv_source(layer) is not None)
         return ((moe is None or self.is_moe_layer(layer) == moe)
-                and (linear is None or self.is_linear_attention_layer(layer) == linear))
+                and (linear is None or self.is_linear_attention_layer(layer) == linear) and own_keys)
+
+    def kv_source(self, layer: int) -> int | None:
+        """The layer (from 0) whose keys and values decoder layer ``layer`` attends with, where not its own (Gemma 4's
+        E2B/E4B: from ``kv_sharing["first"]`` on, the last earlier layer of its kind, windowed or not)."""
+        return kv_source(self.transformer.get("kv_sharing"), self.windowed, layer)
 
     @property
     def attention(self) -> AttentionShape:
@@ -180,30 +189,58 @@ class McaConfig:
         for name, value in native.items():  # our layer spec's options ride on the config it is built from
             setattr(config, name, value)
         if native.get("global_attention"):
-            global_layer_configs(config)
+            layer_configs(config)
         return config
 
 
-def global_layer_configs(config: TransformerConfig) -> None:
-    """Gemma 4's full-attention layers (the layers without a window) have wider heads (``global_head_dim``), their
-    own number of key/value heads and, where ``attention_k_eq_v``, keys that are also the values. Megatron builds
-    each layer from ``config.get_config_for_layer`` where ``heterogeneous_block_specs`` is set (its per-layer configs,
-    Nemotron-NAS's), and then checkpoints each layer under keys of its own: the windowed layers get ``config``, the
-    others one copy with their attention's shape."""
-    shape = config.global_attention
+def kv_source(sharing: dict[str, Any] | None, windowed: Any, layer: int) -> int | None:
+    """``McaConfig.kv_source`` from the ``kv_sharing`` field and a layer -> windowed? function."""
+    if not sharing or layer < sharing["first"]:
+        return None
+    kind = windowed(layer)
+    return max(i for i in range(sharing["first"]) if windowed(i) == kind)
+
+
+def layer_configs(config: TransformerConfig) -> None:
+    """Gemma 4's layers are of up to four kinds, each built from a config of its own. Its full-attention layers (the
+    layers without a window) have wider heads (``global_head_dim``), their own number of key/value heads and, where
+    ``attention_k_eq_v``, keys that are also the values; in the E2B/E4B the last layers attend with an earlier layer's
+    keys and values (``kv_source``: its layer number), their MLP twice as wide where ``double_wide_mlp``. Megatron
+    builds each layer from ``config.get_config_for_layer`` where ``heterogeneous_block_specs`` is set (its per-layer
+    configs, Nemotron-NAS's), and then checkpoints each layer under keys of its own."""
+    shape, sharing = config.global_attention, getattr(config, "kv_sharing", None)
     fields = {f.name for f in dataclasses.fields(config) if f.init}
-    full = dataclasses.replace(config, kv_channels=shape["kv_channels"], num_query_groups=shape["num_query_groups"])
-    for name, value in vars(config).items():  # ours, set on the config after it was built
-        if name not in fields:
-            setattr(full, name, value)
-    full.keys_are_values = bool(shape.get("keys_are_values"))
+
+    def variant(base: TransformerConfig, **changes: Any) -> TransformerConfig:
+        other = dataclasses.replace(base, **{k: v for k, v in changes.items() if k in fields})
+        for name, value in vars(base).items():  # ours, set on the config after it was built
+            if name not in fields:
+                setattr(other, name, value)
+        for name, value in changes.items():
+            if name not in fields:
+                setattr(other, name, value)
+        return other
+
+    def windowed(layer: int) -> bool:
+        return is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer + 1)
+
+    full = variant(config, kv_channels=shape["kv_channels"], num_query_groups=shape["num_query_groups"],
+                   keys_are_values=bool(shape.get("keys_are_values")))
+    kinds = {True: config, False: full}
+    shared = {}
+    if sharing:
+        wide = {"ffn_hidden_size": 2 * config.ffn_hidden_size} if sharing.get("double_wide_mlp") else {}
+        for kind, base in kinds.items():
+            sources = [i for i in range(sharing["first"]) if windowed(i) == kind]
+            if sources:
+                shared[kind] = variant(base, kv_source=sources[-1] + 1, **wide)
 
     def config_for_layer(layer_number: int) -> TransformerConfig:
-        windowed = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
-        return config if windowed else full
+        kind = windowed(layer_number - 1)
+        return shared[kind] if sharing and layer_number - 1 >= sharing["first"] else kinds[kind]
 
-    config.get_config_for_layer = config_for_layer
-    full.get_config_for_layer = config_for_layer
+    for each in (config, full, *shared.values()):
+        each.get_config_for_layer = config_for_layer
 
 
 def window_fields(window: int, layer_types: list[str] | None, num_layers: int) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from megatron.core import parallel_state as ps
 
 from ..errors import UserError
 from .config import McaConfig
-from .mapping import Dims, Shard, Source, WeightTable, canonical_mtp_name, canonical_norm_name
+from .mapping import VISION_PREFIX, Dims, Shard, Source, WeightTable, canonical_mtp_name, canonical_norm_name
 
 
 _TE_GROUPED = re.compile(r"^(.*\.mlp\.experts)\.linear_fc([12])\.weight(\d+)$")
@@ -73,8 +73,11 @@ def local_targets(chunk: torch.nn.Module, num_experts: int | None = None) -> Ite
     ep_size = ps.get_expert_model_parallel_world_size()
     local_experts = (num_experts or 0) // max(ep_size, 1)
     first_expert = ep_rank * local_experts
-    # the router's expert_bias (aux-loss-free balancing) is a buffer: it comes from the checkpoint too
-    buffers = [(n, b) for n, b in chunk.named_buffers() if n.endswith(".router.expert_bias")]
+    # the router's expert_bias (aux-loss-free balancing) is a buffer: it comes from the checkpoint too, as do the
+    # towers' stored buffers (Gemma 4's clipped linears' bounds)
+    towers = {n for n, _ in chunk.named_buffers() if n.startswith(VISION_PREFIX)}
+    stored = towers & set(chunk.state_dict(keep_vars=True)) if towers else set()
+    buffers = [(n, b) for n, b in chunk.named_buffers() if n.endswith(".router.expert_bias") or n in stored]
     for name, param in [*chunk.named_parameters(), *buffers]:
         for local, glob in layer_names.items():
             if name.startswith(local):

@@ -76,6 +76,7 @@ class DictSource:
         return tensor.narrow(dim, start, (stop if stop is not None else tensor.shape[dim]) - start)
 
 
+VISION_PREFIX = "vision."  # our name of a vision-language model's tower inside a model chunk (models/multimodal.py)
 EXPERT_SLICE = "#"
 
 

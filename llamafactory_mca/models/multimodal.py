@@ -42,12 +42,9 @@ from ..data.multimodal import (
 )
 from ..errors import UserError
 from .config import hf_config_object
-from .mapping import Op, Rename, WeightTable
+from .mapping import VISION_PREFIX, Op, Rename, WeightTable
 from .native import tower_attention
 from .native.cross_entropy import LanguageModel
-
-
-VISION_PREFIX = "vision."  # our name of the tower inside a model chunk
 
 
 def _tower_class(hf: Any) -> type:
@@ -76,6 +73,13 @@ class TowerWithProjector(torch.nn.Module):
                                                                attn_implementation="sdpa")
         name, projector = _projector(hf)
         setattr(self, name, projector.to(dtype))
+        if getattr(hf, "audio_config", None) is not None:
+            # Gemma 4's E2B/E4B: carried, never run (audio inputs are refused), so the merged model keeps its hearing;
+            # frozen whatever freeze_vision_tower says: no gradient ever reaches it
+            self.audio_tower = transformers.AutoModel.from_config(hf.audio_config, dtype=dtype)
+            self.embed_audio = _vl_class(hf, "MultimodalEmbedder")(hf.audio_config, hf.get_text_config()).to(dtype)
+            for module in (self.audio_tower, self.embed_audio):
+                module.requires_grad_(False)
         features = vl_model_shell(hf)
         features.vision_tower = self.vision_tower
         setattr(features, name, getattr(self, name))
@@ -125,7 +129,7 @@ def vision_ops(hf_config: dict[str, Any], hf_prefix: str, projector: bool = Fals
     in the HF checkpoint."""
     with torch.device("meta"):
         tower = build_vision_tower(hf_config, torch.float32, projector)
-    patterns = sorted({WeightTable.pattern_of(name)[0] for name, _ in tower.named_parameters()})
+    patterns = sorted({WeightTable.pattern_of(name)[0] for name in tower.state_dict()})  # stored buffers too
     return [Rename(VISION_PREFIX + p, (hf_prefix + p,)) for p in patterns]
 
 
@@ -271,6 +275,11 @@ class VisionLanguageModel(LanguageModel):
             embeddings = scatter_to_sequence_parallel_region(embeddings)
             deepstack = None if deepstack is None else [scatter_to_sequence_parallel_region(d) for d in deepstack]
         return embeddings, (None if deepstack is None else torch.stack(deepstack)), whole
+
+    def per_layer_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Images' and videos' tokens look up the padding id's per-layer embedding, as in transformers."""
+        media = placeholder_types(input_ids, self.image_token_id, self.video_token_id, self.video_span) > 0
+        return input_ids.masked_fill(media, self.config.padding_idx)
 
     def _give_mtp_the_inputs(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Forward pre-hook of the MTP block: the ``embedding`` GPTModel hands it (which would embed the shifted token

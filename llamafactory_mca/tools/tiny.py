@@ -100,6 +100,13 @@ TINY: dict[str, dict[str, Any]] = {
                             final_logit_softcapping=3.0, tie_word_embeddings=True,
                             layer_types=["sliding_attention", "full_attention"] * 2, enable_moe_block=True,
                             num_experts=4, top_k_experts=2, moe_intermediate_size=32),
+    # Gemma 4's E2B/E4B layout: per-layer inputs of 8 per layer; the last 3 of 6 layers (two windowed, one full)
+    # attend with the keys and values of layers 1 (windowed) and 2 (full), their MLP twice as wide; no keys that are
+    # the values, as in those models
+    "gemma4_text_e2b": dict(BASE, num_hidden_layers=6, head_dim=16, global_head_dim=32, sliding_window=6,
+                            hidden_size_per_layer_input=8, vocab_size_per_layer_input=200, num_kv_shared_layers=3,
+                            use_double_wide_mlp=True, final_logit_softcapping=3.0, tie_word_embeddings=True,
+                            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2),
     "mixtral": dict(BASE, intermediate_size=32, num_local_experts=3, num_experts_per_tok=2, router_aux_loss_coef=0.0,
                     sliding_window=None),
 }
@@ -183,6 +190,13 @@ TINY_VL["gemma4"] = dict(
 TINY_VL["gemma4_moe"] = dict(TINY_VL["gemma4"], text_config=dict(TINY["gemma4_text_moe"], model_type="gemma4_text",
                                                                    use_bidirectional_attention="vision"))
 
+# Gemma 4 E2B/E4B as the hub stores them: the small decoder beside the vision tower and an audio tower (a conformer
+# block of 16, carried through training and export, never run)
+TINY_VL["gemma4_e2b"] = dict(
+    TINY_VL["gemma4"], text_config=dict(TINY["gemma4_text_e2b"], model_type="gemma4_text"),
+    audio_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, subsampling_conv_channels=[8, 4],
+                      output_proj_dims=24))
+
 # InternVL 3.5: Qwen3's tiny decoder (untied output layer, as the 2B-38B models); a 2-block InternViT of 16-pixel tiles
 # cut into 4-pixel patches, whose 16 patches the projector folds 2 x 2 into 4 tokens per tile
 TINY_VL["internvl"] = dict(
@@ -193,7 +207,8 @@ TINY_VL["internvl"] = dict(
 
 
 # TINY's names that are a variant of a family's layout, and the family
-VARIANTS = {"llama3_tied": "llama", "gemma4_text_moe": "gemma4_text", "gemma4_moe": "gemma4"}
+VARIANTS = {"llama3_tied": "llama", "gemma4_text_moe": "gemma4_text", "gemma4_moe": "gemma4",
+            "gemma4_text_e2b": "gemma4_text", "gemma4_e2b": "gemma4"}
 
 
 def model_type_of(name: str) -> str:

@@ -90,7 +90,7 @@ LAYOUTS = {  # all run in one 4-process world (dp = 4 / model-parallel size)
     # (minimax_m2: its q/k norms' statistics summed over the TP ranks' heads)
     "tp2": ({"tensor_model_parallel_size": 2}, ["qwen3_next", "qwen3", "qwen2_moe", "mixtral", "llama3_tied",
                                                  "mistral", "glm4_moe", "deepseek_v3", "gpt_oss", "minimax_m2",
-                                                 "glm_moe_dsa", "gemma4_text"]),
+                                                 "glm_moe_dsa", "gemma4_text", "gemma4_text_e2b"]),
     # glm4_moe first: its round trip runs here (layer 0 dense, on stage 0 only)
     "pp2": ({"pipeline_model_parallel_size": 2}, ["glm4_moe", "llama3_tied", "qwen3_moe", "qwen3_next", "qwen2",
                                                   "gemma3_text", "gpt_oss", "minimax_m2", "glm_moe_dsa"]),
@@ -184,19 +184,24 @@ def test_round_trip_is_bit_identical(layout, name, layouts, tiny_models):
 
 
 @pytest.mark.slow
-def test_gemma4_as_the_hub_stores_it_trains_its_text_and_carries_its_tower(tmp_path):
+@pytest.mark.parametrize("name", ["gemma4", "gemma4_e2b"])
+def test_gemma4_as_the_hub_stores_it_trains_its_text_and_carries_its_tower(name, tmp_path):
     """Gemma 4's hub layout (``gemma4``: the decoder under model.language_model., a vision tower and its embedder
     beside it): text logits equal transformers' at DP2, TP2 + SP and PP2, and every tensor, the tower's and the
-    embedder's too, comes back bit for bit through save_pretrained and megatron_merge. Images are refused for now
-    (tests/models/test_multimodal.py)."""
-    model = save_tiny_model("gemma4", str(tmp_path / "gemma4"))
-    plan = [(name, sizes, [("gemma4", model, str(tmp_path / name) if name == "tp2_sp" else None)])
-            for name, sizes in (("dp2", {}), ("tp2_sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
-                                ("pp2", {"pipeline_model_parallel_size": 2}))]
+    embedder's too, comes back bit for bit through save_pretrained and megatron_merge. The E2B/E4B (per-layer inputs,
+    layers attending with earlier layers' keys and values, an audio tower carried along, untouched): the same at DP2
+    and TP2 + SP; they refuse pipelining (below)."""
+    family = name
+    model = save_tiny_model(family, str(tmp_path / family))
+    sizes = [("dp2", {}), ("tp2_sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True})]
+    if family == "gemma4":
+        sizes.append(("pp2", {"pipeline_model_parallel_size": 2}))
+    plan = [(name, layout, [(family, model, str(tmp_path / name) if name == "tp2_sp" else None)])
+            for name, layout in sizes]
     per_rank = run_distributed(_run_layouts, 2, plan)
     reference = _hf_logits(model)
     for name, _, _ in plan:
-        got = next(r[(name, "gemma4")]["logits"] for r in per_rank if r[(name, "gemma4")]["logits"] is not None)
+        got = next(r[(name, family)]["logits"] for r in per_rank if r[(name, family)]["logits"] is not None)
         assert (got[..., :reference.shape[-1]] - reference).abs().max().item() <= 1e-4, name
     _assert_same_weights(str(tmp_path / "tp2_sp" / "hf"), model)
     merged = str(tmp_path / "merged")
@@ -244,6 +249,7 @@ def _layout(**sizes):
     ("llama", {"pp": 3}, "does not split evenly"),
     ("qwen3_next", {"cp": 2}, "context_parallel_size=2: the gated delta-rule layers cannot split a sequence"),
     ("glm_moe_dsa", {"cp": 2}, "context_parallel_size=2: DeepSeek sparse attention's indexer ranks every earlier key"),
+    ("gemma4_text_e2b", {"pp": 2}, "pipeline_model_parallel_size=2: the per-layer inputs and shared keys and values"),
 ])
 def test_layout_errors_name_the_sizes(name, sizes, message, tiny_models, tmp_path):
     from llamafactory_mca.models.auto import AutoConfig
@@ -281,17 +287,16 @@ def test_unsupported_models_fail_with_the_supported_list(tmp_path):
                                          "gemma3_text, gemma4, gemma4_text, glm4_moe, glm4v_moe, glm_moe_dsa, "
                                          "gpt_oss, internvl, llama"):
         AutoConfig.from_pretrained(str(tmp_path / "gpt2"))
-    # Gemma 4's parts of the small models, one line each
-    for key, value, what in (("hidden_size_per_layer_input", 8, "per-layer input embeddings"),
-                             ("num_kv_shared_layers", 2, "layers sharing another layer's keys and values"),
-                             ("use_double_wide_mlp", True, "the double-wide MLP"),
-                             ("use_bidirectional_attention", "all", "bidirectional attention between all tokens")):
-        tiny_hf_config("gemma4_text", **{key: value}).save_pretrained(tmp_path / key)
-        with pytest.raises(ValueError, match=f"gemma4_text: {key}={value!r} \\({what}"):
-            AutoConfig.from_pretrained(str(tmp_path / key))
-    tiny_hf_config("gemma4", audio_config={}).save_pretrained(tmp_path / "audio")  # the E2B/E4B checkpoints' ears
-    with pytest.raises(ValueError, match=r"gemma4: an audio tower \(audio_config\) is not supported"):
-        AutoConfig.from_pretrained(str(tmp_path / "audio"))
+    # Gemma 4: bidirectional attention between all tokens; keys and values shared from a kind of layer no earlier
+    # layer is
+    tiny_hf_config("gemma4_text", use_bidirectional_attention="all").save_pretrained(tmp_path / "all")
+    with pytest.raises(ValueError, match=r"gemma4_text: use_bidirectional_attention='all' \(bidirectional attention "
+                                         "between all tokens"):
+        AutoConfig.from_pretrained(str(tmp_path / "all"))
+    tiny_hf_config("gemma4_text_e2b", num_kv_shared_layers=5).save_pretrained(tmp_path / "shared")
+    with pytest.raises(ValueError, match=r"gemma4_text: num_kv_shared_layers=5 \(the first 1 layers hold no "
+                                         r"\['full_attention'\] layer"):
+        AutoConfig.from_pretrained(str(tmp_path / "shared"))
     LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 4.0}, max_position_embeddings=256).save_pretrained(
         tmp_path / "dynamic")
     with pytest.raises(ValueError, match="rope scaling 'dynamic' is not supported.*supported: default, linear, "

@@ -494,17 +494,18 @@ def typed_rope(hf: Any, kind: str) -> dict[str, Any]:
 class Gemma4Layers(Part):
     """What Gemma 4's layers add to Gemma 3's: the full-attention layers' own heads (``global_attention``: their head
     size, key/value heads, keys that are the values, proportional RoPE), the values' weightless norm, q·k unscaled,
-    the layer scalars, soft-capped logits, and the 26B-A4B's MoE block beside the MLP (``enable_moe_block``:
-    ``native/moe_block.py``) (``families/gemma4.py``); the small models' parts refused."""
+    the layer scalars, soft-capped logits, the 26B-A4B's MoE block beside the MLP (``enable_moe_block``:
+    ``native/moe_block.py``), and the small models' per-layer inputs (``hidden_size_per_layer_input``:
+    ``native/per_layer_inputs.py``) and last layers attending with an earlier layer's keys and values
+    (``num_kv_shared_layers``), their MLP twice as wide (``use_double_wide_mlp``) (``families/gemma4.py``)."""
 
     def check(self, model_type: str, hf: Any) -> None:
-        refusals = (("hidden_size_per_layer_input", "per-layer input embeddings (Gemma 4's E2B/E4B)"),
-                    ("num_kv_shared_layers", "layers sharing another layer's keys and values (Gemma 4's E2B/E4B)"),
-                    ("use_double_wide_mlp", "the double-wide MLP of the key/value-sharing layers (Gemma 4's E2B/E4B)"))
-        for key, what in refusals:
-            if getattr(hf, key, None):
-                refuse(model_type, f"{key}={getattr(hf, key)!r} ({what})", "Supported: Gemma 4's 31B and 26B-A4B "
-                       "layouts.")
+        first = hf.num_hidden_layers - (hf.num_kv_shared_layers or 0)
+        kinds = set(hf.layer_types[:first]) if 0 < first < hf.num_hidden_layers else set(hf.layer_types)
+        if not kinds >= set(hf.layer_types):
+            refuse(model_type, f"num_kv_shared_layers={hf.num_kv_shared_layers} (the first {first} layers hold no "
+                   f"{sorted(set(hf.layer_types) - kinds)} layer to share keys and values from)",
+                   "Supported: sharing layers whose kind an earlier layer has.")
         # "vision" (the hub's): an image's tokens see one another on the windowed layers, text stays causal
         if getattr(hf, "use_bidirectional_attention", None) not in (None, False, "vision"):
             refuse(model_type, f"use_bidirectional_attention={hf.use_bidirectional_attention!r} (bidirectional "
@@ -530,6 +531,12 @@ class Gemma4Layers(Part):
                       global_attention=dict(kv_channels=hf.global_head_dim or hf.head_dim, num_query_groups=groups,
                                             keys_are_values=keys_are_values,
                                             rotary_base=float(full.get("rope_theta", 1e6)), rope_fraction=fraction))
+        if hf.hidden_size_per_layer_input:
+            fields["per_layer_inputs"] = dict(width=hf.hidden_size_per_layer_input,
+                                              vocab=hf.vocab_size_per_layer_input)
+        first = hf.num_hidden_layers - (hf.num_kv_shared_layers or 0)
+        if 0 < first < hf.num_hidden_layers:  # transformers': from layer ``first`` on, when that is past layer 0
+            fields["kv_sharing"] = dict(first=first, double_wide_mlp=bool(hf.use_double_wide_mlp))
         if hf.enable_moe_block:  # the dense MLP is Megatron's shared expert; transformers trains with no aux loss
             fields |= dict(moe_block=True, num_moe_experts=hf.num_experts,
                            moe_ffn_hidden_size=hf.moe_intermediate_size, moe_router_topk=hf.top_k_experts,
@@ -539,6 +546,13 @@ class Gemma4Layers(Part):
 
     def weights(self, config: McaConfig) -> list[Op]:
         ops: list[Op] = [Rename(f"{LAYER}layer_scalar", (f"{HF_LAYER}layer_scalar",))]
+        if config.transformer.get("per_layer_inputs"):
+            model = [("embedding", "embed_tokens_per_layer"), ("linear_proj", "per_layer_model_projection"),
+                     ("norm", "per_layer_projection_norm")]
+            layer = [("linear_fc1", "per_layer_input_gate"), ("linear_fc2", "per_layer_projection"),
+                     ("post_norm", "post_per_layer_input_norm")]
+            ops += [Rename(f"per_layer_inputs.{mine}.weight", (f"model.{hf}.weight",)) for mine, hf in model]
+            ops += [Rename(f"{LAYER}per_layer_input.{mine}.weight", (f"{HF_LAYER}{hf}.weight",)) for mine, hf in layer]
         if not config.transformer.get("moe_block"):
             return ops
         renames = [("router.weight", "router.proj.weight"), ("router.scale", "router.scale"),

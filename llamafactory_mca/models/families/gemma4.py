@@ -25,7 +25,7 @@ from typing import Any
 from ..config import McaConfig
 from ..mapping import LAYER, FusedQK, FusedQKV, Op, PerLayer, Rename, Reshaped
 from ..registry import register
-from .base import DecoderFamily, Gemma4Layers, QKNorm, SandwichNorms, SlidingWindow, Vision, refuse, typed_rope
+from .base import DecoderFamily, Gemma4Layers, QKNorm, SandwichNorms, SlidingWindow, Vision, typed_rope
 
 
 @register("gemma4_text")
@@ -54,7 +54,9 @@ class Gemma4TextFamily(DecoderFamily):
         full = Reshaped(qkv.mca, qkv.hf[:2], inner=FusedQK(qkv.mca, qkv.hf[:2]), shape=shape) \
             if config.transformer["global_attention"]["keys_are_values"] \
             else Reshaped(qkv.mca, qkv.hf, inner=FusedQKV(qkv.mca, qkv.hf), shape=shape)
-        layers = tuple(qkv if config.windowed(i) else full for i in range(config.num_layers))
+        own = [qkv if config.windowed(i) else full for i in range(config.num_layers)]
+        q_only = Rename(qkv.mca, qkv.hf[:1])  # a layer attending with an earlier layer's keys and values
+        layers = tuple(q_only if config.kv_source(i) is not None else op for i, op in enumerate(own))
         ops = [PerLayer(op.mca, op.hf, layers=layers) if op is qkv else op for op in ops]
         if config.transformer.get("moe_block"):  # the block normalises its dense MLP's input itself
             ops = [Rename(f"{LAYER}mlp.pre_dense_norm.weight", op.hf) if op.mca.endswith(".pre_mlp_layernorm.weight")
@@ -69,9 +71,6 @@ class Gemma4Family(Gemma4TextFamily):
     def config_from_hf(self, hf: Any) -> McaConfig:
         """``use_bidirectional_attention: vision`` (the hub's): an image's tokens see one another on the windowed
         layers (transformers ORs its image groups into the sliding masks only)."""
-        if getattr(hf, "audio_config", None) is not None:
-            refuse(self.model_type, "an audio tower (audio_config)", "Supported: the checkpoints without audio "
-                   "(Gemma 4 26B-A4B, 31B).")
         config = super().config_from_hf(hf)
         if getattr(hf.get_text_config(), "use_bidirectional_attention", None) == "vision":
             config = replace(config, transformer={**config.transformer, "image_look_ahead": "windowed"})

@@ -148,10 +148,12 @@ def export_adapter(checkpoint: str, output: str, dtype: torch.dtype | None = Non
     tensors: dict[str, torch.Tensor] = {}
     cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
     for every in _targets(config, settings):
-        for layer in range(config.num_layers):
+        layered = every.mca.startswith("decoder.layers.")  # or one linear outside them (targets.MODEL_LINEARS)
+        for layer in range(config.num_layers if layered else 1):
             target = every.at(layer)  # (where the linear differs between layers, this layer's)
             if target is None or not config.holds(f"{target.mca}.weight", layer):  # e.g. a dense layer's MLP
                 continue
+            index = (layer,) if layered else ()
             for piece in target.pieces:
                 if target.experts:
                     linear = target.mca.rsplit(".", 1)[-1]
@@ -159,7 +161,7 @@ def export_adapter(checkpoint: str, output: str, dtype: torch.dtype | None = Non
                     pair = experts_to_peft(read_tensor(reader, pattern % "A", (layer,), config),
                                            read_tensor(reader, pattern % "B", (layer,), config))
                 else:
-                    a, b = (read_tensor(reader, f"{target.mca}.lora_{w}.{piece.name}", (layer,), config) for w in "AB")
+                    a, b = (read_tensor(reader, f"{target.mca}.lora_{w}.{piece.name}", index, config) for w in "AB")
                     pair = a, target.op.rows_as_hf(b)  # B's rows as the weight's (mapping.Op)
                 for which, tensor in zip("AB", pair):
                     tensors[peft_key(target, piece.name, layer, which)] = cast(tensor).contiguous()
@@ -219,7 +221,7 @@ def load_adapter(model: Any, path: str) -> None:
                 module.lora_B[linear].copy_(b[first:first + n])
             continue
         target, parts = module.lora_target, module.lora_name.split(".")
-        layer = int(parts[2])
+        layer = int(parts[2]) if module.lora_name.startswith("decoder.layers.") else 0  # (targets.MODEL_LINEARS)
         tp, rank = module.tp_group.size(), module.tp_group.rank()
         for piece in target.pieces:
             if target.experts:

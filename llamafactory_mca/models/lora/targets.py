@@ -171,6 +171,8 @@ SHARED_GATE = ".mlp.shared_experts.gate"
 ROUTER = ".mlp.router"
 _ADAPTABLE = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj", "linear_q_down_proj",
               "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "in_proj", "out_proj")
+# linears outside the decoder layers: Gemma 4's projection of the input embeddings into the per-layer inputs
+MODEL_LINEARS = ("per_layer_inputs.linear_proj",)
 
 
 def plan_targets(hf_config: dict, table: WeightTable, settings: LoraSettings,
@@ -205,6 +207,15 @@ def plan_targets(hf_config: dict, table: WeightTable, settings: LoraSettings,
     layered = dict(meta_hf_model(hf_config).named_modules())
     num_layers = (hf_config.get("text_config") or hf_config)["num_hidden_layers"]
     for op in table.ops:
+        if op.mca.endswith(".weight") and op.mca[: -len(".weight")] in MODEL_LINEARS:
+            module = op.hf[0][: -len(".weight")]
+            short = module.rsplit(".", 1)[-1]
+            homes.add(short)
+            if short in wanted and module in layered:
+                targets.append(TargetLinear(op.mca[: -len(".weight")], op,
+                                            (Piece(short, *layered[module].weight.shape, module),)))
+                found.add(short)
+            continue
         if ".local_experts." in op.mca or not op.mca.startswith("decoder.layers."):
             continue
         if op.mca.endswith(SHARED_GATE + "_weight"):

@@ -29,6 +29,7 @@ from megatron.core.tensor_parallel.mappings import (
 
 from . import loss_triton
 from .logit_chunks import CHUNK_ROWS, chunks_logits
+from .per_layer_inputs import PerLayerInput, PerLayerInputs
 from .wgrad import placeholder_grad, wgrad_gemm_accum_fp32
 
 
@@ -279,7 +280,10 @@ class LanguageModel(NativeCrossEntropy, GPTModel):
     heads, proportional RoPE), laid beside the model's (``native/sublayers.py`` picks); ``padding_idx`` is a row the
     lookups do not train, as in transformers; ``layer_scalars``: each decoder layer's output times its stored
     ``layer_scalar`` (Gemma 4; frozen, as transformers keeps it a buffer); ``final_logit_softcapping``: the logits
-    through cap · tanh(logits / cap) before the loss (which then takes them whole, not in chunks)."""
+    through cap · tanh(logits / cap) before the loss (which then takes them whole, not in chunks);
+    ``per_layer_inputs``: each layer's own vector per token, made from the decoder's input and handed to the layers
+    as their ``context`` (``native/per_layer_inputs.py``); ``kv_sharing``: the last layers attend with the keys and
+    values of an earlier layer, kept for them while the forward runs (``native/sublayers.py``)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -293,6 +297,18 @@ class LanguageModel(NativeCrossEntropy, GPTModel):
         if pad is not None and self.pre_process:
             self.embedding.word_embeddings.register_forward_hook(partial(_untrained_lookups, pad))
         self.other_rotary_pos_emb = self._other_rope(kwargs.get("rotary_percent", 1.0))
+        self.per_layer_inputs = None
+        if getattr(self.config, "per_layer_inputs", None):  # each layer's part runs before its scalar (below)
+            tp_group = self.pg_collection.tp
+            if self.pre_process:
+                self.per_layer_inputs = PerLayerInputs(self.config, tp_group, pad)
+            for layer in self.decoder.layers:
+                PerLayerInput.attach(layer, tp_group)
+        # the keys and values of the layers whose later layers attend with them, while a forward runs
+        self.shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if getattr(self.config, "kv_sharing", None):
+            for layer in self.decoder.layers:
+                layer.self_attention.shared_kv = self.shared_kv
         if getattr(self.config, "layer_scalars", False):
             for layer in self.decoder.layers:
                 layer.layer_scalar = torch.nn.Parameter(torch.ones(1, dtype=self.config.params_dtype, device=(
@@ -303,6 +319,22 @@ class LanguageModel(NativeCrossEntropy, GPTModel):
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap and self.post_process:  # before models/auto.py's hook sets the padded vocabulary to -inf
             self.output_layer.register_forward_hook(partial(_softcap, float(cap)))
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                decoder_input: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.per_layer_inputs is not None and decoder_input is None:
+            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
+        if self.per_layer_inputs is not None:
+            vectors = self.per_layer_inputs(self.per_layer_ids(input_ids), decoder_input)
+            kwargs["extra_block_kwargs"] = {**(kwargs.get("extra_block_kwargs") or {}), "context": vectors}
+        try:
+            return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
+        finally:
+            self.shared_kv.clear()
+
+    def per_layer_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The ids the per-layer embedding looks up (a vision-language model's image tokens: the padding id)."""
+        return input_ids
 
     def _other_rope(self, rotary_percent: float) -> RotaryEmbedding | None:
         """The RoPE of the layers that do not rotate by the model's (``window_rotary_base``, ``global_attention``)."""

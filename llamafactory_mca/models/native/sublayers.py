@@ -12,7 +12,11 @@
 
 And Gemma 4's attention: an RMSNorm without weight on each value head (``value_norm``), and in its full-attention
 layers keys that are also the values (``keys_are_values``): linear_qkv holds q and k only, and the values are the
-keys before their norm and RoPE.
+keys before their norm and RoPE. In the E2B/E4B the last layers compute no keys or values (``kv_source``: linear_qkv
+holds q only, no k norm): each attends with those of the last earlier layer of its kind, which that layer leaves in
+the model's ``shared_kv`` (normed, before RoPE: RoPE is the same for both) while the forward runs. Autograd carries
+their gradients back to that layer; a recomputed layer would hand on keys without them, so these models refuse full
+recomputation (``plan.check_model_fits``).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from .norm import NativeNorm
 def needs_sublayers(config: Any) -> bool:
     """Whether a model's layers need these sublayers rather than Megatron's."""
     return any(getattr(config, name, None) for name in ("post_layer_norms", "window_rotary_base", "global_attention",
-                                                        "value_norm"))
+                                                        "value_norm", "kv_sharing"))
 
 
 def _post_norm(config: Any) -> torch.nn.Module | None:
@@ -56,7 +60,17 @@ class NativeSelfAttention(SelfAttention):
             self.other_rope = not windowed
         self.post_layernorm = _post_norm(config)
         self.value_norm = bool(getattr(config, "value_norm", False))
-        if getattr(config, "keys_are_values", False):
+        # the layer number whose keys and values this layer attends with (None: its own); the model's store of them
+        self.kv_source: int | None = getattr(config, "kv_source", None)
+        self.shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        if self.kv_source is not None:
+            self.linear_qkv_out_dim = self.query_projection_size  # q only
+            self.linear_qkv = submodules.linear_qkv(
+                config.hidden_size, self.linear_qkv_out_dim, config=config, init_method=config.init_method,
+                gather_output=False, bias=config.add_bias_linear or config.add_qkv_bias, skip_bias_add=False,
+                is_expert=False, tp_comm_buffer_name="qkv", tp_group=self.pg_collection.tp)
+            self.k_layernorm = None
+        elif getattr(config, "keys_are_values", False):
             if config.num_query_groups < self.world_size:
                 raise ValueError(f"keys that are the values in {config.num_query_groups} key/value heads cannot be "
                                  f"split over {self.world_size} tensor-parallel ranks")
@@ -77,6 +91,22 @@ class NativeSelfAttention(SelfAttention):
 
     def get_query_key_value_tensors(self, hidden_states: torch.Tensor, key_value_states: Any = None,
                                     output_gate: bool = False, split_qkv: bool = True):
+        if self.kv_source is not None:
+            if output_gate or not split_qkv:
+                raise ValueError("a layer attending with another layer's keys: no output gate, and q split here")
+            query, _ = self.linear_qkv(hidden_states)
+            query = query.view(*query.shape[:-1], self.num_attention_heads_per_partition,
+                               self.hidden_size_per_attention_head)
+            if self.q_layernorm is not None:
+                query = self.q_layernorm(query)
+            return (query, *self.shared_kv[self.kv_source])
+        query, key, value = self._own_query_key_value(hidden_states, key_value_states, output_gate, split_qkv)
+        if self.shared_kv is not None:
+            self.shared_kv[self.layer_number] = key, value
+        return query, key, value
+
+    def _own_query_key_value(self, hidden_states: torch.Tensor, key_value_states: Any, output_gate: bool,
+                             split_qkv: bool):
         if not getattr(self.config, "keys_are_values", False):
             out = super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate, split_qkv)
             if not self.value_norm:
