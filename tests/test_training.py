@@ -349,6 +349,20 @@ PACKED_FAMILIES = {
                ("model.language_model.layers.1.self_attn.q_proj.weight",
                 "model.language_model.layers.0.self_attn.v_proj.weight",
                 "model.language_model.layers.3.self_attn.k_norm.weight")),
+    # Gemma 4's E2B/E4B as the hub stores them: per-layer inputs, the last layers attending with earlier layers'
+    # keys and values, their MLP twice as wide, an audio tower carried along untouched (and the vision tower, frozen)
+    "gemma4_e2b": (("per-layer inputs of 8 per layer",
+                    "the last 3 layers attend with earlier layers' keys and values, their MLP twice as wide"),
+                   ("per_layer_model_projection", "per_layer_input_gate"), "Gemma4ForConditionalGeneration",
+                   ("model.language_model.embed_tokens_per_layer.weight",
+                    "model.language_model.per_layer_model_projection.weight",
+                    "model.language_model.per_layer_projection_norm.weight",
+                    "model.language_model.layers.4.per_layer_input_gate.weight",
+                    "model.language_model.layers.3.per_layer_projection.weight",
+                    "model.language_model.layers.5.post_per_layer_input_norm.weight",
+                    "model.language_model.layers.5.mlp.up_proj.weight",
+                    "model.language_model.layers.1.self_attn.k_proj.weight",
+                    "model.language_model.layers.4.self_attn.q_proj.weight")),
     # gpt-oss: sinks, biases everywhere, windows of 6 on every other layer, YaRN, biased experts stored interleaved,
     # the clamped SwiGLU; LLaMA-Factory's `all` is the attention's projections (the experts are 3-D parameters), and
     # its default path runs transformers' eager attention here (``DEFAULT_PATH_EAGER``)
@@ -367,13 +381,17 @@ PACKED_FAMILIES = {
 }
 # transformers' Trainer averages the micro-batches' means for a model that takes no loss arguments (Gemma 4's VL class,
 # accepts_loss_kwargs = False), where we average the global batch's tokens: the step in one micro-batch compares them
-ONE_MICRO_BATCH = {"gemma4": dict(per_device_train_batch_size=8, gradient_accumulation_steps=1)}
+ONE_MICRO_BATCH = {name: dict(per_device_train_batch_size=8, gradient_accumulation_steps=1)
+                   for name in ("gemma4", "gemma4_e2b")}
 FROZEN = {"glm_moe_dsa": ("model.layers.1.self_attn.indexer.wq_b.weight", "model.layers.2.self_attn.indexer.wk.weight",
                           "model.layers.3.self_attn.indexer.k_norm.bias"),
           "gemma4_text": ("model.layers.0.layer_scalar", "model.layers.3.layer_scalar"),
           "gemma4_text_moe": ("model.layers.1.layer_scalar",),
           "gemma4": ("model.language_model.layers.1.layer_scalar", "model.embed_vision.embedding_projection.weight",
-                     "model.vision_tower.encoder.layers.1.self_attn.q_proj.linear.weight")}
+                     "model.vision_tower.encoder.layers.1.self_attn.q_proj.linear.weight"),
+          "gemma4_e2b": ("model.audio_tower.layers.0.feed_forward1.ffw_layer_1.linear.weight",
+                         "model.embed_audio.embedding_projection.weight",
+                         "model.vision_tower.encoder.layers.0.mlp.down_proj.linear.weight")}
 
 
 @pytest.mark.parametrize("finetuning", ["full", "lora"])

@@ -288,6 +288,13 @@ def describe_kernels(config: TransformerConfig) -> str:
         line += (f"; full-attention layers: heads of {full['kv_channels']}, {full['num_query_groups']} key/value heads"
                  + (" (the keys are the values)" if full.get("keys_are_values") else "")
                  + f", RoPE on {full['rope_fraction']:.0%} of each head (base {full['rotary_base']:g})")
+    per_layer, sharing = getattr(config, "per_layer_inputs", None), getattr(config, "kv_sharing", None)
+    if per_layer:
+        line += f"; per-layer inputs of {per_layer['width']} per layer (the decoder's context)"
+    if sharing:
+        shared = config.num_layers - sharing["first"]
+        line += (f"; the last {shared} layers attend with earlier layers' keys and values"
+                 + (", their MLP twice as wide" if sharing.get("double_wide_mlp") else ""))
     if getattr(config, "final_logit_softcapping", None):
         line += f"; logits soft-capped at {config.final_logit_softcapping:g} (the loss takes them whole)"
     if getattr(config, "image_look_ahead", False):

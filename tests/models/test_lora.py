@@ -42,11 +42,17 @@ ADAPTERS = {"qwen3": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
             # Gemma 4's MoE block: the dense MLP beside the experts, and the router's projection (a linear in HF:
             # its adapter folded into Megatron's router weight)
             "gemma4_text_moe": (["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "proj"], True, None),
+            # Gemma 4's E2B/E4B: the per-layer inputs' linears in every layer and the model's projection into them
+            # (outside the layers); the last layers have q_proj only (they attend with earlier layers' keys and
+            # values) and a double-wide MLP
+            "gemma4_text_e2b": (["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "per_layer_input_gate",
+                                 "per_layer_projection", "per_layer_model_projection"], False, None),
             # every attention projection carries a bias beside its adapter (the experts are 3-D parameters, which
             # LLaMA-Factory's lora_target: all leaves out)
             "gpt_oss": (["q_proj", "k_proj", "v_proj", "o_proj"], False, None),
             # the q/k norms across all heads follow q_proj's and k_proj's adapters; Mixtral's expert layout
             "minimax_m2": (["q_proj", "k_proj", "v_proj", "o_proj"], True, None)}
+UNPIPELINED = ("gemma4_text_e2b",)  # refuses pipelining (its per-layer inputs and shared keys and values)
 LAYOUTS = [("dp2", {}), ("tp2-sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
            ("pp2", {"pipeline_model_parallel_size": 2}), ("ep2", {"expert_model_parallel_size": 2}),
            ("ep2-grouped", {"expert_model_parallel_size": 2, "moe_grouped_gemm": True}),
@@ -76,7 +82,8 @@ def _in_layouts(models: dict, adapters: dict, layouts: list, work: str) -> dict:
         layout = parallel.ParallelLayout.from_args(args)
         parallel.initialize(layout)
         for name, model_dir in models.items():
-            if (layout.ep > 1 or sizes.get("moe_grouped_gemm")) and name != "qwen3_moe":
+            if (layout.ep > 1 or sizes.get("moe_grouped_gemm")) and name != "qwen3_moe" or \
+                    (layout.pp > 1 and name in UNPIPELINED):
                 continue
             model, run = model_with_adapter(model_dir, adapters[name], args)
             logits = pipeline_logits(model.eval(), INPUT)
@@ -106,7 +113,8 @@ def setup(tmp_path_factory):
 
 
 CASES = [(layout, name) for layout, sizes in LAYOUTS for name in ADAPTERS
-         if name == "qwen3_moe" or not ("ep" in layout or "grouped" in layout)]
+         if (name == "qwen3_moe" or not ("ep" in layout or "grouped" in layout))
+         and not (layout.startswith("pp") and name in UNPIPELINED)]
 
 
 @pytest.mark.parametrize("layout,name", CASES)
@@ -158,7 +166,8 @@ def test_trainable_parameters_are_peft_s(tmp_path):
              ("qwen3_next", ["all"]), ("qwen3_next", ["in_proj_qkvz", "in_proj_ba", "out_proj", "experts"]),
              ("qwen2_moe", ["all"]), ("glm4v_moe", ["all"]), ("gemma3", ["all"]), ("internvl", ["all"]),
              ("minimax_m2", ["all", "experts"]), ("glm_moe_dsa", ["all"]), ("gemma4_text", ["all"]),
-             ("gemma4", ["all"]), ("gemma4_text_moe", ["all", "experts"])]
+             ("gemma4", ["all"]), ("gemma4_text_moe", ["all", "experts"]), ("gemma4_text_e2b", ["all"]),
+             ("gemma4_e2b", ["all"])]
     models = {name: save_tiny_model(name, str(tmp_path / name)) for name in {n for n, _ in cases}}
     (ours,) = run_distributed(_count, 1, models, cases)
     for (name, targets), count in zip(cases, ours):

@@ -298,6 +298,9 @@ class LanguageModel(NativeCrossEntropy, GPTModel):
             self.embedding.word_embeddings.register_forward_hook(partial(_untrained_lookups, pad))
         self.other_rotary_pos_emb = self._other_rope(kwargs.get("rotary_percent", 1.0))
         self.per_layer_inputs = None
+        if (getattr(self.config, "per_layer_inputs", None) or getattr(self.config, "kv_sharing", None)) and not (
+                self.pre_process and self.post_process):  # refused before any worker starts: parallel.check_layout
+            raise ValueError("per-layer inputs and shared keys and values need the whole model on one pipeline stage")
         if getattr(self.config, "per_layer_inputs", None):  # each layer's part runs before its scalar (below)
             tp_group = self.pg_collection.tp
             if self.pre_process:
