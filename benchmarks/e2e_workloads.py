@@ -98,6 +98,15 @@ GEMMA4_26B_A4B = {**GEMMA4_31B, **dict(hidden_size=2816, num_hidden_layers=30, i
                                        num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=2,
                                        enable_moe_block=True, num_experts=128, top_k_experts=8,
                                        moe_intermediate_size=704)}
+# Gemma 4 E2B (google/gemma-4-E2B-it config.json, its text model): 35 layers of 1536, 8 query heads and one kv head
+# (256 on the windowed layers, 512 on every 5th, full attention), windows of 512; per-layer inputs of 256 per layer
+# (a 262,144 x 8,960 second embedding); the last 20 layers attend with layers 13's and 14's keys and values, their
+# MLP twice as wide (12,288 instead of 6,144)
+GEMMA4_E2B = {**GEMMA4_31B, **dict(hidden_size=1536, num_hidden_layers=35, intermediate_size=6144,
+                                   num_attention_heads=8, num_key_value_heads=1, num_global_key_value_heads=None,
+                                   attention_k_eq_v=False, sliding_window=512, hidden_size_per_layer_input=256,
+                                   vocab_size_per_layer_input=262144, num_kv_shared_layers=20,
+                                   use_double_wide_mlp=True)}
 # gpt-oss-20b (openai/gpt-oss-20b config.json, bf16 in place of its MXFP4 experts): 64 query heads of 64, 8 kv heads,
 # sinks, windows of 128 tokens on every other layer, YaRN x32, 32 biased experts (top 4) of 2880 in every layer
 GPT_OSS_20B = dict(model_type="gpt_oss", hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
@@ -204,6 +213,8 @@ SMOKE_SHAPES["gemma4"] = {**GEMMA4_31B, **TINY, "num_global_key_value_heads": 1,
                           "sliding_window": 64}
 SMOKE_SHAPES["gemma4_moe"] = {**SMOKE_SHAPES["gemma4"], "enable_moe_block": True, "num_experts": 8,
                               "top_k_experts": 2, "moe_intermediate_size": 32}
+SMOKE_SHAPES["gemma4_e2b"] = {**GEMMA4_E2B, **TINY, "global_head_dim": 32, "sliding_window": 64,
+                              "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": TINY["vocab_size"]}
 SMOKE_SHAPES["gpt_oss"] = {**GPT_OSS_20B, **TINY, "num_local_experts": 8, "num_experts_per_tok": 2,
                            "sliding_window": 64}
 # (no head_dim: GLM-5's config reads it as qk_rope_head_dim; 16 indexer heads: ties between keys' scores are rare)
@@ -216,7 +227,8 @@ SHAPES = {"dense": QWEN3_1_7B, "dense8b": QWEN3_8B, "moe": QWEN3_30B_A3B, "glm":
           # GLM-5 without its MTP layer: one more full-size MoE layer (~19 GB) filled the GPU machine's 64 GiB disk,
           # and LLaMA-Factory's default path drops it anyway
           "glm5": {**GLM_5, "num_nextn_predict_layers": 0},
-          "gemma3": GEMMA3_1B, "gemma4": GEMMA4_31B, "gemma4_moe": GEMMA4_26B_A4B, "gpt_oss": GPT_OSS_20B, **VL}
+          "gemma3": GEMMA3_1B, "gemma4": GEMMA4_31B, "gemma4_moe": GEMMA4_26B_A4B, "gemma4_e2b": GEMMA4_E2B,
+          "gpt_oss": GPT_OSS_20B, **VL}
 LABELS = {"dense": "Qwen3-1.7B shape", "dense8b": "Qwen3-8B shape", "moe": "Qwen3-30B-A3B shape",
           "glm": "GLM-4.5-Air shape", "glm_mtp": "GLM-4.5-Air shape with its MTP layer",
           "moonlight": "Moonlight-16B-A3B shape (DeepSeek-V3 architecture)",
@@ -224,6 +236,7 @@ LABELS = {"dense": "Qwen3-1.7B shape", "dense8b": "Qwen3-8B shape", "moe": "Qwen
           "gemma3": "Gemma-3-1B shape",
           "gemma4": "Gemma-4-31B shape",
           "gemma4_moe": "Gemma-4-26B-A4B shape",
+          "gemma4_e2b": "Gemma-4-E2B shape",
           "gpt_oss": "gpt-oss-20b shape",
           "glm5": "GLM-5 shape (DeepSeek sparse attention)",
           "vl": "Qwen2.5-VL-7B shape",
@@ -414,6 +427,11 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                  about=f"full fine-tuning of the first 4 layers (3 windowed, the last full attention; each a dense "
                        f"MLP beside 128 experts: with the embedding about what one H200 holds with Adam states), "
                        f"{cut}-token packed micro-batches, global batch 8"),
+        Workload("gemma4_e2b", "gemma4_e2b", cut, packed, _pair(1, 8, "1 GPU"), steps=10, warmup=3,
+                 layers=6 if smoke else 35,
+                 about=f"full fine-tuning of the whole model (35 layers: per-layer inputs, the last 20 attending with "
+                       f"earlier layers' keys and values; 4.6B parameters with both embeddings), {cut}-token packed "
+                       "micro-batches, global batch 8"),
         Workload("gpt_oss", "gpt_oss", cut, packed,
                  [Run("lf_nopack", "lf", 1, False, 2, 4, "1 GPU, padded, eager attention"),
                   Run("ours", "ours", 1, True, 1, 8, "1 GPU, packed"),
@@ -601,6 +619,10 @@ def model_config(kind: str, layers: int, smoke: bool) -> dict:
     if kind in ("gemma4", "gemma4_moe"):  # Gemma 4's pattern: every 6th layer full attention, the last one too
         shape = {**shape, "layer_types": ["full_attention" if (i + 1) % 6 == 0 or i == layers - 1
                                           else "sliding_attention" for i in range(layers)]}
+    if kind == "gemma4_e2b":  # every 5th layer full attention, the last one too; sharing from a full layer on
+        shape = {**shape, "layer_types": ["full_attention" if (i + 1) % 5 == 0 or i == layers - 1
+                                          else "sliding_attention" for i in range(layers)],
+                 "num_kv_shared_layers": min(layers * 20 // 35, layers - 5)}
     if kind == "next":  # Qwen3-Next's pattern (every 4th layer full attention), the last layer full in a short cut
         shape = {**shape, "layer_types": _hybrid_pattern(layers)}
     return {**shape, "num_hidden_layers": layers}

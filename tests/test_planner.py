@@ -22,7 +22,7 @@ from tests._cli import cli_env, fake_hub_cache, make_assets, one_error, recipe, 
 GIB = 1024**3
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from e2e_workloads import SHAPES  # noqa: E402  (the benchmarks' full-size shapes: real config.json values)
+from e2e_workloads import SHAPES, model_config  # noqa: E402  (the benchmarks' full-size shapes: real config.json values)
 
 
 def _dense(**overrides):
@@ -130,6 +130,39 @@ def test_search_keeps_a_vision_language_model_to_the_layouts_it_runs():
     for candidate in found:
         check_vision_layout(config, candidate.layout)
         assert candidate.layout.cp == 1
+
+
+def test_small_gemma4_is_counted_whole_and_kept_to_the_layouts_it_runs():
+    """Gemma 4 E2B's shape (35 layers of 1536; per-layer inputs of 256 per layer, a second embedding of 262,144 x
+    8,960; the last 20 layers attending with earlier layers' keys and values, their MLP twice as wide): the model's
+    parameter count is transformers' own, the planner's weights are it, and TP leaves the second embedding whole on
+    every rank. The search proposes neither pipelining nor full recompute, which the run refuses for it."""
+    import torch
+    from transformers import AutoConfig as HfAutoConfig
+    from transformers import AutoModelForCausalLM
+
+    from llamafactory_mca.models.cost import model_parameter_count, small_gemma4_weights
+
+    shape = model_config("gemma4_e2b", 35, False)
+    hf = HfAutoConfig.for_model(**shape)
+    config = get_family("gemma4_text").config_from_hf(hf)
+    with torch.device("meta"):
+        count = AutoModelForCausalLM.from_config(hf).num_parameters()
+    assert model_parameter_count(config) == count and 4.6e9 < count < 4.7e9
+    got = estimate(config, _layout(), Training(tokens=4096))
+    assert got["weights"] == pytest.approx(count * 2 / GIB, rel=1e-3)
+    # two key/value heads (E2B has one): TP2 splits all but the replicated part
+    two = get_family("gemma4_text").config_from_hf(HfAutoConfig.for_model(**{**shape, "num_key_value_heads": 2}))
+    replicated, _ = small_gemma4_weights(two.transformer)
+    assert replicated > 2.3e9  # the second embedding
+    halves = estimate(two, _layout(world=2, tp=2), Training(tokens=4096))["weights"]
+    assert halves == pytest.approx((model_parameter_count(two) - replicated) / 2 * 2 / GIB + replicated * 2 / GIB,
+                                   rel=2e-3)
+    found, refused = search(config, 8, 16, Training(tokens=4096), gpu_memory_gib=80.0, peak_flops=989e12)
+    assert found and any("per-layer inputs and shared keys and values" in reason for reason in refused)
+    for candidate in found:
+        check_layout(config, candidate.layout, False, candidate.layout.tp > 1)
+        assert candidate.layout.pp == 1 and candidate.recompute is None
 
 
 def test_moe_experts_split_by_expert_parallelism():

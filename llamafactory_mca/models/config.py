@@ -40,7 +40,7 @@ _ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.ge
 # "windowed": on the windowed layers only, Gemma 4's).
 # ``padding_idx``: the word embedding row that lookups never train (transformers' ``pad_token_id``).
 # ``qk_norm_across_heads``: the q/k norms normalise all heads of a token at once (MiniMax-M2, ``native/norm.py``).
-# Gemma 4's: ``global_attention`` (the full-attention layers' own shape and RoPE: ``global_layer_configs``),
+# Gemma 4's: ``global_attention`` (the full-attention layers' own shape and RoPE: ``layer_configs``),
 # ``value_norm`` (an RMSNorm without weight on each value head), ``layer_scalars`` (each layer's output times a
 # stored scalar), ``final_logit_softcapping`` (logits = cap · tanh(logits / cap)), ``moe_block`` (a dense MLP beside
 # the routed experts: ``native/moe_block.py``); the E2B/E4B's ``per_layer_inputs`` (each layer's own vector per token:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from .config import attention_shape
 from .mapping import is_moe_layer
@@ -53,7 +54,34 @@ def flops_per_sequence_set(t: dict[str, Any], vocab_size: int, seqlens: Sequence
     moe_layers, layers, mtp = _moe_layer_count(t), _layer_count(t), t.get("mtp_num_layers") or 0
     forward = (per_layer * layers + moe * moe_layers + dense * (layers - moe_layers)
                + 2 * tokens * h * vocab_size * (1 + mtp) + mtp * 2 * tokens * 2 * h * h)  # MTP: logits and eh_proj
-    return 3 * forward
+    return 3 * (forward + 2 * tokens * sum(small_gemma4_weights(t, matmuls=True)))
+
+
+def small_gemma4_weights(t: dict[str, Any], matmuls: bool = False) -> tuple[int, int]:
+    """What Gemma 4's E2B/E4B have beside the weights of every layer of their kind, over the whole model: (weights
+    replicated on the tensor-parallel ranks, weights TP splits). The per-layer inputs (their embedding and norms
+    replicated; the projection into them and each layer's gate and projection split), less the key and value
+    projections and key norms of the layers attending with earlier layers' keys and values, plus the second half of
+    their double-wide MLPs. ``matmuls``: the weights a token multiplies (the embedding's and the norms' left out).
+    (0, 0) for other models."""
+    h, layers = t["hidden_size"], t["num_layers"]
+    replicated = split = 0
+    spec, sharing = t.get("per_layer_inputs"), t.get("kv_sharing")
+    if spec:
+        d = spec["width"]
+        split += h * layers * d + layers * 2 * h * d
+        replicated += 0 if matmuls else spec["vocab"] * layers * d + d + layers * h
+    if sharing:
+        glu = 3 if t.get("gated_linear_unit", True) else 2
+        for layer in range(sharing["first"], layers):
+            windowed = t.get("window_size") and is_layer_window_attention(
+                t["window_size"], t.get("window_attn_skip_freq"), layer + 1)
+            kind = t if windowed else full_attention_fields(t)
+            _, groups, head_dim = attention_shape(kind)
+            split -= h * groups * head_dim * (1 if kind.get("keys_are_values") else 2)
+            replicated -= 0 if matmuls else head_dim
+            split += glu * h * t["ffn_hidden_size"] if sharing.get("double_wide_mlp") else 0
+    return replicated, split
 
 
 def _core_attention_forward(t: dict[str, Any], squares: float) -> float:
@@ -210,4 +238,5 @@ def model_parameter_count(config: Any) -> int:
         wide = full_attention_fields(t)
         extra = attention_sizes(wide)[0] - attention_sizes(t)[0] + 2 * (wide["kv_channels"] - head_dim)
         full = sum(not config.windowed(i) for i in range(t["num_layers"])) * extra
-    return layers * layer + moe_layers * moe + (layers - moe_layers) * dense + embeddings + h + mtp + linear + full
+    return (layers * layer + moe_layers * moe + (layers - moe_layers) * dense + embeddings + h + mtp + linear + full
+            + sum(small_gemma4_weights(t)))

@@ -21,7 +21,7 @@ import re
 from typing import Any
 
 from ..models.config import attention_shape
-from ..models.cost import attention_layer_kinds, attention_sizes, indexer_weights
+from ..models.cost import attention_layer_kinds, attention_sizes, indexer_weights, small_gemma4_weights
 from ..models.mapping import is_moe_layer
 from ..models.native.logit_chunks import logit_rows
 from ..parallel import ParallelLayout
@@ -160,7 +160,10 @@ def _shapes(config: Any) -> dict[str, int]:
                 topk=t.get("moe_router_topk") or 0,
                 fm=t.get("moe_ffn_hidden_size") or 0, fs=t.get("moe_shared_expert_intermediate_size") or 0,
                 vocab=config.vocab_size, layers=t["num_layers"], mtp=t.get("mtp_num_layers") or 0,
-                block=int(bool(t.get("moe_block"))))
+                block=int(bool(t.get("moe_block"))), ple=(t.get("per_layer_inputs") or {}).get("width", 0),
+                # the MLP's width averaged over the layers, for its activations (Gemma 4's E2B/E4B: some are double)
+                fa=t["ffn_hidden_size"] * (1 + (sharing["double_wide_mlp"] and (t["num_layers"] - sharing["first"])
+                                                / t["num_layers"] if (sharing := t.get("kv_sharing")) else 0)))
 
 
 def _layer_params(s: dict[str, int], moe: bool) -> tuple[int, int]:
@@ -183,8 +186,11 @@ def _layer_activations(s: dict[str, int], tokens: float, layout: ParallelLayout,
     # sparse attention keeps which keys each query attends (a byte per query and earlier key of its sequence: at
     # most a micro-batch of one sequence, whole on every TP rank)
     attention += s.get("dsa", 0) * tokens * tokens / 2
+    # Gemma 4's per-layer input: its gate's output, the activation's, the product, and the norm's input
+    hidden += s.get("ple", 0) and 2 * tokens * (3 * s["ple"] / tp + s["h"] / sp)
     if not moe:
-        mlp = 0 if "mlp" in rebuilt else 2 * tokens * (s["glu"] + 1 + (s["glu"] if lora else 0)) * s["f"] / tp
+        mlp = 0 if "mlp" in rebuilt else 2 * tokens * (s["glu"] + 1 + (s["glu"] if lora else 0)) * s.get(
+            "fa", s["f"]) / tp
         return hidden + attention + mlp
     routed = tokens / sp * s["topk"]  # the tokens this rank's experts take, in expectation
     # permuted in (for fc1's weight gradient), the unpermute buffer, fc1 out and the activation's out (fc2's input);
@@ -214,15 +220,19 @@ def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[st
         last = stage == layout.pp - 1
         dense = sum(_layer_params(s, m)[0] for m in mine)
         experts = sum(_layer_params(s, m)[1] for m in mine)
+        replicated = 0
         if stage == 0:
             dense += s["vocab"] * s["h"]
+            # Gemma 4's E2B/E4B (they train on one stage): per-layer inputs, shared keys and values, wide MLPs
+            replicated, split = small_gemma4_weights(t)
+            dense += split
         if last and (not config.tie_word_embeddings or layout.pp > 1):
             dense += s["vocab"] * s["h"]
         if last and s["mtp"]:
             dense += s["mtp"] * (_layer_params(s, layers[-1])[0] + 2 * s["h"] * s["h"])
             experts += s["mtp"] * _layer_params(s, layers[-1])[1]
-        params = dense / layout.tp + experts / (layout.ep * layout.etp)
-        trainable, dp_share = params, (dense / layout.tp) / (layout.dp * layout.cp) + \
+        params = dense / layout.tp + replicated + experts / (layout.ep * layout.etp)
+        trainable, dp_share = params, (dense / layout.tp + replicated) / (layout.dp * layout.cp) + \
             (experts / (layout.ep * layout.etp)) / layout.expert_dp
         if training.lora_rank:  # frozen base: no gradient, no optimizer state; adapters on every linear
             r = training.lora_rank  # LLaMA-Factory's "all": attention and dense MLP projections, never experts
@@ -266,6 +276,8 @@ def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[st
             if not training.lora_rank:
                 activations = activations * GRAPH_ACTIVATIONS + 2 * experts / (layout.ep * layout.etp)
         activations += tower_activations * in_flight
+        if stage == 0 and s["ple"]:  # the per-layer inputs, made whole on every rank: embedding, projection, norm, sum
+            activations += 2 * tokens * s["layers"] * s["ple"] * 4 * in_flight
         logits = 0.0
         if last:
             local_vocab = s["vocab"] / layout.tp

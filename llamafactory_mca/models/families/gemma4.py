@@ -2,22 +2,23 @@
 window on most layers) with plain RMSNorm weights, q·k unscaled (the q/k norms set the scale), an RMSNorm without
 weight on the values, each layer's output times a stored scalar, and soft-capped logits. The full-attention layers
 have wider heads (``global_head_dim``), their own number of key/value heads and, where ``attention_k_eq_v``, keys
-that are also the values (``config.global_layer_configs``, ``native/sublayers.py``); they rotate by proportional RoPE
-(a share of each head's frequencies, the rest unrotated), the windowed layers by plain RoPE, the model's table.
+that are also the values (``config.layer_configs``, ``native/sublayers.py``); they rotate by proportional RoPE (a
+share of each head's frequencies, the rest unrotated), the windowed layers by plain RoPE, the model's table.
 
 The hub's checkpoints (``gemma4``) hold this decoder under ``model.language_model.`` beside a vision tower and its
 ``embed_vision`` (LLaVA's layout, ``multimodal.TowerWithProjector``): images of their own sizes come as patches with
 their (x, y) (``image_position_ids``), each pooled to as many tokens as its valid patches make; with
 ``use_bidirectional_attention: vision`` (the hub's) an image's tokens see one another on the windowed layers only.
-Videos and an audio tower are not supported (refused in one line).
 
 The 26B-A4B's layers have a dense MLP and routed experts side by side (``enable_moe_block``: ``native/moe_block.py``):
 Megatron's MoE layer with the dense MLP as its shared expert, each branch under its own norms.
 
-Refused, one line each: the per-layer input embeddings, key/value-sharing layers and double-wide MLP of the small
-models (``hidden_size_per_layer_input``, ``num_kv_shared_layers``, ``use_double_wide_mlp``), bidirectional attention
-between all tokens (``use_bidirectional_attention: all``; the hub's ``vision`` is the images' look-ahead above), the
-audio tower."""
+The E2B/E4B give every layer a small input vector of its own per token (``hidden_size_per_layer_input``:
+``native/per_layer_inputs.py``), and their last layers (``num_kv_shared_layers``) compute no keys or values: each
+attends with those of the last earlier layer of its kind, its MLP twice as wide (``use_double_wide_mlp``). Both go
+from layer to layer beside the hidden states, so these models train on one pipeline stage. Their audio tower is
+carried through training and export untouched; audio inputs, videos and bidirectional attention between all tokens
+(``use_bidirectional_attention: all``) are refused in one line."""
 
 from dataclasses import replace
 from typing import Any
@@ -47,7 +48,7 @@ class Gemma4TextFamily(DecoderFamily):
 
     def layer_ops(self, config: McaConfig, dense_mlp: bool) -> list[Op]:
         """linear_qkv per layer: the full-attention layers' heads are their own, their q and k alone where the keys
-        are the values."""
+        are the values; q alone in a layer attending with an earlier layer's keys and values."""
         ops = super().layer_ops(config, dense_mlp)
         qkv = next(op for op in ops if op.mca.endswith("linear_qkv.weight"))
         shape = config.global_attention_shape
