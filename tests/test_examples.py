@@ -45,7 +45,8 @@ FAMILY = {"Qwen/Qwen3-1.7B": "qwen3", "Qwen/Qwen3-30B-A3B-Instruct-2507": "qwen3
           "openai/gpt-oss-120b": "gpt_oss", "zai-org/GLM-4.5V": "glm4v_moe",
           "google/gemma-3-27b-it": "gemma3", "MiniMaxAI/MiniMax-M2": "minimax_m2",
           "OpenGVLab/InternVL3_5-38B-HF": "internvl", "zai-org/GLM-5": "glm_moe_dsa",
-          "google/gemma-4-31B-it": "gemma4", "google/gemma-4-26B-A4B-it": "gemma4_moe"}
+          "google/gemma-4-31B-it": "gemma4", "google/gemma-4-26B-A4B-it": "gemma4_moe",
+          "google/gemma-4-E4B-it": "gemma4_e2b"}
 # LLaMA-Factory's own dataset_info.json entries for its demo sets (data/dataset_info.json in its repository).
 LLAMAFACTORY_INFO = {
     "identity": {"file_name": "identity.json"},
@@ -141,6 +142,7 @@ def world(tmp_path_factory):
 def test_every_example_is_covered():
     assert [os.path.basename(e) for e in EXAMPLES] == ["gemma3_1b_full.yaml", "gemma3_27b_full.yaml",
                                                        "gemma4_26b_a4b_full.yaml", "gemma4_31b_full.yaml",
+                                                       "gemma4_e4b_full.yaml",
                                                        "glm4_5_air_lora.yaml",
                                                        "glm4_5v_lora.yaml", "glm5_lora.yaml",
                                                        "gpt_oss_120b_lora.yaml", "internvl3_5_38b_lora.yaml",

@@ -21,9 +21,10 @@ GPU_COUNTS = (2, 4, 8, 16, 32, 64, 128, 256)
 LORA_RANK = 16  # LLaMA-Factory's examples' rank
 
 
-def _changes(training: Training) -> list[tuple[str, dict[str, Any]]]:
+def _changes(training: Training, config: Any) -> list[tuple[str, dict[str, Any]]]:
     """(the recipe keys to set, the Training fields they change), cheapest first; each adds to the ones before it
-    that still apply (``_together``), so the last is all of them that can go together."""
+    that still apply (``_together``), so the last is all of them that can go together. Not full recompute where
+    layers attend with earlier layers' keys and values (the run refuses it: ``plan.check_model_fits``)."""
     steps = []
     fp32_states = {"param_remainders": False, "moment_bytes": 8}  # what the CPU-offloaded and LoRA optimizers keep
     if training.half and not training.param_remainders and training.lora_rank is None:
@@ -31,7 +32,7 @@ def _changes(training: Training) -> list[tuple[str, dict[str, Any]]]:
     if training.half and training.moment_bytes > 4 and training.lora_rank is None:
         steps.append(("store_param_remainders: true, exp_avg_dtype: bf16, exp_avg_sq_dtype: bf16",
                       {"param_remainders": True, "moment_bytes": 4}))
-    if training.recompute != "full":
+    if training.recompute != "full" and not config.transformer.get("kv_sharing"):
         steps.append(("recompute_granularity: full", {"recompute": "full"}))
     if not training.cpu_offload and training.lora_rank is None:
         steps.append(("optimizer_cpu_offload: true", {"cpu_offload": True, **fp32_states}))
@@ -57,7 +58,7 @@ def cheapest_changes(config: Any, layout: ParallelLayout, training: Training, bu
     """What would fit ``budget`` GiB per GPU: the first change (alone, then together with the cheaper ones) that
     fits in this layout, and the fewest GPUs on which some layout of the same global batch fits as the recipe is."""
     found: list[str] = []
-    steps = _changes(training)
+    steps = _changes(training, config)
     for i, (name, fields) in enumerate(steps):
         alone = estimate(config, layout, dataclasses.replace(training, **fields))
         names, together = _together(steps[:i + 1])
@@ -81,7 +82,7 @@ def change_for_gpus(config: Any, gpus: int, global_batch: int, training: Trainin
                     peak_flops: float) -> str | None:
     """When no layout of the recipe fits ``gpus`` GPUs: the cheapest change (with the ones before it) under which
     the search finds one, and that layout."""
-    steps = _changes(training)
+    steps = _changes(training, config)
     for i in range(len(steps)):
         names, together = _together(steps[:i + 1])
         fits, _ = search(config, gpus, global_batch, dataclasses.replace(training, **together), budget, peak_flops)
