@@ -162,6 +162,25 @@ def test_gemma4_resumes_from_tp2_to_pp2(assets, tmp_path):
     _same_losses(expected, losses(tmp_path / "pp2"), (3, 4))
 
 
+def test_small_gemma4_resumes_from_tp2_to_dp2(assets, tmp_path):
+    """Gemma 4 E2B's layout (per-layer inputs: a second embedding whole on every TP rank, the model's projection
+    split over them, each layer's gate and projection; layers without keys or values and their double-wide MLPs)
+    with the distributed optimizer's buckets: TP2 + SP -> DP2 trains the same steps."""
+    from llamafactory_mca.tools.tiny import save_tiny_model, save_tiny_tokenizer
+
+    model = save_tiny_model("gemma4_text_e2b", str(tmp_path / "e2b"), vocab_size=assets["vocab"])
+    save_tiny_tokenizer(model)
+    result, output = _run(tmp_path, assets, "tp2", 2, 4, tensor_model_parallel_size=2, sequence_parallel=True,
+                          gradient_accumulation_steps=4, model_name_or_path=model)
+    ok(result, output)
+    expected = losses(tmp_path / "tp2")
+    result, output = _run(tmp_path, assets, "dp2", 2, 4, resume=tmp_path / "tp2" / "checkpoint-2",
+                          gradient_accumulation_steps=2, model_name_or_path=model)
+    ok(result, output)
+    assert "tensor_model_parallel_size 2 -> 1" in output, output[-3000:]
+    _same_losses(expected, losses(tmp_path / "dp2"), (3, 4))
+
+
 def test_lora_resumes_from_tp2_to_pp2(assets, tmp_path):
     lora = dict(finetuning_type="lora", lora_rank=4, lora_target="all", learning_rate=1e-2)
     result, output = _run(tmp_path, assets, "lora-tp2", 2, 4, tensor_model_parallel_size=2,
