@@ -178,9 +178,10 @@ def test_moe_experts_split_by_expert_parallelism():
 
 def test_micro_batches_merge_where_the_experts_gain_and_memory_allows():
     """``merge_micro_batches: auto`` on Qwen3-30B-A3B's shape (8 layers, 4,096-token packs: 256 rows per expert) merges
-    two packs into one micro-batch on a 141 GB GPU (512 rows), not where the estimate does not fit, and never for a
-    dense model, LoRA, unpacked rows, preference pairs, pipeline stages, graphs or without a GPU; an explicit factor
-    that cannot apply is one clear error."""
+    two packs into one micro-batch on a 141 GB GPU (512 rows), not where the estimate does not fit, and never for
+    LoRA's frozen experts, unpacked rows, preference pairs, pipeline stages, graphs or without a GPU; a dense model
+    only while its micro-batch is narrow work (tokens x hidden up to 4,096 x 4,096, where its layers wait on the
+    host), LoRA or not; an explicit factor that cannot apply is one clear error."""
     from transformers import Qwen3MoeConfig
 
     from llamafactory_mca.planner.micro_batches import plan_merge
@@ -199,9 +200,14 @@ def test_micro_batches_merge_where_the_experts_gain_and_memory_allows():
     assert factor(training=Training(tokens=1024)) == 8  # 64 rows per expert: merged up to 512
     assert factor(layout=_layout(accum=6), training=Training(tokens=1024)) == 2  # 4 and 8 do not divide 6
     assert factor(layout=_layout(world=2, ep=2, accum=8)) == 1  # EP2 gathers 512 rows already
-    assert [factor(config=_dense()), factor(packing=False), factor(stage="dpo"), factor(layout=_layout(accum=7)),
+    assert [factor(packing=False), factor(stage="dpo"), factor(layout=_layout(accum=7)),
             factor(layout=_layout(world=2, pp=2, accum=8)), factor(graphs=True), factor(gib=None),
-            factor(request=1), factor(training=Training(tokens=4096, lora_rank=8))] == [1] * 9
+            factor(request=1), factor(training=Training(tokens=4096, lora_rank=8))] == [1] * 8
+    narrow = dict(hidden_size=1536, intermediate_size=6144, num_attention_heads=8, head_dim=256)
+    assert factor(config=_dense(**narrow)) == 2  # 8,192 tokens of 1536: up to 4,096 x 4,096, not past it
+    assert factor(config=_dense(**narrow), training=Training(tokens=4096, lora_rank=8)) == 2
+    assert factor(config=_dense(**narrow), training=Training(tokens=1024)) == 8
+    assert factor(config=_dense(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, head_dim=128)) == 1
     assert factor(request=4, config=_dense()) == 4
     assert factor(request=2, graphs=True) == 2  # graphs capture the merged packs
     for request, kwargs, message in ((3, {}, "gradient_accumulation_steps=8 is not a multiple of it"),

@@ -197,8 +197,12 @@ def kv_source(sharing: dict[str, Any] | None, windowed: Any, layer: int) -> int 
     """``McaConfig.kv_source`` from the ``kv_sharing`` field and a layer -> windowed? function."""
     if not sharing or layer < sharing["first"]:
         return None
-    kind = windowed(layer)
-    return max(i for i in range(sharing["first"]) if windowed(i) == kind)
+    return _last_of_kind(sharing["first"], windowed, windowed(layer))
+
+
+def _last_of_kind(first: int, windowed: Any, kind: bool) -> int | None:
+    """The last layer before ``first`` that is windowed (``kind`` True) or not."""
+    return max((i for i in range(first) if windowed(i) == kind), default=None)
 
 
 def layer_configs(config: TransformerConfig) -> None:
@@ -231,9 +235,9 @@ def layer_configs(config: TransformerConfig) -> None:
     if sharing:
         wide = {"ffn_hidden_size": 2 * config.ffn_hidden_size} if sharing.get("double_wide_mlp") else {}
         for kind, base in kinds.items():
-            sources = [i for i in range(sharing["first"]) if windowed(i) == kind]
-            if sources:
-                shared[kind] = variant(base, kv_source=sources[-1] + 1, **wide)
+            source = _last_of_kind(sharing["first"], windowed, kind)
+            if source is not None:
+                shared[kind] = variant(base, kv_source=source + 1, **wide)
 
     def config_for_layer(layer_number: int) -> TransformerConfig:
         kind = windowed(layer_number - 1)

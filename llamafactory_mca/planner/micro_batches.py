@@ -5,9 +5,12 @@ train the same global batch. What changes is the work per micro-batch: a MoE lay
 to the fp32 main_grad once per micro-batch, a read and a write of every expert weight in fp32 whatever the micro-batch
 holds, and every layer's kernels are launched once per micro-batch. At 256 rows per expert (Qwen3-30B-A3B's 4,096-token
 packs: 128 experts, top 8) that traffic takes longer than the GEMM it follows; at 512 the two are even (one H200, 8
-layers, the same 8 packs per step: 0.75 s as 1 x 8, 0.50 s as 2 x 4 with half the launches). Dense layers gain little,
-and graphs replay the recipe's shapes, so ``auto`` merges MoE models whose experts train (not LoRA's frozen ones) only,
-and only as far as the planner's memory estimate fits the GPU.
+layers, the same 8 packs per step: 0.75 s as 1 x 8, 0.50 s as 2 x 4 with half the launches). Dense layers gain only
+where they are narrow enough for the host to be the limit: Gemma 4 E2B's 1536-wide layers on 4,096-token packs kept
+the GPU busy 61% of the step, and as 2 x 4 93%, at 1.55x the tokens/s (one H200). Graphs replay the recipe's shapes
+(and take the host's part away), so ``auto`` merges MoE models whose experts train (not LoRA's frozen ones) up to 512
+rows per expert, and dense ones whose micro-batch is under ``DENSE_WORK`` tokens x hidden up to it, each only as far
+as the planner's memory estimate fits the GPU.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from .memory import Training, estimate
 
 
 EXPERT_ROWS = 512  # rows per expert and micro-batch from which a MoE layer's weight-gradient pass pays for itself
+DENSE_WORK = 4096 * 4096  # tokens x hidden of a dense micro-batch from which its layers keep the GPU busy
 MERGES = (2, 4, 8)
 MERGING_STAGES = ("pt", "sft")  # the preference stages pair their rows inside a micro-batch; rm scores rows
 
@@ -53,24 +57,34 @@ def plan_merge(request: str | int, config: Any, layout: ParallelLayout, training
         return Merge(1, "")
     if request != "auto":
         return Merge(request, _check_explicit(request, layout, stage, packing))
+    experts = bool(config.transformer.get("num_moe_experts"))
     # LoRA's frozen experts compute no weight gradients: nothing to pay once per micro-batch
-    if not (config.transformer.get("num_moe_experts") and training.lora_rank is None and packing
-            and stage in MERGING_STAGES and layout.pp == 1 and not cuda_graphs):
+    if not ((not experts or training.lora_rank is None) and packing and stage in MERGING_STAGES and layout.pp == 1
+            and not cuda_graphs):
         return Merge(1, "")
     budget = gpu_memory_gib()
     if budget is None:
         return Merge(1, "")
+    hidden = config.transformer["hidden_size"]
+
+    def work(candidate: ParallelLayout) -> tuple[float, str]:
+        """(how far the micro-batch is from keeping the GPU busy, 1 = there; what to say of it)"""
+        if experts:
+            rows = rows_per_expert(config, candidate, training.tokens)
+            return rows / EXPERT_ROWS, f"{rows:,.0f} rows per expert"
+        tokens = training.tokens * candidate.micro_batch_size / candidate.cp
+        return tokens * hidden / DENSE_WORK, f"{tokens:,.0f} tokens of {hidden} per micro-batch"
+
     best = Merge(1, "")
     for factor in MERGES:
-        if layout.grad_accum % factor or rows_per_expert(config, merged(layout, best.factor), training.tokens) \
-                >= EXPERT_ROWS:
+        if layout.grad_accum % factor or work(merged(layout, best.factor))[0] >= 1 or \
+                (not experts and work(merged(layout, factor))[0] > 1):
             break
         bigger = merged(layout, factor)
         if estimate(config, bigger, training)["needs"] > budget:
             break
         best = Merge(factor, f"merge_micro_batches: auto merged the recipe's micro-batches by {factor} "
-                             f"({rows_per_expert(config, bigger, training.tokens):,.0f} rows per expert; 1 keeps "
-                             "them)")
+                             f"({work(bigger)[1]}; 1 keeps them)")
     return best
 
 
