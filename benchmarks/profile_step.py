@@ -3,6 +3,7 @@
     python benchmarks/profile_step.py --out DIR            # Qwen3-1.7B shape, 8 packed 4096-token micro-batches
     python benchmarks/profile_step.py --moe --layers 8 --out DIR   # Qwen3-30B-A3B shape
     python benchmarks/profile_step.py --next --layers 3 --out DIR  # Qwen3-Next-80B-A3B shape
+    python benchmarks/profile_step.py --gemma4-e2b --layers 35 --tokens 8192 --micro 4 --out DIR  # Gemma 4 E2B
     python benchmarks/profile_step.py --baseline --out DIR # megatron-core's own fallbacks instead of ours (below)
     python benchmarks/profile_step.py --smoke --out DIR    # tiny shape, CPU
     python benchmarks/profile_step.py --megatron-step --out DIR  # Megatron's optimizer step (gradients scaled apart)
@@ -42,6 +43,8 @@ def main() -> None:
     parser.add_argument("--moe", action="store_true", help="Qwen3-30B-A3B shape (128 experts, top 8)")
     parser.add_argument("--next", action="store_true", help="Qwen3-Next-80B-A3B shape (512 experts, top 10; gated "
                                                            "delta-rule layers, every 3rd full attention)")
+    parser.add_argument("--gemma4-e2b", action="store_true", help="Gemma 4 E2B shape (per-layer inputs, the last 20 "
+                                                                  "of 35 layers sharing keys and values)")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size (with sequence parallel)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     parser.add_argument("--ep", type=int, default=1, help="expert parallel size (with --moe or --next)")
@@ -58,7 +61,7 @@ def main() -> None:
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    from transformers import Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
+    from transformers import Gemma4TextConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
 
     from llamafactory_mca import parallel
     from llamafactory_mca.data import MicroBatch
@@ -80,8 +83,13 @@ def main() -> None:
         shape = {k: v for k, v in QWEN3_NEXT_80B.items() if k != "model_type"}
         shape.update(num_hidden_layers=args.layers, layer_types=[
             "full_attention" if (i + 1) % 3 == 0 else "linear_attention" for i in range(args.layers)])
+    if args.gemma4_e2b:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from e2e_workloads import model_config
+
+        shape = {k: v for k, v in model_config("gemma4_e2b", args.layers, args.smoke).items() if k != "model_type"}
     tokens, seqs, micro = args.tokens, 4, args.micro
-    if args.smoke:
+    if args.smoke and not args.gemma4_e2b:
         shape.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=16, vocab_size=512,
                      **(dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2) if args.moe else {}),
@@ -105,7 +113,8 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     parallel.initialize(targs.resolve_layout(world_size=world), cuda_graphs=targs.run_cuda_graphs())
     family, hf = (("qwen3_next", Qwen3NextConfig(**shape)) if args.next else ("qwen3_moe", Qwen3MoeConfig(**shape))
-                  if args.moe else ("qwen3", Qwen3Config(**shape)))
+                  if args.moe else ("gemma4_text", Gemma4TextConfig(**shape)) if args.gemma4_e2b
+                  else ("qwen3", Qwen3Config(**shape)))
     config = get_family(family).config_from_hf(hf)
     model = AutoModel.from_config(config, targs)
     if args.baseline:  # after the build, which installs ours
@@ -163,7 +172,8 @@ def main() -> None:
     flops = flops_per_sequence_set(config.transformer, config.vocab_size, [length] * seqs * micro)
     peak = peak_flops()
     sharing = args.tp * args.pp  # GPUs that share one micro-batch; under EP the others are data parallel
-    name = f"{'next' if args.next else 'moe' if args.moe else 'dense'}_{'baseline' if args.baseline else 'ours'}"
+    kind = 'next' if args.next else 'moe' if args.moe else 'gemma4_e2b' if args.gemma4_e2b else 'dense'
+    name = f"{kind}_{'baseline' if args.baseline else 'ours'}"
     name += "".join(f"_{k}{n}" for k, n in (("tp", args.tp), ("pp", args.pp), ("ep", args.ep)) if n > 1)
     name += f"_rank{rank}" if world > 1 else ""
     name += "".join(f"_no_{k}" for k in off) + "".join(f"_with_{k}" for k in on)
