@@ -172,7 +172,7 @@ def main() -> None:
     flops = flops_per_sequence_set(config.transformer, config.vocab_size, [length] * seqs * micro)
     peak = peak_flops()
     sharing = args.tp * args.pp  # GPUs that share one micro-batch; under EP the others are data parallel
-    kind = 'next' if args.next else 'moe' if args.moe else 'gemma4_e2b' if args.gemma4_e2b else 'dense'
+    kind = "next" if args.next else "moe" if args.moe else "gemma4_e2b" if args.gemma4_e2b else "dense"
     name = f"{kind}_{'baseline' if args.baseline else 'ours'}"
     name += "".join(f"_{k}{n}" for k, n in (("tp", args.tp), ("pp", args.pp), ("ep", args.ep)) if n > 1)
     name += f"_rank{rank}" if world > 1 else ""
