@@ -161,6 +161,7 @@ def _shapes(config: Any) -> dict[str, int]:
                 fm=t.get("moe_ffn_hidden_size") or 0, fs=t.get("moe_shared_expert_intermediate_size") or 0,
                 vocab=config.vocab_size, layers=t["num_layers"], mtp=t.get("mtp_num_layers") or 0,
                 block=int(bool(t.get("moe_block"))), ple=(t.get("per_layer_inputs") or {}).get("width", 0),
+                softcap=int(bool(t.get("final_logit_softcapping"))),
                 # the MLP's width averaged over the layers, for its activations (Gemma 4's E2B/E4B: some are double)
                 fa=t["ffn_hidden_size"] * (1 + (sharing["double_wide_mlp"] and (t["num_layers"] - sharing["first"])
                                                 / t["num_layers"] if (sharing := t.get("kv_sharing")) else 0)))
@@ -276,15 +277,16 @@ def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[st
             if not training.lora_rank:
                 activations = activations * GRAPH_ACTIVATIONS + 2 * experts / (layout.ep * layout.etp)
         activations += tower_activations * in_flight
-        if stage == 0 and s["ple"]:  # the per-layer inputs, made whole on every rank: embedding, projection, norm, sum
-            activations += 2 * tokens * s["layers"] * s["ple"] * 4 * in_flight
+        if stage == 0 and s["ple"]:  # the per-layer inputs, made whole on every rank: their norm's input and the sum
+            activations += 2 * tokens * s["layers"] * s["ple"] * 2 * in_flight
         logits = 0.0
         if last:
             local_vocab = s["vocab"] / layout.tp
             rows = logit_rows(tokens, local_vocab, training.chunked_cross_entropy if training.native_cross_entropy
                               else False)
-            logits = rows * local_vocab * (LOGIT_BYTES if training.native_cross_entropy else
-                                           LOGIT_BYTES + 4) * (1 + s["mtp"])
+            # soft-capped logits (Gemma 4): tanh's bf16 output is kept for its backward too
+            logits = rows * local_vocab * (LOGIT_BYTES + 2 * s["softcap"] + (0 if training.native_cross_entropy
+                                                                              else 4)) * (1 + s["mtp"])
         stages.append({"weights": params * (2 if training.half else 4) / GIB, "grads": trainable * 4 / GIB,
                        "optimizer": optimizer / GIB,
                        "activations": activations / GIB, "logits": logits / GIB})
