@@ -143,42 +143,29 @@ def test_gpt_oss_resumes_from_ep2_to_tp2_and_to_pp2(assets, tmp_path):
     _same_losses(expected, losses(tmp_path / "pp2"), (5, 6))
 
 
-def test_gemma4_resumes_from_tp2_to_pp2(assets, tmp_path):
+@pytest.mark.parametrize("family,second,change", [
+    ("gemma4_text", dict(pipeline_model_parallel_size=2, gradient_accumulation_steps=4),
+     "tensor_model_parallel_size 2 -> 1, pipeline_model_parallel_size 1 -> 2"),
+    ("gemma4_text_e2b", dict(gradient_accumulation_steps=2), "tensor_model_parallel_size 2 -> 1")])
+def test_gemma4_resumes_from_tp2_under_another_layout(family, second, change, assets, tmp_path):
     """Gemma 4's full-attention layers (their own head sizes, checkpointed per layer; q and k only where the keys are
     the values) and its frozen layer scalars, with the distributed optimizer's buckets: TP2 + SP -> PP2 trains the
-    same steps."""
+    same steps. The E2B's layout (per-layer inputs: a second embedding whole on every TP rank, the model's projection
+    split over them, each layer's gate and projection; layers without keys or values and their double-wide MLPs,
+    which keep it on one stage): TP2 + SP -> DP2."""
     from llamafactory_mca.tools.tiny import save_tiny_model, save_tiny_tokenizer
 
-    model = save_tiny_model("gemma4_text", str(tmp_path / "gemma4"), vocab_size=assets["vocab"])
+    model = save_tiny_model(family, str(tmp_path / family), vocab_size=assets["vocab"])
     save_tiny_tokenizer(model)
     result, output = _run(tmp_path, assets, "tp2", 2, 4, tensor_model_parallel_size=2, sequence_parallel=True,
                           gradient_accumulation_steps=4, model_name_or_path=model)
     ok(result, output)
     expected = losses(tmp_path / "tp2")
-    result, output = _run(tmp_path, assets, "pp2", 2, 4, resume=tmp_path / "tp2" / "checkpoint-2",
-                          pipeline_model_parallel_size=2, gradient_accumulation_steps=4, model_name_or_path=model)
+    result, output = _run(tmp_path, assets, "second", 2, 4, resume=tmp_path / "tp2" / "checkpoint-2",
+                          model_name_or_path=model, **second)
     ok(result, output)
-    assert "tensor_model_parallel_size 2 -> 1, pipeline_model_parallel_size 1 -> 2" in output, output[-3000:]
-    _same_losses(expected, losses(tmp_path / "pp2"), (3, 4))
-
-
-def test_small_gemma4_resumes_from_tp2_to_dp2(assets, tmp_path):
-    """Gemma 4 E2B's layout (per-layer inputs: a second embedding whole on every TP rank, the model's projection
-    split over them, each layer's gate and projection; layers without keys or values and their double-wide MLPs)
-    with the distributed optimizer's buckets: TP2 + SP -> DP2 trains the same steps."""
-    from llamafactory_mca.tools.tiny import save_tiny_model, save_tiny_tokenizer
-
-    model = save_tiny_model("gemma4_text_e2b", str(tmp_path / "e2b"), vocab_size=assets["vocab"])
-    save_tiny_tokenizer(model)
-    result, output = _run(tmp_path, assets, "tp2", 2, 4, tensor_model_parallel_size=2, sequence_parallel=True,
-                          gradient_accumulation_steps=4, model_name_or_path=model)
-    ok(result, output)
-    expected = losses(tmp_path / "tp2")
-    result, output = _run(tmp_path, assets, "dp2", 2, 4, resume=tmp_path / "tp2" / "checkpoint-2",
-                          gradient_accumulation_steps=2, model_name_or_path=model)
-    ok(result, output)
-    assert "tensor_model_parallel_size 2 -> 1" in output, output[-3000:]
-    _same_losses(expected, losses(tmp_path / "dp2"), (3, 4))
+    assert change in output, output[-3000:]
+    _same_losses(expected, losses(tmp_path / "second"), (3, 4))
 
 
 def test_lora_resumes_from_tp2_to_pp2(assets, tmp_path):
