@@ -280,7 +280,7 @@ def check_model_fits(config: Any, stage: str, layout: Any, custom_pipeline_layou
                      recompute_granularity: str | None = None) -> None:
     """Refuse a model this run would train wrongly.
     ``custom_pipeline_layout``: a pipeline_model_parallel_layout places the layers, not the even split (the model
-    build then checks where the deepstack layers went)."""
+    build then checks where the deepstack layers went); ``recompute_granularity``: the recipe's."""
     if recompute_granularity == "full" and config.transformer.get("kv_sharing"):
         raise UserError(f"{config.hf_model_type}: recompute_granularity=full with layers that attend with an earlier "
                         "layer's keys and values: a recomputed layer would hand them on without their gradients. Use "

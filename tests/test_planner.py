@@ -323,6 +323,14 @@ def test_plan_bad_input(tmp_path, assets):
     result, output = run(["llamafactory-mca", "plan", str(path), "--gpus", "1", "--gpu-memory", "16"], alone=False)
     one_error(result, output, "glm_moe_dsa: recompute_modules=['core_attn'] with recompute_granularity=selective",
               "recompute_granularity: full")
+    # Gemma 4 E2B's layers attending with earlier layers' keys and values, and full recompute
+    model = save_tiny_model("gemma4_text_e2b", str(tmp_path / "e2b"), vocab_size=assets["vocab"])
+    save_tiny_tokenizer(model)
+    path.write_text(yaml.safe_dump(recipe(assets, tmp_path / "out", model_name_or_path=model,
+                                          recompute_granularity="full")))
+    result, output = run(["llamafactory-mca", "plan", str(path), "--gpus", "1", "--gpu-memory", "16"], alone=False)
+    one_error(result, output, "gemma4_text: recompute_granularity=full with layers that attend with an earlier "
+              "layer's keys and values", "recompute_granularity: selective")
 
 
 # Qwen/Qwen2-VL-7B-Instruct's config.json: Qwen2.5-VL-7B's language model (the benchmarks' shape) with a shorter
