@@ -262,3 +262,15 @@ def test_streaming_datasets_are_refused():
     stream = datasets.Dataset.from_list([sft_row(0, 5)]).to_iterable_dataset()
     with pytest.raises(TypeError, match="streaming"):
         DataPlan(stream, BatchingConfig(cutoff_len=8))
+
+
+def test_audios_are_refused_and_empty_audio_columns_are_not():
+    """LLaMA-Factory keeps a row's audios beside its tokens; no model here hears them, and their placeholders would
+    train on nothing: one line. A column of nothing (text rows of a multimodal dataset) plans as usual."""
+    from llamafactory_mca.errors import UserError
+
+    rows = [sft_row(i, 6) | {"audios": [] if i else ["a.wav"]} for i in range(3)]
+    with pytest.raises(UserError, match="the dataset has audios"):
+        DataPlan(datasets.Dataset.from_list(rows), BatchingConfig(cutoff_len=8))
+    silent = [sft_row(i, 6) | {"audios": None} for i in range(3)]
+    assert DataPlan(datasets.Dataset.from_list(silent), BatchingConfig(cutoff_len=8)).stats["rows_kept"] == 3
