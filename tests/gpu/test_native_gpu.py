@@ -427,7 +427,8 @@ def test_triton_kernels_compile_once_for_q_k_directions_and_row_counts():
 
 
 def test_triton_swiglu_loss_and_combine_against_fp32():
-    """SwiGLU (plain at a dense MLP's width, weighted at the experts' 768 with 8k rows), the loss's two passes over a
+    """SwiGLU (plain at a dense MLP's width, weighted at the experts' 768 with 8k rows), GeGLU at Gemma 4 E2B's double
+    width, the loss's two passes over a
     151,936-word vocabulary and the MoE combine, Triton in bf16 against eager fp32 (the loss: torch's cross-entropy
     on the same logits), forward and backward."""
     from llamafactory_mca.models.native import combine_triton, cross_entropy, swiglu_triton
@@ -442,6 +443,12 @@ def test_triton_swiglu_loss_and_combine_against_fp32():
     close(swiglu_triton.swiglu, eager_swiglu, torch.randn(1024, 2 * 6144, device="cuda", generator=gen))
     close(swiglu_triton.swiglu, eager_swiglu, torch.randn(8192, 2 * 768, device="cuda", generator=gen),
           torch.rand(8192, 1, device="cuda", generator=gen))
+
+    def eager_geglu(x):
+        a, b = x.chunk(2, -1)
+        return torch.nn.functional.gelu(a, approximate="tanh") * b
+
+    close(swiglu_triton.geglu, eager_geglu, torch.randn(4096, 2 * 12288, device="cuda", generator=gen) * 2)
     target = torch.randint(0, 151936, (1024,), device="cuda", generator=gen)
     close(lambda x: cross_entropy.vocab_parallel_cross_entropy(x, target),
           lambda x: torch.nn.functional.cross_entropy(x, target, reduction="none"),
@@ -593,3 +600,46 @@ def test_vision_tower_varlen_equals_its_sdpa_pieces(name):
         results.append((out.float(), x.grad.float()))
     assert _rel(results[0][0], results[1][0]) <= 1e-2
     assert _rel(results[0][1], results[1][1]) <= 3e-2
+
+
+def test_wide_heads_attention_against_fp32_and_faster_than_sdpa():
+    """Packed attention with heads of 512 (Gemma 4's full-attention layers; one key/value head for 8 queries, the
+    E2B's), which flash and cuDNN refuse: the tensor-core path in bf16 against SDPA in fp32 on the same inputs, forward
+    and backward, and faster than what SDPA ran there before (its math fallback, fp32)."""
+    import time
+
+    from llamafactory_mca.models.native.kernels import make_plan, segment_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    plan = make_plan([1024, 512, 2048, 512], [1024, 512, 2048, 512], torch.device("cuda"))
+    q, k, v = (torch.randn(4096, heads, 512, device="cuda", generator=gen) for heads in (8, 1, 1))
+
+    def run(dtype, fn):
+        xs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = fn(*xs)
+        out.backward(torch.cos(out.detach()))
+        return [out.float(), *[x.grad.float() for x in xs]]
+
+    def reference(q, k, v):
+        outs, start = [], 0
+        for n in plan.q_lens:
+            piece = [t[start:start + n].transpose(0, 1) for t in (q, k, v)]
+            outs.append(torch.nn.functional.scaled_dot_product_attention(*piece, is_causal=True, scale=1.0,
+                                                                         enable_gqa=True).transpose(0, 1))
+            start += n
+        return torch.cat(outs)
+
+    ours = run(torch.bfloat16, lambda q, k, v: segment_attention(q, k, v, plan, 1.0))
+    for a, b in zip(ours, run(torch.float32, reference), strict=True):
+        assert (a - b).abs().max().item() <= 2e-2 * max(1.0, b.abs().max().item()), (a - b).abs().max()
+
+    def seconds(fn) -> float:
+        run(torch.bfloat16, fn)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(5):
+            run(torch.bfloat16, fn)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / 5
+
+    assert seconds(lambda q, k, v: segment_attention(q, k, v, plan, 1.0)) < seconds(reference)

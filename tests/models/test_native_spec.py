@@ -746,10 +746,15 @@ def eager_swiglu(x, w=None):  # Megatron's fused SwiGLU, uncompiled
     y = torch.nn.functional.silu(a) * b
     return y if w is None else y * w
 
+def eager_geglu(x):  # Megatron's fused GeGLU's forward, uncompiled (autograd gives its backward)
+    a, b = x.chunk(2, -1)
+    return (a * 0.5 * (1.0 + torch.tanh(0.79788456 * a * (1 + 0.044715 * a * a)))) * b
+
 for rows, width in ((7, 768), (5, 24), (3, 11)):  # the experts' width (no masked lanes), a narrow one, an odd one
     x = torch.randn(rows, 2 * width, generator=g)
     same(swiglu_triton.swiglu, eager_swiglu, x)
     same(swiglu_triton.swiglu, eager_swiglu, x, torch.rand(rows, 1, generator=g))
+    same(swiglu_triton.geglu, eager_geglu, 3 * x)
 
 logits = torch.randn(6, 5000, generator=g) * 4  # more than one block of the vocabulary
 logits[1, 4100:] = float("-inf")  # a tensor-parallel slice's vocabulary padding
@@ -773,9 +778,9 @@ def test_triton_kernels_equal_the_eager_ones():
     on CPU against the eager functions, in value and gradient: the norms over per-head and hidden-width rows, the
     (1 + weight) scale, q and k read where the fused QKV split left them (strided); packed RoPE at each CP rank's
     positions and padded RoPE, rotary width whole, half and partial; SwiGLU plain and weighted (the weight's gradient
-    too) at widths with and without masked lanes; the loss's row statistics over vocabulary blocks with -inf padding
-    (a row of it alone: max -inf, sum 0) and its gradient at targets inside and outside the slice; the MoE combine.
-    tests/gpu compares them in bf16."""
+    too) and GeGLU (GELU's tanh approximation) at widths with and without masked lanes; the loss's row statistics
+    over vocabulary blocks with -inf padding (a row of it alone: max -inf, sum 0) and its gradient at targets inside
+    and outside the slice; the MoE combine. tests/gpu compares them in bf16."""
     import subprocess
     import sys
 
@@ -1119,6 +1124,25 @@ def _learnable_softmax_suite() -> dict:
             "global_shape": tuple(saved.global_shape),
             "tp_split": bool(native.decoder.layers[0].self_attention.core_attention.softmax_offset
                              .tensor_model_parallel)}
+
+
+def test_wide_heads_attention_is_sdpa_with_grouped_keys():
+    """Heads wider than flash and cuDNN take (Gemma 4's 512) run as two batched GEMMs around an fp32 softmax, each
+    key/value head serving its group of query heads in turn: SDPA's result with ``enable_gqa``, causal (aligned
+    bottom-right) and windowed, values of their own width too; gradients included."""
+    from llamafactory_mca.models.native.kernels import _causal_band, _wide_heads
+
+    g = torch.Generator().manual_seed(0)
+    for lq, lk, window, dv in ((7, 7, None, 24), (5, 9, None, 24), (9, 9, 3, 16)):
+        q, k, v = (torch.randn(shape, generator=g, requires_grad=True) for shape in
+                   ((6, lq, 24), (2, lk, 24), (2, lk, dv)))
+        allowed = _causal_band(lq, lk, window, torch.device("cpu"))
+        ours = _wide_heads(q, k, v, allowed, 0.3)
+        grads = torch.autograd.grad(ours.square().sum(), (q, k, v))
+        theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=0.3, enable_gqa=True)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        for a, b in zip(grads, torch.autograd.grad(theirs.square().sum(), (q, k, v))):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_learnable_softmax_equals_megatron_local_attention():

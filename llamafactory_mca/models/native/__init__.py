@@ -29,7 +29,7 @@ def install() -> None:
       with the same rotation compiled.
     - Its group-limited routing scores a group unlike transformers where top-k is not twice the groups chosen
       (``routing.py``).
-    - Its MLP's fused SwiGLU is torch.compile'd; ``swiglu_triton.py`` is the same math in Triton.
+    - Its MLP's fused SwiGLU and GeGLU are torch.compile'd; ``swiglu_triton.py`` is the same math in Triton.
     """
     # here: this package loads without Megatron (its kernels); only install() patches Megatron
     from megatron.core.models.common.embeddings import rope_utils
@@ -51,6 +51,8 @@ def install() -> None:
     if mlp.bias_swiglu_impl is swiglu_triton.MEGATRON_SWIGLU:
         mlp.bias_swiglu_impl = swiglu_triton.bias_swiglu_impl
         mlp.weighted_bias_swiglu_impl = swiglu_triton.weighted_bias_swiglu_impl
+    if mlp.bias_geglu_impl is swiglu_triton.MEGATRON_GEGLU:
+        mlp.bias_geglu_impl = swiglu_triton.bias_geglu_impl
     if not layers._grad_accum_fusion_available and wgrad.available():
         layers.fused_weight_gradient_mlp_cuda = wgrad
         layers._grad_accum_fusion_available = True

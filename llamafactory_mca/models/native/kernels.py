@@ -266,7 +266,8 @@ def varlen_usable(query: torch.Tensor, window: int | None = None) -> bool:
               and query.size(-1) <= 256 and query.size(-1) % 8 == 0)
     if not usable:
         _warn_once(f"varlen_attn cannot run here (torch {torch.__version__}, {query.dtype}, head dim "
-                   f"{query.size(-1)}); packed attention loops over sequences with SDPA instead (slower).")
+                   f"{query.size(-1)}); packed attention loops over sequences instead (slower): SDPA, or for heads "
+                   "wider than 256 the scores as tensor-core GEMMs with the softmax in fp32.")
     return usable
 
 
@@ -287,15 +288,25 @@ def bidirectional_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Te
                         scale=scale)
 
 
+# Scores (heads x queries x keys) of one segment that the wide heads' path (``_wide_heads``) holds at most: 128M,
+# 512 MB in fp32 while the softmax runs; longer segments take SDPA.
+WIDE_HEAD_SCORES = 1 << 27
+
+
 def _sdpa_per_segment(query, key, value, plan: SegmentPlan, scale: float, window: int | None = None
                       ) -> torch.Tensor:
     gqa = key.size(1) != query.size(1)
+    # heads wider than flash and cuDNN take (Gemma 4's 512): SDPA's memory-efficient kernel refuses grouped K/V and
+    # its math fallback multiplies in fp32 without tensor cores (one H200, Gemma 4 E2B: a quarter of the GPU's step)
+    wide = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.size(-1) > 256
     outs, q0, k0 = [], 0, 0
     for lq, lk in zip(plan.q_lens, plan.k_lens):
         q = query[q0:q0 + lq].transpose(0, 1)
         k = key[k0:k0 + lk].transpose(0, 1)
         v = value[k0:k0 + lk].transpose(0, 1)
-        if lq == lk and window is None:  # square: top-left and bottom-right alignment agree
+        if wide and q.size(0) * lq * lk <= WIDE_HEAD_SCORES:
+            out = _wide_heads(q, k, v, _causal_band(lq, lk, window, query.device), scale)
+        elif lq == lk and window is None:  # square: top-left and bottom-right alignment agree
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             mask = _causal_band(lq, lk, window, query.device)
@@ -305,6 +316,18 @@ def _sdpa_per_segment(query, key, value, plan: SegmentPlan, scale: float, window
     if q0 != query.size(0):
         raise ValueError(f"the packed batch holds {query.size(0)} query tokens but its segments cover {q0}")
     return torch.cat(outs) if outs else query.new_zeros(*query.shape[:-1], value.size(-1))
+
+
+def _wide_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float
+                ) -> torch.Tensor:
+    """One segment's attention as transformers' eager attention computes it: QK^T and PV as half-precision GEMMs
+    (tensor cores), the softmax in fp32. ``q`` [h, lq, d], ``k``/``v`` [g, lk, d] (each of the g key/value heads
+    serves h / g query heads in turn, as SDPA's ``enable_gqa``), ``allowed`` [lq, lk]."""
+    h, lq, _ = q.shape
+    g, lk, _ = k.shape
+    scores = torch.bmm(q.reshape(g, h // g * lq, -1), k.transpose(1, 2)).view(h, lq, lk)
+    probs = (scores.float() * scale).masked_fill(~allowed, float("-inf")).softmax(-1).to(q.dtype)
+    return torch.bmm(probs.view(g, h // g * lq, lk), v).view(h, lq, -1)
 
 
 def _scores_per_segment(query, key, value, plan: SegmentPlan, scale: float, window: int | None,

@@ -1,4 +1,5 @@
-"""SwiGLU, plain (the dense MLP) and weighted by each row's routing probability (the MoE experts), as Triton kernels.
+"""SwiGLU, plain (the dense MLP) and weighted by each row's routing probability (the MoE experts), and GeGLU with
+GELU's tanh approximation (Gemma's dense MLP), as Triton kernels.
 
 Megatron's fused SwiGLU (``fusions/fused_bias_swiglu.py``) is torch.compile'd: on a fresh machine's empty compile
 cache its four graphs (weighted and plain, forward and backward) took 6.1 s of a MoE run's first step and 3.6 s of a
@@ -13,6 +14,10 @@ rows (or a pack's tokens) vary between calls, and each new divisibility would be
 
 ``bias_swiglu_impl`` and ``weighted_bias_swiglu_impl`` keep Megatron's signatures: ``install`` puts them where its MLP
 calls them, and a bias, an FP8 or CPU-offloaded input, or a CPU tensor go to Megatron's own.
+
+``bias_geglu_impl`` does the same for Megatron's GeGLU (``fusions/fused_bias_geglu.py``, its constants): its compiled
+backward, which ends in a ``cat`` of the two halves' gradients, took 735 us a call on Gemma 4 E2B's [4096, 2 x 12288]
+rows, ~6x what the bytes take (one H200, ``benchmarks/results/h200_gemma4_e2b/profile``).
 """
 
 from __future__ import annotations
@@ -20,11 +25,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from megatron.core.fusions import fused_bias_swiglu
+from megatron.core.fusions import fused_bias_geglu, fused_bias_swiglu
 
 
 MEGATRON_SWIGLU = fused_bias_swiglu.bias_swiglu_impl
 MEGATRON_WEIGHTED_SWIGLU = fused_bias_swiglu.weighted_bias_swiglu_impl
+MEGATRON_GEGLU = fused_bias_geglu.bias_geglu_impl
 ELEMENTS_PER_PROGRAM = 4096  # rows x columns of one half a program holds at once
 
 
@@ -39,23 +45,34 @@ def _halves(x_ptr, r, live_r, start, width, stride_x, BLOCK_F: tl.constexpr):
     return a, b, f, live
 
 
+@triton.jit
+def _gate(a, GELU: tl.constexpr):
+    """(act(a), act'(a)): SiLU, or GELU's tanh approximation with Megatron's constants."""
+    if GELU:
+        t = 2 * tl.sigmoid(2 * (0.79788456 * a * (1 + 0.044715 * a * a))) - 1  # tanh
+        return a * 0.5 * (1.0 + t), 0.5 * a * ((1 - t * t) * (0.79788456 + 0.1070322243 * a * a)) + 0.5 * (1 + t)
+    s = tl.sigmoid(a)
+    return a * s, s * (1 + a * (1 - s))
+
+
 @triton.jit(do_not_specialize=["rows"])
-def _forward(x_ptr, w_ptr, y_ptr, rows, width, stride_x, WEIGHTED: tl.constexpr, BLOCK_R: tl.constexpr,
-             BLOCK_F: tl.constexpr):
+def _forward(x_ptr, w_ptr, y_ptr, rows, width, stride_x, WEIGHTED: tl.constexpr, GELU: tl.constexpr,
+             BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     live_r = r < rows
     if WEIGHTED:
         w = tl.load(w_ptr + r, mask=live_r, other=0.0).to(tl.float32)
     for start in range(0, width, BLOCK_F):
         a, b, f, live = _halves(x_ptr, r, live_r, start, width, stride_x, BLOCK_F)
-        y = a * tl.sigmoid(a) * b
+        act, _ = _gate(a, GELU)
+        y = act * b
         if WEIGHTED:
             y = y * w[:, None]
         tl.store(y_ptr + r[:, None] * width + f[None, :], y.to(y_ptr.dtype.element_ty), mask=live)
 
 
 @triton.jit(do_not_specialize=["rows"])
-def _backward(g_ptr, x_ptr, w_ptr, dx_ptr, dw_ptr, rows, width, stride_x, WEIGHTED: tl.constexpr,
+def _backward(g_ptr, x_ptr, w_ptr, dx_ptr, dw_ptr, rows, width, stride_x, WEIGHTED: tl.constexpr, GELU: tl.constexpr,
               BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     live_r = r < rows
@@ -65,13 +82,13 @@ def _backward(g_ptr, x_ptr, w_ptr, dx_ptr, dw_ptr, rows, width, stride_x, WEIGHT
     for start in range(0, width, BLOCK_F):
         a, b, f, live = _halves(x_ptr, r, live_r, start, width, stride_x, BLOCK_F)
         g = tl.load(g_ptr + r[:, None] * width + f[None, :], mask=live, other=0.0).to(tl.float32)
-        s = tl.sigmoid(a)
+        act, slope = _gate(a, GELU)
         if WEIGHTED:
-            dw += tl.sum(a * s * b * g, 1)
+            dw += tl.sum(act * b * g, 1)
             g = g * w[:, None]
         dst = dx_ptr + r[:, None] * (2 * width) + f[None, :]
-        tl.store(dst, (g * s * (1 + a * (1 - s)) * b).to(dx_ptr.dtype.element_ty), mask=live)
-        tl.store(dst + width, (g * a * s).to(dx_ptr.dtype.element_ty), mask=live)
+        tl.store(dst, (g * slope * b).to(dx_ptr.dtype.element_ty), mask=live)
+        tl.store(dst + width, (g * act).to(dx_ptr.dtype.element_ty), mask=live)
     if WEIGHTED:
         tl.store(dw_ptr + r, dw.to(dw_ptr.dtype.element_ty), mask=live_r)
 
@@ -83,9 +100,9 @@ def _blocks(width: int) -> tuple[int, int]:
     return max(1, ELEMENTS_PER_PROGRAM // block_f), block_f
 
 
-class _SwiGLU(torch.autograd.Function):
+class _GLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weights: torch.Tensor | None, gelu: bool) -> torch.Tensor:
         if x.stride(-1) != 1:
             x = x.contiguous()
         rows, width = x.size(0), x.size(1) // 2
@@ -93,8 +110,9 @@ class _SwiGLU(torch.autograd.Function):
         y = torch.empty(rows, width, dtype=x.dtype, device=x.device)
         block_r, block_f = _blocks(width)
         _forward[(triton.cdiv(rows, block_r),)](x, w, y, rows, width, x.stride(0), WEIGHTED=w is not None,
-                                                BLOCK_R=block_r, BLOCK_F=block_f)
+                                                GELU=gelu, BLOCK_R=block_r, BLOCK_F=block_f)
         ctx.save_for_backward(x, w)
+        ctx.gelu = gelu
         ctx.weights_shape = None if weights is None else (weights.shape, weights.dtype)
         return y
 
@@ -106,13 +124,19 @@ class _SwiGLU(torch.autograd.Function):
         dw = None if w is None else torch.empty(rows, dtype=ctx.weights_shape[1], device=x.device)
         block_r, block_f = _blocks(width)
         _backward[(triton.cdiv(rows, block_r),)](grad.contiguous(), x, w, dx, dw, rows, width, x.stride(0),
-                                                 WEIGHTED=w is not None, BLOCK_R=block_r, BLOCK_F=block_f)
-        return dx, None if dw is None else dw.view(ctx.weights_shape[0])
+                                                 WEIGHTED=w is not None, GELU=ctx.gelu, BLOCK_R=block_r,
+                                                 BLOCK_F=block_f)
+        return dx, None if dw is None else dw.view(ctx.weights_shape[0]), None
 
 
 def swiglu(x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(a) * b`` of ``x``'s two halves ``[rows, 2 * width]``, times ``weights`` (one per row) if given."""
-    return _SwiGLU.apply(x, weights)
+    return _GLU.apply(x, weights, False)
+
+
+def geglu(x: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(a) * b`` of ``x``'s two halves ``[rows, 2 * width]``."""
+    return _GLU.apply(x, None, True)
 
 
 def _in_rows(fn, x: torch.Tensor, *args) -> torch.Tensor:
@@ -130,3 +154,9 @@ def weighted_bias_swiglu_impl(input, bias, weights, fp8_input_store=False):
     if bias is not None or fp8_input_store or not input.is_cuda:
         return MEGATRON_WEIGHTED_SWIGLU(input, bias, weights, fp8_input_store)
     return _in_rows(swiglu, input, weights)
+
+
+def bias_geglu_impl(input, bias):
+    if bias is not None or not input.is_cuda:
+        return MEGATRON_GEGLU(input, bias)
+    return _in_rows(geglu, input)
