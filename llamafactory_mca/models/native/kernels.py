@@ -320,14 +320,46 @@ def _sdpa_per_segment(query, key, value, plan: SegmentPlan, scale: float, window
 
 def _wide_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float
                 ) -> torch.Tensor:
-    """One segment's attention as transformers' eager attention computes it: QK^T and PV as half-precision GEMMs
-    (tensor cores), the softmax in fp32. ``q`` [h, lq, d], ``k``/``v`` [g, lk, d] (each of the g key/value heads
-    serves h / g query heads in turn, as SDPA's ``enable_gqa``), ``allowed`` [lq, lk]."""
+    """One segment's attention for heads no fused kernel takes. ``q`` [h, lq, d], ``k``/``v`` [g, lk, d] (each of the
+    g key/value heads serves h / g query heads in turn, as SDPA's ``enable_gqa``), ``allowed`` [lq, lk]."""
     h, lq, _ = q.shape
-    g, lk, _ = k.shape
-    scores = torch.bmm(q.reshape(g, h // g * lq, -1), k.transpose(1, 2)).view(h, lq, lk)
-    probs = (scores.float() * scale).masked_fill(~allowed, float("-inf")).softmax(-1).to(q.dtype)
-    return torch.bmm(probs.view(g, h // g * lq, lk), v).view(h, lq, -1)
+    g = k.size(0)
+    out = _WideHeads.apply(q.reshape(g, h // g * lq, -1), k, v, allowed, scale)
+    return out.view(h, lq, -1)
+
+
+def _scores_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` batched, in fp32: half-precision operands on tensor cores with an fp32 result (a 512-wide dot product
+    of normed heads reaches hundreds, where bf16 keeps no fraction)."""
+    if a.dtype == torch.float32:
+        return torch.bmm(a, b)
+    return torch.bmm(a, b, out_dtype=torch.float32)
+
+
+class _WideHeads(torch.autograd.Function):
+    """Attention as two batched GEMMs around a softmax, what flash attention computes without its tiling: the scores
+    and their gradient in fp32 (tensor cores, fp32 results), the probabilities kept in the operands' precision for
+    the value GEMMs and the backward. ``q`` [g, m, d] (a group's query rows), ``k`` [g, lk, d], ``v`` [g, lk, dv]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, allowed, scale):
+        g, m, _ = q.shape
+        lk = k.size(1)
+        scores = _scores_gemm(q, k.transpose(1, 2)).view(g, -1, allowed.size(0), lk) * scale
+        probs = scores.masked_fill_(~allowed, float("-inf")).softmax(-1).to(q.dtype).view(g, m, lk)
+        ctx.save_for_backward(q, k, v, probs)
+        ctx.scale = scale
+        return torch.bmm(probs, v)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, probs = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_v = torch.bmm(probs.transpose(1, 2), grad)
+        grad_probs = _scores_gemm(grad, v.transpose(1, 2))
+        p = probs.float()
+        grad_scores = (p * (grad_probs - (grad_probs * p).sum(-1, keepdim=True)) * ctx.scale).to(q.dtype)
+        return torch.bmm(grad_scores, k), torch.bmm(grad_scores.transpose(1, 2), q), grad_v, None, None
 
 
 def _scores_per_segment(query, key, value, plan: SegmentPlan, scale: float, window: int | None,
