@@ -1129,7 +1129,7 @@ def _learnable_softmax_suite() -> dict:
 def test_wide_heads_attention_is_sdpa_with_grouped_keys():
     """Heads wider than flash and cuDNN take (Gemma 4's 512) run as two batched GEMMs around an fp32 softmax, each
     key/value head serving its group of query heads in turn: SDPA's result with ``enable_gqa``, causal (aligned
-    bottom-right) and windowed, values of their own width too; gradients included."""
+    bottom-right) and windowed, values of their own width too; gradients included; and in bf16 within its rounding."""
     from llamafactory_mca.models.native.kernels import _causal_band, _wide_heads
 
     g = torch.Generator().manual_seed(0)
@@ -1143,6 +1143,21 @@ def test_wide_heads_attention_is_sdpa_with_grouped_keys():
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
         for a, b in zip(grads, torch.autograd.grad(theirs.square().sum(), (q, k, v))):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # in bf16 at Gemma 4's width (heads of 512 normed to RMS 1, q·k unscaled: scores in the hundreds, which the fp32
+    # score GEMMs keep), against fp32 on the same bf16 values: within bf16's rounding, forward and backward
+    q, k, v = (torch.randn(384, heads, 512, generator=g) for heads in (8, 1, 1))
+    q, k = (t / t.square().mean(-1, keepdim=True).sqrt() for t in (q, k))
+    allowed = _causal_band(384, 384, None, torch.device("cpu"))
+    results = []
+    for dtype, fn in ((torch.bfloat16, lambda *x: _wide_heads(*x, allowed, 1.0)),
+                      (torch.float32, lambda *x: F.scaled_dot_product_attention(*x, is_causal=True, scale=1.0,
+                                                                                 enable_gqa=True))):
+        xs = [t.transpose(0, 1).bfloat16().to(dtype).requires_grad_() for t in (q, k, v)]
+        out = fn(*xs)
+        out.backward(torch.cos(out.detach()))
+        results.append([out.float(), *[x.grad.float() for x in xs]])
+    for a, b in zip(*results, strict=True):
+        assert (a - b).abs().max() <= 1e-2 * b.abs().max(), ((a - b).abs().max(), b.abs().max())
 
 
 def test_learnable_softmax_equals_megatron_local_attention():

@@ -331,8 +331,8 @@ def _wide_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torc
 def _scores_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` batched, in fp32: half-precision operands on tensor cores with an fp32 result (a 512-wide dot product
     of normed heads reaches hundreds, where bf16 keeps no fraction)."""
-    if a.dtype == torch.float32:
-        return torch.bmm(a, b)
+    if not a.is_cuda:  # CPUs have no out_dtype GEMM: the same products, summed in fp32
+        return torch.bmm(a.float(), b.float())
     return torch.bmm(a, b, out_dtype=torch.float32)
 
 
