@@ -209,7 +209,7 @@ def check_layout(config: Any, layout: ParallelLayout, custom_pipeline_layout: bo
                         "and expert_tensor_parallel_size: 1; tensor_model_parallel_size or "
                         "pipeline_model_parallel_size split a dense model)")
     layers, stages = t["num_layers"], pp * vpp
-    if stages > 1 and (t.get("per_layer_inputs") or t.get("kv_sharing")):
+    if stages > 1 and config.on_one_stage:
         problems.append(f"pipeline_model_parallel_size={pp}" + (f" x virtual_pipeline_model_parallel_size={vpp}"
                                                                   if vpp > 1 else "")
                         + ": the per-layer inputs and shared keys and values of this model go from layer to layer "

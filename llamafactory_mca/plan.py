@@ -219,8 +219,7 @@ def check_cuda_graphs(stage: str, finetuning_args: Any, packing: bool, config: M
          "a vision-language model's 3-D positions or image blocks cover the whole pack"),
         ("a model without linear-attention layers", not config.transformer.get("linear_attention_freq"),
          "the gated delta rule plans its chunks on the host"),
-        ("a model without per-layer inputs or shared keys and values",
-         not (config.transformer.get("per_layer_inputs") or config.transformer.get("kv_sharing")),
+        ("a model without per-layer inputs or shared keys and values", not config.on_one_stage,
          "they go from layer to layer outside each layer's graph"),
     ]
     if config.num_experts:
@@ -281,7 +280,7 @@ def check_model_fits(config: Any, stage: str, layout: Any, custom_pipeline_layou
     """Refuse a model this run would train wrongly.
     ``custom_pipeline_layout``: a pipeline_model_parallel_layout places the layers, not the even split (the model
     build then checks where the deepstack layers went); ``recompute_granularity``: the recipe's."""
-    if recompute_granularity == "full" and config.transformer.get("kv_sharing"):
+    if recompute_granularity == "full" and not config.recomputes_whole_layers:
         raise UserError(f"{config.hf_model_type}: recompute_granularity=full with layers that attend with an earlier "
                         "layer's keys and values: a recomputed layer would hand them on without their gradients. Use "
                         "recompute_granularity: selective (or leave it unset).")

@@ -145,8 +145,19 @@ class McaConfig:
 
     def windowed(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` (from 0) attends through a sliding window (``window_fields``)."""
-        return is_layer_window_attention(self.transformer.get("window_size"),
-                                         self.transformer.get("window_attn_skip_freq"), layer + 1)
+        return windowed_layer(self.transformer, layer)
+
+    @property
+    def on_one_stage(self) -> bool:
+        """Whether the model trains on one pipeline stage: Gemma 4 E2B/E4B's per-layer inputs and shared keys and
+        values go from layer to layer beside the hidden states, which are all a stage hands on."""
+        return bool(self.transformer.get("per_layer_inputs") or self.transformer.get("kv_sharing"))
+
+    @property
+    def recomputes_whole_layers(self) -> bool:
+        """Whether full recompute trains the model right: not where layers attend with an earlier layer's keys and
+        values (a recomputed layer hands them on without their gradients)."""
+        return not self.transformer.get("kv_sharing")
 
     @property
     def global_attention_shape(self) -> AttentionShape:
@@ -193,6 +204,12 @@ class McaConfig:
         return config
 
 
+def windowed_layer(transformer: dict[str, Any], layer: int) -> bool:
+    """Whether decoder layer ``layer`` (from 0) of TransformerConfig fields ``transformer`` is windowed."""
+    return is_layer_window_attention(transformer.get("window_size"), transformer.get("window_attn_skip_freq"),
+                                      layer + 1)
+
+
 def kv_source(sharing: dict[str, Any] | None, windowed: Any, layer: int) -> int | None:
     """``McaConfig.kv_source`` from the ``kv_sharing`` field and a layer -> windowed? function."""
     if not sharing or layer < sharing["first"]:
@@ -226,7 +243,7 @@ def layer_configs(config: TransformerConfig) -> None:
         return other
 
     def windowed(layer: int) -> bool:
-        return is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer + 1)
+        return windowed_layer(vars(config), layer)
 
     full = variant(config, kv_channels=shape["kv_channels"], num_query_groups=shape["num_query_groups"],
                    keys_are_values=bool(shape.get("keys_are_values")))

@@ -8,9 +8,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from megatron.core.transformer.utils import is_layer_window_attention
 
-from .config import attention_shape
+from .config import attention_shape, windowed_layer
 from .mapping import is_moe_layer
 
 
@@ -74,9 +73,7 @@ def small_gemma4_weights(t: dict[str, Any], matmuls: bool = False) -> tuple[int,
     if sharing:
         glu = 3 if t.get("gated_linear_unit", True) else 2
         for layer in range(sharing["first"], layers):
-            windowed = t.get("window_size") and is_layer_window_attention(
-                t["window_size"], t.get("window_attn_skip_freq"), layer + 1)
-            kind = t if windowed else full_attention_fields(t)
+            kind = t if windowed_layer(t, layer) else full_attention_fields(t)
             _, groups, head_dim = attention_shape(kind)
             split -= h * groups * head_dim * (1 if kind.get("keys_are_values") else 2)
             replicated -= 0 if matmuls else head_dim

@@ -23,8 +23,8 @@ LORA_RANK = 16  # LLaMA-Factory's examples' rank
 
 def _changes(training: Training, config: Any) -> list[tuple[str, dict[str, Any]]]:
     """(the recipe keys to set, the Training fields they change), cheapest first; each adds to the ones before it
-    that still apply (``_together``), so the last is all of them that can go together. Not full recompute where
-    layers attend with earlier layers' keys and values (the run refuses it: ``plan.check_model_fits``)."""
+    that still apply (``_together``), so the last is all of them that can go together; full recompute only where it
+    trains the model right."""
     steps = []
     fp32_states = {"param_remainders": False, "moment_bytes": 8}  # what the CPU-offloaded and LoRA optimizers keep
     if training.half and not training.param_remainders and training.lora_rank is None:
@@ -32,7 +32,7 @@ def _changes(training: Training, config: Any) -> list[tuple[str, dict[str, Any]]
     if training.half and training.moment_bytes > 4 and training.lora_rank is None:
         steps.append(("store_param_remainders: true, exp_avg_dtype: bf16, exp_avg_sq_dtype: bf16",
                       {"param_remainders": True, "moment_bytes": 4}))
-    if training.recompute != "full" and not config.transformer.get("kv_sharing"):
+    if training.recompute != "full" and config.recomputes_whole_layers:
         steps.append(("recompute_granularity: full", {"recompute": "full"}))
     if not training.cpu_offload and training.lora_rank is None:
         steps.append(("optimizer_cpu_offload: true", {"cpu_offload": True, **fp32_states}))

@@ -148,6 +148,9 @@ def _side(size: int | list[int]) -> int:
 def _shapes(config: Any) -> dict[str, int]:
     t = config.transformer
     h = t["hidden_size"]
+    # the share of the layers whose MLP is twice as wide (Gemma 4's E2B: those attending with earlier layers' keys)
+    sharing = t.get("kv_sharing") or {}
+    wide = (t["num_layers"] - sharing["first"]) / t["num_layers"] if sharing.get("double_wide_mlp") else 0
     # per layer, averaged over the windowed and the full-attention layers (Gemma 4's have heads of their own)
     kinds = attention_layer_kinds(t)
     attn_weights = sum(share * attention_sizes(kind)[0] for share, kind in kinds)
@@ -162,9 +165,7 @@ def _shapes(config: Any) -> dict[str, int]:
                 vocab=config.vocab_size, layers=t["num_layers"], mtp=t.get("mtp_num_layers") or 0,
                 block=int(bool(t.get("moe_block"))), ple=(t.get("per_layer_inputs") or {}).get("width", 0),
                 softcap=int(bool(t.get("final_logit_softcapping"))),
-                # the MLP's width averaged over the layers, for its activations (Gemma 4's E2B/E4B: some are double)
-                fa=t["ffn_hidden_size"] * (1 + (sharing["double_wide_mlp"] and (t["num_layers"] - sharing["first"])
-                                                / t["num_layers"] if (sharing := t.get("kv_sharing")) else 0)))
+                fa=t["ffn_hidden_size"] * (1 + wide))  # the MLP's width averaged over the layers, for activations
 
 
 def _layer_params(s: dict[str, int], moe: bool) -> tuple[int, int]:
@@ -187,8 +188,8 @@ def _layer_activations(s: dict[str, int], tokens: float, layout: ParallelLayout,
     # sparse attention keeps which keys each query attends (a byte per query and earlier key of its sequence: at
     # most a micro-batch of one sequence, whole on every TP rank)
     attention += s.get("dsa", 0) * tokens * tokens / 2
-    # Gemma 4's per-layer input: its gate's output, the activation's, the product, and the norm's input
-    hidden += s.get("ple", 0) and 2 * tokens * (3 * s["ple"] / tp + s["h"] / sp)
+    if s.get("ple"):  # Gemma 4's per-layer input: its gate's output, the activation's, the product, the norm's input
+        hidden += 2 * tokens * (3 * s["ple"] / tp + s["h"] / sp)
     if not moe:
         mlp = 0 if "mlp" in rebuilt else 2 * tokens * (s["glu"] + 1 + (s["glu"] if lora else 0)) * s.get(
             "fa", s["f"]) / tp

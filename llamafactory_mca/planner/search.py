@@ -149,8 +149,7 @@ def search(config: Any, gpus: int, global_batch: int, training: Training, gpu_me
             reason = "a vision-language model: no context parallelism, deepstack layers on the tower's stage"
             refused[reason] = refused.get(reason, 0) + 1
             continue
-        # full recompute: not where layers attend with earlier layers' keys (plan.check_model_fits refuses it)
-        for recompute in (None,) if config.transformer.get("kv_sharing") else (None, "full"):
+        for recompute in (None, "full") if config.recomputes_whole_layers else (None,):
             # graphs where the recipe asks and the layout allows them
             graphs = training.cuda_graphs and all(holds for _, holds, _ in cuda_graph_layout_needs(layout, recompute,
                                                                                                    moe))

@@ -325,9 +325,9 @@ class LanguageModel(NativeCrossEntropy, GPTModel):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 decoder_input: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.per_layer_inputs is not None and decoder_input is None:
-            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
         if self.per_layer_inputs is not None:
+            if decoder_input is None:
+                decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
             vectors = self.per_layer_inputs(self.per_layer_ids(input_ids), decoder_input)
             kwargs["extra_block_kwargs"] = {**(kwargs.get("extra_block_kwargs") or {}), "context": vectors}
         try:
