@@ -26,7 +26,8 @@ RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 FP8_FORMATS = ("e4m3", "hybrid")
-FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom")
+FP8_RECIPES = ("tensorwise", "rowwise", "delayed", "mxfp8", "blockwise", "custom")  # rowwise: ours (torchao's)
+FP8_NATIVE_RECIPES = ("tensorwise", "rowwise")  # what runs without Transformer Engine (models/native/fp8.py)
 ROUTER_DTYPES = ("fp32", "fp64")
 DROP_POLICIES = ("probs", "position")
 LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
@@ -161,9 +162,27 @@ class DistributingParallelArguments:
     variable_seq_lengths: bool | None = field(
         default=None, metadata={"help": "Micro-batches of different lengths (set automatically when needed)."}
     )
-    fp8: str | None = field(default=None, metadata={"help": "fp8 format: e4m3 or hybrid (needs TE)."})
-    fp8_recipe: str | None = field(default=None, metadata={"help": f"fp8 recipe: {FP8_RECIPES}."})
-    fp8_param: bool | None = field(default=None, metadata={"help": "Keep parameters in fp8."})
+    fp8: str | None = field(
+        default=None, metadata={"help": "FP8 GEMMs: e4m3, or hybrid (gradients in e5m2); true, as LLaMA-Factory "
+                                        "writes it, is e4m3 rowwise (its torchao default)."}
+    )
+    fp8_recipe: str | None = field(
+        default=None, metadata={"help": f"FP8 scaling, {FP8_RECIPES}: without Transformer Engine tensorwise (the "
+                                        "default) or rowwise."}
+    )
+    fp8_param: bool | None = field(default=None, metadata={"help": "Keep parameters in fp8 (Transformer Engine)."})
+    fp8_wgrad: bool | None = field(
+        default=None, metadata={"help": "The weight gradients' GEMMs in FP8 too (default true); false: in bf16."}
+    )
+    first_last_layers_bf16: bool | None = field(
+        default=None, metadata={"help": "Keep the first and last layers in bf16 under fp8 (default true)."}
+    )
+    num_layers_at_start_in_bf16: int | None = field(
+        default=None, metadata={"help": "Layers kept in bf16 at the start under first_last_layers_bf16 (default 1)."}
+    )
+    num_layers_at_end_in_bf16: int | None = field(
+        default=None, metadata={"help": "Layers kept in bf16 at the end under first_last_layers_bf16 (default 1)."}
+    )
     attention_backend: str | None = field(
         default=None, metadata={"help": f"{ATTENTION_BACKENDS}; auto picks TE or the native kernels."}
     )
@@ -195,6 +214,7 @@ class DistributingParallelArguments:
         _one_of("moe_token_dispatcher_type", self.moe_token_dispatcher_type, DISPATCHERS)
         _one_of("recompute_granularity", self.recompute_granularity, RECOMPUTE_GRANULARITIES)
         _one_of("recompute_method", self.recompute_method, RECOMPUTE_METHODS)
+        self._read_fp8_spelling()
         _one_of("fp8", self.fp8, FP8_FORMATS)
         _one_of("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
         _one_of("moe_router_dtype", self.moe_router_dtype, ROUTER_DTYPES)
@@ -288,17 +308,44 @@ class DistributingParallelArguments:
             _require(self.mtp_loss_scaling_factor >= 0,
                      f"mtp_loss_scaling_factor={self.mtp_loss_scaling_factor} must be >= 0.")
 
+    def _read_fp8_spelling(self) -> None:
+        """LLaMA-Factory's ``fp8: true`` (a bool, or a string from the command line) is its torchao default: E4M3
+        with rowwise scaling; false is off."""
+        spelled = str(self.fp8).lower() if self.fp8 is not None else None
+        if spelled in ("true", "false"):
+            self.fp8 = "e4m3" if spelled == "true" else None
+            if self.fp8 and self.fp8_recipe is None:
+                self.fp8_recipe = "rowwise"
+
     def _check_fp8(self) -> None:
+        keys = ("fp8_recipe", "fp8_param", "fp8_wgrad", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
+                "num_layers_at_end_in_bf16")
         if self.fp8 is None:
-            for name in ("fp8_recipe", "fp8_param"):
-                _require(not getattr(self, name),
+            for name in keys:
+                _require(getattr(self, name) is None or getattr(self, name) is False,
                          f"{name}={getattr(self, name)!r} needs fp8 set to e4m3 or hybrid (got fp8=None).")
             return
-        from .compat import has_transformer_engine
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, int) and value >= 0), f"{name}={value!r} must be >= 0.")
+        from .compat import fp8_unsupported, has_transformer_engine
 
-        _require(has_transformer_engine(),
-                 f"fp8={self.fp8!r} needs Transformer Engine, which is not installed. "
-                 "Install llamafactory-mca[te] (NGC PyTorch images have it) or drop fp8.")
+        if has_transformer_engine():
+            _require(self.fp8_recipe != "rowwise",
+                     "fp8_recipe='rowwise' is the recipe of our FP8 without Transformer Engine, which is installed "
+                     "here and runs Megatron's own recipes. Use fp8_recipe: tensorwise, delayed or blockwise.")
+            return
+        self.fp8_recipe = self.fp8_recipe or "tensorwise"
+        _require(self.fp8_recipe in FP8_NATIVE_RECIPES,
+                 f"fp8_recipe={self.fp8_recipe!r} needs Transformer Engine, which is not installed; without it FP8 "
+                 f"runs on torch's scaled matmuls. Set fp8_recipe: tensorwise or rowwise.")
+        _require(not self.fp8_param,
+                 "fp8_param=True keeps the weights in Transformer Engine's FP8 tensors, which is not installed. Drop "
+                 "fp8_param: without it the weights stay bf16 and each GEMM casts its own FP8 copy.")
+        reason = fp8_unsupported()
+        _require(reason is None,
+                 f"fp8={self.fp8!r} needs GPUs with FP8 tensor cores (NVIDIA compute capability 8.9 or newer: "
+                 f"Ada, Hopper, Blackwell), and {reason}. Drop fp8 (and the fp8_* keys) on this machine.")
 
     def get_config_dict(self) -> dict[str, Any]:
         """The TransformerConfig overrides: every set field, with additional_configs merged on top."""
@@ -486,3 +533,7 @@ class _HostCompatArguments:
     profiler_with_stack: bool = field(default=True, metadata={"help": "Record stacks."})
     profile_modules: str | None = field(default=None, metadata={"help": "Module patterns to time."})
     fp8_enable_fsdp_float8_all_gather: bool = field(default=False, metadata={"help": "Unused under MCA."})
+    fp8_backend: str = field(
+        default="auto", metadata={"help": "LLaMA-Factory's FP8 backend. Under MCA, FP8 runs on Transformer Engine "
+                                          "where it is installed and on torch's scaled matmuls elsewhere."}
+    )

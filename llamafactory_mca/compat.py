@@ -55,6 +55,28 @@ def version_note() -> str | None:
 
 
 
+def fp8_unsupported() -> str | None:
+    """Why this machine cannot run FP8 GEMMs (None: it can): torch's ``_scaled_mm`` needs compute capability 8.9+.
+    Asked of ``nvidia-smi``, so the launcher opens no CUDA context before its workers start."""
+    import shutil
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return "this machine has no NVIDIA GPU (no nvidia-smi)"
+    try:
+        out = subprocess.run([smi, "--query-gpu=name,compute_cap", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20, check=True).stdout
+        gpus = [line.rsplit(",", 1) for line in out.strip().splitlines() if line.strip()]
+        old = [f"{name.strip()} ({cap.strip()})" for name, cap in gpus
+               if tuple(int(v) for v in cap.strip().split(".")) < (8, 9)]
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return "nvidia-smi could not tell this machine's GPUs' compute capability"
+    if not gpus:
+        return "nvidia-smi lists no GPU"
+    return f"{', '.join(old)} has not" if old else None
+
+
 @cache
 def has_transformer_engine() -> bool:
     """True when Transformer Engine's PyTorch bindings import (not merely a stub on the path)."""

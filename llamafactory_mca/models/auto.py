@@ -37,6 +37,7 @@ from .families import get_family
 from .loading import dims_for, load_hf_weights
 from .lora.layers import adapter_state
 from .native.cross_entropy import DeferredLogits
+from .native.fp8 import use_fp8
 
 
 logger = logging.getLogger(__name__)
@@ -418,6 +419,8 @@ class AutoModel:
                 chunk.cuda()
             chunks.append(chunk)
         _experts_reduced_over_their_data_parallel_group(chunks)
+        if getattr(tc, "fp8_training", None) is not None:
+            use_fp8(chunks, tc.fp8_training, tc.num_layers)
         return McaModel(config, tc, chunks)
 
     @staticmethod

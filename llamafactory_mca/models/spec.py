@@ -60,8 +60,8 @@ from ..compat import has_transformer_engine
 from ..errors import UserError
 from . import native
 from .mapping import NORM_ALIASES, is_linear_attention_layer, is_moe_layer
+from .native import fp8, wgrad
 from .native import rope as native_rope
-from .native import wgrad
 from .native.attention import NativeDotProductAttention, check_supported
 from .native.dispatch import LocalDispatchLayer, local_dispatch_applies
 from .native.experts import NativeGroupedMLP, describe_experts
@@ -84,7 +84,8 @@ logger = logging.getLogger(__name__)
 
 _QK_NORM = ModuleSpec(module=NativeNorm, params={"mark_sequence_parallel": False, "per_head": True})
 # recipe keys of the native spec and model, set on the TransformerConfig they read
-NATIVE_OPTIONS = ("moe_local_dispatch", "native_cross_entropy", "chunked_cross_entropy", "qk_norm_fusion")
+NATIVE_OPTIONS = ("moe_local_dispatch", "native_cross_entropy", "chunked_cross_entropy", "qk_norm_fusion",
+                  "fp8_training")
 _TE_ONLY_BACKENDS = ("flash", "fused", "unfused")
 
 
@@ -110,9 +111,11 @@ def prepare_config(config: TransformerConfig | dict[str, Any]) -> TransformerCon
         if get("gradient_accumulation_fusion") and not (_has_apex_wgrad() or wgrad.available()):
             _turn_off(put, "gradient_accumulation_fusion", "it needs a GPU (torch's addmm with out_dtype), apex or "
                       "Transformer Engine")
-        if get("fp8") or get("fp4"):
+        if get("fp4") or (get("fp8") and not isinstance(config, dict)):
             raise UserError(f"fp8={get('fp8')!r} / fp4={get('fp4')!r} need Transformer Engine, which is not "
                              "installed. Drop the fp8 keys or install Transformer Engine.")
+        if get("fp8"):  # ours on torch's scaled matmuls (native/fp8.py): Megatron's fp8 keys would ask for TE
+            put("fp8_training", fp8.from_fields({key: config.pop(key) for key in fp8.FIELDS if key in config}))
         if backend in _TE_ONLY_BACKENDS:
             logger.info("attention_backend=%s selects a Transformer Engine kernel, and TE is not installed: using the "
                         "native PyTorch attention (SDPA / varlen_attn) instead.", backend)
@@ -312,6 +315,8 @@ def describe_kernels(config: TransformerConfig) -> str:
     if norms_across_heads(config):
         line += "; q/k norms across all heads (statistics summed over TP ranks)"
     line += f"; MoE experts: {experts}" if config.num_moe_experts else ""
+    if getattr(config, "fp8_training", None):
+        line += "; " + config.fp8_training.describe(config.num_layers)
     if moe_block(config):
         line += (f" beside a dense MLP of {config.moe_shared_expert_intermediate_size} in every layer, each under its "
                  "own norms (Gemma 4's MoE block)")

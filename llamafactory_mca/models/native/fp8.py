@@ -1,0 +1,299 @@
+"""FP8 training without Transformer Engine: the GEMMs of Megatron's parallel linears on ``torch._scaled_mm``.
+
+Megatron reaches FP8 only through TE's modules. Here Megatron's ``ColumnParallelLinear`` and ``RowParallelLinear``
+stay what they are (parameters, checkpoint keys, tensor and sequence parallelism, LoRA beside them); only the
+function their forward calls for the matmul (``_forward_impl``) is ours in the layers FP8 covers. It keeps Megatron's
+communication (the sequence-parallel all-gather, the input gradient's all-reduce or reduce-scatter overlapped with
+the weight gradient, the weight gradient added into ``main_grad``) and runs the three GEMMs in FP8:
+
+- forward ``y = x W^T``, input gradient ``dx = dy W`` and, unless ``fp8_wgrad: false``, weight gradient
+  ``dW = dy^T x``, each with bf16 (or, into an fp32 ``main_grad``, fp32) output;
+- ``fp8: e4m3`` casts everything to E4M3; ``hybrid`` the gradients ``dy`` to E5M2 (range over precision);
+- ``fp8_recipe: tensorwise``: one scale per tensor from its current absolute maximum (Megatron's "per-tensor
+  current scaling"); ``rowwise``: one per row of each operand along the dimension its GEMM contracts (torchao's
+  float8 rowwise), so an outlier token or channel costs only its own row precision;
+- weights, master weights, gradients and checkpoints stay as without FP8: a run resumes with FP8 on or off.
+
+Why torch directly and not torchao's float8 training: torchao converts ``nn.Linear`` modules and leaves the fused
+casts to torch.compile of the whole model; Megatron's linears are not ``nn.Linear``, their communication sits inside
+the autograd function, and our first steps avoid compiling (``cpu_mode``, the Triton kernels). So the function is
+Megatron's with ``torch._scaled_mm`` for its matmuls and one Triton kernel (``fp8_triton.py``) for the casts.
+
+Memory: tensorwise keeps the input for the weight gradient in FP8, already transposed (half of what bf16 keeps);
+rowwise keeps it in bf16 (its weight gradient needs it scaled along the other dimension); a frozen weight (LoRA's
+base) keeps no input at all. The FP8 copies of a weight live only during its GEMMs.
+
+A GEMM whose dimensions are not multiples of 16 (``_scaled_mm``'s rule) runs Megatron's bf16 function instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, NamedTuple
+
+import torch
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    dist_all_gather_func,
+    dist_reduce_scatter_func,
+)
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from . import wgrad
+
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("e4m3", "hybrid")
+RECIPES = ("tensorwise", "rowwise")  # those that run here without TE; Megatron's names, and torchao's rowwise
+EPS = 1e-12  # the smallest absolute maximum a scale is taken from (an all-zero tensor stays zero)
+ALIGN = 16  # torch._scaled_mm's rule for every dimension
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Training:
+    """What FP8 covers in this run: made once from the recipe's keys (``spec.prepare_config``), read by the model
+    build (``use_fp8``), the startup summary and the planner."""
+
+    format: str = "e4m3"
+    recipe: str = "tensorwise"
+    wgrad: bool = True  # the weight gradient's GEMM in FP8 too (Megatron's fp8_wgrad)
+    bf16_first: int = 1  # layers kept in bf16 at the start and the end (Megatron's first_last_layers_bf16 and its
+    bf16_last: int = 1   # num_layers_at_start_in_bf16 / num_layers_at_end_in_bf16; 0 and 0: every layer)
+
+    @property
+    def rowwise(self) -> bool:
+        return self.recipe == "rowwise"
+
+    def dtype(self, gradient: bool = False) -> torch.dtype:
+        return torch.float8_e5m2 if gradient and self.format == "hybrid" else torch.float8_e4m3fn
+
+    def covers(self, layer_number: int, num_layers: int) -> bool:
+        """Whether decoder layer ``layer_number`` (from 1, over the whole model) runs its linears in FP8."""
+        return self.bf16_first < layer_number <= num_layers - self.bf16_last
+
+    def layers(self, num_layers: int) -> range:
+        return range(self.bf16_first + 1, num_layers - self.bf16_last + 1)
+
+    def describe(self, num_layers: int) -> str:
+        covered = self.layers(num_layers)
+        where = (f"layers {covered.start}-{covered.stop - 1} of {num_layers}" if len(covered) else
+                 f"no layer of {num_layers}")
+        gemms = ("forward, input and weight gradients" if self.wgrad else
+                 "forward and input gradient; weight gradient in bf16")
+        grads = ", gradients E5M2" if self.format == "hybrid" else ""
+        return (f"FP8 {self.recipe} E4M3{grads} (torch._scaled_mm: {gemms}) on the attention and MLP linears of "
+                f"{where}; embedding, output layer, router, norms, attention and MoE experts in bf16")
+
+
+FIELDS = ("fp8", "fp8_recipe", "fp8_wgrad", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
+          "num_layers_at_end_in_bf16")  # Megatron's TransformerConfig keys this reads
+
+
+def from_fields(fields: dict[str, Any]) -> Fp8Training:
+    """The settings from Megatron's keys (``FIELDS``) as a recipe sets them; unset, the first and last layers stay
+    bf16 (Megatron's default keeps none: its TE recipes run every layer in FP8)."""
+    keep = fields.get("first_last_layers_bf16") is not False
+    return Fp8Training(format=fields["fp8"], recipe=fields.get("fp8_recipe") or "tensorwise",
+                       wgrad=fields.get("fp8_wgrad") is not False,
+                       bf16_first=fields.get("num_layers_at_start_in_bf16", 1) if keep else 0,
+                       bf16_last=fields.get("num_layers_at_end_in_bf16", 1) if keep else 0)
+
+
+class Operand(NamedTuple):
+    """An FP8 matrix laid out for ``torch._scaled_mm``: rows along the dimension the GEMM contracts, and the scale
+    that turns it back (a scalar, or one per row)."""
+
+    data: torch.Tensor  # [rows, contracted], contiguous
+    scale_inv: torch.Tensor  # fp32: 0-dim, or [rows, 1]
+
+
+def _amax(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """max |x| in fp32, over the tensor or along ``dim``, in one pass and without an |x| copy."""
+    low, high = torch.aminmax(x) if dim is None else torch.aminmax(x, dim=dim)
+    return torch.maximum(high.float(), low.float().neg())
+
+
+def _cast(x: torch.Tensor, scale: torch.Tensor, axis: int, dtype: torch.dtype, rows: bool, cols: bool
+          ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if x.is_cuda:
+        from .fp8_triton import cast  # here: Triton comes with CUDA builds of torch only
+
+        return cast(x, scale, axis, dtype, rows, cols)
+    s = scale if axis == 0 else scale[:, None] if axis == 1 else scale[None, :]
+    fmax = torch.finfo(dtype).max
+    y = (x.float() * s).clamp(-fmax, fmax).to(dtype)
+    return (y.contiguous() if rows else None), (y.t().contiguous() if cols else None)
+
+
+def _scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.finfo(dtype).max / amax.clamp(min=EPS)
+
+
+def per_tensor(x: torch.Tensor, dtype: torch.dtype, rows: bool = True, cols: bool = False,
+               scale: torch.Tensor | None = None) -> tuple[Operand | None, Operand | None, torch.Tensor]:
+    """``x`` [m, n] under one scale (from its absolute maximum unless given): as the operand of a GEMM contracting n
+    (``rows``) and of one contracting m (``cols``, its transpose), in one pass; and the scale."""
+    scale = _scale(_amax(x), dtype) if scale is None else scale
+    data, data_t = _cast(x, scale, 0, dtype, rows, cols)
+    inv = scale.reciprocal()
+    return (Operand(data, inv) if rows else None), (Operand(data_t, inv) if cols else None), scale
+
+
+def per_row(x: torch.Tensor, dtype: torch.dtype, contracted: int) -> Operand:
+    """``x`` [m, n] as the operand of a GEMM contracting dimension ``contracted``, a scale per row of that operand
+    (contracted 1: x itself, a scale per row of x; 0: x^T, a scale per column of x)."""
+    scale = _scale(_amax(x, dim=contracted), dtype)
+    data, data_t = _cast(x, scale, 1 if contracted == 1 else 2, dtype, contracted == 1, contracted == 0)
+    return Operand(data if contracted == 1 else data_t, scale.reciprocal()[:, None])
+
+
+def mm(a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """``a.data @ b.data^T`` scaled back: [rows of a, rows of b]."""
+    scale_b = b.scale_inv.reshape(1, -1) if b.scale_inv.dim() else b.scale_inv
+    return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale_inv, scale_b=scale_b, out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
+
+
+def _gather(input: torch.Tensor, group: Any) -> torch.Tensor:
+    """The sequence-parallel input, whole (into a fresh tensor: Megatron's shared buffer is reused by the next)."""
+    shape = list(input.shape)
+    shape[0] *= group.size()
+    total = torch.empty(shape, dtype=input.dtype, device=input.device)
+    dist_all_gather_func(total, input.contiguous(), group=group)
+    return total
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` (and, for a frozen weight, its
+    ``LinearWithFrozenWeight``) with the three GEMMs in FP8."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, fp8: Fp8Training, fuse_wgrad: bool, allreduce_dgrad: bool,
+                sequence_parallel: bool, tp_group):
+        total = _gather(input, tp_group) if sequence_parallel else input
+        x = total.reshape(-1, total.shape[-1])
+        trainable = weight.requires_grad
+        keep_t = trainable and fp8.wgrad and not fp8.rowwise  # the input for dW, transposed in FP8, from this pass
+        if fp8.rowwise:
+            x_rows, w_rows = per_row(x, fp8.dtype(), 1), per_row(weight, fp8.dtype(), 1)
+            x_cols, w_scale = None, None
+        else:
+            x_rows, x_cols, _ = per_tensor(x, fp8.dtype(), cols=keep_t)
+            w_rows, _, w_scale = per_tensor(weight, fp8.dtype())
+        out = mm(x_rows, w_rows, x.dtype, fast_accum=True).view(*total.shape[:-1], weight.shape[0])
+        if bias is not None:
+            out = out + bias
+        kept = (x_cols.data, x_cols.scale_inv) if keep_t else (input,) if trainable else ()
+        ctx.save_for_backward(weight, w_scale, *kept)
+        ctx.fp8, ctx.keep_t, ctx.trainable, ctx.use_bias = fp8, keep_t, trainable, bias is not None
+        ctx.main_grad = weight.main_grad if fuse_wgrad and hasattr(weight, "main_grad") else None
+        ctx.fuse_wgrad, ctx.allreduce_dgrad, ctx.sequence_parallel = fuse_wgrad, allreduce_dgrad, sequence_parallel
+        ctx.tp_group, ctx.input_shape, ctx.total_shape = tp_group, input.shape, total.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        weight, w_scale, *kept = ctx.saved_tensors
+        fp8 = ctx.fp8
+        gdt = fp8.dtype(gradient=True)
+        g = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
+        wgrad_fp8 = ctx.trainable and fp8.wgrad
+        if fp8.rowwise:
+            g_rows, w_cols, g_cols = per_row(g, gdt, 1), per_row(weight, fp8.dtype(), 0), None
+        else:
+            g_rows, g_cols, _ = per_tensor(g, gdt, cols=wgrad_fp8)
+            _, w_cols, _ = per_tensor(weight, fp8.dtype(), rows=False, cols=True, scale=w_scale)
+        total_x = None
+        if ctx.trainable and not ctx.keep_t:  # the bf16 input, gathered again under sequence parallelism
+            total_x = kept[0]
+            if ctx.sequence_parallel:
+                total_x = _gather(total_x, ctx.tp_group)
+            total_x = total_x.reshape(-1, total_x.shape[-1])
+        grad_input = mm(g_rows, w_cols, g.dtype, fast_accum=False).view(ctx.total_shape)
+
+        handle = None
+        if ctx.allreduce_dgrad:  # overlapped with the weight gradient, as Megatron's
+            handle = torch.distributed.all_reduce(grad_input, group=ctx.tp_group, async_op=True)
+        if ctx.sequence_parallel:
+            sub = torch.empty(ctx.input_shape, dtype=grad_input.dtype, device=grad_input.device)
+            handle = dist_reduce_scatter_func(sub, grad_input, group=ctx.tp_group, async_op=True)
+            grad_input = sub
+
+        grad_weight = None
+        if ctx.trainable:
+            main_grad = ctx.main_grad
+            into = main_grad is not None
+            if ctx.fuse_wgrad:
+                weight.main_grad = main_grad
+            if wgrad_fp8:
+                if fp8.rowwise:  # rowwise GEMMs write bf16 only
+                    dw = mm(per_row(g, gdt, 0), per_row(total_x, fp8.dtype(), 0), g.dtype, fast_accum=False)
+                else:
+                    out_dtype = main_grad.dtype if into else weight.dtype
+                    dw = mm(g_cols, Operand(*kept), out_dtype, fast_accum=False)
+                if into:
+                    main_grad.add_(dw)
+                else:
+                    grad_weight = dw.to(weight.dtype)
+            elif into:
+                wgrad.wgrad_gemm_accum_fp32(total_x, g, main_grad)
+            else:
+                grad_weight = g.t().matmul(total_x)
+            if into:
+                grad_weight = wgrad.placeholder_grad(weight, g.dtype)
+        grad_bias = g.sum(dim=0) if ctx.use_bias else None
+        if handle is not None:
+            handle.wait()
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+
+
+class Fp8ForwardImpl:
+    """What a covered linear calls for its matmul (its ``_forward_impl``, Megatron's keyword arguments): FP8 where
+    the dimensions allow, else the bf16 function it had."""
+
+    def __init__(self, bf16: Any, fp8: Fp8Training) -> None:
+        self.bf16, self.fp8 = bf16, fp8
+
+    def __call__(self, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                 tp_group=None, grad_output_buffer=None, wgrad_deferral_limit=None, **rest):
+        tokens = input.numel() // input.shape[-1] * (tp_group.size() if sequence_parallel else 1)
+        if grad_output_buffer is not None or rest or not _aligned(tokens, *weight.shape):
+            return self.bf16(input=input, weight=weight, bias=bias,
+                             gradient_accumulation_fusion=gradient_accumulation_fusion,
+                             allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel, tp_group=tp_group,
+                             grad_output_buffer=grad_output_buffer, wgrad_deferral_limit=wgrad_deferral_limit, **rest)
+        return _Fp8Linear.apply(input, weight, bias, self.fp8, gradient_accumulation_fusion, allreduce_dgrad,
+                                sequence_parallel, tp_group)
+
+
+def _aligned(*dims: int) -> bool:
+    unaligned = [d for d in dims if d % ALIGN]
+    if unaligned and not _aligned.warned:
+        _aligned.warned = True
+        logger.warning("FP8: a GEMM with dimensions %s (not multiples of %d, torch._scaled_mm's rule) runs in bf16; "
+                       "cutoff_len and pack lengths in multiples of %d keep every GEMM in FP8.", dims, ALIGN, ALIGN)
+    return not unaligned
+
+
+_aligned.warned = False
+
+
+def use_fp8(chunks: list[torch.nn.Module], fp8: Fp8Training, num_layers: int) -> int:
+    """Route the parallel linears of the decoder layers ``fp8`` covers through FP8; the number routed. The
+    multi-token-prediction layers, the output layer and anything outside the decoder's layers stay bf16."""
+    routed = 0
+    for chunk in chunks:
+        for name, layer in chunk.named_modules():
+            if not isinstance(layer, TransformerLayer) or ".mtp." in f".{name}." or \
+                    not fp8.covers(layer.layer_number, num_layers):
+                continue
+            for module in layer.modules():
+                if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and \
+                        not isinstance(module._forward_impl, Fp8ForwardImpl):
+                    module._forward_impl = Fp8ForwardImpl(module._forward_impl, fp8)
+                    routed += 1
+    return routed

@@ -1,0 +1,193 @@
+"""FP8 without Transformer Engine (models/native/fp8.py): the scaled GEMMs against the matmuls they replace, the
+layers they cover, Megatron's communication around them under TP2 + SP, and the keys that turn them on.
+
+On CPU torch's ``_scaled_mm`` computes the same FP8 products as on a GPU (the casts are the torch fallback of the
+Triton kernel, which tests/gpu/test_fp8_gpu.py holds to it bit for bit); the refusal of FP8 on machines without FP8
+tensor cores is in tests/test_args.py."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests._dist import run_distributed
+
+
+def _fp8():
+    from llamafactory_mca.models.native import fp8
+
+    return fp8
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _dequantized(op) -> torch.Tensor:
+    return op.data.float() * op.scale_inv
+
+
+def _reference(x, w, g, settings, trainable):
+    """The same three GEMMs in fp32 on the FP8 values themselves (the operands cast as the recipe casts them): what
+    _scaled_mm must give up to its accumulation order and the output's rounding."""
+    fp8 = _fp8()
+    x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+    if settings.rowwise:
+        xr, wr = fp8.per_row(x2, settings.dtype(), 1), fp8.per_row(w, settings.dtype(), 1)
+        gr, wc = fp8.per_row(g2, settings.dtype(True), 1), fp8.per_row(w, settings.dtype(), 0)
+        gc, xc = fp8.per_row(g2, settings.dtype(True), 0), fp8.per_row(x2, settings.dtype(), 0)
+    else:
+        xr, xc, _ = fp8.per_tensor(x2, settings.dtype(), cols=True)
+        wr, wc, _ = fp8.per_tensor(w, settings.dtype(), cols=True)
+        gr, gc, _ = fp8.per_tensor(g2, settings.dtype(True), cols=True)
+    y = _dequantized(xr) @ _dequantized(wr).t()
+    dx = _dequantized(gr) @ _dequantized(wc).t()
+    dw = _dequantized(gc) @ _dequantized(xc).t() if trainable else None
+    return y, dx, dw
+
+
+RECIPES = [("tensorwise", "e4m3"), ("tensorwise", "hybrid"), ("rowwise", "e4m3"), ("rowwise", "hybrid")]
+
+
+@pytest.mark.parametrize("recipe,fmt", RECIPES)
+@pytest.mark.parametrize("trainable", [True, False], ids=["trained", "frozen"])
+def test_scaled_gemms_equal_their_fp8_operands_and_stay_near_bf16(recipe, fmt, trainable):
+    fp8 = _fp8()
+    settings = fp8.Fp8Training(format=fmt, recipe=recipe)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 2, 96, generator=gen).to(torch.bfloat16)
+    x[3, 1, 5] = 40.0  # an outlier: tensorwise scales everything by it, rowwise only its row
+    w = (torch.randn(48, 96, generator=gen) * 0.05).to(torch.bfloat16)
+    g = torch.randn(32, 2, 48, generator=gen).to(torch.bfloat16)
+    xi, wi = x.clone().requires_grad_(), torch.nn.Parameter(w.clone(), requires_grad=trainable)
+    y = fp8._Fp8Linear.apply(xi, wi, None, settings, False, False, False, None)
+    y.backward(g)
+    want_y, want_dx, want_dw = _reference(x, w, g, settings, trainable)
+    assert y.dtype == torch.bfloat16 and y.shape == (32, 2, 48)
+    assert _rel(y.reshape(-1, 48), want_y) < 4e-3  # the bf16 output's rounding
+    assert _rel(xi.grad.reshape(-1, 96), want_dx) < 4e-3
+    exact = [x.float().reshape(-1, 96), w.float(), g.float().reshape(-1, 48)]
+    loose = 0.08 if fmt == "hybrid" else 0.05  # E4M3 keeps 3 mantissa bits, E5M2 2
+    assert _rel(y.reshape(-1, 48), exact[0] @ exact[1].t()) < loose
+    assert _rel(xi.grad.reshape(-1, 96), exact[2] @ exact[1]) < loose
+    if trainable:
+        assert _rel(wi.grad, want_dw) < 4e-3
+        assert _rel(wi.grad, exact[2].t() @ exact[0]) < loose
+    else:
+        assert wi.grad is None
+
+
+def test_weight_gradient_goes_into_main_grad_in_fp32_or_bf16():
+    """``gradient_accumulation_fusion``: each micro-batch's weight gradient is added to DDP's ``main_grad`` (the
+    FP8 GEMM's fp32 output, or with ``fp8_wgrad: false`` the bf16 GEMM accumulating there), and ``.grad`` is
+    Megatron's placeholder."""
+    fp8 = _fp8()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 64, generator=gen).to(torch.bfloat16)
+    g = torch.randn(64, 32, generator=gen).to(torch.bfloat16)
+    for wgrad in (True, False):
+        settings = fp8.Fp8Training(wgrad=wgrad)
+        w = torch.nn.Parameter((torch.randn(32, 64, generator=gen) * 0.1).to(torch.bfloat16))
+        w.main_grad = torch.ones(32, 64)
+        w.grad_added_to_main_grad = False
+        for _ in range(2):  # two micro-batches
+            fp8._Fp8Linear.apply(x.clone().requires_grad_(), w, None, settings, True, False, False, None).backward(g)
+        want = 1 + 2 * (g.float().t() @ x.float())
+        assert _rel(w.main_grad - 1, want - 1) < 0.05, wgrad
+        assert w.grad_added_to_main_grad and w.grad.shape == w.shape
+
+
+def test_unaligned_gemms_run_the_bf16_function():
+    fp8 = _fp8()
+    calls = []
+
+    def bf16(**kwargs):
+        calls.append(kwargs["input"].shape)
+        return kwargs["input"] @ kwargs["weight"].t()
+
+    impl = fp8.Fp8ForwardImpl(bf16, fp8.Fp8Training())
+    w = torch.nn.Parameter(torch.randn(32, 64))
+    impl(torch.randn(5, 2, 64), w, None, False, False, False)  # 10 tokens
+    assert calls == [torch.Size([5, 2, 64])]
+    impl(torch.randn(8, 2, 64), w, None, False, False, False)  # 16 tokens: FP8
+    assert len(calls) == 1
+
+
+def test_recipe_keys_become_one_decision():
+    fp8 = _fp8()
+    from llamafactory_mca.models import spec
+
+    kwargs = {"fp8": "hybrid", "fp8_recipe": "rowwise", "num_layers_at_end_in_bf16": 2, "num_layers": 8}
+    spec.prepare_config(kwargs)
+    assert kwargs == {"num_layers": 8, "fp8_training": fp8.Fp8Training("hybrid", "rowwise", True, 1, 2)}
+    settings = fp8.from_fields({"fp8": "e4m3", "first_last_layers_bf16": False, "fp8_wgrad": False})
+    assert settings == fp8.Fp8Training("e4m3", "tensorwise", False, 0, 0)
+    assert [n for n in range(1, 9) if fp8.Fp8Training().covers(n, 8)] == list(range(2, 8))
+    line = fp8.Fp8Training("hybrid").describe(36)
+    assert "layers 2-35 of 36" in line and "E5M2" in line and "router" in line
+    with pytest.raises(ValueError, match="fp8"):  # a built config would reach Megatron's TE path
+        from megatron.core.transformer import TransformerConfig
+
+        spec.prepare_config(TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, fp8="e4m3"))
+
+
+# ----------------------------------------------------------------------------- TP2 + SP, a model of four layers
+
+
+def _tp_run(tp: int) -> dict:
+    from tests.models.test_native_spec import _config, _forward, _inputs, _layout, _model
+
+    from llamafactory_mca import parallel
+    from llamafactory_mca.models import spec
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    fp8 = _fp8()
+    parallel.initialize(_layout(world=tp, tp=tp), seed=11)
+    out = {}
+    for name, settings in (("bf16", None), ("tensorwise", fp8.Fp8Training()),
+                           ("rowwise", fp8.Fp8Training("hybrid", "rowwise"))):
+        config = dataclasses.replace(_config(tp=tp, sp=tp > 1), num_layers=4, bf16=True, params_dtype=torch.bfloat16)
+        torch.manual_seed(5)
+        model = _model(config, block=True).to(torch.bfloat16)
+        if settings is not None:
+            config.fp8_training = settings
+            out[f"{name}_routed"] = fp8.use_fp8([model], settings, config.num_layers)
+            out[f"{name}_summary"] = spec.describe_kernels(config)
+            kinds = [type(m._forward_impl).__name__ for layer in model.decoder.layers for m in layer.modules()
+                     if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+            out[f"{name}_kinds"] = kinds
+            model.decoder.layers[1].mlp.linear_fc1.weight.requires_grad_(False)  # a frozen base (LoRA's)
+        tokens, _, weights, _ = _inputs()
+        logits = gather_from_tensor_model_parallel_region(_forward(model, tokens))
+        (logits.float() * weights).sum().backward()
+        fc2 = model.decoder.layers[2].mlp.linear_fc2.weight.grad  # row parallel: [hidden, ffn / tp]
+        out[name] = {"logits": logits.detach().float(), "fc2": fc2.float().clone(),
+                     "embedding": model.embedding.word_embeddings.weight.grad.float().clone()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    return run_distributed(_tp_run, 1, 1)[0]
+
+
+def test_fp8_model_near_bf16_and_tp2_sequence_parallel_equal_one_rank(one_rank):
+    per_rank = run_distributed(_tp_run, 2, 2)
+    for recipe in ("tensorwise", "rowwise"):
+        assert one_rank[f"{recipe}_routed"] == 8  # layers 2 and 3 of 4: qkv, proj, fc1, fc2 each
+        kinds = one_rank[f"{recipe}_kinds"]
+        assert len(kinds) == 16 and kinds.count("Fp8ForwardImpl") == 8, kinds
+        assert "FP8" in one_rank[f"{recipe}_summary"] and "layers 2-3 of 4" in one_rank[f"{recipe}_summary"]
+        mine, bf16 = one_rank[recipe], one_rank["bf16"]
+        assert _rel(mine["logits"], bf16["logits"]) < 0.05, recipe
+        assert _rel(mine["embedding"], bf16["embedding"]) < 0.1, recipe  # through all four layers' backward
+        assert _rel(mine["fc2"], bf16["fc2"]) < 0.1, recipe
+        for rank, out in enumerate(per_rank):  # each rank scales its own shards: as near bf16 as one rank is
+            assert out[f"{recipe}_routed"] == 8
+            half = bf16["fc2"].shape[1] // 2
+            assert _rel(out[recipe]["logits"], bf16["logits"]) < 0.05, (recipe, rank)
+            assert _rel(out[recipe]["fc2"], bf16["fc2"][:, rank * half:(rank + 1) * half]) < 0.1, (recipe, rank)
+            rows = bf16["embedding"].shape[0] // 2  # the input gradients' reduce-scatter reaches the embedding
+            assert _rel(out[recipe]["embedding"], bf16["embedding"][rank * rows:(rank + 1) * rows]) < 0.1
+            assert _rel(out["bf16"]["logits"], bf16["logits"]) < 0.01, rank
