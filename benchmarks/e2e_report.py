@@ -164,6 +164,8 @@ def targets(name: str, data: dict, everything: dict, tol: float) -> list[dict]:
         found.append(_loss_target("ours CP2", runs.get("ours_cp2"), "ours", runs.get("ours"), tol))
     elif name in NODE_GOALS:
         found += _node_targets(name, runs, tol)
+    elif name.startswith("fp8_"):
+        found += _fp8_targets(name, runs)
     elif name.startswith("scale_"):
         found += _scaling_targets(runs)
     elif name == "moe_recipe_node":
@@ -217,6 +219,34 @@ def targets(name: str, data: dict, everything: dict, tol: float) -> list[dict]:
         found.append(_loss_target("ours packed", runs.get("ours_pack"), "LF packed", runs.get("lf_pack"), tol))
         found.append(_loss_target("ours padded", runs.get("ours_nopack"), "LF padded", runs.get("lf_nopack"), tol))
     return [t for t in found if t]
+
+
+FP8_GOALS = {"fp8_dense": 1.35, "fp8_moe": 1.2}  # FP8 tokens/s against our bf16
+
+
+def _fp8_targets(name: str, runs: dict) -> list[dict | None]:
+    """Each FP8 run against our bf16 run: speed (against the goal where one is set), peak memory, loss curve within
+    1% at every step; and against LLaMA-Factory's default path for reference."""
+    found: list[dict | None] = []
+    ours = runs.get("ours")
+    for run in ("ours_fp8", "ours_fp8_rowwise"):
+        fp8 = runs.get(run)
+        if fp8 is None:
+            continue
+        if name.startswith("fp8_loss"):
+            found.append(_curve_target(run, fp8, "ours (bf16)", ours, tol=0.01))
+            continue
+        goal = FP8_GOALS.get(name)
+        found.append(_ratio_target(f"tokens/s: {run} >= {goal:g}x ours in bf16" if goal else
+                                   f"(for reference) tokens/s: {run} vs ours in bf16", fp8, ours, goal,
+                                   "needs both runs"))
+        if _ok(fp8) and _ok(ours) and fp8.get("peak_memory_gib") and ours.get("peak_memory_gib"):
+            found.append({"target": f"peak memory: {run} <= ours in bf16",
+                          "measured": f"{fp8['peak_memory_gib']:.1f} vs {ours['peak_memory_gib']:.1f} GiB",
+                          "met": fp8["peak_memory_gib"] <= ours["peak_memory_gib"] + 0.05})
+        found.append(_ratio_target(f"(for reference) tokens/s: {run} vs LLaMA-Factory", fp8, runs.get("lf"), None,
+                                   "needs both runs"))
+    return found
 
 
 NODE_GOALS = {"moe_node": ("lf_zero3", 5.0), "lora_moe_node": ("lf_zero3", 5.0), "dense8b_node": (None, 3.0)}

@@ -497,11 +497,50 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                  + [Run("ours_recompute", "ours", 1, True, 1, 8, "1 GPU, recompute full", recompute)],
                  steps=8, warmup=2, layers=None if smoke else 36, tuning=lora, about=lora_about.format(cut=cut)),
     ]
+    found += _fp8_workloads(smoke, cut, packed, lora)
     found += _node_workloads(smoke, cut, packed, lora, recompute, graphs, liger_gc)
     if smoke:
         for w in found:
             w.steps, w.warmup = 4, 1
     return {w.name: w for w in found}
+
+
+FP8 = {"tensorwise": dict(fp8="hybrid"), "rowwise": dict(fp8="e4m3", fp8_recipe="rowwise")}
+
+
+def _fp8_runs(grad_accum: int = 8) -> list[Run]:
+    return [Run("ours_fp8", "ours", 1, True, 1, grad_accum, "1 GPU, FP8 tensorwise (hybrid)", FP8["tensorwise"]),
+            Run("ours_fp8_rowwise", "ours", 1, True, 1, grad_accum, "1 GPU, FP8 rowwise (e4m3)", FP8["rowwise"])]
+
+
+def _fp8_workloads(smoke: bool, cut: int, packed: tuple, lora: dict) -> list[Workload]:
+    """FP8 on torch's scaled matmuls (models/native/fp8.py) beside our bf16 and LLaMA-Factory's default path: speed
+    and memory on the Qwen3-8B and Qwen3-30B-A3B shapes, the loss over 200 steps on the Qwen3-1.7B shape."""
+    about = ("`ours_fp8`: `fp8: hybrid` (tensorwise scaling, gradients in E5M2); `ours_fp8_rowwise`: `fp8: e4m3`, "
+             "`fp8_recipe: rowwise`; both keep the first and last layer in bf16 (the default)")
+    return [
+        Workload("fp8_dense", "dense8b", cut, packed, _pair(1, 8, "1 GPU") + _fp8_runs(), steps=8, warmup=3,
+                 layers=2 if smoke else 8,
+                 about=f"full fine-tuning of 8 of the 36 layers (with the embedding and output layer and their Adam "
+                       f"states, about what one 80 GB GPU holds), {cut}-token packed micro-batches, global batch 8; "
+                       + about),
+        Workload("fp8_lora", "dense8b", cut, packed, _pair(1, 8, "1 GPU", lf_layout="1 GPU, gradient checkpointing "
+                                                            "(LF default)") + _fp8_runs(),
+                 steps=8, warmup=3, layers=None if smoke else 36, tuning=lora,
+                 about=f"LoRA rank 16 on `lora_target: all` of all 36 layers (the frozen base's GEMMs in FP8: forward "
+                       f"and input gradient), {cut}-token packed micro-batches, global batch 8; " + about),
+        Workload("fp8_moe", "moe", cut, packed, _pair(1, 8, "1 GPU") + _fp8_runs(), steps=8, warmup=3,
+                 layers=2 if smoke else 4,
+                 about=f"full fine-tuning of 4 of the 48 layers, {cut}-token packed micro-batches, global batch 8; "
+                       + about),
+        Workload("fp8_loss", "dense", cut, packed, [Run("ours", "ours", 1, True, 1, 2, "1 GPU, bf16")] + _fp8_runs(2),
+                 steps=20 if smoke else 200, warmup=2, layers=2 if smoke else 4,
+                 about=f"the loss over 200 steps: 4 layers of the Qwen3-1.7B shape, full fine-tuning, {cut}-token "
+                       "packed micro-batches, global batch 2; " + about),
+        Workload("fp8_loss_lora", "dense", cut, packed, [Run("ours", "ours", 1, True, 1, 2, "1 GPU, bf16")]
+                 + _fp8_runs(2), steps=20 if smoke else 200, warmup=2, layers=2 if smoke else 4, tuning=lora,
+                 about="as `fp8_loss`, LoRA rank 16 on `lora_target: all`; " + about),
+    ]
 
 
 def _node_workloads(smoke: bool, cut: int, packed: tuple, lora: dict, recompute: dict, graphs: dict,

@@ -14,8 +14,10 @@ import shutil
 import subprocess
 from typing import Any, Protocol
 
+from ..compat import has_transformer_engine
 from ..errors import UserError
 from ..models.config import McaConfig
+from ..models.native.fp8 import FIELDS, Fp8Training, from_fields
 from ..parallel import ParallelLayout
 from .advice import cheapest_changes
 from .memory import Training, estimate, moment_bytes
@@ -60,7 +62,16 @@ def training_of(plan: Planned, training_args: Any, finetuning_args: Any) -> Trai
                     moment_bytes=moment_bytes(training_args.exp_avg_dtype, training_args.exp_avg_sq_dtype),
                     cuda_graphs=bool(training_args.cuda_graphs),  # the recipe's, also planned on a CPU
                     freeze_vision_tower=bool(finetuning_args.freeze_vision_tower),
-                    freeze_projector=bool(finetuning_args.freeze_multi_modal_projector))
+                    freeze_projector=bool(finetuning_args.freeze_multi_modal_projector),
+                    fp8=fp8_of(training_args))
+
+
+def fp8_of(training_args: Any) -> Fp8Training | None:
+    """The run's FP8 settings from its keys, as the model build reads them (``native.fp8.from_fields``)."""
+    if not getattr(training_args, "fp8", None) or has_transformer_engine():
+        return None
+    return from_fields({key: getattr(training_args, key) for key in FIELDS if getattr(training_args, key, None)
+                        is not None})
 
 
 def visible_gpu_memory_gib() -> float | None:

@@ -23,6 +23,7 @@ from typing import Any
 from ..models.config import attention_shape
 from ..models.cost import attention_layer_kinds, attention_sizes, indexer_weights, small_gemma4_weights
 from ..models.mapping import is_moe_layer
+from ..models.native.fp8 import Fp8Training
 from ..models.native.logit_chunks import logit_rows
 from ..parallel import ParallelLayout
 
@@ -67,6 +68,7 @@ class Training:
     freeze_vision_tower: bool = True  # LLaMA-Factory's defaults: the tower and its projector frozen
     freeze_projector: bool = True
     image_share: float = IMAGE_SHARE  # vision-language models: image placeholders per token
+    fp8: Fp8Training | None = None  # FP8 linears on torch's scaled matmuls (models/native/fp8.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +208,29 @@ def _layer_activations(s: dict[str, int], tokens: float, layout: ParallelLayout,
     return hidden + attention + experts + shared + block
 
 
+def _fp8_saved(s: dict[str, int], tokens: float, layout: ParallelLayout, sequence_parallel: bool, moe: bool,
+               fp8: Fp8Training) -> float:
+    """What FP8 changes in one covered, trained layer's kept activations (bytes, negative: less). Tensorwise keeps
+    each linear's input for its weight gradient as one FP8 byte, transposed and gathered over the sequence-parallel
+    ranks: QKV's and fc1's instead of their bf16 inputs, fc2's instead of the activation's bf16 output, and
+    out-projection's beside the attention output its kernel keeps anyway. Rowwise keeps the bf16 inputs."""
+    if fp8.rowwise or not fp8.wgrad:
+        return 0.0
+    tp, sp = layout.tp, layout.tp if sequence_parallel else 1
+    change = 2 * tokens * s["h"] * (1 - 2 / sp) + tokens * s["q"] / tp
+    if not moe:
+        change -= tokens * s.get("fa", s["f"]) / tp
+    return change
+
+
+def _fp8_buffers(s: dict[str, int], tokens: float, layout: ParallelLayout) -> float:
+    """The FP8 copies the largest covered linear (fc1 or fc2) holds during its backward: its weight, transposed, and
+    its output's gradient in both layouts (its input's, for rowwise, after them)."""
+    f = s.get("fa", s["f"]) if s["f"] else s["fs"]
+    out = max(s["glu"] * f, s["h"]) / layout.tp
+    return s["glu"] * f * s["h"] / layout.tp + 2 * tokens * out
+
+
 def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[str, float]:
     """GiB per GPU at the peak, the largest pipeline stage's (the first holds the most micro-batches in flight,
     the last the logits): each term, ``peak`` (predicted ``torch.cuda.max_memory_allocated``) and ``needs`` (with
@@ -267,6 +292,11 @@ def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[st
         rebuilt = training.recompute_modules if training.recompute == "selective" else ()
         full = [_layer_activations(s, tokens, layout, training.sequence_parallel, m, frozen, rebuilt,
                                    bool(training.lora_rank)) * ACTIVATION_FIT for m in mine]
+        fp8 = training.fp8
+        if fp8 is not None and not training.lora_rank:
+            first = stage * per_stage  # layer numbers from 1: the covered ones keep their inputs in FP8
+            full = [a + _fp8_saved(s, tokens, layout, training.sequence_parallel, m, fp8) * ACTIVATION_FIT
+                    if fp8.covers(first + i + 1, s["layers"]) else a for i, (a, m) in enumerate(zip(full, mine))]
         if training.recompute == "full":  # each layer keeps its input; one layer at a time is rebuilt in backward
             sp = layout.tp if training.sequence_parallel else 1
             activations = len(mine) * 2 * tokens * s["h"] / sp * in_flight + max(full, default=0)
@@ -278,6 +308,8 @@ def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[st
             if not training.lora_rank:
                 activations = activations * GRAPH_ACTIVATIONS + 2 * experts / (layout.ep * layout.etp)
         activations += tower_activations * in_flight
+        if training.fp8 is not None:
+            activations += _fp8_buffers(s, tokens, layout)
         if stage == 0 and s["ple"]:  # the per-layer inputs, made whole on every rank: their norm's input and the sum
             activations += 2 * tokens * s["layers"] * s["ple"] * 2 * in_flight
         logits = 0.0

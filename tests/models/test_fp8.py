@@ -52,6 +52,11 @@ RECIPES = [("tensorwise", "e4m3"), ("tensorwise", "hybrid"), ("rowwise", "e4m3")
 @pytest.mark.parametrize("recipe,fmt", RECIPES)
 @pytest.mark.parametrize("trainable", [True, False], ids=["trained", "frozen"])
 def test_scaled_gemms_equal_their_fp8_operands_and_stay_near_bf16(recipe, fmt, trainable):
+    check_scaled_gemms(recipe, fmt, trainable, "cpu")
+
+
+def check_scaled_gemms(recipe: str, fmt: str, trainable: bool, device: str) -> None:
+    """Forward, input and weight gradients of one FP8 linear (tests/gpu runs it on CUDA: Triton casts, cuBLAS)."""
     fp8 = _fp8()
     settings = fp8.Fp8Training(format=fmt, recipe=recipe)
     gen = torch.Generator().manual_seed(0)
@@ -59,6 +64,7 @@ def test_scaled_gemms_equal_their_fp8_operands_and_stay_near_bf16(recipe, fmt, t
     x[3, 1, 5] = 40.0  # an outlier: tensorwise scales everything by it, rowwise only its row
     w = (torch.randn(48, 96, generator=gen) * 0.05).to(torch.bfloat16)
     g = torch.randn(32, 2, 48, generator=gen).to(torch.bfloat16)
+    x, w, g = x.to(device), w.to(device), g.to(device)
     xi, wi = x.clone().requires_grad_(), torch.nn.Parameter(w.clone(), requires_grad=trainable)
     y = fp8._Fp8Linear.apply(xi, wi, None, settings, False, False, False, None)
     y.backward(g)
@@ -135,12 +141,12 @@ def test_recipe_keys_become_one_decision():
 
 
 def _tp_run(tp: int) -> dict:
-    from tests.models.test_native_spec import _config, _forward, _inputs, _layout, _model
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
     from llamafactory_mca import parallel
     from llamafactory_mca.models import spec
-    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from tests.models.test_native_spec import _config, _forward, _inputs, _layout, _model
 
     fp8 = _fp8()
     parallel.initialize(_layout(world=tp, tp=tp), seed=11)

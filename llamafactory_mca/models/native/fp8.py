@@ -123,6 +123,12 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, axis: int, dtype: torch.dtype, r
         from .fp8_triton import cast  # here: Triton comes with CUDA builds of torch only
 
         return cast(x, scale, axis, dtype, rows, cols)
+    return cast_torch(x, scale, axis, dtype, rows, cols)
+
+
+def cast_torch(x: torch.Tensor, scale: torch.Tensor, axis: int, dtype: torch.dtype, rows: bool, cols: bool
+               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The Triton kernel's cast (``fp8_triton.cast``) in torch ops: what CPUs run, and its reference."""
     s = scale if axis == 0 else scale[:, None] if axis == 1 else scale[None, :]
     fmax = torch.finfo(dtype).max
     y = (x.float() * s).clamp(-fmax, fmax).to(dtype)

@@ -1,0 +1,141 @@
+"""One linear layer's forward + backward in FP8 (``models/native/fp8.py``) against Megatron's bf16 function.
+
+Per GEMM shape of a Qwen3-8B layer at one 4,096-token pack (``qkv``: 4096 -> 6144, ``proj``: 4096 -> 4096, ``fc1``:
+4096 -> 24576, ``fc2``: 12288 -> 4096), each way a covered linear can run:
+
+- ``bf16``: Megatron's ``linear_with_grad_accumulation_and_async_allreduce``, its weight gradient GEMMed into the
+  fp32 ``main_grad`` (``gradient_accumulation_fusion``, as our runs on a GPU);
+- ``tensorwise`` / ``rowwise`` (E4M3, gradients E5M2: ``hybrid``), their weight gradient in FP8 added to ``main_grad``;
+  ``tensorwise_bf16_wgrad``: ``fp8_wgrad: false``;
+- ``frozen_*``: a frozen weight (LoRA's base): forward and input gradient only.
+
+Median milliseconds of forward + backward over ``--repeat`` runs after warm-ups, the speed-up over bf16 and the
+peak memory the call adds. Writes ``fp8.json`` and ``fp8.md`` to ``--out``.
+
+    python benchmarks/fp8_bench.py --out $OUT/fp8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SHAPES = {"qkv": (4096, 6144), "proj": (4096, 4096), "fc1": (4096, 24576), "fc2": (12288, 4096)}
+TOKENS = 4096
+
+
+def _setup() -> None:
+    from megatron.core import parallel_state as ps
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+    ps.initialize_model_parallel()
+    torch.cuda.set_device(0)
+
+
+def _ways() -> dict:
+    from megatron.core.tensor_parallel.layers import (
+        linear_with_frozen_weight,
+        linear_with_grad_accumulation_and_async_allreduce,
+    )
+
+    from llamafactory_mca.models.native import fp8, install
+
+    install()  # Megatron's wgrad GEMM into main_grad without apex
+    hybrid = dict(format="hybrid")
+
+    def megatron(x, w):  # what ColumnParallelLinear._forward_impl picks
+        if not w.requires_grad:
+            return linear_with_frozen_weight(x, w, None, False, False, False, None)
+        return linear_with_grad_accumulation_and_async_allreduce(x, w, None, True, False, False)
+
+    def ours(settings):
+        return lambda x, w: fp8._Fp8Linear.apply(x, w, None, settings, w.requires_grad, False, False, None)
+
+    return {"bf16": (megatron, True), "tensorwise": (ours(fp8.Fp8Training(**hybrid)), True),
+            "rowwise": (ours(fp8.Fp8Training(recipe="rowwise", **hybrid)), True),
+            "tensorwise_bf16_wgrad": (ours(fp8.Fp8Training(wgrad=False, **hybrid)), True),
+            "frozen_bf16": (megatron, False), "frozen_tensorwise": (ours(fp8.Fp8Training(**hybrid)), False),
+            "frozen_rowwise": (ours(fp8.Fp8Training(recipe="rowwise", **hybrid)), False)}
+
+
+def _time(fn, repeat: int, warmup: int = 3) -> float:
+    times = []
+    for i in range(repeat + warmup):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _case(shape: str, way: str, fn, trainable: bool, repeat: int) -> dict:
+    k, n = SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(TOKENS, 1, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.nn.Parameter(torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02,
+                           requires_grad=trainable)
+    if trainable:
+        w.main_grad = torch.zeros(n, k, device="cuda", dtype=torch.float32)
+    grad = torch.randn(TOKENS, 1, n, device="cuda", dtype=torch.bfloat16, generator=g)
+    xs = x.clone().requires_grad_(True)
+
+    def step():
+        xs.grad = None
+        fn(xs, w).backward(grad)
+
+    step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    extra = (torch.cuda.max_memory_allocated() - base) / 2**20
+    ms = _time(step, repeat)
+    flops = 2 * TOKENS * k * n * (3 if trainable else 2)
+    return {"shape": shape, "way": way, "ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1),
+            "extra_mib": round(extra, 1)}
+
+
+def main(argv: list | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--repeat", type=int, default=20)
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    _setup()
+    rows = []
+    for shape in SHAPES:
+        for way, (fn, trainable) in _ways().items():
+            rows.append(_case(shape, way, fn, trainable, args.repeat))
+            print(json.dumps(rows[-1]), flush=True)
+    base = {(r["shape"], r["way"].startswith("frozen")): r["ms"] for r in rows if r["way"] in ("bf16", "frozen_bf16")}
+    for r in rows:
+        r["speedup"] = round(base[(r["shape"], r["way"].startswith("frozen"))] / r["ms"], 2)
+    machine = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    with open(os.path.join(args.out, "fp8.json"), "w") as f:
+        json.dump({"machine": machine, "tokens": TOKENS, "rows": rows}, f, indent=1)
+    lines = [f"# FP8 linears against Megatron's bf16 function ({machine}; {TOKENS} tokens, forward + backward)", "",
+             "| shape (in -> out) | way | ms | TFLOP/s | speed-up | extra MiB |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        k, n = SHAPES[r["shape"]]
+        lines.append(f"| {r['shape']} ({k} -> {n}) | {r['way']} | {r['ms']} | {r['tflops']} | {r['speedup']}x | "
+                     f"{r['extra_mib']} |")
+    with open(os.path.join(args.out, "fp8.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""FP8 linears on a GPU with FP8 tensor cores: the Triton cast against its torch reference bit for bit, and each
+scaled GEMM (cuBLAS through ``torch._scaled_mm``), forward and backward, against the FP8 operands' fp32 product and
+within the recipe's tolerance of bf16 (the CPU suite's check, tests/models/test_fp8.py, on CUDA).
+
+Run: ``python -m pytest tests/gpu/test_fp8_gpu.py -q`` (skipped without CUDA or below compute capability 8.9).
+"""
+
+import pytest
+import torch
+
+from tests.models.test_fp8 import RECIPES, check_scaled_gemms
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs FP8 tensor cores")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("axis", [0, 1, 2], ids=["tensor", "row", "column"])
+def test_triton_cast_is_the_torch_cast(dtype, axis):
+    from llamafactory_mca.models.native import fp8
+    from llamafactory_mca.models.native.fp8_triton import cast
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1000, 200, device="cuda", dtype=torch.bfloat16, generator=g) * 30  # edges not multiples of 64
+    x[7, 3] = 1e5  # saturates
+    scale = {0: torch.tensor(3.0, device="cuda"), 1: torch.rand(1000, device="cuda", generator=g) * 4,
+             2: torch.rand(200, device="cuda", generator=g) * 4}[axis]
+    got, got_t = cast(x, scale, axis, dtype, True, True)
+    want, want_t = fp8.cast_torch(x, scale, axis, dtype, True, True)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(got_t.view(torch.uint8), want_t.view(torch.uint8))
+    strided = torch.randn(64, 400, device="cuda", dtype=torch.bfloat16, generator=g)[:, :128]  # a row stride
+    assert torch.equal(cast(strided, scale[:64] if axis == 1 else scale[:128] if axis == 2 else scale, axis, dtype,
+                            True, False)[0].view(torch.uint8),
+                       fp8.cast_torch(strided, scale[:64] if axis == 1 else scale[:128] if axis == 2 else scale, axis,
+                                      dtype, True, False)[0].view(torch.uint8))
+
+
+@pytest.mark.parametrize("recipe,fmt", RECIPES)
+@pytest.mark.parametrize("trainable", [True, False], ids=["trained", "frozen"])
+def test_scaled_gemms_on_cuda(recipe, fmt, trainable):
+    check_scaled_gemms(recipe, fmt, trainable, "cuda")
