@@ -41,3 +41,32 @@ def test_triton_cast_is_the_torch_cast(dtype, axis):
 @pytest.mark.parametrize("trainable", [True, False], ids=["trained", "frozen"])
 def test_scaled_gemms_on_cuda(recipe, fmt, trainable):
     check_scaled_gemms(recipe, fmt, trainable, "cuda")
+
+
+@pytest.mark.parametrize("counts", [[32, 0, 48, 16], [5, 0, 9, 3]], ids=["aligned", "unaligned"])
+def test_grouped_fp8_gemms_on_cuda(counts):
+    """The experts' forward and input-gradient GEMMs on ``torch._scaled_grouped_mm`` against the same FP8 operands
+    multiplied expert by expert in fp32, and near the bf16 product (groups of any size, an empty one among them)."""
+    from llamafactory_mca.models.native import fp8
+
+    e4m3 = torch.float8_e4m3fn
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = sum(counts)
+    x = torch.randn(rows, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(4, 128, 96, device="cuda", dtype=torch.bfloat16, generator=g) * 0.05
+    dy = torch.randn(rows, 96, device="cuda", dtype=torch.bfloat16, generator=g)
+    offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    for a_hp, contracted, exact in ((x, 1, lambda e, s: x[s].float() @ w[e].float()),
+                                    (dy, 2, lambda e, s: dy[s].float() @ w[e].float().t())):
+        a = fp8.per_row(a_hp, e4m3, 1)
+        b, scale_b = fp8.stacked_operand(w, e4m3, contracted)
+        got = fp8.grouped_mm(a, b, scale_b, offs, torch.bfloat16).float()
+        start = 0
+        for e, end in enumerate(torch.tensor(counts).cumsum(0).tolist()):
+            if end > start:
+                rows_e = slice(start, end)
+                want = (a.data[rows_e].float() * a.scale_inv[rows_e]) @ (b[e].float() * scale_b[e][None, :])
+                assert ((got[rows_e] - want).norm() / want.norm()) < 4e-3, (contracted, e)
+                near = exact(e, rows_e)
+                assert ((got[rows_e] - near).norm() / near.norm()) < 0.05, (contracted, e)
+            start = end

@@ -34,6 +34,9 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.transformer.moe import grouped_gemm_util
 from megatron.core.transformer.moe.experts import GroupedMLP
 
+from .fp8 import Fp8Training, per_row, stacked_operand
+from .fp8 import aligned as fp8_aligned
+from .fp8 import grouped_mm as fp8_grouped_mm
 from .swiglu_triton import weighted_bias_swiglu_impl
 from .wgrad import add_grouped_wgrad, placeholder_grad
 
@@ -43,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 class NativeGroupedMLP(GroupedMLP):
     """All local experts in two grouped GEMMs (``torch._grouped_mm``), parameters and checkpoints as GroupedMLP."""
+
+    fp8: Fp8Training | None = None
 
     def __init__(self, num_local_experts: int, config, pg_collection=None) -> None:
         # The parent refuses biases and any GLU but silu's and gelu's; both are ours here (the biases below, the
@@ -130,9 +135,12 @@ class NativeGroupedMLP(GroupedMLP):
     def _expert_mm(self, x: torch.Tensor, param: torch.Tensor, weights: torch.Tensor,
                    counts: torch.Tensor) -> torch.Tensor:
         """``grouped_mm`` with ``weights`` (a per-expert view of ``param``); where the config fuses gradient
-        accumulation and DDP gave ``param`` a ``main_grad``, its gradient is added there in the backward."""
-        if (self.config.gradient_accumulation_fusion and param.requires_grad and hasattr(param, "main_grad")
-                and grouped_mm_usable(x, weights)):
+        accumulation and DDP gave ``param`` a ``main_grad``, its gradient is added there in the backward. In a
+        layer FP8 covers (``fp8.use_fp8`` sets ``self.fp8``) the forward and input gradient run in FP8."""
+        into = self.config.gradient_accumulation_fusion and param.requires_grad and hasattr(param, "main_grad")
+        if self.fp8 is not None and grouped_mm_usable(x, weights) and fp8_aligned(*weights.shape[1:]):
+            return _Fp8GroupedMM.apply(x, param, _offsets(x, counts), weights.shape, into)
+        if into and grouped_mm_usable(x, weights):
             return _GroupedMMIntoMainGrad.apply(x, param, _offsets(x, counts), weights.shape)
         return grouped_mm(x, weights, counts)
 
@@ -217,6 +225,35 @@ class _GroupedMMIntoMainGrad(torch.autograd.Function):
         grad_x = torch._grouped_mm(grad, param.view(ctx.shape).transpose(-2, -1), offs=offs)
         add_grouped_wgrad(param.main_grad.view(ctx.shape), x, grad, offs)
         return grad_x, placeholder_grad(param, x.dtype), None, None
+
+
+class _Fp8GroupedMM(torch.autograd.Function):
+    """``x @ param.view(shape)[e]`` per expert group with the forward and the input gradient on
+    ``torch._scaled_grouped_mm`` (E4M3, a scale per token row and per expert column: the grouped FP8 GEMM of Hopper
+    takes rowwise scales only) and the weight gradient in bf16, as ``_GroupedMMIntoMainGrad`` computes it (its
+    contraction runs over each expert's tokens, whose per-group scaling the grouped GEMM does not take)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, param: torch.Tensor, offs: torch.Tensor, shape: torch.Size, into: bool):
+        e4m3 = torch.float8_e4m3fn
+        ctx.save_for_backward(x, param, offs)
+        ctx.shape, ctx.into = shape, into
+        return fp8_grouped_mm(per_row(x, e4m3, 1), *stacked_operand(param.view(shape), e4m3, 1), offs, x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, param, offs = ctx.saved_tensors
+        grad = grad.contiguous()
+        e4m3 = torch.float8_e4m3fn
+        weights = param.view(ctx.shape)
+        grad_x = fp8_grouped_mm(per_row(grad, e4m3, 1), *stacked_operand(weights, e4m3, 2), offs, grad.dtype)
+        grad_param = None
+        if ctx.into:
+            add_grouped_wgrad(param.main_grad.view(ctx.shape), x, grad, offs)
+            grad_param = placeholder_grad(param, x.dtype)
+        elif param.requires_grad:
+            grad_param = torch._grouped_mm(x.t(), grad, offs=offs).view(param.shape)
+        return grad_x, grad_param, None, None, None
 
 
 def _loop_mm(x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:

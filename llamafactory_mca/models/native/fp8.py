@@ -39,6 +39,7 @@ from megatron.core.tensor_parallel.layers import (
     dist_all_gather_func,
     dist_reduce_scatter_func,
 )
+from megatron.core.transformer.moe.experts import GroupedMLP
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from . import wgrad
@@ -85,7 +86,8 @@ class Fp8Training:
                  "forward and input gradient; weight gradient in bf16")
         grads = ", gradients E5M2" if self.format == "hybrid" else ""
         return (f"FP8 {self.recipe} E4M3{grads} (torch._scaled_mm: {gemms}) on the attention and MLP linears of "
-                f"{where}; embedding, output layer, router, norms, attention and MoE experts in bf16")
+                f"{where}, their MoE experts' forward and input gradient rowwise in E4M3 (torch._scaled_grouped_mm); "
+                "embedding, output layer, router, norms and attention scores in bf16")
 
 
 FIELDS = ("fp8", "fp8_recipe", "fp8_wgrad", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
@@ -129,10 +131,10 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, axis: int, dtype: torch.dtype, r
 def cast_torch(x: torch.Tensor, scale: torch.Tensor, axis: int, dtype: torch.dtype, rows: bool, cols: bool
                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The Triton kernel's cast (``fp8_triton.cast``) in torch ops: what CPUs run, and its reference."""
-    s = scale if axis == 0 else scale[:, None] if axis == 1 else scale[None, :]
+    s = scale if axis == 0 else scale.unsqueeze(-1) if axis == 1 else scale.unsqueeze(-2)
     fmax = torch.finfo(dtype).max
     y = (x.float() * s).clamp(-fmax, fmax).to(dtype)
-    return (y.contiguous() if rows else None), (y.t().contiguous() if cols else None)
+    return (y.contiguous() if rows else None), (y.transpose(-2, -1).contiguous() if cols else None)
 
 
 def _scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -162,6 +164,29 @@ def mm(a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: bool) -> torc
     scale_b = b.scale_inv.reshape(1, -1) if b.scale_inv.dim() else b.scale_inv
     return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale_inv, scale_b=scale_b, out_dtype=out_dtype,
                             use_fast_accum=fast_accum)
+
+
+def stacked_operand(w: torch.Tensor, dtype: torch.dtype, contracted: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experts' weights ``w`` [experts, k, n] as ``torch._scaled_grouped_mm``'s second operand of a GEMM contracting
+    dimension ``contracted`` (1: k, the forward; 2: n, the input gradient): column-major per expert, a scale per
+    expert and output column; (operand, its inverse scales)."""
+    scale = _scale(_amax(w, dim=contracted), dtype)
+    if contracted == 1:
+        return _cast(w, scale, 2, dtype, False, True)[1].transpose(-2, -1), scale.reciprocal()
+    return _cast(w, scale, 1, dtype, True, False)[0].transpose(-2, -1), scale.reciprocal()
+
+
+def grouped_mm(a: Operand, b: torch.Tensor, scale_b: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype
+               ) -> torch.Tensor:
+    """Rows of ``a`` grouped by expert (``offs``: where each group ends) times ``b[e]`` (``stacked_operand``)."""
+    if a.data.is_cuda:
+        return torch._scaled_grouped_mm(a.data, b, a.scale_inv.view(-1), scale_b, offs=offs, out_dtype=out_dtype)
+    out, start = [], 0  # CPUs have no grouped FP8 GEMM: the same products expert by expert
+    for e, end in enumerate(offs.tolist()):
+        out.append(torch._scaled_mm(a.data[start:end], b[e], scale_a=a.scale_inv[start:end],
+                                    scale_b=scale_b[e][None, :], out_dtype=out_dtype))
+        start = end
+    return torch.cat(out)
 
 
 def _gather(input: torch.Tensor, group: Any) -> torch.Tensor:
@@ -267,7 +292,7 @@ class Fp8ForwardImpl:
     def __call__(self, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
                  tp_group=None, grad_output_buffer=None, wgrad_deferral_limit=None, **rest):
         tokens = input.numel() // input.shape[-1] * (tp_group.size() if sequence_parallel else 1)
-        if grad_output_buffer is not None or rest or not _aligned(tokens, *weight.shape):
+        if grad_output_buffer is not None or rest or not aligned(tokens, *weight.shape):
             return self.bf16(input=input, weight=weight, bias=bias,
                              gradient_accumulation_fusion=gradient_accumulation_fusion,
                              allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel, tp_group=tp_group,
@@ -276,21 +301,22 @@ class Fp8ForwardImpl:
                                 sequence_parallel, tp_group)
 
 
-def _aligned(*dims: int) -> bool:
+def aligned(*dims: int) -> bool:
     unaligned = [d for d in dims if d % ALIGN]
-    if unaligned and not _aligned.warned:
-        _aligned.warned = True
+    if unaligned and not aligned.warned:
+        aligned.warned = True
         logger.warning("FP8: a GEMM with dimensions %s (not multiples of %d, torch._scaled_mm's rule) runs in bf16; "
                        "cutoff_len and pack lengths in multiples of %d keep every GEMM in FP8.", dims, ALIGN, ALIGN)
     return not unaligned
 
 
-_aligned.warned = False
+aligned.warned = False
 
 
 def use_fp8(chunks: list[torch.nn.Module], fp8: Fp8Training, num_layers: int) -> int:
-    """Route the parallel linears of the decoder layers ``fp8`` covers through FP8; the number routed. The
-    multi-token-prediction layers, the output layer and anything outside the decoder's layers stay bf16."""
+    """Route the parallel linears and grouped experts of the decoder layers ``fp8`` covers through FP8; the number
+    routed. The multi-token-prediction layers, the output layer and anything outside the decoder's layers stay
+    bf16."""
     routed = 0
     for chunk in chunks:
         for name, layer in chunk.named_modules():
@@ -301,5 +327,8 @@ def use_fp8(chunks: list[torch.nn.Module], fp8: Fp8Training, num_layers: int) ->
                 if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and \
                         not isinstance(module._forward_impl, Fp8ForwardImpl):
                     module._forward_impl = Fp8ForwardImpl(module._forward_impl, fp8)
+                    routed += 1
+                elif isinstance(module, GroupedMLP):  # ours (experts.NativeGroupedMLP) reads it in its GEMMs
+                    module.fp8 = fp8
                     routed += 1
     return routed

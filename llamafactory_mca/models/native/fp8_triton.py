@@ -19,8 +19,12 @@ BLOCK = 64
 
 
 @triton.jit(do_not_specialize=["m"])
-def _cast(x_ptr, scale_ptr, out_ptr, out_t_ptr, m, n, stride_x, FP8_MAX: tl.constexpr, AXIS: tl.constexpr,
-          ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _cast(x_ptr, scale_ptr, out_ptr, out_t_ptr, m, n, stride_x, stride_batch, FP8_MAX: tl.constexpr,
+          AXIS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    batch = tl.program_id(2).to(tl.int64)  # a stack of matrices (the experts' weights): one after the other
+    x_ptr += batch * stride_batch
+    out_ptr += batch * m * n
+    out_t_ptr += batch * m * n
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     live = (rm < m)[:, None] & (rn < n)[None, :]
@@ -28,9 +32,9 @@ def _cast(x_ptr, scale_ptr, out_ptr, out_t_ptr, m, n, stride_x, FP8_MAX: tl.cons
     if AXIS == 0:  # one scale for the tensor
         y = x * tl.load(scale_ptr)
     elif AXIS == 1:  # a scale per row
-        y = x * tl.load(scale_ptr + rm, mask=rm < m, other=1.0)[:, None]
+        y = x * tl.load(scale_ptr + batch * m + rm, mask=rm < m, other=1.0)[:, None]
     else:  # a scale per column
-        y = x * tl.load(scale_ptr + rn, mask=rn < n, other=1.0)[None, :]
+        y = x * tl.load(scale_ptr + batch * n + rn, mask=rn < n, other=1.0)[None, :]
     y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
     if ROWS:
         tl.store(out_ptr + rm[:, None].to(tl.int64) * n + rn[None, :], y.to(out_ptr.dtype.element_ty), mask=live)
@@ -41,12 +45,14 @@ def _cast(x_ptr, scale_ptr, out_ptr, out_t_ptr, m, n, stride_x, FP8_MAX: tl.cons
 
 def cast(x: torch.Tensor, scale: torch.Tensor, axis: int, dtype: torch.dtype, rows: bool, cols: bool
          ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``x`` [m, n] (unit stride along n) times ``scale`` (0: one, 1: [m], 2: [n]), saturated and rounded to
-    ``dtype``: ([m, n] if ``rows``, [n, m] if ``cols``), both contiguous."""
-    m, n = x.shape
-    out = torch.empty((m, n), dtype=dtype, device=x.device) if rows else None
-    out_t = torch.empty((n, m), dtype=dtype, device=x.device) if cols else None
-    grid = (triton.cdiv(m, BLOCK), triton.cdiv(n, BLOCK))
-    _cast[grid](x, scale, out if rows else out_t, out_t if cols else out, m, n, x.stride(0),
-                FP8_MAX=torch.finfo(dtype).max, AXIS=axis, ROWS=rows, COLS=cols, BLOCK_M=BLOCK, BLOCK_N=BLOCK)
+    """``x`` [m, n] or [batch, m, n] (unit stride along n) times ``scale`` (0: one, 1: [(batch,) m], 2: [(batch,)
+    n]), saturated and rounded to ``dtype``: ([m, n] if ``rows``, [n, m] if ``cols``) per matrix, contiguous."""
+    *batch, m, n = x.shape
+    count = batch[0] if batch else 1
+    out = torch.empty((*batch, m, n), dtype=dtype, device=x.device) if rows else None
+    out_t = torch.empty((*batch, n, m), dtype=dtype, device=x.device) if cols else None
+    grid = (triton.cdiv(m, BLOCK), triton.cdiv(n, BLOCK), count)
+    _cast[grid](x, scale, out if rows else out_t, out_t if cols else out, m, n, x.stride(-2),
+                x.stride(0) if batch else 0, FP8_MAX=torch.finfo(dtype).max, AXIS=axis, ROWS=rows, COLS=cols,
+                BLOCK_M=BLOCK, BLOCK_N=BLOCK)
     return out, out_t
