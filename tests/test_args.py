@@ -1,6 +1,7 @@
 """The argument layer: the guide's recipe parses three ways, bad combinations fail loudly, layouts check out."""
 
 import json
+import os
 
 import pytest
 import yaml
@@ -137,7 +138,12 @@ INVALID = [
     ({"fp8_recipe": "delayed"}, ["fp8_recipe", "fp8"]),
     ({"fp8_param": True}, ["fp8_param", "fp8"]),
     ({"fp8": "e5m2"}, ["fp8", "e5m2"]),
-    ({"fp8": "hybrid"}, ["fp8", "Transformer Engine"]),
+    ({"fp8": "hybrid"}, ["fp8='hybrid' needs GPUs with FP8 tensor cores", "no NVIDIA GPU", "Drop fp8"]),  # CPU
+    ({"fp8": "e4m3", "fp8_recipe": "delayed"}, ["fp8_recipe='delayed' needs Transformer Engine", "tensorwise or "
+                                                                                                 "rowwise"]),
+    ({"fp8": "e4m3", "fp8_param": True}, ["fp8_param=True", "Transformer Engine", "Drop fp8_param"]),
+    ({"first_last_layers_bf16": True}, ["first_last_layers_bf16=True needs fp8"]),
+    ({"fp8": "e4m3", "num_layers_at_end_in_bf16": -1}, ["num_layers_at_end_in_bf16=-1 must be >= 0"]),
     ({"moe_token_dispatcher_type": "flex"}, ["moe_token_dispatcher_type", "flex"]),
     ({"moe_router_dtype": "bf16"}, ["moe_router_dtype"]),
     ({"moe_pad_expert_input_to_capacity": True}, ["moe_pad_expert_input_to_capacity", "moe_expert_capacity_factor"]),
@@ -165,6 +171,27 @@ def test_invalid_combinations_name_their_fields(overrides, names):
         MegatronArguments(**overrides)
     for name in names:
         assert name in str(err.value), (name, str(err.value))
+
+
+def test_fp8_asks_the_gpus_and_reads_llamafactorys_spelling(tmp_path, monkeypatch):
+    """FP8 runs where nvidia-smi names GPUs of compute capability 8.9+ (asked before any CUDA context); LLaMA-Factory's
+    ``fp8: true`` is its torchao default, E4M3 rowwise; Megatron's formats default to tensorwise."""
+    from llamafactory_mca.models.native.fp8 import FIELDS, Fp8Training, from_fields
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 9.0'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    args = MegatronArguments(fp8=True)
+    assert (args.fp8, args.fp8_recipe) == ("e4m3", "rowwise")
+    assert MegatronArguments(fp8="true", fp8_recipe="tensorwise").fp8_recipe == "tensorwise"
+    assert MegatronArguments(fp8="false").fp8 is None
+    config = MegatronArguments(fp8="hybrid", num_layers_at_start_in_bf16=2).get_config_dict()
+    settings = from_fields({k: config[k] for k in FIELDS if k in config})
+    assert settings == Fp8Training("hybrid", "tensorwise", True, 2, 1)
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 9.0'\necho 'NVIDIA A100-SXM4-80GB, 8.0'\n")
+    with pytest.raises(ValueError, match=r"and NVIDIA A100-SXM4-80GB \(8.0\) has not\. Drop fp8"):
+        MegatronArguments(fp8="e4m3")
 
 
 def test_deepspeed_and_double_precision_are_refused(tmp_path):

@@ -425,6 +425,7 @@ BAD_INPUTS = [
     ("two precisions", {"bf16": True, "fp16": True}, 1, ["bf16=True and fp16=True: choose one precision"]),
     ("deepspeed", {"deepspeed": "ds_z3_config.json"}, 1, ["deepspeed='ds_z3_config.json' cannot be combined"]),
     ("recompute", {"recompute_granularity": "sometimes"}, 1, ["recompute_granularity='sometimes' is not one of"]),
+    ("FP8 on a CPU", {"fp8": True}, 1, ["fp8='e4m3' needs GPUs with FP8 tensor cores", "no NVIDIA GPU", "Drop fp8"]),
     ("dispatcher", {"moe_token_dispatcher_type": "teleport"}, 1, ["moe_token_dispatcher_type='teleport'"]),
     ("VPP without PP", {"virtual_pipeline_model_parallel_size": 2}, 1,
      ["virtual_pipeline_model_parallel_size=2 needs pipeline_model_parallel_size > 1"]),

@@ -600,8 +600,8 @@ def test_prepare_config_turns_off_or_refuses(caplog):
             assert spec.prepare_config({"apply_rope_fusion": True, unsupported: True})["apply_rope_fusion"] is False
     assert "apply_rope_fusion=True turned off" in caplog.text
     assert spec.prepare_config({"attention_backend": "local"})["attention_backend"] is AttnBackend.local
-    with pytest.raises(ValueError, match="fp8"):
-        spec.prepare_config({"fp8": "hybrid"})
+    with pytest.raises(ValueError, match="fp4"):
+        spec.prepare_config({"fp4": "nvfp4"})
     with pytest.raises(ValueError, match="context parallelism"):
         spec.prepare_config({"attention_backend": "local", "context_parallel_size": 2})
 
