@@ -10,6 +10,8 @@
 - ``wgrad.py``: weight-gradient accumulation into fp32 main_grad without apex (torch's addmm with out_dtype; for
   the MoE experts ``grouped_wgrad.py``'s Triton GEMM on GPUs, torch's grouped GEMM and an add elsewhere)
 - ``tower_attention.py``: the HF vision towers' attention in one ``varlen_attn`` call per block
+- ``fp8.py``: FP8 GEMMs without TE (``fp8``/``fp8_recipe``): the parallel linears' matmul function on
+  ``torch._scaled_mm``, the grouped experts' on ``torch._scaled_grouped_mm``; ``fp8_triton.py`` its cast
 - ``routing.py``: group-limited routing (DeepSeek-V3) with transformers' group score
 
 - ``norm_triton.py``, ``rope_triton.py``, ``swiglu_triton.py``, ``loss_triton.py``, ``combine_triton.py``: the q/k
