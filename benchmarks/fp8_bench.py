@@ -81,7 +81,22 @@ def _time(fn, repeat: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def _case(shape: str, way: str, fn, trainable: bool, repeat: int) -> dict:
+def _profile(shape: str, way: str, fn, trainable: bool, out: str) -> None:
+    """The kernels of five forward + backward calls of one way, by GPU time (``--profile``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = _case(shape, way, fn, trainable, 1, keep=True)
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70)
+    with open(os.path.join(out, f"profile_{shape}_{way}.txt"), "w") as f:
+        f.write(table)
+    print(f"== profile {shape} {way}\n{table}", flush=True)
+
+
+def _case(shape: str, way: str, fn, trainable: bool, repeat: int, keep: bool = False):
     k, n = SHAPES[shape]
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(TOKENS, 1, k, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -98,6 +113,8 @@ def _case(shape: str, way: str, fn, trainable: bool, repeat: int) -> dict:
 
     step()
     torch.cuda.synchronize()
+    if keep:
+        return step
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     step()
@@ -112,9 +129,16 @@ def main(argv: list | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--profile", default="", help="SHAPE:WAY,...: profile these instead of timing all")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     _setup()
+    if args.profile:
+        ways = _ways()
+        for item in args.profile.split(","):
+            shape, way = item.split(":")
+            _profile(shape, way, *ways[way], args.out)
+        return
     rows = []
     for shape in SHAPES:
         for way, (fn, trainable) in _ways().items():

@@ -238,7 +238,8 @@ class _Fp8GroupedMM(torch.autograd.Function):
         e4m3 = torch.float8_e4m3fn
         ctx.save_for_backward(x, param, offs)
         ctx.shape, ctx.into = shape, into
-        return fp8_grouped_mm(per_row(x, e4m3, 1), *stacked_operand(param.view(shape), e4m3, 1), offs, x.dtype)
+        out = fp8_grouped_mm(per_row(x, e4m3, 1), *stacked_operand(param.view(shape), e4m3, 1), offs, x.dtype)
+        return out[: x.shape[0]]  # the cast's zero rows (alignment) off
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -247,6 +248,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
         e4m3 = torch.float8_e4m3fn
         weights = param.view(ctx.shape)
         grad_x = fp8_grouped_mm(per_row(grad, e4m3, 1), *stacked_operand(weights, e4m3, 2), offs, grad.dtype)
+        grad_x = grad_x[: grad.shape[0]]
         grad_param = None
         if ctx.into:
             add_grouped_wgrad(param.main_grad.view(ctx.shape), x, grad, offs)

@@ -23,7 +23,8 @@ Memory: tensorwise keeps the input for the weight gradient in FP8, already trans
 rowwise keeps it in bf16 (its weight gradient needs it scaled along the other dimension); a frozen weight (LoRA's
 base) keeps no input at all. The FP8 copies of a weight live only during its GEMMs.
 
-A GEMM whose dimensions are not multiples of 16 (``_scaled_mm``'s rule) runs Megatron's bf16 function instead.
+``_scaled_mm`` takes dimensions in multiples of 16: the casts pad the tokens with zero rows (a pack of any length
+runs in FP8); a linear whose features are not multiples of 16 runs Megatron's bf16 function instead.
 """
 
 from __future__ import annotations
@@ -118,23 +119,31 @@ def _amax(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return torch.maximum(high.float(), low.float().neg())
 
 
-def _cast(x: torch.Tensor, scale: torch.Tensor, axis: int, dtype: torch.dtype, rows: bool, cols: bool
-          ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _cast(x: torch.Tensor, scale: torch.Tensor, axis: int, dtype: torch.dtype, rows: bool, cols: bool,
+          m_out: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     x = x if x.stride(-1) == 1 else x.contiguous()
     if x.is_cuda:
         from .fp8_triton import cast  # here: Triton comes with CUDA builds of torch only
 
-        return cast(x, scale, axis, dtype, rows, cols)
-    return cast_torch(x, scale, axis, dtype, rows, cols)
+        return cast(x, scale, axis, dtype, rows, cols, m_out)
+    return cast_torch(x, scale, axis, dtype, rows, cols, m_out)
 
 
-def cast_torch(x: torch.Tensor, scale: torch.Tensor, axis: int, dtype: torch.dtype, rows: bool, cols: bool
-               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def cast_torch(x: torch.Tensor, scale: torch.Tensor, axis: int, dtype: torch.dtype, rows: bool, cols: bool,
+               m_out: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The Triton kernel's cast (``fp8_triton.cast``) in torch ops: what CPUs run, and its reference."""
     s = scale if axis == 0 else scale.unsqueeze(-1) if axis == 1 else scale.unsqueeze(-2)
     fmax = torch.finfo(dtype).max
-    y = (x.float() * s).clamp(-fmax, fmax).to(dtype)
+    y = (x.float() * s).clamp(-fmax, fmax)
+    if m_out is not None and m_out > x.shape[-2]:
+        y = torch.nn.functional.pad(y, (0, 0, 0, m_out - x.shape[-2]))
+    y = y.to(dtype)
     return (y.contiguous() if rows else None), (y.transpose(-2, -1).contiguous() if cols else None)
+
+
+def padded(rows: int) -> int:
+    """Rows rounded up to ``_scaled_mm``'s multiple (the casts write the extra rows as zeros)."""
+    return -(-rows // ALIGN) * ALIGN
 
 
 def _scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -144,18 +153,22 @@ def _scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def per_tensor(x: torch.Tensor, dtype: torch.dtype, rows: bool = True, cols: bool = False,
                scale: torch.Tensor | None = None) -> tuple[Operand | None, Operand | None, torch.Tensor]:
     """``x`` [m, n] under one scale (from its absolute maximum unless given): as the operand of a GEMM contracting n
-    (``rows``) and of one contracting m (``cols``, its transpose), in one pass; and the scale."""
+    (``rows``) and of one contracting m (``cols``, its transpose), in one pass, m padded with zero rows to the
+    GEMM's multiple; and the scale."""
     scale = _scale(_amax(x), dtype) if scale is None else scale
-    data, data_t = _cast(x, scale, 0, dtype, rows, cols)
+    data, data_t = _cast(x, scale, 0, dtype, rows, cols, padded(x.shape[0]))
     inv = scale.reciprocal()
     return (Operand(data, inv) if rows else None), (Operand(data_t, inv) if cols else None), scale
 
 
 def per_row(x: torch.Tensor, dtype: torch.dtype, contracted: int) -> Operand:
     """``x`` [m, n] as the operand of a GEMM contracting dimension ``contracted``, a scale per row of that operand
-    (contracted 1: x itself, a scale per row of x; 0: x^T, a scale per column of x)."""
+    (contracted 1: x itself, a scale per row of x; 0: x^T, a scale per column of x), m padded with zero rows."""
+    m = x.shape[0]
     scale = _scale(_amax(x, dim=contracted), dtype)
-    data, data_t = _cast(x, scale, 1 if contracted == 1 else 2, dtype, contracted == 1, contracted == 0)
+    data, data_t = _cast(x, scale, 1 if contracted == 1 else 2, dtype, contracted == 1, contracted == 0, padded(m))
+    if contracted == 1 and padded(m) > m:
+        scale = torch.nn.functional.pad(scale, (0, padded(m) - m), value=1.0)
     return Operand(data if contracted == 1 else data_t, scale.reciprocal()[:, None])
 
 
@@ -215,7 +228,7 @@ class _Fp8Linear(torch.autograd.Function):
         else:
             x_rows, x_cols, _ = per_tensor(x, fp8.dtype(), cols=keep_t)
             w_rows, _, w_scale = per_tensor(weight, fp8.dtype())
-        out = mm(x_rows, w_rows, x.dtype, fast_accum=True).view(*total.shape[:-1], weight.shape[0])
+        out = mm(x_rows, w_rows, x.dtype, fast_accum=True)[: x.shape[0]].view(*total.shape[:-1], weight.shape[0])
         if bias is not None:
             out = out + bias
         kept = (x_cols.data, x_cols.scale_inv) if keep_t else (input,) if trainable else ()
@@ -244,7 +257,7 @@ class _Fp8Linear(torch.autograd.Function):
             if ctx.sequence_parallel:
                 total_x = _gather(total_x, ctx.tp_group)
             total_x = total_x.reshape(-1, total_x.shape[-1])
-        grad_input = mm(g_rows, w_cols, g.dtype, fast_accum=False).view(ctx.total_shape)
+        grad_input = mm(g_rows, w_cols, g.dtype, fast_accum=False)[: g.shape[0]].view(ctx.total_shape)
 
         handle = None
         if ctx.allreduce_dgrad:  # overlapped with the weight gradient, as Megatron's
@@ -291,8 +304,7 @@ class Fp8ForwardImpl:
 
     def __call__(self, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
                  tp_group=None, grad_output_buffer=None, wgrad_deferral_limit=None, **rest):
-        tokens = input.numel() // input.shape[-1] * (tp_group.size() if sequence_parallel else 1)
-        if grad_output_buffer is not None or rest or not aligned(tokens, *weight.shape):
+        if grad_output_buffer is not None or rest or not aligned(*weight.shape):
             return self.bf16(input=input, weight=weight, bias=bias,
                              gradient_accumulation_fusion=gradient_accumulation_fusion,
                              allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel, tp_group=tp_group,
@@ -305,8 +317,8 @@ def aligned(*dims: int) -> bool:
     unaligned = [d for d in dims if d % ALIGN]
     if unaligned and not aligned.warned:
         aligned.warned = True
-        logger.warning("FP8: a GEMM with dimensions %s (not multiples of %d, torch._scaled_mm's rule) runs in bf16; "
-                       "cutoff_len and pack lengths in multiples of %d keep every GEMM in FP8.", dims, ALIGN, ALIGN)
+        logger.warning("FP8: a layer of %s features (not multiples of %d, torch._scaled_mm's rule) runs in bf16.",
+                       dims, ALIGN)
     return not unaligned
 
 
