@@ -519,11 +519,15 @@ def _fp8_workloads(smoke: bool, cut: int, packed: tuple, lora: dict) -> list[Wor
     about = ("`ours_fp8`: `fp8: hybrid` (tensorwise scaling, gradients in E5M2); `ours_fp8_rowwise`: `fp8: e4m3`, "
              "`fp8_recipe: rowwise`; both keep the first and last layer in bf16 (the default)")
     return [
-        Workload("fp8_dense", "dense8b", cut, packed, _pair(1, 8, "1 GPU") + _fp8_runs(), steps=8, warmup=3,
+        Workload("fp8_dense", "dense8b", cut, packed,
+                 _pair(1, 8, "1 GPU") + _fp8_runs()
+                 + [Run("ours_graphs", "ours", 1, True, 1, 8, "1 GPU, CUDA graphs", {"cuda_graphs": True}),
+                    Run("ours_graphs_fp8", "ours", 1, True, 1, 8, "1 GPU, CUDA graphs, FP8 tensorwise (hybrid)",
+                        dict(FP8["tensorwise"], cuda_graphs=True))], steps=8, warmup=3,
                  layers=2 if smoke else 8,
                  about=f"full fine-tuning of 8 of the 36 layers (with the embedding and output layer and their Adam "
                        f"states, about what one 80 GB GPU holds), {cut}-token packed micro-batches, global batch 8; "
-                       + about),
+                       + about + "; `ours_graphs*`: every layer replayed as a CUDA graph"),
         Workload("fp8_lora", "dense8b", cut, packed, _pair(1, 8, "1 GPU", lf_layout="1 GPU, gradient checkpointing "
                                                             "(LF default)") + _fp8_runs(),
                  steps=8, warmup=3, layers=None if smoke else 36, tuning=lora,

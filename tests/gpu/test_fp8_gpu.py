@@ -18,23 +18,24 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("axis", [0, 1, 2], ids=["tensor", "row", "column"])
 def test_triton_cast_is_the_torch_cast(dtype, axis):
+    """Data (both layouts, zero rows to the GEMM's multiple) and inverse scales, bit for bit; edges not multiples of
+    the kernel's blocks, a saturating value, a row stride, a stack of matrices."""
     from llamafactory_mca.models.native import fp8
     from llamafactory_mca.models.native.fp8_triton import cast
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(1000, 200, device="cuda", dtype=torch.bfloat16, generator=g) * 30  # edges not multiples of 64
-    x[7, 3] = 1e5  # saturates
-    scale = {0: torch.tensor(3.0, device="cuda"), 1: torch.rand(1000, device="cuda", generator=g) * 4,
-             2: torch.rand(200, device="cuda", generator=g) * 4}[axis]
-    got, got_t = cast(x, scale, axis, dtype, True, True)
-    want, want_t = fp8.cast_torch(x, scale, axis, dtype, True, True)
-    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-    assert torch.equal(got_t.view(torch.uint8), want_t.view(torch.uint8))
-    strided = torch.randn(64, 400, device="cuda", dtype=torch.bfloat16, generator=g)[:, :128]  # a row stride
-    assert torch.equal(cast(strided, scale[:64] if axis == 1 else scale[:128] if axis == 2 else scale, axis, dtype,
-                            True, False)[0].view(torch.uint8),
-                       fp8.cast_torch(strided, scale[:64] if axis == 1 else scale[:128] if axis == 2 else scale, axis,
-                                      dtype, True, False)[0].view(torch.uint8))
+    x = torch.randn(1000, 200, device="cuda", dtype=torch.bfloat16, generator=g) * 30
+    x[7, 3] = 1e5
+    cases = [(x, 1008), (torch.randn(64, 400, device="cuda", dtype=torch.bfloat16, generator=g)[:, :128], None),
+             (torch.randn(3, 96, 80, device="cuda", dtype=torch.bfloat16, generator=g), None)]
+    for tensor, m_out in cases:
+        dim = None if axis == 0 else -1 if axis == 1 else -2
+        amax = torch.linalg.vector_norm(tensor, float("inf"), dim=dim) / 4  # some values saturate
+        got = cast(tensor, amax, axis, dtype, True, True, m_out)
+        want = fp8.cast_torch(tensor, amax, axis, dtype, True, True, m_out)
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)), tensor.shape
+        assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8)), tensor.shape
+        assert torch.equal(got[2], want[2]), tensor.shape
 
 
 @pytest.mark.parametrize("recipe,fmt", RECIPES)

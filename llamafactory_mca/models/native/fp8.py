@@ -114,31 +114,35 @@ class Operand(NamedTuple):
 
 
 def _amax(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """max |x| in fp32, over the tensor or along ``dim``, in one pass and without an |x| copy."""
-    low, high = torch.aminmax(x) if dim is None else torch.aminmax(x, dim=dim)
-    return torch.maximum(high.float(), low.float().neg())
+    """max |x|, over the tensor or along ``dim``: one reduction, in x's dtype (the largest magnitude is exact)."""
+    return torch.linalg.vector_norm(x, float("inf"), dim=dim)
 
 
-def _cast(x: torch.Tensor, scale: torch.Tensor, axis: int, dtype: torch.dtype, rows: bool, cols: bool,
-          m_out: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _cast(x: torch.Tensor, amax: torch.Tensor, axis: int, dtype: torch.dtype, rows: bool, cols: bool,
+          m_out: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     x = x if x.stride(-1) == 1 else x.contiguous()
     if x.is_cuda:
         from .fp8_triton import cast  # here: Triton comes with CUDA builds of torch only
 
-        return cast(x, scale, axis, dtype, rows, cols, m_out)
-    return cast_torch(x, scale, axis, dtype, rows, cols, m_out)
+        return cast(x, amax, axis, dtype, rows, cols, m_out, EPS)
+    return cast_torch(x, amax, axis, dtype, rows, cols, m_out)
 
 
-def cast_torch(x: torch.Tensor, scale: torch.Tensor, axis: int, dtype: torch.dtype, rows: bool, cols: bool,
-               m_out: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def cast_torch(x: torch.Tensor, amax: torch.Tensor, axis: int, dtype: torch.dtype, rows: bool, cols: bool,
+               m_out: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """The Triton kernel's cast (``fp8_triton.cast``) in torch ops: what CPUs run, and its reference."""
+    fmax, m = torch.finfo(dtype).max, x.shape[-2]
+    m_out = m if m_out is None else m_out
+    a = amax.float().clamp(min=EPS)
+    scale, inv = fmax / a, a / fmax
     s = scale if axis == 0 else scale.unsqueeze(-1) if axis == 1 else scale.unsqueeze(-2)
-    fmax = torch.finfo(dtype).max
     y = (x.float() * s).clamp(-fmax, fmax)
-    if m_out is not None and m_out > x.shape[-2]:
-        y = torch.nn.functional.pad(y, (0, 0, 0, m_out - x.shape[-2]))
+    if m_out > m:
+        y = torch.nn.functional.pad(y, (0, 0, 0, m_out - m))
+        if axis == 1:
+            inv = torch.nn.functional.pad(inv, (0, m_out - m), value=1.0)
     y = y.to(dtype)
-    return (y.contiguous() if rows else None), (y.transpose(-2, -1).contiguous() if cols else None)
+    return (y.contiguous() if rows else None), (y.transpose(-2, -1).contiguous() if cols else None), inv
 
 
 def padded(rows: int) -> int:
@@ -146,30 +150,23 @@ def padded(rows: int) -> int:
     return -(-rows // ALIGN) * ALIGN
 
 
-def _scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.finfo(dtype).max / amax.clamp(min=EPS)
-
-
 def per_tensor(x: torch.Tensor, dtype: torch.dtype, rows: bool = True, cols: bool = False,
-               scale: torch.Tensor | None = None) -> tuple[Operand | None, Operand | None, torch.Tensor]:
-    """``x`` [m, n] under one scale (from its absolute maximum unless given): as the operand of a GEMM contracting n
-    (``rows``) and of one contracting m (``cols``, its transpose), in one pass, m padded with zero rows to the
-    GEMM's multiple; and the scale."""
-    scale = _scale(_amax(x), dtype) if scale is None else scale
-    data, data_t = _cast(x, scale, 0, dtype, rows, cols, padded(x.shape[0]))
-    inv = scale.reciprocal()
-    return (Operand(data, inv) if rows else None), (Operand(data_t, inv) if cols else None), scale
+               amax: torch.Tensor | None = None) -> tuple[Operand | None, Operand | None, torch.Tensor]:
+    """``x`` [m, n] under one scale (from its absolute maximum, unless ``amax`` is given): as the operand of a GEMM
+    contracting n (``rows``) and of one contracting m (``cols``, its transpose), in one pass, m padded with zero rows
+    to the GEMM's multiple; and the absolute maximum."""
+    amax = _amax(x) if amax is None else amax
+    data, data_t, inv = _cast(x, amax, 0, dtype, rows, cols, padded(x.shape[0]))
+    return (Operand(data, inv) if rows else None), (Operand(data_t, inv) if cols else None), amax
 
 
 def per_row(x: torch.Tensor, dtype: torch.dtype, contracted: int) -> Operand:
     """``x`` [m, n] as the operand of a GEMM contracting dimension ``contracted``, a scale per row of that operand
     (contracted 1: x itself, a scale per row of x; 0: x^T, a scale per column of x), m padded with zero rows."""
-    m = x.shape[0]
-    scale = _scale(_amax(x, dim=contracted), dtype)
-    data, data_t = _cast(x, scale, 1 if contracted == 1 else 2, dtype, contracted == 1, contracted == 0, padded(m))
-    if contracted == 1 and padded(m) > m:
-        scale = torch.nn.functional.pad(scale, (0, padded(m) - m), value=1.0)
-    return Operand(data if contracted == 1 else data_t, scale.reciprocal()[:, None])
+    amax = _amax(x, dim=contracted)
+    data, data_t, inv = _cast(x, amax, 1 if contracted == 1 else 2, dtype, contracted == 1, contracted == 0,
+                              padded(x.shape[0]))
+    return Operand(data if contracted == 1 else data_t, inv[:, None])
 
 
 def mm(a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
@@ -183,10 +180,12 @@ def stacked_operand(w: torch.Tensor, dtype: torch.dtype, contracted: int) -> tup
     """Experts' weights ``w`` [experts, k, n] as ``torch._scaled_grouped_mm``'s second operand of a GEMM contracting
     dimension ``contracted`` (1: k, the forward; 2: n, the input gradient): column-major per expert, a scale per
     expert and output column; (operand, its inverse scales)."""
-    scale = _scale(_amax(w, dim=contracted), dtype)
+    amax = _amax(w, dim=contracted)
     if contracted == 1:
-        return _cast(w, scale, 2, dtype, False, True)[1].transpose(-2, -1), scale.reciprocal()
-    return _cast(w, scale, 1, dtype, True, False)[0].transpose(-2, -1), scale.reciprocal()
+        _, data_t, inv = _cast(w, amax, 2, dtype, False, True)
+        return data_t.transpose(-2, -1), inv
+    data, _, inv = _cast(w, amax, 1, dtype, True, False)
+    return data.transpose(-2, -1), inv
 
 
 def grouped_mm(a: Operand, b: torch.Tensor, scale_b: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype
@@ -224,15 +223,15 @@ class _Fp8Linear(torch.autograd.Function):
         keep_t = trainable and fp8.wgrad and not fp8.rowwise  # the input for dW, transposed in FP8, from this pass
         if fp8.rowwise:
             x_rows, w_rows = per_row(x, fp8.dtype(), 1), per_row(weight, fp8.dtype(), 1)
-            x_cols, w_scale = None, None
+            x_cols, w_amax = None, None
         else:
             x_rows, x_cols, _ = per_tensor(x, fp8.dtype(), cols=keep_t)
-            w_rows, _, w_scale = per_tensor(weight, fp8.dtype())
+            w_rows, _, w_amax = per_tensor(weight, fp8.dtype())
         out = mm(x_rows, w_rows, x.dtype, fast_accum=True)[: x.shape[0]].view(*total.shape[:-1], weight.shape[0])
         if bias is not None:
             out = out + bias
         kept = (x_cols.data, x_cols.scale_inv) if keep_t else (input,) if trainable else ()
-        ctx.save_for_backward(weight, w_scale, *kept)
+        ctx.save_for_backward(weight, w_amax, *kept)
         ctx.fp8, ctx.keep_t, ctx.trainable, ctx.use_bias = fp8, keep_t, trainable, bias is not None
         ctx.main_grad = weight.main_grad if fuse_wgrad and hasattr(weight, "main_grad") else None
         ctx.fuse_wgrad, ctx.allreduce_dgrad, ctx.sequence_parallel = fuse_wgrad, allreduce_dgrad, sequence_parallel
@@ -241,7 +240,7 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        weight, w_scale, *kept = ctx.saved_tensors
+        weight, w_amax, *kept = ctx.saved_tensors
         fp8 = ctx.fp8
         gdt = fp8.dtype(gradient=True)
         g = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
@@ -250,7 +249,7 @@ class _Fp8Linear(torch.autograd.Function):
             g_rows, w_cols, g_cols = per_row(g, gdt, 1), per_row(weight, fp8.dtype(), 0), None
         else:
             g_rows, g_cols, _ = per_tensor(g, gdt, cols=wgrad_fp8)
-            _, w_cols, _ = per_tensor(weight, fp8.dtype(), rows=False, cols=True, scale=w_scale)
+            _, w_cols, _ = per_tensor(weight, fp8.dtype(), rows=False, cols=True, amax=w_amax)
         total_x = None
         if ctx.trainable and not ctx.keep_t:  # the bf16 input, gathered again under sequence parallelism
             total_x = kept[0]
