@@ -12,6 +12,7 @@ from transformers import Qwen3Config, Qwen3MoeConfig
 
 from llamafactory_mca.errors import UserError
 from llamafactory_mca.models.families import get_family
+from llamafactory_mca.models.native.fp8 import Fp8Training
 from llamafactory_mca.parallel import ParallelLayout, check_layout
 from llamafactory_mca.planner import memory
 from llamafactory_mca.planner.memory import Training, estimate
@@ -51,6 +52,18 @@ def test_breakdown_by_hand(monkeypatch):
     per_layer = 2 * tokens * (4 * h + (q + 2 * kv) + 2 * (q + kv) + 2 * q + 3 * f)
     assert got["activations"] == pytest.approx(4 * per_layer / GIB, abs=0.006)
     assert got["logits"] == pytest.approx(tokens * vocab * memory.LOGIT_BYTES / GIB, abs=0.006)
+    # FP8 tensorwise (layers 2 and 3 of 4): QKV's and fc1's inputs and fc2's kept in one byte instead of two,
+    # out-projection's beside the attention output; one linear's FP8 copies (fc1: its weight, dy both ways). A
+    # million tokens: the estimate is rounded to 0.01 GiB
+    tokens = 2**20
+    per_layer = 2 * tokens * (4 * h + (q + 2 * kv) + 2 * (q + kv) + 2 * q + 3 * f)
+    change = -2 * tokens * h + tokens * q - tokens * f
+    buffers = 2 * f * h + 2 * tokens * 2 * f
+    fp8 = estimate(_dense(), _layout(), Training(tokens=tokens, fp8=Fp8Training()))
+    assert fp8["activations"] == pytest.approx((4 * per_layer + 2 * change + buffers) / GIB, abs=0.006)
+    rowwise = estimate(_dense(), _layout(), Training(tokens=tokens, fp8=Fp8Training(recipe="rowwise")))
+    assert rowwise["activations"] == pytest.approx((4 * per_layer + buffers) / GIB, abs=0.006)
+    assert fp8["activations"] < rowwise["activations"]
 
 
 def test_layouts_divide_what_they_should():
