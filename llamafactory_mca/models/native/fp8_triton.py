@@ -6,7 +6,8 @@ wants its operands laid out along the dimension it contracts: the forward contra
 the weight gradient over its tokens. Written with torch ops the cast is four passes over the tensor (upcast, scale,
 clamp, round) and a transpose a fifth, and the scale and its inverse three more launches; here one kernel reads the
 bf16 tensor once, writes one byte per element for each layout asked for and the inverse scales beside, from the
-absolute maximum alone. Its divisions round as torch's, so its bits are the torch fallback's (``fp8.cast_torch``).
+absolute maximum alone. Its divisions round as torch's: its inverse scales are the torch fallback's
+(``fp8.cast_torch``) bit for bit, its data within one FP8 step (tests/gpu/test_fp8_gpu.py).
 """
 
 from __future__ import annotations
