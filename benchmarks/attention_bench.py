@@ -112,7 +112,8 @@ def _kernels(single: bool) -> dict:
     return kernels
 
 
-def _time(fn, repeat: int, warmup: int = 2) -> float:
+def median_ms(fn, repeat: int, warmup: int = 2) -> float:
+    """Median milliseconds of ``fn`` on the GPU over ``repeat`` calls after ``warmup`` (fp8_bench.py's timer too)."""
     times = []
     for i in range(repeat + warmup):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -155,8 +156,8 @@ def _case(name: str, kernel: str, heads: int, kv_heads: int, dim: int, tokens: i
         qs.grad = ks.grad = vs.grad = None
         fn(qs, ks, vs, cu, max_len).backward(grad)
 
-    row["fwd_ms"] = _time(forward, repeat)
-    row["fwd_bwd_ms"] = _time(both, repeat)
+    row["fwd_ms"] = median_ms(forward, repeat)
+    row["fwd_bwd_ms"] = median_ms(both, repeat)
     row["tflops"] = sum(4 * n * n / 2 * heads * dim for n in lengths) * 3.5 / row["fwd_bwd_ms"] / 1e9
     row["status"] = "ok"
     return row

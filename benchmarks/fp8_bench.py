@@ -20,13 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from attention_bench import median_ms  # noqa: E402  (benchmarks/: the script's own folder)
+
 
 SHAPES = {"qkv": (4096, 6144), "proj": (4096, 4096), "fc1": (4096, 24576), "fc2": (12288, 4096)}
 TOKENS = 4096
@@ -68,19 +69,6 @@ def _ways() -> dict:
             "frozen_rowwise": (ours(fp8.Fp8Training(recipe="rowwise", **hybrid)), False)}
 
 
-def _time(fn, repeat: int, warmup: int = 3) -> float:
-    times = []
-    for i in range(repeat + warmup):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def _profile(shape: str, way: str, fn, trainable: bool, out: str) -> None:
     """The kernels of five forward + backward calls of one way, by GPU time (``--profile``)."""
     from torch.profiler import ProfilerActivity, profile
@@ -119,7 +107,7 @@ def _case(shape: str, way: str, fn, trainable: bool, repeat: int, keep: bool = F
     torch.cuda.reset_peak_memory_stats()
     step()
     extra = (torch.cuda.max_memory_allocated() - base) / 2**20
-    ms = _time(step, repeat)
+    ms = median_ms(step, repeat, warmup=3)
     flops = 2 * TOKENS * k * n * (3 if trainable else 2)
     return {"shape": shape, "way": way, "ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1),
             "extra_mib": round(extra, 1)}

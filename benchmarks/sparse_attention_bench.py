@@ -31,7 +31,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from attention_bench import _time, markdown_table, number  # noqa: E402
+from attention_bench import markdown_table, median_ms, number  # noqa: E402
 
 from llamafactory_mca.models.native.kernels import make_plan, segment_attention  # noqa: E402
 from llamafactory_mca.models.native.sparse_attention import NativeSparseAttention  # noqa: E402
@@ -97,7 +97,7 @@ def _case(shape: dict, n: int, repeat: int, device: str) -> list[dict]:
             torch.cuda.reset_peak_memory_stats()
             both()
             row["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
-            row["fwd_ms"], row["fwd_bwd_ms"] = _time(forward, repeat, warmup=1), _time(both, repeat, warmup=0)
+            row["fwd_ms"], row["fwd_bwd_ms"] = median_ms(forward, repeat, warmup=1), median_ms(both, repeat, warmup=0)
         rows.append(row)
     for row in rows[1:]:
         if "fwd_bwd_ms" in row:
