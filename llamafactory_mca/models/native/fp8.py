@@ -48,8 +48,6 @@ from . import wgrad
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("e4m3", "hybrid")
-RECIPES = ("tensorwise", "rowwise")  # those that run here without TE; Megatron's names, and torchao's rowwise
 EPS = 1e-12  # the smallest absolute maximum a scale is taken from (an all-zero tensor stays zero)
 ALIGN = 16  # torch._scaled_mm's rule for every dimension
 
@@ -74,21 +72,23 @@ class Fp8Training:
 
     def covers(self, layer_number: int, num_layers: int) -> bool:
         """Whether decoder layer ``layer_number`` (from 1, over the whole model) runs its linears in FP8."""
-        return self.bf16_first < layer_number <= num_layers - self.bf16_last
+        return layer_number in self.layers(num_layers)
 
     def layers(self, num_layers: int) -> range:
         return range(self.bf16_first + 1, num_layers - self.bf16_last + 1)
 
-    def describe(self, num_layers: int) -> str:
+    def describe(self, num_layers: int, experts: bool) -> str:
+        """The startup summary's words (``experts``: the model has grouped MoE experts)."""
         covered = self.layers(num_layers)
         where = (f"layers {covered.start}-{covered.stop - 1} of {num_layers}" if len(covered) else
                  f"no layer of {num_layers}")
         gemms = ("forward, input and weight gradients" if self.wgrad else
                  "forward and input gradient; weight gradient in bf16")
         grads = ", gradients E5M2" if self.format == "hybrid" else ""
+        moe = (", their experts' forward and input gradient rowwise in E4M3 (torch._scaled_grouped_mm)" if experts
+               else "")
         return (f"FP8 {self.recipe} E4M3{grads} (torch._scaled_mm: {gemms}) on the attention and MLP linears of "
-                f"{where}, their MoE experts' forward and input gradient rowwise in E4M3 (torch._scaled_grouped_mm); "
-                "embedding, output layer, router, norms and attention scores in bf16")
+                f"{where}{moe}; embedding, output layer, router, norms and attention scores in bf16")
 
 
 FIELDS = ("fp8", "fp8_recipe", "fp8_wgrad", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
@@ -120,6 +120,7 @@ def _amax(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
 
 def _cast(x: torch.Tensor, amax: torch.Tensor, axis: int, dtype: torch.dtype, rows: bool, cols: bool,
           m_out: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """The Triton kernel on a GPU, its torch twin elsewhere (``fp8_triton.cast`` says what they return)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     if x.is_cuda:
         from .fp8_triton import cast  # here: Triton comes with CUDA builds of torch only
