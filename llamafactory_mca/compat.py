@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import shutil
+import subprocess
 import types
 from functools import cache, partial
 
@@ -58,9 +60,6 @@ def version_note() -> str | None:
 def fp8_unsupported() -> str | None:
     """Why this machine cannot run FP8 GEMMs (None: it can): torch's ``_scaled_mm`` needs compute capability 8.9+.
     Asked of ``nvidia-smi``, so the launcher opens no CUDA context before its workers start."""
-    import shutil
-    import subprocess
-
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return "this machine has no NVIDIA GPU (no nvidia-smi)"
