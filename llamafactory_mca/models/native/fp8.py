@@ -19,7 +19,8 @@ casts to torch.compile of the whole model; Megatron's linears are not ``nn.Linea
 the autograd function, and our first steps avoid compiling (``cpu_mode``, the Triton kernels). So the function is
 Megatron's with ``torch._scaled_mm`` for its matmuls and one Triton kernel (``fp8_triton.py``) for the casts.
 
-Memory: tensorwise keeps the input for the weight gradient in FP8, already transposed (half of what bf16 keeps);
+Memory: tensorwise keeps the input for the weight gradient in FP8, already transposed (half of what bf16 keeps; under
+sequence parallelism the gathered input, which at TP2 is as many bytes as bf16's local share);
 rowwise keeps it in bf16 (its weight gradient needs it scaled along the other dimension); a frozen weight (LoRA's
 base) keeps no input at all. The FP8 copies of a weight live only during its GEMMs.
 
