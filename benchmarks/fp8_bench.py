@@ -7,7 +7,9 @@ Per GEMM shape of a Qwen3-8B layer at one 4,096-token pack (``qkv``: 4096 -> 614
   fp32 ``main_grad`` (``gradient_accumulation_fusion``, as our runs on a GPU);
 - ``tensorwise`` / ``rowwise`` (E4M3, gradients E5M2: ``hybrid``), their weight gradient in FP8 added to ``main_grad``;
   ``tensorwise_bf16_wgrad``: ``fp8_wgrad: false``;
-- ``frozen_*``: a frozen weight (LoRA's base): forward and input gradient only.
+- ``frozen_*``: a frozen weight (LoRA's base): forward and input gradient only;
+- ``*_held``: the weight's casts kept from an earlier call (``fp8.WeightCasts`` inside a step: every micro-batch
+  after the first).
 
 Median milliseconds of forward + backward over ``--repeat`` runs after warm-ups, the speed-up over bf16 and the
 peak memory the call adds. Writes ``fp8.json`` and ``fp8.md`` to ``--out``.
@@ -18,6 +20,7 @@ peak memory the call adds. Writes ``fp8.json`` and ``fp8.md`` to ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -29,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from attention_bench import median_ms  # noqa: E402  (benchmarks/: the script's own folder)
 
 
+HELD = contextlib.ExitStack()
 SHAPES = {"qkv": (4096, 6144), "proj": (4096, 4096), "fc1": (4096, 24576), "fc2": (12288, 4096)}
 TOKENS = 4096
 
@@ -59,14 +63,19 @@ def _ways() -> dict:
             return linear_with_frozen_weight(x, w, None, False, False, False, None)
         return linear_with_grad_accumulation_and_async_allreduce(x, w, None, True, False, False)
 
-    def ours(settings):
-        return lambda x, w: fp8._Fp8Linear.apply(x, w, None, settings, w.requires_grad, False, False, None)
+    def ours(settings, held=False):
+        casts = fp8.WeightCasts()
+        if held:  # for the rest of the process: as the micro-batches of one long step
+            HELD.enter_context(casts.holding())
+        return lambda x, w: fp8._Fp8Linear.apply(x, w, None, settings, casts, w.requires_grad, False, False, None)
 
-    return {"bf16": (megatron, True), "tensorwise": (ours(fp8.Fp8Training(**hybrid)), True),
-            "rowwise": (ours(fp8.Fp8Training(recipe="rowwise", **hybrid)), True),
+    tensorwise, rowwise = fp8.Fp8Training(**hybrid), fp8.Fp8Training(recipe="rowwise", **hybrid)
+    return {"bf16": (megatron, True), "tensorwise": (ours(tensorwise), True),
+            "tensorwise_held": (ours(tensorwise, held=True), True), "rowwise": (ours(rowwise), True),
+            "rowwise_held": (ours(rowwise, held=True), True),
             "tensorwise_bf16_wgrad": (ours(fp8.Fp8Training(wgrad=False, **hybrid)), True),
-            "frozen_bf16": (megatron, False), "frozen_tensorwise": (ours(fp8.Fp8Training(**hybrid)), False),
-            "frozen_rowwise": (ours(fp8.Fp8Training(recipe="rowwise", **hybrid)), False)}
+            "frozen_bf16": (megatron, False), "frozen_tensorwise": (ours(tensorwise), False),
+            "frozen_tensorwise_held": (ours(tensorwise, held=True), False), "frozen_rowwise": (ours(rowwise), False)}
 
 
 def _profile(shape: str, way: str, fn, trainable: bool, out: str) -> None:

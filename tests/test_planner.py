@@ -53,17 +53,23 @@ def test_breakdown_by_hand(monkeypatch):
     assert got["activations"] == pytest.approx(4 * per_layer / GIB, abs=0.006)
     assert got["logits"] == pytest.approx(tokens * vocab * memory.LOGIT_BYTES / GIB, abs=0.006)
     # FP8 tensorwise (layers 2 and 3 of 4): QKV's and fc1's inputs and fc2's kept in one byte instead of two,
-    # out-projection's beside the attention output; one linear's FP8 copies (fc1: its weight, dy both ways). A
-    # million tokens: the estimate is rounded to 0.01 GiB
+    # out-projection's beside the attention output; the step's weight casts (two bytes per weight element of
+    # layers 2 and 3) and one linear's FP8 copies (fc1's dy both ways). A million tokens: the estimate is rounded
+    # to 0.01 GiB
     tokens = 2**20
     per_layer = 2 * tokens * (4 * h + (q + 2 * kv) + 2 * (q + kv) + 2 * q + 3 * f)
     change = -2 * tokens * h + tokens * q - tokens * f
-    buffers = 2 * f * h + 2 * tokens * 2 * f
+    buffers = 2 * 2 * layer + 2 * tokens * 2 * f
     fp8 = estimate(_dense(), _layout(), Training(tokens=tokens, fp8=Fp8Training()))
     assert fp8["activations"] == pytest.approx((4 * per_layer + 2 * change + buffers) / GIB, abs=0.006)
     rowwise = estimate(_dense(), _layout(), Training(tokens=tokens, fp8=Fp8Training(recipe="rowwise")))
     assert rowwise["activations"] == pytest.approx((4 * per_layer + buffers) / GIB, abs=0.006)
     assert fp8["activations"] < rowwise["activations"]
+    # the weight casts alone (no tokens): two bytes per element of the covered layers (q/k norms left out, as
+    # above); none where CUDA graphs cast inside each replay
+    shapes, covered = memory._shapes(_dense()), [False, True, True, False]
+    assert memory._fp8_buffers(shapes, 0, _layout(), covered, [False] * 4, False) == 2 * 2 * (layer - 2 * 16)
+    assert memory._fp8_buffers(shapes, 0, _layout(), covered, [False] * 4, True) == 0
 
 
 def test_layouts_divide_what_they_should():

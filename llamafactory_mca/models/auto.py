@@ -8,6 +8,7 @@ checkpoint loaded instead, resharded to the current layout.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -37,7 +38,7 @@ from .families import get_family
 from .loading import dims_for, load_hf_weights
 from .lora.layers import adapter_state
 from .native.cross_entropy import DeferredLogits
-from .native.fp8 import use_fp8
+from .native.fp8 import WeightCasts, use_fp8
 
 
 logger = logging.getLogger(__name__)
@@ -261,11 +262,17 @@ def build_transformer_config(config: McaConfig, args: Any = None, frozen_base: b
 class McaModel:
     """This rank's model chunks (one GPTModel per virtual pipeline stage) and the config they came from."""
 
-    def __init__(self, config: McaConfig, transformer_config, chunks: list[torch.nn.Module]) -> None:
+    def __init__(self, config: McaConfig, transformer_config, chunks: list[torch.nn.Module],
+                 fp8_weights: WeightCasts | None = None) -> None:
         self.config = config
         self.transformer_config = transformer_config
         self.chunks = chunks
         self.lora = None  # a lora.LoraRun once apply_lora put adapters on the chunks
+        self.fp8_weights = fp8_weights
+
+    def weights_held(self) -> contextlib.AbstractContextManager:
+        """Where the weights do not change (one step's forward and backward): FP8 casts each weight once."""
+        return self.fp8_weights.holding() if self.fp8_weights is not None else contextlib.nullcontext()
 
     def parameters(self):
         for chunk in self.chunks:
@@ -419,9 +426,8 @@ class AutoModel:
                 chunk.cuda()
             chunks.append(chunk)
         _experts_reduced_over_their_data_parallel_group(chunks)
-        if getattr(tc, "fp8_training", None) is not None:
-            use_fp8(chunks, tc.fp8_training, tc.num_layers)
-        return McaModel(config, tc, chunks)
+        fp8_weights = use_fp8(chunks, tc.fp8_training, tc.num_layers) if getattr(tc, "fp8_training", None) else None
+        return McaModel(config, tc, chunks, fp8_weights)
 
     @staticmethod
     def from_pretrained(path: str, args: Any = None, trust_remote_code: bool = False,

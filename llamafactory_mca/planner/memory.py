@@ -223,12 +223,20 @@ def _fp8_saved(s: dict[str, int], tokens: float, layout: ParallelLayout, sequenc
     return change
 
 
-def _fp8_buffers(s: dict[str, int], tokens: float, layout: ParallelLayout) -> float:
-    """The FP8 copies the largest covered linear (fc1 or fc2) holds during its backward: its weight, transposed, and
-    its output's gradient in both layouts (its input's, for rowwise, after them)."""
+def _fp8_buffers(s: dict[str, int], tokens: float, layout: ParallelLayout, covered: list[bool], mine: list[bool],
+                 cuda_graphs: bool) -> float:
+    """FP8's copies: the step's weight casts (``fp8.WeightCasts``: two bytes per weight element of the ``covered``
+    layers, the forward's layout and the input gradient's, held from the first micro-batch to the step's end; a
+    graphed layer casts inside its graph and keeps none) and what the largest covered linear (fc1 or fc2) casts
+    during its backward: its output's gradient in both layouts (its input's, for rowwise, after them)."""
     f = s.get("fa", s["f"]) if s["f"] else s["fs"]
     out = max(s["glu"] * f, s["h"]) / layout.tp
-    return s["glu"] * f * s["h"] / layout.tp + 2 * tokens * out
+    weights = 0.0
+    if not cuda_graphs:
+        for m in (m for m, c in zip(mine, covered) if c):
+            dense, experts = _layer_params(s, m)
+            weights += 2 * (dense / layout.tp + experts / (layout.ep * layout.etp))
+    return weights + 2 * tokens * out
 
 
 def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[str, float]:
@@ -293,10 +301,10 @@ def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[st
         full = [_layer_activations(s, tokens, layout, training.sequence_parallel, m, frozen, rebuilt,
                                    bool(training.lora_rank)) * ACTIVATION_FIT for m in mine]
         fp8 = training.fp8
-        if fp8 is not None and not training.lora_rank:
-            first = stage * per_stage  # layer numbers from 1: the covered ones keep their inputs in FP8
+        covered = [fp8 is not None and fp8.covers(stage * per_stage + i + 1, s["layers"]) for i in range(len(mine))]
+        if fp8 is not None and not training.lora_rank:  # the covered layers keep their inputs in FP8
             full = [a + _fp8_saved(s, tokens, layout, training.sequence_parallel, m, fp8) * ACTIVATION_FIT
-                    if fp8.covers(first + i + 1, s["layers"]) else a for i, (a, m) in enumerate(zip(full, mine))]
+                    if c else a for a, m, c in zip(full, mine, covered)]
         if training.recompute == "full":  # each layer keeps its input; one layer at a time is rebuilt in backward
             sp = layout.tp if training.sequence_parallel else 1
             activations = len(mine) * 2 * tokens * s["h"] / sp * in_flight + max(full, default=0)
@@ -308,8 +316,8 @@ def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[st
             if not training.lora_rank:
                 activations = activations * GRAPH_ACTIVATIONS + 2 * experts / (layout.ep * layout.etp)
         activations += tower_activations * in_flight
-        if training.fp8 is not None:
-            activations += _fp8_buffers(s, tokens, layout)
+        if fp8 is not None:
+            activations += _fp8_buffers(s, tokens, layout, covered, mine, training.cuda_graphs)
         if stage == 0 and s["ple"]:  # the per-layer inputs, made whole on every rank: their norm's input and the sum
             activations += 2 * tokens * s["layers"] * s["ple"] * 2 * in_flight
         logits = 0.0

@@ -34,7 +34,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.transformer.moe import grouped_gemm_util
 from megatron.core.transformer.moe.experts import GroupedMLP
 
-from .fp8 import Fp8Training, per_row, stacked_operand
+from .fp8 import Fp8Training, WeightCasts, per_row, stacked_operand
 from .fp8 import aligned as fp8_aligned
 from .fp8 import grouped_mm as fp8_grouped_mm
 from .swiglu_triton import weighted_bias_swiglu_impl
@@ -48,6 +48,7 @@ class NativeGroupedMLP(GroupedMLP):
     """All local experts in two grouped GEMMs (``torch._grouped_mm``), parameters and checkpoints as GroupedMLP."""
 
     fp8: Fp8Training | None = None
+    fp8_casts: WeightCasts | None = None
 
     def __init__(self, num_local_experts: int, config, pg_collection=None) -> None:
         # The parent refuses biases and any GLU but silu's and gelu's; both are ours here (the biases below, the
@@ -139,7 +140,7 @@ class NativeGroupedMLP(GroupedMLP):
         layer FP8 covers (``fp8.use_fp8`` sets ``self.fp8``) the forward and input gradient run in FP8."""
         into = self.config.gradient_accumulation_fusion and param.requires_grad and hasattr(param, "main_grad")
         if self.fp8 is not None and grouped_mm_usable(x, weights) and fp8_aligned(*weights.shape[1:]):
-            return _Fp8GroupedMM.apply(x, param, _offsets(x, counts), weights.shape, into)
+            return _Fp8GroupedMM.apply(x, param, _offsets(x, counts), weights.shape, into, self.fp8_casts)
         if into and grouped_mm_usable(x, weights):
             return _GroupedMMIntoMainGrad.apply(x, param, _offsets(x, counts), weights.shape)
         return grouped_mm(x, weights, counts)
@@ -234,11 +235,13 @@ class _Fp8GroupedMM(torch.autograd.Function):
     contraction runs over each expert's tokens, whose per-group scaling the grouped GEMM does not take)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, param: torch.Tensor, offs: torch.Tensor, shape: torch.Size, into: bool):
+    def forward(ctx, x: torch.Tensor, param: torch.Tensor, offs: torch.Tensor, shape: torch.Size, into: bool,
+                casts: WeightCasts):
         e4m3 = torch.float8_e4m3fn
         ctx.save_for_backward(x, param, offs)
-        ctx.shape, ctx.into = shape, into
-        out = fp8_grouped_mm(per_row(x, e4m3, 1), *stacked_operand(param.view(shape), e4m3, 1), offs, x.dtype)
+        ctx.shape, ctx.into, ctx.casts = shape, into, casts
+        weights = casts.get(param, "rows", lambda: stacked_operand(param.view(shape), e4m3, 1))
+        out = fp8_grouped_mm(per_row(x, e4m3, 1), *weights, offs, x.dtype)
         return out[: x.shape[0]]  # the cast's zero rows (alignment) off
 
     @staticmethod
@@ -246,8 +249,8 @@ class _Fp8GroupedMM(torch.autograd.Function):
         x, param, offs = ctx.saved_tensors
         grad = grad.contiguous()
         e4m3 = torch.float8_e4m3fn
-        weights = param.view(ctx.shape)
-        grad_x = fp8_grouped_mm(per_row(grad, e4m3, 1), *stacked_operand(weights, e4m3, 2), offs, grad.dtype)
+        weights = ctx.casts.get(param, "cols", lambda: stacked_operand(param.view(ctx.shape), e4m3, 2))
+        grad_x = fp8_grouped_mm(per_row(grad, e4m3, 1), *weights, offs, grad.dtype)
         grad_x = grad_x[: grad.shape[0]]
         grad_param = None
         if ctx.into:
@@ -255,7 +258,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
             grad_param = placeholder_grad(param, x.dtype)
         elif param.requires_grad:
             grad_param = torch._grouped_mm(x.t(), grad, offs=offs).view(param.shape)
-        return grad_x, grad_param, None, None, None
+        return grad_x, grad_param, None, None, None, None
 
 
 def _loop_mm(x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ Megatron's with ``torch._scaled_mm`` for its matmuls and one Triton kernel (``fp
 Memory: tensorwise keeps the input for the weight gradient in FP8, already transposed (half of what bf16 keeps; under
 sequence parallelism the gathered input, which at TP2 is as many bytes as bf16's local share);
 rowwise keeps it in bf16 (its weight gradient needs it scaled along the other dimension); a frozen weight (LoRA's
-base) keeps no input at all. The FP8 copies of a weight live only during its GEMMs.
+base) keeps no input at all. A weight's FP8 copies are cast once per optimizer step (``WeightCasts``).
 
 ``_scaled_mm`` takes dimensions in multiples of 16: the casts pad the tokens with zero rows (a pack of any length
 runs in FP8); a linear whose features are not multiples of 16 runs Megatron's bf16 function instead.
@@ -30,8 +30,10 @@ runs in FP8); a linear whose features are not multiples of 16 runs Megatron's bf
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -152,14 +154,13 @@ def padded(rows: int) -> int:
     return -(-rows // ALIGN) * ALIGN
 
 
-def per_tensor(x: torch.Tensor, dtype: torch.dtype, rows: bool = True, cols: bool = False,
-               amax: torch.Tensor | None = None) -> tuple[Operand | None, Operand | None, torch.Tensor]:
-    """``x`` [m, n] under one scale (from its absolute maximum, unless ``amax`` is given): as the operand of a GEMM
-    contracting n (``rows``) and of one contracting m (``cols``, its transpose), in one pass, m padded with zero rows
-    to the GEMM's multiple; and the absolute maximum."""
-    amax = _amax(x) if amax is None else amax
-    data, data_t, inv = _cast(x, amax, 0, dtype, rows, cols, padded(x.shape[0]))
-    return (Operand(data, inv) if rows else None), (Operand(data_t, inv) if cols else None), amax
+def per_tensor(x: torch.Tensor, dtype: torch.dtype, rows: bool = True, cols: bool = False
+               ) -> tuple[Operand | None, Operand | None]:
+    """``x`` [m, n] under one scale (from its absolute maximum): as the operand of a GEMM contracting n (``rows``)
+    and of one contracting m (``cols``, its transpose), in one pass, m padded with zero rows to the GEMM's
+    multiple."""
+    data, data_t, inv = _cast(x, _amax(x), 0, dtype, rows, cols, padded(x.shape[0]))
+    return (Operand(data, inv) if rows else None), (Operand(data_t, inv) if cols else None)
 
 
 def per_row(x: torch.Tensor, dtype: torch.dtype, contracted: int) -> Operand:
@@ -176,6 +177,54 @@ def mm(a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: bool) -> torc
     scale_b = b.scale_inv.reshape(1, -1) if b.scale_inv.dim() else b.scale_inv
     return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale_inv, scale_b=scale_b, out_dtype=out_dtype,
                             use_fast_accum=fast_accum)
+
+
+class WeightCasts:
+    """The covered weights' FP8 operands, cast once while the weights hold still.
+
+    A weight changes only at the optimizer step, yet every micro-batch's forward and backward would cast it again
+    (an absolute maximum and a cast each: a 4,096-token micro-batch of a Qwen3-8B layer reads its weights in bf16 as
+    often as its activations). Inside ``holding()`` (the trainer's forward and backward of one step) the first cast
+    of each weight and layout is kept for the step's other micro-batches, and for activation recomputation; leaving
+    frees them, before the optimizer changes the weights. Transformer Engine keeps its weight casts across
+    micro-batches the same way. Outside it, and while a CUDA graph is captured (a replay must cast its own step's
+    weights), every call casts.
+
+    Memory, from the first micro-batch to the step's end: two FP8 bytes per covered weight element (the forward's
+    layout and the input gradient's; the planner counts them).
+    """
+
+    def __init__(self) -> None:
+        self.routed = 0  # the linears and grouped experts that read their operands here
+        self._held: dict[tuple[int, str], Any] | None = None
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        self._held = {}
+        try:
+            yield
+        finally:
+            self._held = None
+
+    def holds(self, weight: torch.Tensor) -> bool:
+        return self._held is not None and not (weight.is_cuda and torch.cuda.is_current_stream_capturing())
+
+    def get(self, weight: torch.Tensor, layout: str, cast: Callable[[], Any]) -> Any:
+        """``cast()``, or what it returned for ``weight`` and ``layout`` earlier in this step."""
+        if not self.holds(weight):
+            return cast()
+        key = (id(weight), layout)
+        if key not in self._held:
+            self._held[key] = cast()
+        return self._held[key]
+
+    def tensorwise(self, weight: torch.Tensor, dtype: torch.dtype, rows: bool) -> Operand:
+        """``weight`` under one scale, as the forward's operand (``rows``) or the input gradient's (its transpose):
+        while held, both layouts in the one pass."""
+        if self.holds(weight):
+            return self.get(weight, "tensorwise", lambda: per_tensor(weight, dtype, cols=True))[0 if rows else 1]
+        data_rows, data_cols = per_tensor(weight, dtype, rows=rows, cols=not rows)
+        return data_rows if rows else data_cols
 
 
 def stacked_operand(w: torch.Tensor, dtype: torch.dtype, contracted: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,24 +266,24 @@ class _Fp8Linear(torch.autograd.Function):
     ``LinearWithFrozenWeight``) with the three GEMMs in FP8."""
 
     @staticmethod
-    def forward(ctx, input, weight, bias, fp8: Fp8Training, fuse_wgrad: bool, allreduce_dgrad: bool,
-                sequence_parallel: bool, tp_group):
+    def forward(ctx, input, weight, bias, fp8: Fp8Training, casts: WeightCasts, fuse_wgrad: bool,
+                allreduce_dgrad: bool, sequence_parallel: bool, tp_group):
         total = _gather(input, tp_group) if sequence_parallel else input
         x = total.reshape(-1, total.shape[-1])
         trainable = weight.requires_grad
         keep_t = trainable and fp8.wgrad and not fp8.rowwise  # the input for dW, transposed in FP8, from this pass
         if fp8.rowwise:
-            x_rows, w_rows = per_row(x, fp8.dtype(), 1), per_row(weight, fp8.dtype(), 1)
-            x_cols, w_amax = None, None
+            x_rows, x_cols = per_row(x, fp8.dtype(), 1), None
+            w_rows = casts.get(weight, "rows", lambda: per_row(weight, fp8.dtype(), 1))
         else:
-            x_rows, x_cols, _ = per_tensor(x, fp8.dtype(), cols=keep_t)
-            w_rows, _, w_amax = per_tensor(weight, fp8.dtype())
+            x_rows, x_cols = per_tensor(x, fp8.dtype(), cols=keep_t)
+            w_rows = casts.tensorwise(weight, fp8.dtype(), rows=True)
         out = mm(x_rows, w_rows, x.dtype, fast_accum=True)[: x.shape[0]].view(*total.shape[:-1], weight.shape[0])
         if bias is not None:
             out = out + bias
         kept = (x_cols.data, x_cols.scale_inv) if keep_t else (input,) if trainable else ()
-        ctx.save_for_backward(weight, w_amax, *kept)
-        ctx.fp8, ctx.keep_t, ctx.trainable, ctx.use_bias = fp8, keep_t, trainable, bias is not None
+        ctx.save_for_backward(weight, *kept)
+        ctx.fp8, ctx.casts, ctx.keep_t, ctx.trainable, ctx.use_bias = fp8, casts, keep_t, trainable, bias is not None
         ctx.main_grad = weight.main_grad if fuse_wgrad and hasattr(weight, "main_grad") else None
         ctx.fuse_wgrad, ctx.allreduce_dgrad, ctx.sequence_parallel = fuse_wgrad, allreduce_dgrad, sequence_parallel
         ctx.tp_group, ctx.input_shape, ctx.total_shape = tp_group, input.shape, total.shape
@@ -242,16 +291,17 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        weight, w_amax, *kept = ctx.saved_tensors
-        fp8 = ctx.fp8
+        weight, *kept = ctx.saved_tensors
+        fp8, casts = ctx.fp8, ctx.casts
         gdt = fp8.dtype(gradient=True)
         g = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
         wgrad_fp8 = ctx.trainable and fp8.wgrad
         if fp8.rowwise:
-            g_rows, w_cols, g_cols = per_row(g, gdt, 1), per_row(weight, fp8.dtype(), 0), None
+            g_rows, g_cols = per_row(g, gdt, 1), None
+            w_cols = casts.get(weight, "cols", lambda: per_row(weight, fp8.dtype(), 0))
         else:
-            g_rows, g_cols, _ = per_tensor(g, gdt, cols=wgrad_fp8)
-            _, w_cols, _ = per_tensor(weight, fp8.dtype(), rows=False, cols=True, amax=w_amax)
+            g_rows, g_cols = per_tensor(g, gdt, cols=wgrad_fp8)
+            w_cols = casts.tensorwise(weight, fp8.dtype(), rows=False)
         total_x = None
         if ctx.trainable and not ctx.keep_t:  # the bf16 input, gathered again under sequence parallelism
             total_x = kept[0]
@@ -293,15 +343,15 @@ class _Fp8Linear(torch.autograd.Function):
         grad_bias = g.sum(dim=0) if ctx.use_bias else None
         if handle is not None:
             handle.wait()
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 class Fp8ForwardImpl:
     """What a covered linear calls for its matmul (its ``_forward_impl``, Megatron's keyword arguments): FP8 where
     the dimensions allow, else the bf16 function it had."""
 
-    def __init__(self, bf16: Any, fp8: Fp8Training) -> None:
-        self.bf16, self.fp8 = bf16, fp8
+    def __init__(self, bf16: Any, fp8: Fp8Training, casts: WeightCasts) -> None:
+        self.bf16, self.fp8, self.casts = bf16, fp8, casts
 
     def __call__(self, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
                  tp_group=None, grad_output_buffer=None, wgrad_deferral_limit=None, **rest):
@@ -310,8 +360,8 @@ class Fp8ForwardImpl:
                              gradient_accumulation_fusion=gradient_accumulation_fusion,
                              allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel, tp_group=tp_group,
                              grad_output_buffer=grad_output_buffer, wgrad_deferral_limit=wgrad_deferral_limit, **rest)
-        return _Fp8Linear.apply(input, weight, bias, self.fp8, gradient_accumulation_fusion, allreduce_dgrad,
-                                sequence_parallel, tp_group)
+        return _Fp8Linear.apply(input, weight, bias, self.fp8, self.casts, gradient_accumulation_fusion,
+                                allreduce_dgrad, sequence_parallel, tp_group)
 
 
 def aligned(*dims: int) -> bool:
@@ -326,11 +376,11 @@ def aligned(*dims: int) -> bool:
 aligned.warned = False
 
 
-def use_fp8(chunks: list[torch.nn.Module], fp8: Fp8Training, num_layers: int) -> int:
-    """Route the parallel linears and grouped experts of the decoder layers ``fp8`` covers through FP8; the number
-    routed. The multi-token-prediction layers, the output layer and anything outside the decoder's layers stay
-    bf16."""
-    routed = 0
+def use_fp8(chunks: list[torch.nn.Module], fp8: Fp8Training, num_layers: int) -> WeightCasts:
+    """Route the parallel linears and grouped experts of the decoder layers ``fp8`` covers through FP8, their weights'
+    casts kept by the one ``WeightCasts`` returned. The multi-token-prediction layers, the output layer and anything
+    outside the decoder's layers stay bf16."""
+    casts = WeightCasts()
     for chunk in chunks:
         for name, layer in chunk.named_modules():
             if not isinstance(layer, TransformerLayer) or ".mtp." in f".{name}." or \
@@ -339,9 +389,9 @@ def use_fp8(chunks: list[torch.nn.Module], fp8: Fp8Training, num_layers: int) ->
             for module in layer.modules():
                 if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and \
                         not isinstance(module._forward_impl, Fp8ForwardImpl):
-                    module._forward_impl = Fp8ForwardImpl(module._forward_impl, fp8)
-                    routed += 1
-                elif isinstance(module, GroupedMLP):  # ours (experts.NativeGroupedMLP) reads it in its GEMMs
-                    module.fp8 = fp8
-                    routed += 1
-    return routed
+                    module._forward_impl = Fp8ForwardImpl(module._forward_impl, fp8, casts)
+                    casts.routed += 1
+                elif isinstance(module, GroupedMLP):  # ours (experts.NativeGroupedMLP) reads them in its GEMMs
+                    module.fp8, module.fp8_casts = fp8, casts
+                    casts.routed += 1
+    return casts
