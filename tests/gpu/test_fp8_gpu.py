@@ -30,7 +30,7 @@ def test_triton_cast_is_the_torch_cast(dtype, axis):
     elements were one FP8 step from torch's (its cause not established: the fp32 -> E4M3 conversion's rounding is the
     suspect), so the data is held to one step."""
     from llamafactory_mca.models.native import fp8
-    from llamafactory_mca.models.native.fp8_triton import cast
+    from llamafactory_mca.models.native.fp8_triton import cast, cast_rows
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(1000, 200, device="cuda", dtype=torch.bfloat16, generator=g) * 30
@@ -46,6 +46,11 @@ def test_triton_cast_is_the_torch_cast(dtype, axis):
         assert _steps_apart(got[0], want[0]) <= 1 and _steps_apart(got[1], want[1]) <= 1, tensor.shape
         assert torch.equal(got[0].view(torch.uint8), got[1].transpose(-2, -1).view(torch.uint8))  # one cast, twice
         assert torch.equal(got[2], want[2]), tensor.shape
+        if axis == 1 and tensor.dim() == 2:  # the activations' cast, its rows' maxima taken inside the kernel
+            data, inv = cast_rows(tensor, dtype, m_out)
+            mine = fp8.cast_torch(tensor, torch.linalg.vector_norm(tensor, float("inf"), dim=-1), 1, dtype, True,
+                                  False, m_out)
+            assert _steps_apart(data, mine[0]) <= 1 and torch.equal(inv, mine[2]), tensor.shape
 
 
 @pytest.mark.parametrize("recipe,fmt", RECIPES)

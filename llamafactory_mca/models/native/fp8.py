@@ -166,6 +166,11 @@ def per_tensor(x: torch.Tensor, dtype: torch.dtype, rows: bool = True, cols: boo
 def per_row(x: torch.Tensor, dtype: torch.dtype, contracted: int) -> Operand:
     """``x`` [m, n] as the operand of a GEMM contracting dimension ``contracted``, a scale per row of that operand
     (contracted 1: x itself, a scale per row of x; 0: x^T, a scale per column of x), m padded with zero rows."""
+    if contracted == 1 and x.is_cuda:  # the rows' maxima inside the cast: one pass
+        from .fp8_triton import cast_rows  # here: Triton comes with CUDA builds of torch only
+
+        data, inv = cast_rows(x if x.stride(-1) == 1 else x.contiguous(), dtype, padded(x.shape[0]), EPS)
+        return Operand(data, inv[:, None])
     amax = _amax(x, dim=contracted)
     data, data_t, inv = _cast(x, amax, 1 if contracted == 1 else 2, dtype, contracted == 1, contracted == 0,
                               padded(x.shape[0]))

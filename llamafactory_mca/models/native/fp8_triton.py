@@ -6,8 +6,10 @@ wants its operands laid out along the dimension it contracts: the forward contra
 the weight gradient over its tokens. Written with torch ops the cast is four passes over the tensor (upcast, scale,
 clamp, round) and a transpose a fifth, and the scale and its inverse three more launches; here one kernel reads the
 bf16 tensor once, writes one byte per element for each layout asked for and the inverse scales beside, from the
-absolute maximum alone. Its divisions round as torch's: its inverse scales are the torch fallback's
-(``fp8.cast_torch``) bit for bit, its data within one FP8 step (tests/gpu/test_fp8_gpu.py).
+absolute maximum alone. With a scale per row of an activation (the rowwise recipe, the experts' tokens) the maximum
+itself is taken in the same kernel (``cast_rows``): a block of rows is read for its maxima and read again for the
+cast while it is still in L2, one pass over HBM instead of two. Its divisions round as torch's: its inverse scales
+are the torch fallback's (``fp8.cast_torch``) bit for bit, its data within one FP8 step (tests/gpu/test_fp8_gpu.py).
 """
 
 from __future__ import annotations
@@ -77,3 +79,38 @@ def cast(x: torch.Tensor, amax: torch.Tensor, axis: int, dtype: torch.dtype, row
                 x.stride(0) if batch else 0, FP8_MAX=torch.finfo(dtype).max, EPS=eps, AXIS=axis, ROWS=rows,
                 COLS=cols, BLOCK_M=BLOCK, BLOCK_N=BLOCK)
     return out, out_t, inv
+
+
+@triton.jit(do_not_specialize=["m", "m_out", "n"])
+def _cast_rows(x_ptr, out_ptr, inv_ptr, m, m_out, n, stride_x, FP8_MAX: tl.constexpr, EPS: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = rm[:, None].to(tl.int64)
+    a = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start in range(0, n, BLOCK_N):
+        rn = start + tl.arange(0, BLOCK_N)
+        x = tl.load(x_ptr + rows * stride_x + rn[None, :], mask=(rm < m)[:, None] & (rn < n)[None, :], other=0.0)
+        a = tl.maximum(a, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+    a = tl.maximum(a, EPS)
+    scale = tl.fdiv(a * 0 + FP8_MAX, a, ieee_rounding=True)
+    tl.store(inv_ptr + rm, tl.where(rm < m, tl.fdiv(a, a * 0 + FP8_MAX, ieee_rounding=True), 1.0), mask=rm < m_out)
+    for start in range(0, n, BLOCK_N):
+        rn = start + tl.arange(0, BLOCK_N)
+        x = tl.load(x_ptr + rows * stride_x + rn[None, :], mask=(rm < m)[:, None] & (rn < n)[None, :], other=0.0)
+        y = tl.minimum(tl.maximum(x.to(tl.float32) * scale[:, None], -FP8_MAX), FP8_MAX)
+        tl.store(out_ptr + rows * n + rn[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=(rm < m_out)[:, None] & (rn < n)[None, :])
+
+
+def cast_rows(x: torch.Tensor, dtype: torch.dtype, m_out: int | None = None, eps: float = 1e-12
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [m, n] (unit stride along n) with a scale per row from the row's own absolute maximum, as ``cast``
+    with axis 1 and that maximum: ([m_out, n] FP8, rows m .. m_out zeros; [m_out] fp32 inverse scales, 1 there)."""
+    m, n = x.shape
+    m_out = m if m_out is None else m_out
+    out = torch.empty((m_out, n), dtype=dtype, device=x.device)
+    inv = torch.empty((m_out,), dtype=torch.float32, device=x.device)
+    block_m = 8
+    _cast_rows[(triton.cdiv(m_out, block_m),)](x, out, inv, m, m_out, n, x.stride(0), FP8_MAX=torch.finfo(dtype).max,
+                                              EPS=eps, BLOCK_M=block_m, BLOCK_N=512)
+    return out, inv
