@@ -316,7 +316,8 @@ def describe_kernels(config: TransformerConfig) -> str:
         line += "; q/k norms across all heads (statistics summed over TP ranks)"
     line += f"; MoE experts: {experts}" if config.num_moe_experts else ""
     if getattr(config, "fp8_training", None):
-        line += "; " + config.fp8_training.describe(config.num_layers, bool(config.num_moe_experts))
+        line += "; " + config.fp8_training.describe(config.num_layers, bool(config.num_moe_experts),
+                                                     config.hidden_size)
     if moe_block(config):
         line += (f" beside a dense MLP of {config.moe_shared_expert_intermediate_size} in every layer, each under its "
                  "own norms (Gemma 4's MoE block)")

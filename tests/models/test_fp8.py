@@ -169,9 +169,11 @@ def test_recipe_keys_become_one_decision():
     settings = fp8.from_fields({"fp8": "e4m3", "first_last_layers_bf16": False, "fp8_wgrad": False})
     assert settings == fp8.Fp8Training("e4m3", "tensorwise", False, 0, 0)
     assert [n for n in range(1, 9) if fp8.Fp8Training().covers(n, 8)] == list(range(2, 8))
-    line = fp8.Fp8Training("hybrid").describe(36, experts=False)
+    line = fp8.Fp8Training("hybrid").describe(36, experts=False, hidden=4096)
     assert "layers 2-35 of 36" in line and "E5M2" in line and "router" in line and "experts" not in line
-    assert "_scaled_grouped_mm" in fp8.Fp8Training().describe(48, experts=True)
+    assert "no gain" not in line
+    moe = fp8.Fp8Training().describe(48, experts=True, hidden=2048)
+    assert "_scaled_grouped_mm" in moe and "at hidden size 2048 expect no gain" in moe
     with pytest.raises(ValueError, match="fp8"):  # a built config would reach Megatron's TE path
         from megatron.core.transformer import TransformerConfig
 

@@ -53,6 +53,9 @@ logger = logging.getLogger(__name__)
 
 EPS = 1e-12  # the smallest absolute maximum a scale is taken from (an all-zero tensor stays zero)
 ALIGN = 16  # torch._scaled_mm's rule for every dimension
+# the hidden size from which FP8 paid on one H100 (benchmarks/results/h100_fp8/): 1.13x our bf16 at 4096 (Qwen3-8B's
+# shape); 0.92x on Qwen3-30B-A3B's and 0.96-0.99x on Qwen3-1.7B's, both 2048 wide
+PAYS_FROM = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +83,9 @@ class Fp8Training:
     def layers(self, num_layers: int) -> range:
         return range(self.bf16_first + 1, num_layers - self.bf16_last + 1)
 
-    def describe(self, num_layers: int, experts: bool) -> str:
-        """The startup summary's words (``experts``: the model has grouped MoE experts)."""
+    def describe(self, num_layers: int, experts: bool, hidden: int) -> str:
+        """The startup summary's words (``experts``: the model has grouped MoE experts; ``hidden``: its hidden size,
+        below ``PAYS_FROM`` a word that FP8 is not expected to pay)."""
         covered = self.layers(num_layers)
         where = (f"layers {covered.start}-{covered.stop - 1} of {num_layers}" if len(covered) else
                  f"no layer of {num_layers}")
@@ -90,8 +94,10 @@ class Fp8Training:
         grads = ", gradients E5M2" if self.format == "hybrid" else ""
         moe = (", their experts' forward and input gradient rowwise in E4M3 (torch._scaled_grouped_mm)" if experts
                else "")
+        narrow = (f" (at hidden size {hidden} expect no gain: the casts cost what the GEMMs save below "
+                  f"{PAYS_FROM})" if hidden < PAYS_FROM else "")
         return (f"FP8 {self.recipe} E4M3{grads} (torch._scaled_mm: {gemms}) on the attention and MLP linears of "
-                f"{where}{moe}; embedding, output layer, router, norms and attention scores in bf16")
+                f"{where}{moe}; embedding, output layer, router, norms and attention scores in bf16{narrow}")
 
 
 FIELDS = ("fp8", "fp8_recipe", "fp8_wgrad", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
