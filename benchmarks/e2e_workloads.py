@@ -115,6 +115,14 @@ GPT_OSS_20B = dict(model_type="gpt_oss", hidden_size=2880, num_hidden_layers=24,
                    router_aux_loss_coef=0.9, rms_norm_eps=1e-5, tie_word_embeddings=False,
                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096})
+# MiniMax-M2 (MiniMaxAI/MiniMax-M2 config.json; transformers' MiniMaxM2Config defaults): 62 layers of 3072, 48 query
+# heads and 8 kv heads of 128 with q/k norms across all heads of a token and RoPE on half of each head; in every layer
+# 256 experts of 1536 (top 8) routed by sigmoid scores with a correction bias
+MINIMAX_M2 = dict(model_type="minimax_m2", hidden_size=3072, num_hidden_layers=62, num_attention_heads=48,
+                  num_key_value_heads=8, head_dim=128, intermediate_size=1536, num_local_experts=256,
+                  num_experts_per_tok=8, router_aux_loss_coef=0.001, vocab_size=200064, max_position_embeddings=196608,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.5})
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, vocab_size=512, max_position_embeddings=2048)
 SMOKE_SHAPES = {"dense": {**QWEN3_1_7B, **TINY}, "dense8b": {**QWEN3_8B, **TINY},
@@ -215,6 +223,8 @@ SMOKE_SHAPES["gemma4_moe"] = {**SMOKE_SHAPES["gemma4"], "enable_moe_block": True
                               "top_k_experts": 2, "moe_intermediate_size": 32}
 SMOKE_SHAPES["gemma4_e2b"] = {**GEMMA4_E2B, **TINY, "global_head_dim": 32, "sliding_window": 64,
                               "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": TINY["vocab_size"]}
+SMOKE_SHAPES["minimax_m2"] = {**MINIMAX_M2, **TINY, "num_local_experts": 8, "num_experts_per_tok": 2,
+                              "intermediate_size": 32}
 SMOKE_SHAPES["gpt_oss"] = {**GPT_OSS_20B, **TINY, "num_local_experts": 8, "num_experts_per_tok": 2,
                            "sliding_window": 64}
 # (no head_dim: GLM-5's config reads it as qk_rope_head_dim; 16 indexer heads: ties between keys' scores are rare)
@@ -228,7 +238,7 @@ SHAPES = {"dense": QWEN3_1_7B, "dense8b": QWEN3_8B, "moe": QWEN3_30B_A3B, "glm":
           # and LLaMA-Factory's default path drops it anyway
           "glm5": {**GLM_5, "num_nextn_predict_layers": 0},
           "gemma3": GEMMA3_1B, "gemma4": GEMMA4_31B, "gemma4_moe": GEMMA4_26B_A4B, "gemma4_e2b": GEMMA4_E2B,
-          "gpt_oss": GPT_OSS_20B, **VL}
+          "gpt_oss": GPT_OSS_20B, "minimax_m2": MINIMAX_M2, **VL}
 LABELS = {"dense": "Qwen3-1.7B shape", "dense8b": "Qwen3-8B shape", "moe": "Qwen3-30B-A3B shape",
           "glm": "GLM-4.5-Air shape", "glm_mtp": "GLM-4.5-Air shape with its MTP layer",
           "moonlight": "Moonlight-16B-A3B shape (DeepSeek-V3 architecture)",
@@ -238,6 +248,7 @@ LABELS = {"dense": "Qwen3-1.7B shape", "dense8b": "Qwen3-8B shape", "moe": "Qwen
           "gemma4_moe": "Gemma-4-26B-A4B shape",
           "gemma4_e2b": "Gemma-4-E2B shape",
           "gpt_oss": "gpt-oss-20b shape",
+          "minimax_m2": "MiniMax-M2 shape",
           "glm5": "GLM-5 shape (DeepSeek sparse attention)",
           "vl": "Qwen2.5-VL-7B shape",
           "vl_moe": "Qwen3-VL-30B-A3B shape",
@@ -245,7 +256,7 @@ LABELS = {"dense": "Qwen3-1.7B shape", "dense8b": "Qwen3-8B shape", "moe": "Qwen
           "glm_vl": "GLM-4.5V shape",
           "gemma_vl": "Gemma-3-27B shape (with images)"}
 MOE_KINDS = ("moe", "vl_moe", "vl_next", "glm_vl", "glm", "glm_mtp", "moonlight", "next", "gpt_oss", "glm5",
-             "gemma4_moe")
+             "gemma4_moe", "minimax_m2")
 
 
 def image_side(kind: str, smoke: bool) -> int:
@@ -492,6 +503,14 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                        f"{cut}-token packed micro-batches, global batch 8; "
                        "LLaMA-Factory with transformers' eager attention (its SDPA path is not causal on rows without "
                        "padding)"),
+        # MiniMax-M2: 256 experts of 3 x 3072 x 1536 make a layer 3.6B parameters (7 GB in bf16), beyond one GPU with
+        # Adam states; two of them keep the model's build, save and two loads short in one GPU call
+        Workload("minimax_m2", "minimax_m2", cut, packed,
+                 _pair(1, 8, "1 GPU", lf_layout="1 GPU, gradient checkpointing (LF default)"),
+                 steps=8, warmup=2, layers=2, tuning=lora,
+                 about="LoRA rank 16 on `lora_target: all` (the attention's projections, as LLaMA-Factory expands it: "
+                       "the experts are 3-D parameters) of the first 2 layers, each 256 experts (top 8) routed by "
+                       f"sigmoid scores with a correction bias, {cut}-token packed micro-batches, global batch 8"),
         Workload("lora_dense", "dense8b", cut, packed,
                  _pair(1, 8, "1 GPU", lf_layout="1 GPU, gradient checkpointing (LF default)")
                  + [Run("ours_recompute", "ours", 1, True, 1, 8, "1 GPU, recompute full", recompute)],

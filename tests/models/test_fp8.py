@@ -199,20 +199,28 @@ def _tp_run(tp: int) -> dict:
         config = dataclasses.replace(_config(tp=tp, sp=tp > 1), num_layers=4, bf16=True, params_dtype=torch.bfloat16)
         torch.manual_seed(5)
         model = _model(config, block=True).to(torch.bfloat16)
+        casts = None
         if settings is not None:
             config.fp8_training = settings
-            out[f"{name}_routed"] = fp8.use_fp8([model], settings, config.num_layers).routed
+            casts = fp8.use_fp8([model], settings, config.num_layers)
+            out[f"{name}_routed"] = casts.routed
             out[f"{name}_summary"] = spec.describe_kernels(config)
             kinds = [type(m._forward_impl).__name__ for layer in model.decoder.layers for m in layer.modules()
                      if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
             out[f"{name}_kinds"] = kinds
             model.decoder.layers[1].mlp.linear_fc1.weight.requires_grad_(False)  # a frozen base (LoRA's)
         tokens, _, weights, _ = _inputs()
-        logits = gather_from_tensor_model_parallel_region(_forward(model, tokens))
-        (logits.float() * weights).sum().backward()
-        fc2 = model.decoder.layers[2].mlp.linear_fc2.weight.grad  # row parallel: [hidden, ffn / tp]
-        out[name] = {"logits": logits.detach().float(), "fc2": fc2.float().clone(),
-                     "embedding": model.embedding.word_embeddings.weight.grad.float().clone()}
+        passes = []  # FP8: a second micro-batch of the step on the first's weight casts (held, as the trainer holds)
+        with casts.holding() if casts is not None else contextlib.nullcontext():
+            for _ in range(1 if casts is None else 2):
+                logits = gather_from_tensor_model_parallel_region(_forward(model, tokens))
+                (logits.float() * weights).sum().backward()
+                passes.append(logits.detach().float())
+        # the gradients of identical passes add up exactly: halved, one pass's
+        fc2 = model.decoder.layers[2].mlp.linear_fc2.weight.grad / len(passes)  # row parallel: [hidden, ffn / tp]
+        out[name] = {"logits": passes[0], "fc2": fc2.float(),
+                     "embedding": model.embedding.word_embeddings.weight.grad.float() / len(passes),
+                     "held_equal": all(torch.equal(p, passes[0]) for p in passes)}
     if tp == 1:
         out["experts"] = _experts()
     return out
@@ -272,11 +280,12 @@ def test_fp8_model_near_bf16_and_tp2_sequence_parallel_equal_one_rank(one_rank):
         assert len(kinds) == 16 and kinds.count("Fp8ForwardImpl") == 8, kinds
         assert "FP8" in one_rank[f"{recipe}_summary"] and "layers 2-3 of 4" in one_rank[f"{recipe}_summary"]
         mine, bf16 = one_rank[recipe], one_rank["bf16"]
+        assert mine["held_equal"], recipe  # the second micro-batch on held weight casts computed the first's logits
         assert _rel(mine["logits"], bf16["logits"]) < 0.05, recipe
         assert _rel(mine["embedding"], bf16["embedding"]) < 0.1, recipe  # through all four layers' backward
         assert _rel(mine["fc2"], bf16["fc2"]) < 0.1, recipe
         for rank, out in enumerate(per_rank):  # each rank scales its own shards: as near bf16 as one rank is
-            assert out[f"{recipe}_routed"] == 8
+            assert out[f"{recipe}_routed"] == 8 and out[recipe]["held_equal"], (recipe, rank)
             half = bf16["fc2"].shape[1] // 2
             assert _rel(out[recipe]["logits"], bf16["logits"]) < 0.05, (recipe, rank)
             assert _rel(out[recipe]["fc2"], bf16["fc2"][:, rank * half:(rank + 1) * half]) < 0.1, (recipe, rank)
