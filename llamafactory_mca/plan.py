@@ -72,7 +72,7 @@ class RunPlan:
     @property
     def tower(self) -> Any:
         """The family's vision tower (``families.base.Vision``), None for a text model."""
-        return get_family(self.config.hf_model_type).vision if self.vision else None
+        return get_family(self.config).vision if self.vision else None
 
     @property
     def video_span(self) -> tuple[int, int] | None:

@@ -4,15 +4,15 @@ global batch is the whole set, so row order cannot matter) at PP2 (the tower on 
 deepstack layers), padded for Qwen2-VL and packed for Qwen3-VL; Qwen3.5 packed at TP2 + SP (gated delta-rule layers
 restarting per sequence, and its multi-token-prediction layer trained on the image features); GLM-4.5V packed at
 EP2 with images; Gemma 3 packed at PP2 (image tokens that see their whole image, on both stages); InternVL packed at
-TP2 + SP; Gemma 4 packed at PP2 (images of their own sizes, seeing themselves on the windowed layers); the tower
-frozen as
-LLaMA-Factory freezes it by default; the export loading into ``transformers``.
+TP2 + SP, and over gpt-oss's decoder at EP2 (its sinks and windows on packed rows); Gemma 4 packed at PP2 (images of
+their own sizes, seeing themselves on the windowed layers); the tower frozen as LLaMA-Factory freezes it by default;
+the export loading into ``transformers``.
 (Packed PP4 and PP2 x EP4: the recipes in tests/test_examples.py.)"""
 
 import pytest
 import torch
 
-from llamafactory_mca.tools.tiny import save_tiny_vl_model, write_image_dataset
+from llamafactory_mca.tools.tiny import model_type_of, save_tiny_vl_model, write_image_dataset
 from tests._cli import default_path_losses, losses, ok, recipe, train
 from tests.models._bridge import hf_tensors
 
@@ -36,6 +36,8 @@ EP2 = {"expert_model_parallel_size": 2}
     ("gemma3", "gemma3", 0, True, PP2),
     # InternVL: the tower replicated over TP ranks, its features scattered over SP ranks
     ("internvl", "intern_vl", 0, True, TP2_SP),
+    # InternVL 3.5 GPT-OSS: the same tower over gpt-oss's decoder, its experts split over the ranks
+    ("internvl_gpt_oss", "intern_vl", 0, True, EP2),
     # Gemma 4: images of their own sizes (up to 70 tokens each), whose tokens see one another on the windowed layers
     ("gemma4", "gemma4", 0, True, PP2)])
 def test_vision_language_sft_matches_llamafactory_and_keeps_the_tower_frozen(tmp_path, family, template, video_every,
@@ -65,7 +67,7 @@ def test_vision_language_sft_matches_llamafactory_and_keeps_the_tower_frozen(tmp
     ok(result, output)
     ours = losses(tmp_path / "ours")
     assert ours[1] == pytest.approx(theirs, rel=1e-6), theirs  # the next-token loss (MTP's is logged apart)
-    llava = family in ("gemma3", "internvl", "gemma4")
+    llava = model_type_of(family) in ("gemma3", "internvl", "gemma4")
     tower = "over a micro-batch's images" if llava else "per image or window"  # varlen_attn on GPUs
     assert f"; vision tower: SDPA {tower}" in output, output[-3000:]
     assert ("image tokens see their whole image: one SDPA call under a mask" in output) == (family == "gemma3")

@@ -285,6 +285,38 @@ def test_vision_tower_counted_by_its_own_class():
         sum(p.numel() for n, p in tower.named_parameters() if n.startswith("merger."))
 
 
+def test_internvl_over_gpt_oss_is_counted_whole_and_spreads_its_experts():
+    """InternVL3.5-GPT-OSS-20B-A4B's shape (gpt-oss-20b's decoder, the benchmarks', under InternViT-300M: 24 blocks
+    of 1024, 448-pixel tiles folded into 256 tokens): the planner's weights are transformers' whole model (tower,
+    projector, sinks, biased experts), EP8 holds 1/8 of the experts, and the search proposes expert parallelism but
+    neither context parallelism (a VL model) nor splitting the biased experts (ETP)."""
+    import torch
+    from transformers import AutoConfig as HfAutoConfig
+    from transformers import AutoModelForImageTextToText
+
+    from llamafactory_mca.models.multimodal import check_vision_layout
+
+    text = dict(SHAPES["gpt_oss"], layer_types=["sliding_attention", "full_attention"] * 12)
+    hf = HfAutoConfig.for_model("internvl", text_config=text, image_seq_length=256, downsample_ratio=0.5,
+                                tie_word_embeddings=False,
+                                vision_config=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                                                   num_attention_heads=16, image_size=[448, 448],
+                                                   patch_size=[14, 14]))
+    config = get_family(hf).config_from_hf(hf)
+    with torch.device("meta"):
+        count = AutoModelForImageTextToText.from_config(hf).num_parameters()
+    one = estimate(config, _layout(), Training(tokens=4096))
+    assert one["weights"] == pytest.approx(count * 2 / GIB, rel=1e-3) and 21.2e9 < count < 21.3e9
+    experts = 24 * 32 * (2880 * 2 * 2880 + 2 * 2880 + 2880 * 2880 + 2880)  # gate_up and down, with their biases
+    ep8 = estimate(config, _layout(world=8, ep=8), Training(tokens=4096))
+    assert one["weights"] - ep8["weights"] == pytest.approx(experts * 7 / 8 * 2 / GIB, abs=0.011)
+    found, refused = search(config, 8, 16, Training(tokens=4096), gpu_memory_gib=80.0, peak_flops=989e12)
+    assert any(c.layout.ep > 1 for c in found) and any("vision-language" in reason for reason in refused)
+    for candidate in found:
+        check_vision_layout(config, candidate.layout)
+        assert candidate.layout.cp == candidate.layout.etp == 1
+
+
 def test_speed_model_follows_the_work():
     """The predicted tokens/s: graphed dense layers lose the host's launch time, LoRA's frozen base skips the weight
     gradients, full recompute adds a forward (selective: core attention's), longer micro-batches spread the host's

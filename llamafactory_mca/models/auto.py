@@ -55,14 +55,14 @@ class AutoConfig:
                             f"--checkpoint_path {path} --output_path ADAPTER_DIR).")
         if checkpoints.is_ours(path):
             config = McaConfig.from_json_file(checkpoints.config_file(path))
-            get_family(config.hf_model_type)  # fails clearly for an unknown type
+            get_family(config)  # fails clearly for an unknown type
             return config
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"{path} is neither a Hugging Face model folder (no config.json) nor a "
                              f"llamafactory_mca checkpoint (no {checkpoints.MCA_CONFIG_NAME}).")
 
         hf = HfAutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        return _drop_missing_mtp(get_family(hf.model_type).config_from_hf(hf), path)
+        return _drop_missing_mtp(get_family(hf).config_from_hf(hf), path)
 
 
 def _drop_missing_mtp(config: McaConfig, path: str) -> McaConfig:
@@ -75,7 +75,7 @@ def _drop_missing_mtp(config: McaConfig, path: str) -> McaConfig:
         names = SafetensorsSource(path).keys()
     except Exception:  # no weights here (a config-only folder): loading says what is missing
         return config
-    _, (eh_proj,) = get_family(config.hf_model_type).weight_table(config).lookup(
+    _, (eh_proj,) = get_family(config).weight_table(config).lookup(
         f"decoder.layers.{config.num_layers}.mtp.eh_proj.weight")
     if eh_proj in names:
         return config
@@ -304,7 +304,7 @@ class McaModel:
         return {f"model{i}": state for i, state in enumerate(states)}
 
     def load_hf_weights(self, path: str) -> SafetensorsSource:
-        family = get_family(self.config.hf_model_type)
+        family = get_family(self.config)
         src = SafetensorsSource(path, family.source_aliases)
         table = family.weight_table(self.config)
         dims = dims_for(self.config, ps.get_tensor_model_parallel_world_size())
@@ -403,7 +403,7 @@ class AutoModel:
         tp = ps.get_tensor_model_parallel_world_size()
         vpp = ps.get_virtual_pipeline_model_parallel_world_size()
         inv_freq = rope_inv_freq(config, tc.kv_channels)
-        family = get_family(config.hf_model_type)
+        family = get_family(config)
         chunks = []
         for stage in range(vpp or 1):
             vp_stage = stage if vpp else None

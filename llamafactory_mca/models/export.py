@@ -63,7 +63,7 @@ def _index_ranges(pattern: str, config: McaConfig, reader: DistCheckpointReader 
 def iter_hf_tensors(reader: DistCheckpointReader, config: McaConfig, dtype: torch.dtype | None = None
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf_name, tensor) for every exported HF tensor, layer by layer, reading one region at a time."""
-    table = get_family(config.hf_model_type).weight_table(config)
+    table = get_family(config).weight_table(config)
     dims = dims_for(config, 1)
     ops = [op for op in table.ops if op.export]
     # Tensors outside the decoder layers first, then each layer's together (one layer's group in memory at a time).

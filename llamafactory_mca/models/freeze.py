@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import UserError
+from .config import McaConfig
 from .families import get_family
 
 
@@ -58,16 +59,16 @@ def apply_freeze(model: Any, finetuning_args: Any) -> int:
     return trainable
 
 
-def vision_frozen(model_type: str, freeze_vision_tower: bool, freeze_projector: bool) -> Callable[[str], bool]:
+def vision_frozen(config: McaConfig, freeze_vision_tower: bool, freeze_projector: bool) -> Callable[[str], bool]:
     """Whether a tower parameter (by its own name, ``X`` of our ``vision.X``) is frozen: LLaMA-Factory's rule, by its
     own table of each VL model's module names (``COMPOSITE_MODELS``), a key anywhere in the checkpoint's name."""
     # here: LLaMA-Factory's model utilities import seconds of modules; only VL models need the table
     from llamafactory.model.model_utils.visual import COMPOSITE_MODELS
 
-    names = COMPOSITE_MODELS.get(model_type)
+    names = COMPOSITE_MODELS.get(config.hf_model_type)
     if names is None:
         return lambda name: False
-    tower_prefix = get_family(model_type).vision.tower_prefix  # "visual." or "model.visual."
+    tower_prefix = get_family(config).vision.tower_prefix  # "visual." or "model.visual."
     keys = ((names.vision_model_keys if freeze_vision_tower else [])
             + (names.projector_keys if freeze_projector else []))
     return lambda name: any(key in tower_prefix + name for key in keys)
@@ -76,9 +77,9 @@ def vision_frozen(model_type: str, freeze_vision_tower: bool, freeze_projector: 
 def apply_multimodal_freeze(model: Any, finetuning_args: Any) -> int:
     """``freeze_vision_tower``, ``freeze_multi_modal_projector`` and ``freeze_language_model`` as LLaMA-Factory's
     default path applies them (``vision_frozen``). Returns the number of parameters frozen here."""
-    if not get_family(model.config.hf_model_type).vision:
+    if not get_family(model.config).vision:
         return 0
-    tower_frozen = vision_frozen(model.config.hf_model_type, finetuning_args.freeze_vision_tower,
+    tower_frozen = vision_frozen(model.config, finetuning_args.freeze_vision_tower,
                                  finetuning_args.freeze_multi_modal_projector)
     frozen = 0
     for chunk in model.chunks:

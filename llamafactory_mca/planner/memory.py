@@ -107,10 +107,10 @@ def _count_tower(config: Any, vision: dict[str, Any], training: Training) -> Vis
     from ..models.freeze import vision_frozen
     from ..models.multimodal import build_vision_tower
 
-    projector = get_family(config.hf_model_type).vision.projector
+    projector = get_family(config).vision.projector
     with torch.device("meta"):
         tower = build_vision_tower(config.hf_config, torch.bfloat16, projector)
-    frozen = vision_frozen(config.hf_model_type, training.freeze_vision_tower, training.freeze_projector)
+    frozen = vision_frozen(config, training.freeze_vision_tower, training.freeze_projector)
     params = dict(tower.named_parameters())
     glu = 2 if any(".gate_proj." in name for name in params) else 1
     # the block's width and its MLP's as built (its first norm, its MLP's input projection): the configs name them

@@ -204,11 +204,13 @@ TINY_VL["internvl"] = dict(
     vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
                        image_size=[16, 16], patch_size=[4, 4]),
     image_seq_length=4, downsample_ratio=0.5, image_token_id=196, tie_word_embeddings=False)
+# InternVL 3.5 GPT-OSS-20B-A4B: the same tower over gpt-oss's tiny decoder (sinks, windows, YaRN, biased experts)
+TINY_VL["internvl_gpt_oss"] = dict(TINY_VL["internvl"], text_config=dict(TINY["gpt_oss"], model_type="gpt_oss"))
 
 
 # TINY's names that are a variant of a family's layout, and the family
 VARIANTS = {"llama3_tied": "llama", "gemma4_text_moe": "gemma4_text", "gemma4_moe": "gemma4",
-            "gemma4_text_e2b": "gemma4_text", "gemma4_e2b": "gemma4"}
+            "gemma4_text_e2b": "gemma4_text", "gemma4_e2b": "gemma4", "internvl_gpt_oss": "internvl"}
 
 
 def model_type_of(name: str) -> str:
@@ -241,7 +243,7 @@ def save_tiny_model(name: str, directory: str, seed: int = 0, dtype: torch.dtype
 
 def _mtp_layers(config: Any) -> int:
     """How many multi-token-prediction layers the config declares, under its family's key."""
-    mtp = getattr(get_family(config.model_type), "mtp", None)
+    mtp = getattr(get_family(config), "mtp", None)
     return (getattr(config.get_text_config(), mtp.count, 0) or 0) if mtp else 0
 
 
@@ -249,7 +251,7 @@ def _randomize_zero_init(model: Any) -> None:
     """Models with zero-centred norms (hybrid ones, Gemma 3) start them at 0, and the delta rule's decay at fixed
     values; Gemma 4 its norms, router scales and layer scalars at 1: perturb them, so a test cannot pass by mistaking
     a norm's weight for its scale, or by leaving a scalar out."""
-    transformer = get_family(model.config.model_type).config_from_hf(model.config).transformer
+    transformer = get_family(model.config).config_from_hf(model.config).transformer
     if not (transformer.get("layernorm_zero_centered_gamma") or transformer.get("layer_scalars")):
         return
     with torch.no_grad():
@@ -264,7 +266,7 @@ def _randomize_zero_init(model: Any) -> None:
 
 def _randomize_zero_biases(model: Any) -> None:
     """A family with biases on every linear (gpt-oss) starts most at 0: perturb them, as the norms above."""
-    if not get_family(model.config.model_type).config_from_hf(model.config).transformer.get("add_bias_linear"):
+    if not get_family(model.config).config_from_hf(model.config).transformer.get("add_bias_linear"):
         return
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -314,7 +316,7 @@ def add_mtp_layers(config: Any, directory: str, dtype: torch.dtype, device: str 
         with safe_open(os.path.join(directory, index["weight_map"][name]), "pt") as f:
             return f.get_tensor(name)
 
-    family = get_family(config.model_type)
+    family = get_family(config)
     mca = family.config_from_hf(config)
     text, count, extra = config.get_text_config(), mca.mtp_num_layers, len(family.mtp.copied_embeddings(mca))
     layers, hidden, hybrid = text.num_hidden_layers, text.hidden_size, bool(getattr(text, "layer_types", None))
@@ -425,7 +427,9 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
     """A vision-language model of family ``name`` (``TINY_VL``, or the shapes given) with its tokenizer and processor,
     as the hub ships them: the tokenizer knows the vision tokens, the config's token ids are the tokenizer's, and the
     image processor cuts the tower's patches (tiny: 4 pixels merged 2 x 2, so a 32 x 32 image is 16 tokens; Gemma 3:
-    every image 16 pixels, pooled into ``mm_tokens_per_image`` tokens, 4)."""
+    every image 16 pixels, pooled into ``mm_tokens_per_image`` tokens, 4). ``mm_tokens_per_image`` is also Gemma 4's
+    budget per image (its processor's ``max_soft_tokens``, 70) and InternVL's tokens per tile (4): the real shapes'
+    are 256 (Gemma 3, InternVL) and 280 (Gemma 4)."""
     # here: the processors load sentencepiece and torchvision's transforms; only VL models need them
     from transformers import (
         AutoTokenizer,
@@ -448,8 +452,8 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
     from transformers.models.qwen3_vl import Qwen3VLVideoProcessor
 
     save_tiny_tokenizer(directory, texts)
-    glm, gemma, intern = name == "glm4v_moe", name == "gemma3", name == "internvl"
-    gemma4 = model_type_of(name) == "gemma4"
+    glm, gemma = name == "glm4v_moe", name == "gemma3"
+    gemma4, intern = model_type_of(name) == "gemma4", model_type_of(name) == "internvl"
     # Gemma 3's, Gemma 4's and InternVL's processors ask their tokenizer for the image tokens by name
     named_tokens = GEMMA_VL_TOKENS if gemma else GEMMA4_VL_TOKENS if gemma4 else INTERNVL_TOKENS if intern else {}
     tokenizer = AutoTokenizer.from_pretrained(directory, **({"extra_special_tokens": named_tokens} if named_tokens
@@ -471,7 +475,7 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
                                     image_seq_length=extra["mm_tokens_per_image"])
     elif gemma4:  # every image resized to at most 70 tokens (its fewest) of 2 x 2 patches of 4 pixels
         pixels = dict(patch_size=vision["patch_size"], pooling_kernel_size=vision["pooling_kernel_size"],
-                      max_soft_tokens=70)
+                      max_soft_tokens=mm_tokens_per_image or 70)
         processor = Gemma4Processor(feature_extractor=Gemma4AudioFeatureExtractor(),
                                     image_processor=Gemma4ImageProcessor(**pixels),
                                     video_processor=Gemma4VideoProcessor(**pixels), tokenizer=tokenizer,
@@ -479,10 +483,10 @@ def save_tiny_vl_model(name: str, directory: str, texts: list[str] | None = None
     elif intern:  # every tile resized to the encoder's size (one tile per image: LLaMA-Factory's default)
         height, width = vision["image_size"]
         tile = {"height": height, "width": width}
+        extra["image_seq_length"] = mm_tokens_per_image or TINY_VL[name]["image_seq_length"]
         processor = InternVLProcessor(image_processor=GotOcr2ImageProcessor(size=tile),
                                       video_processor=InternVLVideoProcessor(size=tile), tokenizer=tokenizer,
-                                      chat_template=CHAT_TEMPLATE,
-                                      image_seq_length=TINY_VL[name]["image_seq_length"])
+                                      chat_template=CHAT_TEMPLATE, image_seq_length=extra["image_seq_length"])
     else:
         patch, merge = vision["patch_size"], vision["spatial_merge_size"]
         pixels = dict(patch_size=patch, merge_size=merge, temporal_patch_size=vision["temporal_patch_size"],

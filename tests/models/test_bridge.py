@@ -281,6 +281,7 @@ def test_unsupported_models_fail_with_the_supported_list(tmp_path):
     from transformers import GPT2Config, LlamaConfig
 
     from llamafactory_mca.models.auto import AutoConfig
+    from llamafactory_mca.models.families import get_family
 
     GPT2Config(n_layer=1).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(ValueError, match="not supported by llamafactory_mca; supported: deepseek_v3, gemma3, "
@@ -314,8 +315,11 @@ def test_unsupported_models_fail_with_the_supported_list(tmp_path):
     moe = dict(tiny_hf_config("qwen3_moe").to_dict(), model_type="qwen3_moe")
     tiny_hf_config("internvl", text_config=moe).save_pretrained(tmp_path / "internvl_moe")
     with pytest.raises(ValueError, match="internvl: a qwen3_moe decoder \\(text_config.model_type\\) is not supported "
-                                         "by llamafactory_mca. Supported: qwen3."):
+                                         "by llamafactory_mca. Supported: gpt_oss, qwen3."):
         AutoConfig.from_pretrained(str(tmp_path / "internvl_moe"))
+    # its family by the model_type alone (InternVL on Qwen3, the first declared) refuses the other decoder's config
+    with pytest.raises(ValueError, match="internvl: the family of its qwen3 decoder was handed a gpt_oss decoder's"):
+        get_family("internvl").config_from_hf(tiny_hf_config("internvl_gpt_oss"))
     # GLM-5 variants the sparse attention does not implement
     for name, overrides, message in [
             ("shared", {"indexer_types": ["full", "shared", "full", "shared"]},

@@ -1,8 +1,10 @@
 """LLaVA's layout against ``transformers`` (CPU, fp32): Gemma 3 with images (a SigLIP encoder and a pooling projector,
 image tokens that see their whole image), InternVL 3.5 (InternViT, whose class token the projector drops and whose
-patches it folds 2 x 2, on Qwen3's decoder with its own output layer) and Gemma 4 (images of their own sizes as
-patches with their positions, pooled 2 x 2; image tokens that see their whole image on the windowed layers only).
-Logits of a padded row and of a pack of two sequences at DP2, TP2 with sequence parallelism and PP2; another
+patches it folds 2 x 2, on Qwen3's decoder with its own output layer, and on gpt-oss's: sinks, windows shorter than the
+rows, YaRN, biased experts) and Gemma 4 (images of their own sizes as patches with their positions, pooled 2 x 2; image
+tokens that see their whole image on the windowed layers only).
+Logits of a padded row and of a pack of two sequences at DP2, TP2 with sequence parallelism and PP2 (and EP2 where the
+decoder has experts); another
 checkpoint's spelling of the prefixes (Gemma 3's hub files, InternVL's in-memory names) read as transformers' own;
 the round trip bit for bit. (Training through the
 recipe: tests/test_multimodal_training.py.)"""
@@ -13,13 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from llamafactory_mca.tools.tiny import save_tiny_model
+from llamafactory_mca.tools.tiny import model_type_of, save_tiny_model
 from tests._dist import run_distributed
 from tests.models._bridge import hf_tensors
 
 
 LAYOUTS = [("dp2", {}), ("tp2-sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
            ("pp2", {"pipeline_model_parallel_size": 2})]
+MORE_LAYOUTS = {"internvl_gpt_oss": [("ep2", {"expert_model_parallel_size": 2})]}  # its experts split over the ranks
 
 
 def _rows(config) -> list[dict]:
@@ -88,7 +91,7 @@ def _forward(model, ids: torch.Tensor, positions: torch.Tensor, vision: dict, pa
     return logits[0].clone() if ps.get_tensor_model_parallel_rank() == 0 else None
 
 
-def _ours(model_dirs: dict, rows: list[dict], back_dir: str) -> dict:
+def _ours(model_dirs: dict, rows: list[dict], back_dir: str, layouts: list) -> dict:
     """{(checkpoint, layout, padded | packed): logits} on the ranks that have them; the first layout saves back."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -106,7 +109,7 @@ def _ours(model_dirs: dict, rows: list[dict], back_dir: str) -> dict:
     keys = [k for k in rows[0] if k != "input_ids"]
     first_vision, pack_vision = {k: rows[0][k] for k in keys}, {k: torch.cat([row[k] for row in rows]) for k in keys}
     found = {}
-    for layout, sizes in LAYOUTS:
+    for layout, sizes in layouts:
         args = MegatronArguments(**sizes)
         parallel.initialize(parallel.ParallelLayout.from_args(args))
         for name, model_dir in model_dirs.items():
@@ -117,7 +120,7 @@ def _ours(model_dirs: dict, rows: list[dict], back_dir: str) -> dict:
                 logits = _forward(model, ids, positions, vision, packed)
                 if logits is not None:
                     found[(name, layout, batch)] = logits
-            if layout == LAYOUTS[0][0] and name == "transformers":
+            if layout == layouts[0][0] and name == "transformers":
                 model.save_pretrained(back_dir)
         parallel.destroy_layout()
     return found
@@ -149,16 +152,17 @@ def _as_another_checkpoint_spells_it(model_dir: str, hub_dir: str, family: str) 
     return hub_dir
 
 
-@pytest.mark.parametrize("family", ["gemma3", "internvl", "gemma4"])
+@pytest.mark.parametrize("family", ["gemma3", "internvl", "internvl_gpt_oss", "gemma4"])
 def test_llava_layout_logits_and_round_trip_match_transformers(tmp_path, family):
     model_dir = save_tiny_model(family, str(tmp_path / family))
     rows, expected = _hf_logits(model_dir)
     dirs = {"transformers": model_dir}
-    if family in OTHER_PREFIXES:
-        dirs["hub"] = _as_another_checkpoint_spells_it(model_dir, str(tmp_path / "hub"), family)
+    if model_type_of(family) in OTHER_PREFIXES:
+        dirs["hub"] = _as_another_checkpoint_spells_it(model_dir, str(tmp_path / "hub"), model_type_of(family))
     back_dir = str(tmp_path / "back")
-    found = {k: v for rank in run_distributed(_ours, 2, dirs, rows, back_dir) for k, v in rank.items()}
-    assert sorted(found) == sorted((n, layout, b) for n in dirs for layout, _ in LAYOUTS for b in ("padded", "packed"))
+    layouts = LAYOUTS + MORE_LAYOUTS.get(family, [])
+    found = {k: v for rank in run_distributed(_ours, 2, dirs, rows, back_dir, layouts) for k, v in rank.items()}
+    assert sorted(found) == sorted((n, layout, b) for n in dirs for layout, _ in layouts for b in ("padded", "packed"))
     vocab = expected[0].shape[-1]
     for (name, layout, batch), logits in found.items():
         want = expected[0] if batch == "padded" else torch.cat(expected)
@@ -167,6 +171,6 @@ def test_llava_layout_logits_and_round_trip_match_transformers(tmp_path, family)
     original, back = hf_tensors(model_dir), hf_tensors(back_dir)
     towers = (".vision_tower.encoder.", ".model.vision_tower.encoder.")  # Gemma 4's under model.
     assert sorted(original) == sorted(back) and any(f".{k}".startswith(towers) for k in back)
-    assert ("language_model.lm_head.weight" in back) == (family == "internvl")  # Gemma 3 ties it
+    assert ("language_model.lm_head.weight" in back) == (model_type_of(family) == "internvl")  # Gemma 3 ties it
     for key in original:
         assert torch.equal(original[key], back[key]), key

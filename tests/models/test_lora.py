@@ -153,8 +153,9 @@ def _count(models: dict, cases: list) -> list[int]:
 
 def test_trainable_parameters_are_peft_s(tmp_path):
     """``all`` is LLaMA-Factory's expansion (on Qwen3-MoE: attention only; experts only by the word; on GLM-4.5V and
-    Gemma 3 the language model's linears, not the frozen tower's; on GLM-5 not the indexer's, which transformers
-    runs without gradient; on Gemma 4's MoE block its router's projection too)."""
+    Gemma 3 the language model's linears, not the frozen tower's; on InternVL over gpt-oss its attention projections,
+    the experts being 3-D parameters; on GLM-5 not the indexer's, which transformers runs without gradient; on Gemma
+    4's MoE block its router's projection too)."""
     from llamafactory.hparams import FinetuningArguments
     from llamafactory.model.model_utils.misc import find_all_linear_modules
     from llamafactory.model.model_utils.visual import patch_target_modules
@@ -165,9 +166,9 @@ def test_trainable_parameters_are_peft_s(tmp_path):
              ("glm4_moe", ["all"]), ("deepseek_v3", ["all", "experts"]),
              ("qwen3_next", ["all"]), ("qwen3_next", ["in_proj_qkvz", "in_proj_ba", "out_proj", "experts"]),
              ("qwen2_moe", ["all"]), ("glm4v_moe", ["all"]), ("gemma3", ["all"]), ("internvl", ["all"]),
-             ("minimax_m2", ["all", "experts"]), ("glm_moe_dsa", ["all"]), ("gemma4_text", ["all"]),
-             ("gemma4", ["all"]), ("gemma4_text_moe", ["all", "experts"]), ("gemma4_text_e2b", ["all"]),
-             ("gemma4_e2b", ["all"])]
+             ("internvl_gpt_oss", ["all"]), ("minimax_m2", ["all", "experts"]), ("glm_moe_dsa", ["all"]),
+             ("gemma4_text", ["all"]), ("gemma4", ["all"]), ("gemma4_text_moe", ["all", "experts"]),
+             ("gemma4_text_e2b", ["all"]), ("gemma4_e2b", ["all"])]
     models = {name: save_tiny_model(name, str(tmp_path / name)) for name in {n for n, _ in cases}}
     (ours,) = run_distributed(_count, 1, models, cases)
     for (name, targets), count in zip(cases, ours):

@@ -54,9 +54,10 @@ def hf_attention_shape(hf: Any) -> AttentionShape:
 
 
 class Family:
-    """What the bridge asks of a family (``model_type`` is set by ``registry.register``)."""
+    """What the bridge asks of a family (``model_type`` and ``decoder`` are set by ``registry.register``)."""
 
     model_type: str = ""
+    decoder: str | None = None  # the text config's model_type it serves, where its type takes several (InternVL)
     # HF linears transformers runs without gradient (GLM-5's indexer): LLaMA-Factory's ``lora_target: all`` wraps
     # them, but their adapters never train (they stay zero); ``all`` leaves them out here
     no_gradient: tuple[str, ...] = ()
@@ -323,8 +324,8 @@ class Vision(Part):
     ``aliases``: other spellings of the checkpoint's prefixes (prefix as written here, prefix as another checkpoint
     stores it: Gemma 3's hub files nest the encoder deeper; a checkpoint may hold transformers' in-memory names).
     ``image_look_ahead``: an image's tokens see the whole image, later ones too (Gemma 3's bidirectional attention
-    inside each image). ``decoders``: the text config's model types the layout is declared
-    with, where the VL model takes several (InternVL); empty: the family's own.
+    inside each image). A VL model type built over several decoders (InternVL) declares a family per decoder, each
+    with the same ``Vision`` (``registry.register(model_type, decoder=...)``).
     """
 
     tower_prefix: str = "visual."
@@ -335,7 +336,6 @@ class Vision(Part):
     projector: bool = False
     aliases: tuple[tuple[str, str], ...] = ()
     image_look_ahead: bool = False
-    decoders: tuple[str, ...] = ()
 
     def video_span(self, hf_config: dict[str, Any]) -> tuple[int, int] | None:
         """The ids opening and closing a video whose frames are image tokens (``video_frames_as_images``)."""
@@ -348,9 +348,6 @@ class Vision(Part):
         return list(section) if section else None
 
     def check(self, model_type: str, hf: Any) -> None:
-        if self.decoders and hf.model_type not in self.decoders:
-            refuse(model_type, f"a {hf.model_type} decoder (text_config.model_type)",
-                   f"Supported: {', '.join(self.decoders)}.")
         if not self.projector and not self.mrope_section(hf):
             refuse(model_type, "a vision-language config without mrope_section", "Supported: multimodal RoPE.")
 
@@ -597,6 +594,9 @@ class DecoderFamily(Family):
                                   self.vision) if part is not None]
 
     def check(self, hf: Any) -> None:
+        if self.decoder not in (None, hf.model_type):  # looked up by its model_type alone (``families.get_family``)
+            raise ValueError(f"{self.model_type}: the family of its {self.decoder} decoder was handed a "
+                             f"{hf.model_type} decoder's config; look the family up by the config instead.")
         if hf_activation(hf) not in GLU_ACTIVATIONS:
             refuse(self.model_type, f"hidden_act={hf_activation(hf)!r}",
                    "Supported: silu (SwiGLU) and gelu_pytorch_tanh (GeGLU).")

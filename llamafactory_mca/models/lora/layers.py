@@ -393,7 +393,7 @@ def apply_lora(model: Any, settings: LoraSettings, freeze_vision_tower: bool = T
     """Freeze the model and put adapters on the targeted linears of this rank's chunks (before DDP wraps it);
     ``planned``: the targets as the run's plan found and checked them (``peft_io.plan_lora``), else found here."""
     config = model.config
-    table = get_family(config.hf_model_type).weight_table(config)
+    table = get_family(config).weight_table(config)
     targets = planned
     if targets is None:
         targets = plan_targets(config.hf_config, table, settings, freeze_vision_tower)

@@ -112,12 +112,12 @@ def _in_memory_name(hf_name: str, names: set[str]) -> str:
 
 def _additional_ops(config: Any, settings: LoraSettings) -> list:
     prefixes = tuple(EXTRA_MODULES[m] for m in settings.additional)
-    table = get_family(config.hf_model_type).weight_table(config)
+    table = get_family(config).weight_table(config)
     return [op for op in table.ops if prefixes and op.mca.startswith(prefixes) and op.export]
 
 
 def _targets(config: Any, settings: LoraSettings, freeze_vision_tower: bool = True) -> list[TargetLinear]:
-    return plan_targets(config.hf_config, get_family(config.hf_model_type).weight_table(config), settings,
+    return plan_targets(config.hf_config, get_family(config).weight_table(config), settings,
                         freeze_vision_tower)
 
 
@@ -247,7 +247,7 @@ def _load_additional(model: Any, tensors: dict[str, torch.Tensor], used: set[str
     if not extra:
         return
     config = model.config
-    table = get_family(config.hf_model_type).weight_table(config)
+    table = get_family(config).weight_table(config)
     dims = dims_for(config, ps.get_tensor_model_parallel_world_size())
     names = set(extra)
     for chunk in model.chunks:

@@ -145,7 +145,7 @@ def resolve_targets(hf_config: dict, settings: LoraSettings, freeze_vision_tower
         # here: LLaMA-Factory, only for lora_target all
         from llamafactory.model.model_utils.misc import find_all_linear_modules
 
-        untrained = get_family(hf_config["model_type"]).no_gradient
+        untrained = get_family(hf_config).no_gradient
         names = [n for n in names if n != "all"] + sorted(
             set(find_all_linear_modules(meta_hf_model(hf_config), freeze_vision_tower)) - set(untrained))
     return list(dict.fromkeys(names))
