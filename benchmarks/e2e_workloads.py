@@ -208,10 +208,28 @@ GEMMA3_27B = dict(model_type="gemma3",
                   vision_config=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
                                      num_attention_heads=16, image_size=896, patch_size=14, vision_use_head=False),
                   mm_tokens_per_image=256, tie_word_embeddings=True)
+# Gemma 4 31B with images (google/gemma-4-31B-it config.json): the text model above, its images' tokens seeing one
+# another on the windowed layers; a 27-block encoder of 1152 (heads of 72) of 16-pixel patches pooled 3 x 3, each
+# image resized to at most 280 tokens (a square one: 768 pixels, 256 tokens); no audio tower (tiny.py's layout)
+GEMMA4_31B_VL = dict(model_type="gemma4",
+                     text_config=dict({k: v for k, v in GEMMA4_31B.items() if k != "model_type"},
+                                      use_bidirectional_attention="vision"),
+                     vision_config=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                                        num_attention_heads=16, num_key_value_heads=16, head_dim=72, patch_size=16,
+                                        pooling_kernel_size=3, position_embedding_size=10240, standardize=True),
+                     mm_tokens_per_image=280)
+# InternVL 3.5 8B (OpenGVLab/InternVL3_5-8B-HF config.json): Qwen3-8B's decoder and the 24-block InternViT-300M
+# (1024 wide) of 448-pixel tiles in 14-pixel patches, the projector folding 2 x 2 into 256 tokens per tile. The 38B's
+# InternViT-6B tower would outweigh the decoder layers one GPU holds, on both paths
+INTERNVL3_5_8B = dict(model_type="internvl",
+                      text_config=dict({k: v for k, v in QWEN3_8B.items() if k != "model_type"}, model_type="qwen3"),
+                      vision_config=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                                         num_attention_heads=16, image_size=[448, 448], patch_size=[14, 14]),
+                      mm_tokens_per_image=256, tie_word_embeddings=False)  # (InternVLConfig's default ties them)
 VL = {"vl": QWEN2_5_VL_7B, "vl_moe": QWEN3_VL_30B_A3B, "vl_next": QWEN3_5_35B_A3B, "glm_vl": GLM_4_5V,
-      "gemma_vl": GEMMA3_27B}
+      "gemma_vl": GEMMA3_27B, "gemma4_vl": GEMMA4_31B_VL, "internvl": INTERNVL3_5_8B}
 VL_TEMPLATE = {"qwen2_5_vl": "qwen2_vl", "qwen3_vl_moe": "qwen3_vl_nothink", "qwen3_5_moe": "qwen3_5_nothink",
-               "glm4v_moe": "glm4_5v", "gemma3": "gemma3"}
+               "glm4v_moe": "glm4_5v", "gemma3": "gemma3", "gemma4": "gemma4", "internvl": "intern_vl"}
 SMOKE_SHAPES |= {kind: dict(model_type=shape["model_type"]) for kind, shape in VL.items()}  # tiny.py's shapes
 # GLM-4.5-Air as released, with its multi-token-prediction layer (an MoE layer): ours trains it, LLaMA-Factory's
 # default path drops it (transformers has no MTP)
@@ -254,14 +272,18 @@ LABELS = {"dense": "Qwen3-1.7B shape", "dense8b": "Qwen3-8B shape", "moe": "Qwen
           "vl_moe": "Qwen3-VL-30B-A3B shape",
           "vl_next": "Qwen3.5-35B-A3B shape",
           "glm_vl": "GLM-4.5V shape",
-          "gemma_vl": "Gemma-3-27B shape (with images)"}
+          "gemma_vl": "Gemma-3-27B shape (with images)",
+          "gemma4_vl": "Gemma-4-31B shape (with images)",
+          "internvl": "InternVL-3.5-8B shape"}
 MOE_KINDS = ("moe", "vl_moe", "vl_next", "glm_vl", "glm", "glm_mtp", "moonlight", "next", "gpt_oss", "glm5",
              "gemma4_moe", "minimax_m2")
 
 
 def image_side(kind: str, smoke: bool) -> int:
-    """Pixels per image side: 32 x 32 patches (256 tokens after the 2 x 2 merge); smoke: tiny.py's 32 pixels."""
-    return 32 if smoke else 32 * VL[kind]["vision_config"]["patch_size"]
+    """Pixels per image side: 32 x 32 patches (256 tokens after the 2 x 2 merge; Gemma 4 resizes it to 48 x 48
+    patches, 256 tokens after its 3 x 3 pooling); smoke: tiny.py's 32 pixels."""
+    patch = VL[kind]["vision_config"]["patch_size"]
+    return 32 if smoke else 32 * (patch[0] if isinstance(patch, list) else patch)
 
 
 @dataclass
@@ -504,12 +526,12 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                        "LLaMA-Factory with transformers' eager attention (its SDPA path is not causal on rows without "
                        "padding)"),
         # MiniMax-M2: 256 experts of 3 x 3072 x 1536 make a layer 3.6B parameters (7 GB in bf16), beyond one GPU with
-        # Adam states; two of them keep the model's build, save and two loads short in one GPU call
+        # Adam states: LoRA; 8 of them (30B parameters, 60 GB) are what one H100 holds beside the activations
         Workload("minimax_m2", "minimax_m2", cut, packed,
                  _pair(1, 8, "1 GPU", lf_layout="1 GPU, gradient checkpointing (LF default)"),
-                 steps=8, warmup=2, layers=2, tuning=lora,
+                 steps=8, warmup=2, layers=2 if smoke else 8, tuning=lora,
                  about="LoRA rank 16 on `lora_target: all` (the attention's projections, as LLaMA-Factory expands it: "
-                       "the experts are 3-D parameters) of the first 2 layers, each 256 experts (top 8) routed by "
+                       "the experts are 3-D parameters) of the first 8 layers, each 256 experts (top 8) routed by "
                        f"sigmoid scores with a correction bias, {cut}-token packed micro-batches, global batch 8"),
         Workload("lora_dense", "dense8b", cut, packed,
                  _pair(1, 8, "1 GPU", lf_layout="1 GPU, gradient checkpointing (LF default)")
@@ -680,10 +702,11 @@ def model_config(kind: str, layers: int, smoke: bool) -> dict:
         if kind == "gemma_vl":  # Gemma 3's pattern: every 6th layer global (tiny.py's shape has its own for 4 layers)
             text["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
                                    for i in range(layers)]
+        if kind == "gemma4_vl":
+            text["layer_types"] = _gemma4_pattern(layers)
         return {**shape, "text_config": text, "num_hidden_layers": layers}
-    if kind in ("gemma4", "gemma4_moe"):  # Gemma 4's pattern: every 6th layer full attention, the last one too
-        shape = {**shape, "layer_types": ["full_attention" if (i + 1) % 6 == 0 or i == layers - 1
-                                          else "sliding_attention" for i in range(layers)]}
+    if kind in ("gemma4", "gemma4_moe"):
+        shape = {**shape, "layer_types": _gemma4_pattern(layers)}
     if kind == "gemma4_e2b":  # every 5th layer full attention, the last one too; sharing from a full layer on
         shape = {**shape, "layer_types": ["full_attention" if (i + 1) % 5 == 0 or i == layers - 1
                                           else "sliding_attention" for i in range(layers)],
@@ -691,6 +714,11 @@ def model_config(kind: str, layers: int, smoke: bool) -> dict:
     if kind == "next":  # Qwen3-Next's pattern (every 4th layer full attention), the last layer full in a short cut
         shape = {**shape, "layer_types": _hybrid_pattern(layers)}
     return {**shape, "num_hidden_layers": layers}
+
+
+def _gemma4_pattern(layers: int) -> list[str]:
+    """Gemma 4's: every 6th layer full attention, the last one too."""
+    return ["full_attention" if (i + 1) % 6 == 0 or i == layers - 1 else "sliding_attention" for i in range(layers)]
 
 
 def _hybrid_pattern(layers: int) -> list[str]:
