@@ -128,6 +128,20 @@ def test_expert_adapters_refuse_dropout():
         check_lora_request(args)
 
 
+def test_adapter_targets_read_as_peft_matches_them():
+    """An adapter's full module names (LLaMA-Factory's VL adapters) read as their last names, once each; a regular
+    expression is refused by name."""
+    from llamafactory_mca.errors import UserError
+    from llamafactory_mca.models.lora.targets import LoraSettings
+
+    full = ["model.language_model.layers.0.self_attn.q_proj", "model.language_model.layers.1.self_attn.q_proj",
+            "model.language_model.layers.0.mlp.down_proj"]
+    assert LoraSettings.from_peft({"r": 4, "lora_alpha": 8, "target_modules": full}).targets == ("q_proj", "down_proj")
+    with pytest.raises(UserError, match=r"target_modules='\^\.\*q_proj\$' in the adapter's adapter_config.json is a "
+                                        "regular expression"):
+        LoraSettings.from_peft({"r": 4, "lora_alpha": 8, "target_modules": "^.*q_proj$"})
+
+
 def test_lora_on_qwen3_next_trains_through_the_real_command(assets, tmp_path):
     """Qwen3-Next with ``lora_target: all`` (the gated delta-rule layers' fused in_proj and out_proj, the gated
     attention, the shared expert and its gate) at TP2 + SP, packed: the loss falls and the peft adapter it leaves

@@ -182,7 +182,10 @@ def _lora_logits(model_dir: str, adapter: str, inputs: dict, positions: torch.Te
 def test_qwen3_5_lora_gives_peft_logits_with_images(tmp_path):
     """LoRA on Qwen3.5's gated delta-rule projections (flat in_proj_qkv / z / b; in_proj_a left out, so its rows of
     the fused adapter are zero), its gated attention and MLP, with images and a video: peft's logits at DP2, and at
-    TP2 + SP without in_proj_qkv, which holds q, k and v of every head in turn and is refused under TP."""
+    TP2 + SP without in_proj_qkv, which holds q, k and v of every head in turn and is refused under TP. The first
+    adapter names its modules as LLaMA-Factory's default path does for a VL model: in full, the tower's left out."""
+    from llamafactory.hparams import FinetuningArguments
+    from llamafactory.model.model_utils.visual import patch_target_modules
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForImageTextToText
 
@@ -194,6 +197,9 @@ def test_qwen3_5_lora_gives_peft_logits_with_images(tmp_path):
                           "no_qkv": ["in_proj_z", "in_proj_b", "out_proj", "v_proj", "gate_proj"]}.items():
         torch.manual_seed(1)
         hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+        if name == "all":
+            targets = patch_target_modules(hf, FinetuningArguments(finetuning_type="lora"), targets)
+            assert all(".layers." in target for target in targets)
         peft = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
         with torch.no_grad():
             for param_name, param in peft.named_parameters():
@@ -213,8 +219,6 @@ def test_qwen3_5_lora_gives_peft_logits_with_images(tmp_path):
     for name, logits in found.items():
         logits = logits[..., : expected[name].shape[-1]]
         assert (logits - expected[name]).abs().max().item() <= 1e-4, name
-
-    from llamafactory.hparams import FinetuningArguments
 
     from llamafactory_mca.errors import UserError
     from llamafactory_mca.models.auto import AutoConfig

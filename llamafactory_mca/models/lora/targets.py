@@ -56,8 +56,17 @@ class LoraSettings:
 
     @classmethod
     def from_peft(cls, adapter_config: dict, seed: int = 42) -> LoraSettings:
-        """The settings of a saved peft adapter (``adapter_config.json``)."""
-        targets = list(adapter_config.get("target_modules") or [])
+        """The settings of a saved peft adapter (``adapter_config.json``). LLaMA-Factory's default path writes a
+        vision-language model's targets as the full names of the modules it adapted (``patch_target_modules``: the
+        tower left out); peft matches a module by its last name either way, so those read as their last names, and
+        a module the file then lacks in some layer is refused by name when its tensors load (``load_adapter``)."""
+        modules = adapter_config.get("target_modules") or []
+        if isinstance(modules, str):
+            raise UserError(f"target_modules={modules!r} in the adapter's adapter_config.json is a regular "
+                            "expression, which llamafactory_mca does not read: save the adapter with a list of "
+                            "module names (LLaMA-Factory's lora_target), or unset USE_MCA to use LLaMA-Factory's "
+                            "default trainer.")
+        targets = list(dict.fromkeys(name.rsplit(".", 1)[-1] for name in modules))
         if adapter_config.get("target_parameters"):
             targets.append(EXPERTS_WORD)
         return cls(rank=int(adapter_config["r"]), alpha=float(adapter_config["lora_alpha"]),
