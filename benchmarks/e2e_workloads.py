@@ -697,32 +697,27 @@ def model_config(kind: str, layers: int, smoke: bool) -> dict:
     shape = (SMOKE_SHAPES if smoke else SHAPES)[kind]
     if kind in VL:
         text = {**shape.get("text_config", {}), "num_hidden_layers": layers}
-        if kind == "vl_next":  # every 4th layer full attention, the last one too in a short cut
-            text["layer_types"] = _hybrid_pattern(layers)
-        if kind == "gemma_vl":  # Gemma 3's pattern: every 6th layer global (tiny.py's shape has its own for 4 layers)
-            text["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-                                   for i in range(layers)]
+        if kind == "vl_next":  # Qwen3.5's: every 4th layer full attention, the last one too in a short cut
+            text["layer_types"] = _full_every(4, layers, "linear_attention")
+        if kind == "gemma_vl":  # Gemma 3's: every 6th layer global (tiny.py's shape has its own for 4 layers)
+            text["layer_types"] = _full_every(6, layers, "sliding_attention", last=False)
         if kind == "gemma4_vl":
-            text["layer_types"] = _gemma4_pattern(layers)
+            text["layer_types"] = _full_every(6, layers, "sliding_attention")
         return {**shape, "text_config": text, "num_hidden_layers": layers}
-    if kind in ("gemma4", "gemma4_moe"):
-        shape = {**shape, "layer_types": _gemma4_pattern(layers)}
+    if kind in ("gemma4", "gemma4_moe"):  # Gemma 4's: every 6th layer full attention, the last one too
+        shape = {**shape, "layer_types": _full_every(6, layers, "sliding_attention")}
     if kind == "gemma4_e2b":  # every 5th layer full attention, the last one too; sharing from a full layer on
-        shape = {**shape, "layer_types": ["full_attention" if (i + 1) % 5 == 0 or i == layers - 1
-                                          else "sliding_attention" for i in range(layers)],
+        shape = {**shape, "layer_types": _full_every(5, layers, "sliding_attention"),
                  "num_kv_shared_layers": min(layers * 20 // 35, layers - 5)}
     if kind == "next":  # Qwen3-Next's pattern (every 4th layer full attention), the last layer full in a short cut
-        shape = {**shape, "layer_types": _hybrid_pattern(layers)}
+        shape = {**shape, "layer_types": _full_every(4, layers, "linear_attention")}
     return {**shape, "num_hidden_layers": layers}
 
 
-def _gemma4_pattern(layers: int) -> list[str]:
-    """Gemma 4's: every 6th layer full attention, the last one too."""
-    return ["full_attention" if (i + 1) % 6 == 0 or i == layers - 1 else "sliding_attention" for i in range(layers)]
-
-
-def _hybrid_pattern(layers: int) -> list[str]:
-    return ["full_attention" if (i + 1) % 4 == 0 or i == layers - 1 else "linear_attention" for i in range(layers)]
+def _full_every(every: int, layers: int, other: str, last: bool = True) -> list[str]:
+    """A layer pattern: every ``every``-th layer full attention, and with ``last`` the last one too (a short cut of
+    the model keeps one), the others ``other``."""
+    return ["full_attention" if (i + 1) % every == 0 or (last and i == layers - 1) else other for i in range(layers)]
 
 
 def prepare_model(config: dict, smoke: bool, cache: str) -> str:

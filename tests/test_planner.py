@@ -298,10 +298,7 @@ def test_internvl_over_gpt_oss_is_counted_whole_and_spreads_its_experts():
 
     text = dict(SHAPES["gpt_oss"], layer_types=["sliding_attention", "full_attention"] * 12)
     hf = HfAutoConfig.for_model("internvl", text_config=text, image_seq_length=256, downsample_ratio=0.5,
-                                tie_word_embeddings=False,
-                                vision_config=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
-                                                   num_attention_heads=16, image_size=[448, 448],
-                                                   patch_size=[14, 14]))
+                                tie_word_embeddings=False, vision_config=SHAPES["internvl"]["vision_config"])
     config = get_family(hf).config_from_hf(hf)
     with torch.device("meta"):
         count = AutoModelForImageTextToText.from_config(hf).num_parameters()
