@@ -1,6 +1,7 @@
 """Activation through the installed startup hook: USE_MCA=1 switches LLaMA-Factory to us, nothing else changes."""
 
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -115,6 +116,28 @@ def test_a_forked_rank_waits_for_the_last_fork_before_it_connects(tmp_path, monk
         (tmp_path / "forked-2" / str(rank)).touch()
     waiter.join(timeout=5)
     assert not waiter.is_alive() and sorted(os.listdir(tmp_path / "forked-2")) == ["0", "1", "2"]
+
+
+def test_a_taken_rendezvous_port_is_replaced_unless_the_user_chose_it(tmp_path):
+    """LLaMA-Factory's launcher picks a free port and lets it go before torchrun listens on it, and a run started at
+    the same moment took it (EADDRINUSE, seen with parallel runs): the launcher tries a new one before any worker
+    starts. A port the user set in MASTER_PORT is not changed behind their back: one line says it is taken."""
+    script = tmp_path / "worker.py"
+    script.write_text("import os\nprint('worker at', os.environ['MASTER_PORT'])\n")
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        command = [sys.executable, "-m", "llamafactory_mca.launch.torchrun", "--nproc_per_node", "1",
+                   "--master_port", port, str(script)]
+        moved = _run(command, {"LLAMAFACTORY_MCA_SPAWN_RANKS": "1"})
+        kept = _run(command, {"LLAMAFACTORY_MCA_SPAWN_RANKS": "1", "MASTER_PORT": port})
+    assert moved.returncode == 0, moved.stderr
+    assert "worker at" in moved.stdout and f"worker at {port}" not in moved.stdout
+    assert kept.returncode == 1 and "Traceback" not in kept.stderr, kept.stderr
+    assert kept.stderr.strip().splitlines()[-1] == (
+        f"[llamafactory_mca] error: port {port} (MASTER_PORT) is in use by another process: set MASTER_PORT to a free "
+        "port, or unset it on a single node and a free one is chosen.")
 
 
 def test_without_use_mca_llamafactory_is_untouched(tmp_path):

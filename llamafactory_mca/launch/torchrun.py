@@ -34,6 +34,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -215,6 +216,10 @@ def main(argv: list[str] | None = None, in_launcher: bool = False) -> int:
         message = _read(error_file)
         print(message or _failure_line(err, _nproc(argv) if forked else 0), file=sys.stderr, flush=True)
         return 1
+    except PortTaken as err:
+        print(f"{PREFIX}port {err} (MASTER_PORT) is in use by another process: set MASTER_PORT to a free port, or "
+              "unset it on a single node and a free one is chosen.", file=sys.stderr, flush=True)
+        return 1
     except SignalException as err:
         return _stopped_by(err.sigval)
     except KeyboardInterrupt:  # Ctrl-C while this process imports what the ranks will run
@@ -248,7 +253,37 @@ def _forks_ranks(args) -> bool:
     return cuda_driver_untouched()
 
 
+PORT_TRIES = 5
+
+
+class PortTaken(Exception):
+    """The rendezvous port is taken and is not ours to change: a user's MASTER_PORT, or a run over several nodes."""
+
+
 def _launch(args, forked: bool) -> None:
+    """Start the workers. LLaMA-Factory's launcher picks a free port (when MASTER_PORT is unset) and lets it go
+    before torchrun listens on it, so a run starting at the same moment can take it in between: torch's static
+    rendezvous then fails with EADDRINUSE, before any worker starts, and a single-node run tries a new free port."""
+    from torch.distributed import DistNetworkError  # here: torch loads at start-up otherwise
+
+    for attempt in range(PORT_TRIES):
+        try:
+            return _launch_once(args, forked)
+        except DistNetworkError as err:
+            if "EADDRINUSE" not in str(err) and "already in use" not in str(err):
+                raise
+            if "MASTER_PORT" in os.environ or str(args.nnodes) not in ("1", "1:1") or attempt + 1 == PORT_TRIES:
+                raise PortTaken(args.master_port) from None
+            args.master_port = _free_port()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
+def _launch_once(args, forked: bool) -> None:
     from torch.distributed.launcher.api import elastic_launch  # here: torch loads at start-up otherwise
     from torch.distributed.run import config_from_args, run
 
