@@ -9,8 +9,9 @@ more than one GPU, else a plain process), with these variables:
 - ``E2E_BENCH_PACKED=1``: LLaMA-Factory path only — batches are packed (sequences restart at position 0);
 - ``E2E_BENCH_EXIT=1``: leave right after the training loop (no final ``save_model``: nobody reads it);
 - ``E2E_BENCH_PROFILE_STEP=N``: step N runs under torch.profiler, from its ``on_step_begin`` to its ``on_step_end``,
-  and its record holds the kernel launches and GPU busy share counted as ``profile_step.py`` counts them. The bench
-  profiles one step after the measured ones, so the profiler's overhead stays out of tokens/s.
+  and its record holds the kernel launches and GPU busy share counted as ``profile_step.py`` counts them
+  (``kernels_rank<N>.txt`` beside it: the step's top kernels by GPU time). The bench profiles one step after the
+  measured ones, so the profiler's overhead stays out of tokens/s.
 
 LLaMA-Factory path: the HF Trainer's ``training_step`` is wrapped to note, per micro-batch, which positions hold a
 real token (2-D ``attention_mask``, or the diagonal of ``neat_packing``'s 4-D mask) and the sequence lengths the
@@ -143,10 +144,10 @@ class _StepProfiler:
     read and ``on_step_end`` after its optimizer step, so the window is the same training work on either; the GPU is
     synchronised at both ends so the wall time holds exactly the step's kernels."""
 
-    def __init__(self, step: int | None) -> None:
+    def __init__(self, step: int | None, kernels: str | None = None) -> None:
         import torch
 
-        self.step = step
+        self.step, self.kernels = step, kernels
         self.cuda = torch.cuda.is_available()
         self.profile = None
         self.start = 0.0
@@ -173,8 +174,13 @@ class _StepProfiler:
             return None
         seconds = time.perf_counter() - self.start
         self.profile.stop()
-        counts = step_counts(self.profile.key_averages(), 1, seconds, self.cuda)
+        events = self.profile.key_averages()
+        counts = step_counts(events, 1, seconds, self.cuda)
         self.profile = None
+        if self.kernels:  # where the step's GPU time goes, beside its counts
+            with open(self.kernels, "w", encoding="utf-8") as f:
+                f.write(events.table(sort_by="self_device_time_total" if self.cuda else "self_cpu_time_total",
+                                     row_limit=40, max_name_column_width=90))
         return counts
 
 
@@ -182,7 +188,7 @@ def _callback(recorder: _Recorder):
     import torch
     from transformers import TrainerCallback
 
-    profiler = _StepProfiler(recorder.profiled_step)
+    profiler = _StepProfiler(recorder.profiled_step, os.path.join(recorder.out, f"kernels_rank{recorder.rank}.txt"))
 
     class BenchCallback(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):

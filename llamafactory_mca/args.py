@@ -421,10 +421,11 @@ class MegatronArguments(DistributingParallelArguments):
         default="auto",
         metadata={"help": "Packed pt/sft: run k of the recipe's micro-batches as one, accumulating k times fewer: "
                           "the same global batch and tokens per step, one gradient pass over the weights per k "
-                          "micro-batches. auto: MoE models (not LoRA) on one pipeline stage merge until each "
-                          "expert's GEMM gets 512 rows where the planner predicts the larger micro-batch fits the GPU "
-                          "(below that, adding each micro-batch's expert weight gradients to their fp32 buffer costs "
-                          "more than the GEMMs); 1: never; k: that many (k divides gradient_accumulation_steps)."},
+                          "micro-batches. auto: on one pipeline stage without graphs, MoE models merge until each "
+                          "expert's GEMM gets 512 rows (below that its GEMMs, its launches and, for trained experts, "
+                          "the fp32 weight-gradient pass per micro-batch cost more), dense ones up to 4,096 tokens x "
+                          "4,096 wide, where the planner predicts the larger micro-batch fits the GPU; 1: never; k: "
+                          "that many (k divides gradient_accumulation_steps)."},
     )
     moe_balancing: str = field(
         default="llamafactory",
