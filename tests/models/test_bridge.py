@@ -1,5 +1,6 @@
 """HF ⇄ Megatron-Core bridge: parity per family, every layout, round trips, streaming reads, clear errors."""
 
+import json
 import os
 import subprocess
 import sys
@@ -320,6 +321,16 @@ def test_unsupported_models_fail_with_the_supported_list(tmp_path):
     # its family by the model_type alone (InternVL on Qwen3, the first declared) refuses the other decoder's config
     with pytest.raises(ValueError, match="internvl: the family of its qwen3 decoder was handed a gpt_oss decoder's"):
         get_family("internvl").config_from_hf(tiny_hf_config("internvl_gpt_oss"))
+    # InternVL on gpt-oss: a quantization other than the hub's MXFP4 experts, at its top level, is refused; MXFP4 said
+    # in its text half is dropped from the exported config as it is from the top level (tests/models/
+    # test_llava_vision.py loads an MXFP4 one)
+    bnb = tiny_hf_config("internvl_gpt_oss")
+    bnb.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    with pytest.raises(ValueError, match="internvl: a bitsandbytes quantized checkpoint is not supported"):
+        get_family(bnb).config_from_hf(bnb)
+    text = dict(tiny_hf_config("gpt_oss").to_dict(), quantization_config={"quant_method": "mxfp4"})
+    mxfp4 = tiny_hf_config("internvl_gpt_oss", text_config=text)
+    assert "quantization_config" not in json.dumps(get_family(mxfp4).config_from_hf(mxfp4).hf_config)
     # GLM-5 variants the sparse attention does not implement
     for name, overrides, message in [
             ("shared", {"indexer_types": ["full", "shared", "full", "shared"]},
@@ -377,7 +388,6 @@ def test_grouped_routing_logits_equal_transformers_in_every_layout(tmp_path):
 
 
 def test_missing_and_truncated_safetensors_are_named(tiny_models, tmp_path):
-    import json
     import shutil
 
     from llamafactory_mca.checkpoints.hf_io import SafetensorsSource
@@ -472,8 +482,6 @@ def test_mxfp4_checkpoint_loads_dequantized_and_exports_plain_weights(tmp_path):
     """A gpt-oss checkpoint with its experts in MXFP4, as the hub stores gpt-oss: our logits equal transformers' on the
     same checkpoint (it dequantizes to bf16 on a CPU; its experts run here in fp32 on those values), and the export
     is plain weights, the dequantized values exactly, with no quantization_config: transformers loads it as is."""
-    import json
-
     from transformers import AutoModelForCausalLM
 
     model = save_mxfp4_experts(save_tiny_model("gpt_oss", str(tmp_path / "mxfp4"), intermediate_size=96))

@@ -9,15 +9,16 @@ checkpoint's spelling of the prefixes (Gemma 3's hub files, InternVL's in-memory
 the round trip bit for bit. (Training through the
 recipe: tests/test_multimodal_training.py.)"""
 
+import json
 import os
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from llamafactory_mca.tools.tiny import model_type_of, save_tiny_model
+from llamafactory_mca.tools.tiny import TINY, model_type_of, save_tiny_model
 from tests._dist import run_distributed
-from tests.models._bridge import hf_tensors
+from tests.models._bridge import hf_tensors, save_mxfp4_experts
 
 
 LAYOUTS = [("dp2", {}), ("tp2-sp", {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
@@ -59,7 +60,8 @@ def _rows(config) -> list[dict]:
 def _hf_logits(model_dir: str) -> tuple[list[dict], list[torch.Tensor]]:
     from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # .float(): an MXFP4 checkpoint's experts load dequantized to bf16 whatever dtype is asked
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).float().eval()
     rows = _rows(model.config)
     extra = lambda row: {}  # noqa: E731
     if model.config.model_type == "gemma3":  # what LLaMA-Factory's collator gives, and what turns the look-ahead on
@@ -120,8 +122,8 @@ def _ours(model_dirs: dict, rows: list[dict], back_dir: str, layouts: list) -> d
                 logits = _forward(model, ids, positions, vision, packed)
                 if logits is not None:
                     found[(name, layout, batch)] = logits
-            if layout == layouts[0][0] and name == "transformers":
-                model.save_pretrained(back_dir)
+            if layout == layouts[0][0]:
+                model.save_pretrained(os.path.join(back_dir, name))
         parallel.destroy_layout()
     return found
 
@@ -152,23 +154,38 @@ def _as_another_checkpoint_spells_it(model_dir: str, hub_dir: str, family: str) 
     return hub_dir
 
 
+# The hub's InternVL3.5-GPT-OSS checkpoint keeps gpt-oss's experts in MXFP4 (quantization_config at the top level):
+# its "hub" copy here is so, on experts whose width is a multiple of MXFP4's 32-value blocks
+MXFP4 = {"internvl_gpt_oss": dict(text_config=dict(TINY["gpt_oss"], model_type="gpt_oss", intermediate_size=96))}
+
+
 @pytest.mark.parametrize("family", ["gemma3", "internvl", "internvl_gpt_oss", "gemma4"])
 def test_llava_layout_logits_and_round_trip_match_transformers(tmp_path, family):
-    model_dir = save_tiny_model(family, str(tmp_path / family))
-    rows, expected = _hf_logits(model_dir)
+    model_dir = save_tiny_model(family, str(tmp_path / family), **MXFP4.get(family, {}))
     dirs = {"transformers": model_dir}
     if model_type_of(family) in OTHER_PREFIXES:
         dirs["hub"] = _as_another_checkpoint_spells_it(model_dir, str(tmp_path / "hub"), model_type_of(family))
+    if family in MXFP4:
+        save_mxfp4_experts(dirs["hub"])
+    expected = {name: _hf_logits(path) for name, path in dirs.items()}
+    rows = expected["transformers"][0]
     back_dir = str(tmp_path / "back")
     layouts = LAYOUTS + MORE_LAYOUTS.get(family, [])
     found = {k: v for rank in run_distributed(_ours, 2, dirs, rows, back_dir, layouts) for k, v in rank.items()}
     assert sorted(found) == sorted((n, layout, b) for n in dirs for layout, _ in layouts for b in ("padded", "packed"))
-    vocab = expected[0].shape[-1]
+    vocab = expected["transformers"][1][0].shape[-1]
     for (name, layout, batch), logits in found.items():
-        want = expected[0] if batch == "padded" else torch.cat(expected)
+        want = expected[name][1][0] if batch == "padded" else torch.cat(expected[name][1])
         diff = (logits[:, :vocab] - want).abs().max()
         assert diff < 1e-4, (name, layout, batch, diff)
-    original, back = hf_tensors(model_dir), hf_tensors(back_dir)
+    if family in MXFP4:  # exported as plain weights, which transformers loads as they are
+        hub_back = os.path.join(back_dir, "hub")
+        with open(os.path.join(hub_back, "config.json"), encoding="utf-8") as f:
+            assert "quantization_config" not in json.dumps(json.load(f))
+        assert not any(k.endswith(("_blocks", "_scales")) for k in hf_tensors(hub_back))
+        for want, got in zip(expected["hub"][1], _hf_logits(hub_back)[1]):
+            assert torch.allclose(got, want, atol=1e-5)
+    original, back = hf_tensors(model_dir), hf_tensors(os.path.join(back_dir, "transformers"))
     towers = (".vision_tower.encoder.", ".model.vision_tower.encoder.")  # Gemma 4's under model.
     assert sorted(original) == sorted(back) and any(f".{k}".startswith(towers) for k in back)
     assert ("language_model.lm_head.weight" in back) == (model_type_of(family) == "internvl")  # Gemma 3 ties it

@@ -23,6 +23,9 @@ class GptOssFamily(DecoderFamily):
 
     def check(self, hf: Any) -> None:
         super().check(hf)
+        self._check_quantization(hf)
+
+    def _check_quantization(self, hf: Any) -> None:
         quantization = getattr(hf, "quantization_config", None) or {}
         method = quantization.get("quant_method") if isinstance(quantization, dict) else \
             getattr(quantization, "quant_method", None)
@@ -31,6 +34,15 @@ class GptOssFamily(DecoderFamily):
                    "(loaded dequantized to bf16).")
 
     def config_from_hf(self, hf: Any) -> McaConfig:
-        """Exported weights are bf16, so the config written beside them says nothing of MXFP4."""
+        """Exported weights are bf16, so the config written beside them says nothing of MXFP4. A vision-language
+        checkpoint (InternVL on gpt-oss) may say it at its top level or in its text half."""
+        self._check_quantization(hf)
         config = super().config_from_hf(hf)
-        return replace(config, hf_config={k: v for k, v in config.hf_config.items() if k != "quantization_config"})
+        hf_config = _without_quantization(config.hf_config)
+        if isinstance(hf_config.get("text_config"), dict):
+            hf_config["text_config"] = _without_quantization(hf_config["text_config"])
+        return replace(config, hf_config=hf_config)
+
+
+def _without_quantization(hf_config: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in hf_config.items() if k != "quantization_config"}
