@@ -528,6 +528,32 @@ def test_grouped_experts_equal_sequential_loop():
 # ----------------------------------------------------------------------------- in-process unit tests
 
 
+def test_a_frozen_routers_backward_skips_its_weight_gradient():
+    """megatron-core's router gating computes the weight's fp32 gradient even for LoRA's frozen router: ours gives the
+    same logits and input gradient with one GEMM fewer, and both gradients where the router trains."""
+    from llamafactory_mca.compat import apply_megatron_fixes
+    from llamafactory_mca.models.native import routing
+
+    apply_megatron_fixes()  # megatron-core's gating reads a TE name that is missing without TE
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 16, generator=g).bfloat16()
+    weight = torch.randn(8, 16, generator=g).bfloat16()
+    upstream = torch.randn(2, 6, 8, generator=g)
+    for trains in (False, True):
+        found = {}
+        for name, gating in (("megatron", routing.MEGATRON_GATING), ("ours", routing.router_gating_linear)):
+            inp, w = x.clone().requires_grad_(), weight.clone().requires_grad_(trains)
+            logits = gating(inp, w, None, torch.float32)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                logits.backward(upstream)
+            gemms = sum(e.count for e in prof.key_averages() if e.key == "aten::mm")
+            found[name] = (logits, inp.grad, w.grad, gemms)
+        (logits, dx, dw, gemms), (our_logits, our_dx, our_dw, our_gemms) = found["megatron"], found["ours"]
+        assert logits.dtype == torch.float32 and torch.equal(our_logits, logits) and torch.equal(our_dx, dx)
+        assert (our_gemms, gemms) == ((2, 2) if trains else (1, 2))
+        assert torch.equal(our_dw, dw) if trains else our_dw is None
+
+
 def test_split_for_context_parallel_padded_and_thd():
     from llamafactory_mca.data.context_parallel import split_for_context_parallel
 

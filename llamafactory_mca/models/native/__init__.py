@@ -12,7 +12,7 @@
 - ``tower_attention.py``: the HF vision towers' attention in one ``varlen_attn`` call per block
 - ``fp8.py``: FP8 GEMMs without TE (``fp8``/``fp8_recipe``): the parallel linears' matmul function on
   ``torch._scaled_mm``, the grouped experts' on ``torch._scaled_grouped_mm``; ``fp8_triton.py`` its cast
-- ``routing.py``: group-limited routing (DeepSeek-V3) with transformers' group score
+- ``routing.py``: group-limited routing (DeepSeek-V3) with transformers' group score; a frozen router's backward
 
 - ``norm_triton.py``, ``rope_triton.py``, ``swiglu_triton.py``, ``loss_triton.py``, ``combine_triton.py``: the q/k
   norms, (1 + weight) norms, RoPE, SwiGLU, the loss's row passes and the MoE combine as Triton kernels on GPUs (each
@@ -29,21 +29,24 @@ def install() -> None:
       with out_dtype is the same GEMM (``wgrad.py``).
     - ``apply_rope_fusion`` calls TE's fused RoPE through two slots that are empty without TE; ``rope.py`` fills them
       with the same rotation compiled.
-    - Its group-limited routing scores a group unlike transformers where top-k is not twice the groups chosen
-      (``routing.py``).
+    - Its group-limited routing scores a group unlike transformers where top-k is not twice the groups chosen, and
+      its router's backward computes a frozen router's weight gradient (``routing.py``).
     - Its MLP's fused SwiGLU and GeGLU are torch.compile'd; ``swiglu_triton.py`` is the same math in Triton.
     """
     # here: this package loads without Megatron (its kernels); only install() patches Megatron
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.tensor_parallel import layers
     from megatron.core.transformer import mlp
-    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import moe_utils, router
 
     # here: Triton kernels, loaded only where a model is prepared
     from . import rope, routing, swiglu_triton, wgrad
 
     if moe_utils.group_limited_topk is routing.MEGATRON_GROUP_LIMITED_TOPK:
         moe_utils.group_limited_topk = routing.group_limited_topk
+    # without TE (its GEMM is what megatron-core's backward calls where TE is installed)
+    if router.router_gating_linear is routing.MEGATRON_GATING and getattr(moe_utils, "te_general_gemm", None) is None:
+        router.router_gating_linear = routing.router_gating_linear
 
     if rope_utils._apply_rotary_pos_emb_thd is rope.MEGATRON_THD_ROPE:
         rope_utils._apply_rotary_pos_emb_thd = rope.apply_rotary_pos_emb_thd
