@@ -234,27 +234,39 @@ def test_a_dataset_of_empty_rows_is_refused(assets, tmp_path):
     assert "Loaded qwen3" not in output
 
 
+def _sft(family: str, assets, tmp_path, model: str, name: str = "out", **overrides) -> tuple[dict, str, dict]:
+    """Four sft steps of the tiny ``family`` model in ``model`` through the real command, on 8 rows, into
+    ``tmp_path / name``; the loss falls. Returns (our losses, our log, the recipe)."""
+    from llamafactory_mca.tools.tiny import model_type_of
+
+    config = recipe(assets, tmp_path / name, model_name_or_path=model, max_samples=8, max_steps=4, **overrides)
+    result, output = train(tmp_path, config, name=name)
+    ok(result, output)
+    ours = losses(tmp_path / name)
+    assert f"llamafactory_mca: training {model_type_of(family)}" in output and ours[4] < ours[1], ours
+    return ours, output, config
+
+
+def _first_loss_is(ours: dict, theirs: float) -> None:
+    assert abs(ours[1] - theirs) <= 1e-4 * theirs, (ours[1], theirs)
+
+
 def _sft_against_default(family: str, assets, tmp_path, **overrides) -> tuple[dict, float, str, str, str]:
     """Four sft steps of a tiny ``family`` model through the real command (checkpoint-4 merged), and one step of
     LLaMA-Factory's default path on the same rows (8 rows, one global batch of all of them: row order cannot
     matter; gpt-oss and GLM-5 with transformers' eager attention, ``DEFAULT_PATH_EAGER``). Returns (our losses, the
     default path's step-1 loss, our log, the model's folder, the merged one)."""
 
-    from llamafactory_mca.tools.tiny import model_type_of, save_tiny_model, save_tiny_tokenizer
+    from llamafactory_mca.tools.tiny import save_tiny_model, save_tiny_tokenizer
 
     model = save_tiny_model(family, str(tmp_path / family), vocab_size=assets["vocab"])
     save_tiny_tokenizer(model)
-    config = recipe(assets, tmp_path / "out", model_name_or_path=model, max_samples=8, max_steps=4,
-                    save_strategy="steps", save_steps=4, **overrides)
-    result, output = train(tmp_path, config)
-    ok(result, output)
-    ours = losses(tmp_path / "out")
-    assert f"llamafactory_mca: training {model_type_of(family)}" in output and ours[4] < ours[1], ours
+    ours, output, config = _sft(family, assets, tmp_path, model, save_strategy="steps", save_steps=4, **overrides)
 
     default = {k: v for k, v in config.items() if k not in ("save_strategy", "save_steps")} | {"max_steps": 1}
     command = [sys.executable, "-c", DEFAULT_PATH_EAGER] if family in EAGER_REFERENCE else ["llamafactory-cli"]
     theirs = default_path_losses(tmp_path, default, command=command)[1]
-    assert abs(ours[1] - theirs) <= 1e-4 * theirs, (ours[1], theirs)
+    _first_loss_is(ours, theirs)
 
     merged = tmp_path / "merged"
     merge = [sys.executable, os.path.join(ROOT, "scripts", "megatron_merge.py"), "--checkpoint_path",
@@ -394,25 +406,20 @@ FROZEN = {"glm_moe_dsa": ("model.layers.1.self_attn.indexer.wq_b.weight", "model
                          "model.vision_tower.encoder.layers.0.mlp.down_proj.linear.weight")}
 
 
-@pytest.mark.parametrize("finetuning", ["full", "lora"])
 @pytest.mark.parametrize("family", list(PACKED_FAMILIES))
-def test_sft_packed_matches_llamafactory_and_merges(family, finetuning, assets, tmp_path):
+def test_sft_packed_matches_llamafactory_and_merges(family, assets, tmp_path):
     """A family's layout through the real command, packed, full and LoRA on every linear (``lora_target: all``): step
     1's loss is LLaMA-Factory's default (unpacked, padded) path's, the loss falls, the startup summary names the
-    windows (and sinks), and the merged checkpoint is the family's HF class with every tensor of the original, the
-    family's own ones trained."""
+    windows (and sinks), and the full run's merged checkpoint is the family's HF class with every tensor of the
+    original, the family's own ones trained. LoRA's B matrices start at zero, so its step 1 is the base model's loss:
+    the full run's reference holds it too."""
     from transformers import AutoModelForCausalLM
 
     summary, lora_targets, hf_class, moved = PACKED_FAMILIES[family]
-    lora = dict(finetuning_type="lora", lora_target="all", lora_rank=4, learning_rate=1e-2) if finetuning == "lora" \
-        else {}
-    _, _, output, model, merged = _sft_against_default(family, assets, tmp_path, sequence_packing=True, **lora,
-                                                       **ONE_MICRO_BATCH.get(family, {}))
+    same = dict(sequence_packing=True, **ONE_MICRO_BATCH.get(family, {}))
+    _, theirs, output, model, merged = _sft_against_default(family, assets, tmp_path, **same)
     for line in summary:
         assert line in output, output[-3000:]
-    if finetuning == "lora":
-        assert "LoRA rank 4" in output and all(target in output for target in lora_targets)
-        return
     hf = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
     assert type(hf).__name__ == hf_class
     start, end = _weights(model), _weights(merged)
@@ -421,6 +428,13 @@ def test_sft_packed_matches_llamafactory_and_merges(family, finetuning, assets, 
         assert not torch.equal(start[name], end[name]), name
     for name in FROZEN.get(family, ()):
         assert torch.equal(start[name], end[name]), name
+
+    lora, output, _ = _sft(family, assets, tmp_path, model, name="lora", finetuning_type="lora", lora_target="all",
+                           lora_rank=4, learning_rate=1e-2, **same)
+    _first_loss_is(lora, theirs)
+    for line in summary:
+        assert line in output, output[-3000:]
+    assert "LoRA rank 4" in output and all(target in output for target in lora_targets)
 
 
 def test_moe_balancing_trains_as_llamafactorys_default_path_unless_asked(assets, tmp_path):
