@@ -528,11 +528,15 @@ def workloads(smoke: bool) -> dict[str, Workload]:
         # MiniMax-M2: 256 experts of 3 x 3072 x 1536 make a layer 3.6B parameters (7 GB in bf16), beyond one GPU with
         # Adam states: LoRA; 8 of them (30B parameters, 60 GB) are what one H100 holds beside the activations
         Workload("minimax_m2", "minimax_m2", cut, packed,
-                 _pair(1, 8, "1 GPU", lf_layout="1 GPU, gradient checkpointing (LF default)"),
+                 _pair(1, 8, "1 GPU", lf_layout="1 GPU, gradient checkpointing (LF default)")
+                 + [Run("ours_unmerged", "ours", 1, True, 1, 8, "1 GPU, packs one by one",
+                        {"merge_micro_batches": 1})],
                  steps=8, warmup=2, layers=2 if smoke else 8, tuning=lora,
                  about="LoRA rank 16 on `lora_target: all` (the attention's projections, as LLaMA-Factory expands it: "
-                       "the experts are 3-D parameters) of the first 8 layers, each 256 experts (top 8) routed by "
-                       f"sigmoid scores with a correction bias, {cut}-token packed micro-batches, global batch 8"),
+                       "the experts are 3-D parameters) of the first 8 layers (by default), each 256 experts (top 8) routed by "
+                       f"sigmoid scores with a correction bias, {cut}-token packed micro-batches, global batch 8 "
+                       "(ours: `merge_micro_batches: auto` runs packs together where the planner finds room; "
+                       "`ours_unmerged`: one by one, as the recipe says)"),
         Workload("lora_dense", "dense8b", cut, packed,
                  _pair(1, 8, "1 GPU", lf_layout="1 GPU, gradient checkpointing (LF default)")
                  + [Run("ours_recompute", "ours", 1, True, 1, 8, "1 GPU, recompute full", recompute)],

@@ -55,9 +55,9 @@ ABOUT = ("Every packed run of ours in `benchmarks/results`, predicted from its s
          "speed model has no FP8 GEMMs (an FP8 run is predicted at bf16's rate: 5-35% off); the peaks of the current "
          "code (calls 3 and 4) within 5%, calls 1 and 2 held no weight casts yet (3-4% over); the bf16 runs of the "
          "4-layer Qwen3-1.7B shape (`fp8_loss*`) peaked 11-12% above the prediction, not established why. MiniMax-M2 "
-         "with LoRA (`h100_families/`: 256 frozen experts, 128 rows each) runs 2.6x faster than predicted: the "
-         "fall-off below 512 rows per expert was fitted to trained experts, whose weight gradients it mostly "
-         "stands for; its peak within 3%, InternVL's within 1%. Gemma 4 31B with images (`gemma4_vl`, packed) "
+         "with LoRA (`h100_families/`: 256 frozen experts, 128 rows each) runs 1.9-2.6x faster than predicted (its "
+         "7-layer runs merged to 256 rows per expert 1.9x): the fall-off below 512 rows per expert was fitted to "
+         "trained experts, whose weight gradients it mostly stands for; its peak within 5%, InternVL's within 1%. Gemma 4 31B with images (`gemma4_vl`, packed) "
          "runs 35-38% slower than predicted, as Gemma 4 E2B does (its sublayer norms, soft-capped logits and "
          "heads of 512 are not modelled), and peaks 5% above the estimate. The host "
          "is noisy: the same eager run measured 25.5-31.5k tokens/s in three calls.")

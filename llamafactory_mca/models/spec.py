@@ -322,8 +322,10 @@ def describe_kernels(config: TransformerConfig) -> str:
         line += (f" beside a dense MLP of {config.moe_shared_expert_intermediate_size} in every layer, each under its "
                  "own norms (Gemma 4's MoE block)")
     rope = getattr(config, "apply_rope_fusion", False) and native_rope.compiled_in_use()
+    # q/k norms across heads fuse only where a rank holds every head (ProjectionRMSNorm: no statistics to sum)
     qk_norms = (choice == "native" and getattr(config, "qk_layernorm", False) and compiles_head_norms(config)
-                and not getattr(config, "qk_l2_norm", False) and not norms_across_heads(config))
+                and not getattr(config, "qk_l2_norm", False)
+                and not (norms_across_heads(config) and config.tensor_model_parallel_size > 1))
     zero_centred = choice == "native" and compiles_zero_centred_norms(config)
     fused = [name for name, on in (("RoPE", rope), ("q/k norms", qk_norms), ("(1 + w) norms", zero_centred)) if on]
     line += f"; Triton: {' and '.join(fused)}" if fused else ""

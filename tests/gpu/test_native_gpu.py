@@ -394,6 +394,12 @@ def test_triton_norm_and_rope_against_fp32():
           weight)
     close(lambda x, w: norm_triton.rms_norm(x, w, 1e-6, 1.0), lambda x, w: norm._zero_centred_rms_norm(x, w, 1e-6),
           torch.randn(512, 2, 2048, device="cuda", generator=gen), weight.repeat(16) / 4)
+    # MiniMax-M2's norms across all heads of a token: 48 query heads (6,144 wide), 8 key heads strided after the split
+    wide = torch.randn(1024, 1, 8, 8 * 128, device="cuda", generator=gen)
+    for view in (lambda x: x[..., :768].unflatten(-1, (6, 128)).flatten(2, 3), lambda x: x[..., 768:896]):
+        w = 1 + torch.randn(view(wide)[0, 0].numel(), device="cuda", generator=gen) / 4
+        close(lambda x, w, view=view: norm_triton.rms_norm(view(x).flatten(-2), w, 1e-6).view_as(view(x)),
+              lambda x, w, view=view: norm._across_heads_rms_norm(view(x), w, w.numel(), 1e-6), wide, w)
     cu = torch.tensor([0, 100, 612, 1024], device="cuda")
     positions = rope.thd_positions(cu, 1024, 1, 0, False)
     freqs = torch.randn(2048, 1, 1, 128, device="cuda", generator=gen) * 4

@@ -753,6 +753,11 @@ for x, view in ((torch.randn(64, 4, 16, generator=g), "whole"), (torch.randn(9, 
          x, w)
     same(lambda x, w: norm_triton.rms_norm(part(x), w, 1e-6, offset=1.0),
          lambda x, w: norm._zero_centred_rms_norm(part(x), w, 1e-6), x, w / 4)
+for view in ("q", "k"):  # MiniMax-M2's norms across all heads of a token, as ProjectionRMSNorm runs them
+    part = views[view]
+    w = 1 + torch.randn(part(qkv)[0, 0].numel(), generator=g) / 4
+    same(lambda x, w: norm_triton.rms_norm(part(x).flatten(-2), w, 1e-6).view_as(part(x)),
+         lambda x, w: norm._across_heads_rms_norm(part(x), w, w.numel(), 1e-6), qkv, w)
 
 cu = torch.tensor([0, 8, 20, 24, 40])
 for rotary, dim in ((16, 16), (8, 16), (12, 20)):  # whole, half and partial rotary widths
@@ -802,11 +807,12 @@ print("triton kernels equal eager")
 def test_triton_kernels_equal_the_eager_ones():
     """GPUs run Triton kernels where CPU runs use eager torch (``*_triton.py``); here they run in Triton's interpreter
     on CPU against the eager functions, in value and gradient: the norms over per-head and hidden-width rows, the
-    (1 + weight) scale, q and k read where the fused QKV split left them (strided); packed RoPE at each CP rank's
-    positions and padded RoPE, rotary width whole, half and partial; SwiGLU plain and weighted (the weight's gradient
-    too) and GeGLU (GELU's tanh approximation) at widths with and without masked lanes; the loss's row statistics
-    over vocabulary blocks with -inf padding (a row of it alone: max -inf, sum 0) and its gradient at targets inside
-    and outside the slice; the MoE combine. tests/gpu compares them in bf16."""
+    (1 + weight) scale, q and k read where the fused QKV split left them (strided), per head and across all heads
+    of a token; packed RoPE at each CP rank's positions and padded RoPE, rotary width whole, half and partial; SwiGLU
+    plain and weighted (the weight's gradient too) and GeGLU (GELU's tanh approximation) at widths with and without
+    masked lanes; the loss's row statistics over vocabulary blocks with -inf padding (a row of it alone: max -inf,
+    sum 0) and its gradient at targets inside and outside the slice; the MoE combine. tests/gpu compares them in
+    bf16."""
     import subprocess
     import sys
 

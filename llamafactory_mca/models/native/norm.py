@@ -67,14 +67,23 @@ class ProjectionRMSNorm(torch.nn.Module):
         self.start = self.local * (ps.get_tensor_model_parallel_rank() if tp > 1 else 0)
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         self.weight = torch.nn.Parameter(torch.ones(self.width, device=device, dtype=config.params_dtype))
+        self.fused = compiles_head_norms(config) and self.group is None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.flatten(-2).float()
-        squares = flat.square().sum(-1, keepdim=True)
-        if self.group is not None:
-            squares = torch.distributed.nn.functional.all_reduce(squares, group=self.group)
-        normed = (flat * torch.rsqrt(squares / self.width + self.eps)).to(x.dtype)
-        return (self.weight.narrow(0, self.start, self.local) * normed).view_as(x)
+        weight = self.weight.narrow(0, self.start, self.local)
+        if self.fused and x.is_cuda:  # a token's heads as one row (keys, strided after the QKV split, are copied)
+            return rms_norm(x.flatten(-2), weight, self.eps).view_as(x)
+        return _across_heads_rms_norm(x, weight, self.width, self.eps, self.group)
+
+
+def _across_heads_rms_norm(x: torch.Tensor, weight: torch.Tensor, width: int, eps: float,
+                           group: torch.distributed.ProcessGroup | None = None) -> torch.Tensor:
+    flat = x.flatten(-2).float()
+    squares = flat.square().sum(-1, keepdim=True)
+    if group is not None:
+        squares = torch.distributed.nn.functional.all_reduce(squares, group=group)
+    normed = (flat * torch.rsqrt(squares / width + eps)).to(x.dtype)
+    return (weight * normed).view_as(x)
 
 
 def norms_across_heads(config: TransformerConfig) -> bool:
