@@ -533,9 +533,9 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                         {"merge_micro_batches": 1})],
                  steps=8, warmup=2, layers=2 if smoke else 8, tuning=lora,
                  about="LoRA rank 16 on `lora_target: all` (the attention's projections, as LLaMA-Factory expands it: "
-                       "the experts are 3-D parameters) of the first 8 layers (by default), each 256 experts (top 8) routed by "
-                       f"sigmoid scores with a correction bias, {cut}-token packed micro-batches, global batch 8 "
-                       "(ours: `merge_micro_batches: auto` runs packs together where the planner finds room; "
+                       "the experts are 3-D parameters) of the first 8 layers (by default), each 256 experts (top 8) "
+                       f"routed by sigmoid scores with a correction bias, {cut}-token packed micro-batches, global "
+                       "batch 8 (ours: `merge_micro_batches: auto` runs packs together where the planner finds room; "
                        "`ours_unmerged`: one by one, as the recipe says)"),
         Workload("lora_dense", "dense8b", cut, packed,
                  _pair(1, 8, "1 GPU", lf_layout="1 GPU, gradient checkpointing (LF default)")

@@ -14,7 +14,14 @@ Per GEMM shape of a Qwen3-8B layer at one 4,096-token pack (``qkv``: 4096 -> 614
 Median milliseconds of forward + backward over ``--repeat`` runs after warm-ups, the speed-up over bf16 and the
 peak memory the call adds. Writes ``fp8.json`` and ``fp8.md`` to ``--out``.
 
-    python benchmarks/fp8_bench.py --out $OUT/fp8
+``--experts``: the grouped experts instead (``models/native/experts.py``), Qwen3-30B-A3B's (128 experts, 2048 ->
+2 x 768 -> 2048) and Qwen3-235B-A22B's (128, 4096 -> 2 x 1536 -> 4096) at several rows per expert: bf16
+(``torch._grouped_mm``, the weight gradient into ``main_grad``) against FP8 (``torch._scaled_grouped_mm`` for the
+forward and the input gradient where ``fp8.grouped_pays``, the weights' casts held as inside a step), forward +
+backward; and the forward GEMM alone on operands already cast (``gemm_*``, FP8 whatever the rows). Writes
+``fp8_experts.json`` and ``.md``.
+
+    python benchmarks/fp8_bench.py --out $OUT/fp8 [--experts]
 """
 
 from __future__ import annotations
@@ -122,14 +129,78 @@ def _case(shape: str, way: str, fn, trainable: bool, repeat: int, keep: bool = F
             "extra_mib": round(extra, 1)}
 
 
+# Qwen3-30B-A3B's experts, and Qwen3-235B-A22B's (``*_wide``): 128 of them either way
+EXPERTS = 128
+EXPERT_SHAPES = {"fc1": (2048, 1536), "fc2": (768, 2048), "fc1_wide": (4096, 3072), "fc2_wide": (1536, 4096)}
+ROWS_PER_EXPERT = (128, 256, 512, 1024, 2048)
+
+
+def _expert_cases(repeat: int) -> list[dict]:
+    from llamafactory_mca.models.native import experts, fp8
+
+    e4m3 = torch.float8_e4m3fn
+    casts = fp8.WeightCasts()
+    HELD.enter_context(casts.holding())
+    rows = []
+    for shape, (k, n) in EXPERT_SHAPES.items():
+        g = torch.Generator(device="cuda").manual_seed(0)
+        param = torch.nn.Parameter(torch.randn(EXPERTS * k * n, device="cuda", dtype=torch.bfloat16, generator=g)
+                                   * 0.02)
+        param.main_grad = torch.zeros(param.shape, device="cuda", dtype=torch.float32)
+        weights = param.view(EXPERTS, k, n)
+        b, scale_b = fp8.stacked_operand(weights.detach(), e4m3, 1)
+        for per_expert in ROWS_PER_EXPERT:
+            tokens = EXPERTS * per_expert
+            x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+            grad = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16, generator=g)
+            offs = torch.arange(1, EXPERTS + 1, device="cuda", dtype=torch.int32) * per_expert
+            a = fp8.per_row(x.detach(), e4m3, 1)
+            ways = {"bf16": lambda: experts._GroupedMMIntoMainGrad.apply(x, param, offs, weights.shape).backward(grad),
+                    "fp8": lambda: experts._Fp8GroupedMM.apply(x, param, offs, weights.shape, True, casts
+                                                               ).backward(grad),
+                    "gemm_bf16": lambda: torch._grouped_mm(x.detach(), weights.detach(), offs=offs),
+                    "gemm_fp8": lambda: fp8.grouped_mm(a, b, scale_b, offs, torch.bfloat16)}
+            for way, fn in ways.items():
+                ms = median_ms(fn, repeat, warmup=3)
+                flops = 2 * tokens * k * n * (3 if way in ("bf16", "fp8") else 1)
+                rows.append({"shape": shape, "rows_per_expert": per_expert, "way": way, "ms": round(ms, 3),
+                             "tflops": round(flops / ms / 1e9, 1)})
+                print(json.dumps(rows[-1]), flush=True)
+    base = {(r["shape"], r["rows_per_expert"], r["way"].startswith("gemm")): r["ms"] for r in rows
+            if r["way"] in ("bf16", "gemm_bf16")}
+    for r in rows:
+        r["speedup"] = round(base[(r["shape"], r["rows_per_expert"], r["way"].startswith("gemm"))] / r["ms"], 2)
+    return rows
+
+
+def _write(out: str, name: str, title: str, meta: dict, rows: list[dict], columns: list[str], cells) -> None:
+    """``name``.json (the rows and ``meta``) and ``name``.md (a table of ``cells(row)`` under ``columns``)."""
+    machine = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump({"machine": machine, **meta, "rows": rows}, f, indent=1)
+    lines = [f"# {title} ({machine})", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(c) for c in cells(r)) + " |" for r in rows]
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def main(argv: list | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--profile", default="", help="SHAPE:WAY,...: profile these instead of timing all")
+    parser.add_argument("--experts", action="store_true", help="the grouped experts instead of the linears")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     _setup()
+    if args.experts:
+        _write(args.out, "fp8_experts", f"FP8 grouped experts against bf16 ({EXPERTS} experts)",
+               {"experts": EXPERTS}, _expert_cases(args.repeat),
+               ["GEMM (k -> n)", "rows per expert", "way", "ms", "TFLOP/s", "speed-up"],
+               lambda r: (f"{r['shape']} {EXPERT_SHAPES[r['shape']]}", r["rows_per_expert"], r["way"], r["ms"],
+                          r["tflops"], f"{r['speedup']}x"))
+        torch.distributed.destroy_process_group()
+        return
     if args.profile:
         ways = _ways()
         for item in args.profile.split(","):
@@ -144,17 +215,10 @@ def main(argv: list | None = None) -> None:
     base = {(r["shape"], r["way"].startswith("frozen")): r["ms"] for r in rows if r["way"] in ("bf16", "frozen_bf16")}
     for r in rows:
         r["speedup"] = round(base[(r["shape"], r["way"].startswith("frozen"))] / r["ms"], 2)
-    machine = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
-    with open(os.path.join(args.out, "fp8.json"), "w") as f:
-        json.dump({"machine": machine, "tokens": TOKENS, "rows": rows}, f, indent=1)
-    lines = [f"# FP8 linears against Megatron's bf16 function ({machine}; {TOKENS} tokens, forward + backward)", "",
-             "| shape (in -> out) | way | ms | TFLOP/s | speed-up | extra MiB |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        k, n = SHAPES[r["shape"]]
-        lines.append(f"| {r['shape']} ({k} -> {n}) | {r['way']} | {r['ms']} | {r['tflops']} | {r['speedup']}x | "
-                     f"{r['extra_mib']} |")
-    with open(os.path.join(args.out, "fp8.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    _write(args.out, "fp8", f"FP8 linears against Megatron's bf16 function ({TOKENS} tokens, forward + backward)",
+           {"tokens": TOKENS}, rows, ["shape (in -> out)", "way", "ms", "TFLOP/s", "speed-up", "extra MiB"],
+           lambda r: (f"{r['shape']} {SHAPES[r['shape']]}", r["way"], r["ms"], r["tflops"], f"{r['speedup']}x",
+                      r["extra_mib"]))
     torch.distributed.destroy_process_group()
 
 

@@ -57,7 +57,8 @@ ABOUT = ("Every packed run of ours in `benchmarks/results`, predicted from its s
          "4-layer Qwen3-1.7B shape (`fp8_loss*`) peaked 11-12% above the prediction, not established why. MiniMax-M2 "
          "with LoRA (`h100_families/`: 256 frozen experts, 128 rows each) runs 1.9-2.6x faster than predicted (its "
          "7-layer runs merged to 256 rows per expert 1.9x): the fall-off below 512 rows per expert was fitted to "
-         "trained experts, whose weight gradients it mostly stands for; its peak within 5%, InternVL's within 1%. Gemma 4 31B with images (`gemma4_vl`, packed) "
+         "trained experts, whose weight gradients it mostly stands for; its peak within 5%, InternVL's within 1%. "
+         "Gemma 4 31B with images (`gemma4_vl`, packed) "
          "runs 35-38% slower than predicted, as Gemma 4 E2B does (its sublayer norms, soft-capped logits and "
          "heads of 512 are not modelled), and peaks 5% above the estimate. The host "
          "is noisy: the same eager run measured 25.5-31.5k tokens/s in three calls.")

@@ -23,7 +23,7 @@ from typing import Any
 from ..models.config import attention_shape
 from ..models.cost import attention_layer_kinds, attention_sizes, indexer_weights, small_gemma4_weights
 from ..models.mapping import is_moe_layer
-from ..models.native.fp8 import Fp8Training
+from ..models.native.fp8 import Fp8Training, grouped_pays
 from ..models.native.logit_chunks import logit_rows
 from ..parallel import ParallelLayout
 
@@ -234,9 +234,20 @@ def _fp8_buffers(s: dict[str, int], tokens: float, layout: ParallelLayout, cover
     weights = 0.0
     if not cuda_graphs:
         for m in (m for m, c in zip(mine, covered) if c):
-            dense, experts = _layer_params(s, m)
-            weights += 2 * (dense / layout.tp + experts / (layout.ep * layout.etp))
+            dense, _ = _layer_params(s, m)
+            weights += 2 * dense / layout.tp + (_expert_casts(s, tokens, layout) if m else 0)
     return weights + 2 * tokens * out
+
+
+def _expert_casts(s: dict[str, int], tokens: float, layout: ParallelLayout) -> float:
+    """Bytes of a covered MoE layer's expert weight casts: one FP8 copy for each of its four grouped GEMMs (fc1's
+    and fc2's forward and input gradient) that runs in FP8 at the rows per expert of a micro-batch of ``tokens``
+    (``fp8.grouped_pays``; the others stay bf16 and cast nothing)."""
+    rows = tokens * s["topk"] * layout.ep / s["experts"]
+    h, fc2 = s["h"], s["fm"] / layout.etp
+    fc1 = s["glu"] * fc2
+    gemms = ((h, fc1), (fc1, h), (fc2, h), (h, fc2))
+    return s["experts"] / layout.ep * sum(k * n for k, n in gemms if grouped_pays(rows, k, n))
 
 
 def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[str, float]:

@@ -34,7 +34,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.transformer.moe import grouped_gemm_util
 from megatron.core.transformer.moe.experts import GroupedMLP
 
-from .fp8 import Fp8Training, WeightCasts, per_row, stacked_operand
+from .fp8 import Fp8Training, WeightCasts, grouped_pays, per_row, stacked_operand
 from .fp8 import aligned as fp8_aligned
 from .fp8 import grouped_mm as fp8_grouped_mm
 from .swiglu_triton import weighted_bias_swiglu_impl
@@ -231,27 +231,23 @@ class _GroupedMMIntoMainGrad(torch.autograd.Function):
 class _Fp8GroupedMM(torch.autograd.Function):
     """``x @ param.view(shape)[e]`` per expert group with the forward and the input gradient on
     ``torch._scaled_grouped_mm`` (E4M3, a scale per token row and per expert column: the grouped FP8 GEMM of Hopper
-    takes rowwise scales only) and the weight gradient in bf16, as ``_GroupedMMIntoMainGrad`` computes it (its
-    contraction runs over each expert's tokens, whose per-group scaling the grouped GEMM does not take)."""
+    takes rowwise scales only) where its kernel beats bf16's at these rows per expert (``fp8.grouped_pays``, each
+    GEMM apart; else ``torch._grouped_mm``), and the weight gradient in bf16, as ``_GroupedMMIntoMainGrad``
+    computes it (its contraction runs over each expert's tokens, whose per-group scaling the grouped GEMM does not
+    take)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, param: torch.Tensor, offs: torch.Tensor, shape: torch.Size, into: bool,
                 casts: WeightCasts):
-        e4m3 = torch.float8_e4m3fn
         ctx.save_for_backward(x, param, offs)
         ctx.shape, ctx.into, ctx.casts = shape, into, casts
-        weights = casts.get(param, "rows", lambda: stacked_operand(param.view(shape), e4m3, 1))
-        out = fp8_grouped_mm(per_row(x, e4m3, 1), *weights, offs, x.dtype)
-        return out[: x.shape[0]]  # the cast's zero rows (alignment) off
+        return _expert_gemm(x, param, shape, offs, casts, contracted=1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, param, offs = ctx.saved_tensors
         grad = grad.contiguous()
-        e4m3 = torch.float8_e4m3fn
-        weights = ctx.casts.get(param, "cols", lambda: stacked_operand(param.view(ctx.shape), e4m3, 2))
-        grad_x = fp8_grouped_mm(per_row(grad, e4m3, 1), *weights, offs, grad.dtype)
-        grad_x = grad_x[: grad.shape[0]]
+        grad_x = _expert_gemm(grad, param, ctx.shape, offs, ctx.casts, contracted=2)
         grad_param = None
         if ctx.into:
             add_grouped_wgrad(param.main_grad.view(ctx.shape), x, grad, offs)
@@ -259,6 +255,19 @@ class _Fp8GroupedMM(torch.autograd.Function):
         elif param.requires_grad:
             grad_param = torch._grouped_mm(x.t(), grad, offs=offs).view(param.shape)
         return grad_x, grad_param, None, None, None, None
+
+
+def _expert_gemm(a: torch.Tensor, param: torch.Tensor, shape: torch.Size, offs: torch.Tensor, casts: WeightCasts,
+                 contracted: int) -> torch.Tensor:
+    """``a`` times each expert's weight (``contracted`` 1: [k, n], the forward; 2: its transpose, the input
+    gradient), in FP8 where ``fp8.grouped_pays``."""
+    weights = param.view(shape) if contracted == 1 else param.view(shape).transpose(-2, -1)
+    if not grouped_pays(a.shape[0] / shape[0], *weights.shape[1:]):
+        return torch._grouped_mm(a, weights, offs=offs)
+    e4m3 = torch.float8_e4m3fn
+    cast = casts.get(param, "rows" if contracted == 1 else "cols",
+                     lambda: stacked_operand(param.view(shape), e4m3, contracted))
+    return fp8_grouped_mm(per_row(a, e4m3, 1), *cast, offs, a.dtype)[: a.shape[0]]  # the cast's zero rows off
 
 
 def _loop_mm(x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:

@@ -92,8 +92,8 @@ class Fp8Training:
         gemms = ("forward, input and weight gradients" if self.wgrad else
                  "forward and input gradient; weight gradient in bf16")
         grads = ", gradients E5M2" if self.format == "hybrid" else ""
-        moe = (", their experts' forward and input gradient rowwise in E4M3 (torch._scaled_grouped_mm)" if experts
-               else "")
+        moe = (", their experts' forward and input gradient rowwise in E4M3 (torch._scaled_grouped_mm, where its "
+               "kernel for the rows per expert beats bf16's)" if experts else "")
         narrow = (f" (at hidden size {hidden} expect no gain: the casts cost what the GEMMs save below "
                   f"{PAYS_FROM})" if hidden < PAYS_FROM else "")
         return (f"FP8 {self.recipe} E4M3{grads} (torch._scaled_mm: {gemms}) on the attention and MLP linears of "
@@ -248,6 +248,18 @@ def stacked_operand(w: torch.Tensor, dtype: torch.dtype, contracted: int) -> tup
         return data_t.transpose(-2, -1), inv
     data, _, inv = _cast(w, amax, 1, dtype, True, False)
     return data.transpose(-2, -1), inv
+
+
+def grouped_pays(rows_per_expert: float, k: int, n: int) -> bool:
+    """Whether an experts' GEMM (``k`` contracted, ``n`` out, ``rows_per_expert`` on average) gains from FP8 on Hopper.
+    torch 2.11 picks ``_scaled_grouped_mm``'s CUTLASS tile from the mean rows per expert, k and n
+    (``ScaledGroupMM.cu``): for few rows or a narrow n (<= 128) a 64-row one, where two of the three reach 2048 a
+    128 x 128 one, and otherwise 128 x 256 with a K step of 64, which ran at half the bf16 grouped GEMM's speed on
+    Qwen3-30B-A3B's experts at 256-1024 rows each (H100, ``fp8_bench.py --experts``); the other two beat it (1.6x
+    at 128 rows, 1.2x at 2048). Elsewhere that GEMM stays bf16."""
+    small = rows_per_expert <= 128 or n <= 128
+    large = (rows_per_expert >= 2048) + (k >= 2048) + (n >= 2048) >= 2
+    return small or large
 
 
 def grouped_mm(a: Operand, b: torch.Tensor, scale_b: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype
