@@ -253,13 +253,12 @@ def stacked_operand(w: torch.Tensor, dtype: torch.dtype, contracted: int) -> tup
 def grouped_pays(rows_per_expert: float, k: int, n: int) -> bool:
     """Whether an experts' GEMM (``k`` contracted, ``n`` out, ``rows_per_expert`` on average) gains from FP8 on Hopper.
     torch 2.11 picks ``_scaled_grouped_mm``'s CUTLASS tile from the mean rows per expert, k and n
-    (``ScaledGroupMM.cu``): for few rows or a narrow n (<= 128) a 64-row one, where two of the three reach 2048 a
-    128 x 128 one, and otherwise 128 x 256 with a K step of 64, which ran at half the bf16 grouped GEMM's speed on
-    Qwen3-30B-A3B's experts at 256-1024 rows each (H100, ``fp8_bench.py --experts``); the other two beat it (1.6x
-    at 128 rows, 1.2x at 2048). Elsewhere that GEMM stays bf16."""
-    small = rows_per_expert <= 128 or n <= 128
-    large = (rows_per_expert >= 2048) + (k >= 2048) + (n >= 2048) >= 2
-    return small or large
+    (``ScaledGroupMM.cu``). Measured against the bf16 grouped GEMM on an H100 (``fp8_bench.py --experts``, 128
+    experts of Qwen3-30B-A3B's and Qwen3-235B-A22B's shapes): its 64-row tile, for 128 rows or fewer (or n <= 128),
+    1.4-1.9x as fast; with k and n both 2048 or more, 1.3-1.9x at any rows; otherwise its 128 x 256 tile with a K
+    step of 64 ran at half bf16's speed from 256 to 1024 rows, and at 2048 rows about even (1.0-1.2x, less its
+    casts). Elsewhere that GEMM stays bf16."""
+    return rows_per_expert <= 128 or n <= 128 or (k >= 2048 and n >= 2048)
 
 
 def grouped_mm(a: Operand, b: torch.Tensor, scale_b: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype
