@@ -341,7 +341,8 @@ PACKED_FAMILIES = {
     "gemma4_text": (("sliding window 6 tokens on 2 of 4 layers",
                      "full-attention layers: heads of 32, 2 key/value heads (the keys are the values), RoPE on 25% of "
                      "each head (base 1e+06)",
-                     "logits soft-capped at 3 (the loss takes them whole)"), ("o_proj", "q_proj"), "Gemma4ForCausalLM",
+                     "logits soft-capped at 3 inside the loss's passes, in fp32"),
+                    ("o_proj", "q_proj"), "Gemma4ForCausalLM",
                     ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
                      "model.layers.0.self_attn.v_proj.weight", "model.layers.3.self_attn.k_norm.weight",
                      "model.layers.2.post_feedforward_layernorm.weight")),

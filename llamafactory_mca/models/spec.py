@@ -299,7 +299,9 @@ def describe_kernels(config: TransformerConfig) -> str:
         line += (f"; the last {shared} layers attend with earlier layers' keys and values"
                  + (", their MLP twice as wide" if sharing.get("double_wide_mlp") else ""))
     if getattr(config, "final_logit_softcapping", None):
-        line += f"; logits soft-capped at {config.final_logit_softcapping:g} (the loss takes them whole)"
+        line += f"; logits soft-capped at {config.final_logit_softcapping:g}" + (
+            " inside the loss's passes, in fp32" if getattr(config, "native_cross_entropy", True)
+            and not config.cross_entropy_loss_fusion else "")
     if getattr(config, "image_look_ahead", False):
         where = " on the windowed layers" if config.image_look_ahead == "windowed" else ""
         line += f"; image tokens see their whole image{where}: one SDPA call under a mask"

@@ -336,9 +336,10 @@ def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[st
             local_vocab = s["vocab"] / layout.tp
             rows = logit_rows(tokens, local_vocab, training.chunked_cross_entropy if training.native_cross_entropy
                               else False)
-            # soft-capped logits (Gemma 4): tanh's bf16 output is kept for its backward too
-            logits = rows * local_vocab * (LOGIT_BYTES + 2 * s["softcap"] + (0 if training.native_cross_entropy
-                                                                              else 4)) * (1 + s["mtp"])
+            # Megatron's loss: an fp32 copy; soft-capped logits (Gemma 4) under it keep tanh's bf16 output for its
+            # backward too (the native loss caps them inside its passes)
+            extra = 0 if training.native_cross_entropy else 4 + 2 * s["softcap"]
+            logits = rows * local_vocab * (LOGIT_BYTES + extra) * (1 + s["mtp"])
         stages.append({"weights": params * (2 if training.half else 4) / GIB, "grads": trainable * 4 / GIB,
                        "optimizer": optimizer / GIB,
                        "activations": activations / GIB, "logits": logits / GIB})

@@ -434,9 +434,9 @@ def test_triton_kernels_compile_once_for_q_k_directions_and_row_counts():
 
 def test_triton_swiglu_loss_and_combine_against_fp32():
     """SwiGLU (plain at a dense MLP's width, weighted at the experts' 768 with 8k rows), GeGLU at Gemma 4 E2B's double
-    width, the loss's two passes over a
-    151,936-word vocabulary and the MoE combine, Triton in bf16 against eager fp32 (the loss: torch's cross-entropy
-    on the same logits), forward and backward."""
+    width, the loss's two passes over a 151,936-word vocabulary and over Gemma 4's 262,144 soft-capped at 30, and the
+    MoE combine, Triton in bf16 against eager fp32 (the loss: torch's cross-entropy on the same logits, capped as
+    transformers caps them), forward and backward."""
     from llamafactory_mca.models.native import combine_triton, cross_entropy, swiglu_triton
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -459,6 +459,10 @@ def test_triton_swiglu_loss_and_combine_against_fp32():
     close(lambda x: cross_entropy.vocab_parallel_cross_entropy(x, target),
           lambda x: torch.nn.functional.cross_entropy(x, target, reduction="none"),
           torch.randn(1024, 151936, device="cuda", generator=gen) * 3)
+    target = torch.randint(0, 262144, (1024,), device="cuda", generator=gen)  # Gemma 4's vocabulary, capped at 30
+    close(lambda x: cross_entropy.vocab_parallel_cross_entropy(x, target, cap=30.0),
+          lambda x: torch.nn.functional.cross_entropy(torch.tanh(x / 30.0) * 30.0, target, reduction="none"),
+          torch.randn(1024, 262144, device="cuda", generator=gen) * 20)
     rows = torch.randn(4096 * 8, 2048, device="cuda", generator=gen).bfloat16()
     rows_of_token = torch.randperm(4096 * 8, device="cuda")
     exact = rows.float()[rows_of_token].view(4096, 8, 2048).sum(1)  # the fp32 sum it rounds once

@@ -795,6 +795,12 @@ assert [float(v) for v in loss_triton.row_stats(torch.full((1, 5000), float("-in
 row_max, sum_exp = cross_entropy._row_stats(logits)
 lse, grad, target = row_max + sum_exp.log(), torch.rand(6, generator=g), torch.tensor([3, -1, 4999, 0, 4096, 17])
 torch.testing.assert_close(loss_triton.grad(logits, lse, grad, target), cross_entropy._grad(logits, lse, grad, target))
+for a, b in zip(loss_triton.row_stats(logits, 3.0), cross_entropy._row_stats(logits, 3.0), strict=True):  # capped
+    torch.testing.assert_close(a, b)
+row_max, sum_exp = cross_entropy._row_stats(logits, 3.0)
+lse = row_max + sum_exp.log()
+torch.testing.assert_close(loss_triton.grad(logits, lse, grad, target, 3.0),
+                           cross_entropy._grad(logits, lse, grad, target, 3.0))
 
 rows, topk = torch.randn(4 * 3, 40, generator=g), 3  # 4 tokens' 3 rows each, in expert order
 rows_of_token = torch.randperm(12, generator=g)
@@ -811,8 +817,8 @@ def test_triton_kernels_equal_the_eager_ones():
     of a token; packed RoPE at each CP rank's positions and padded RoPE, rotary width whole, half and partial; SwiGLU
     plain and weighted (the weight's gradient too) and GeGLU (GELU's tanh approximation) at widths with and without
     masked lanes; the loss's row statistics over vocabulary blocks with -inf padding (a row of it alone: max -inf,
-    sum 0) and its gradient at targets inside and outside the slice; the MoE combine. tests/gpu compares them in
-    bf16."""
+    sum 0) and its gradient at targets inside and outside the slice, both also through a soft cap; the MoE combine.
+    tests/gpu compares them in bf16."""
     import subprocess
     import sys
 
@@ -905,6 +911,14 @@ def _cross_entropy_run(tp: int) -> dict:
     (loss * grad).sum().backward()
     (expected * grad).sum().backward()
     res["padded"] = (bool(torch.isfinite(loss).all()), _rel_diff(loss, expected), _rel_diff(mine.grad, ref.grad))
+    # soft-capped (Gemma's): ours caps the raw logits inside its passes, Megatron's takes them capped, padding -inf
+    mine, ref = part.clone().requires_grad_(), part.clone().requires_grad_()
+    loss = cross_entropy.vocab_parallel_cross_entropy(mine, small, group, cap=3.0)
+    capped = torch.where(ref == float("-inf"), ref, torch.tanh(ref / 3.0) * 3.0)
+    expected = megatrons(capped, small)
+    (loss * grad).sum().backward()
+    (expected * grad).sum().backward()
+    res["capped"] = (_rel_diff(loss, expected), _rel_diff(mine.grad, ref.grad))
     return res
 
 
@@ -918,12 +932,14 @@ def test_native_cross_entropy_equals_megatrons(tp):
         assert loss_err < 1e-6 and grad_err < 1e-2 and grad_dtype is torch.bfloat16, rank_res
         finite, loss_err, grad_err = rank_res["padded"]
         assert finite and loss_err < 1e-6 and grad_err < 1e-6, rank_res
+        assert max(rank_res["capped"]) < 1e-6, rank_res
 
 
-def _chunked_loss_run(tp: int) -> dict:
+def _chunked_loss_run(tp: int, cap: float | None) -> dict:
     """The output layer and loss fused over row chunks against the logits at once, on one model: per-token losses
     and every parameter's gradient, under TP with sequence parallelism, the vocabulary padding masked (part of the
-    last slice) and chunks that do not divide the rows."""
+    last slice) and chunks that do not divide the rows. With soft-capped logits, both against Megatron's loss over
+    the logits capped by the output layer's hook."""
     from megatron.core import parallel_state as ps
 
     from llamafactory_mca import parallel
@@ -934,6 +950,7 @@ def _chunked_loss_run(tp: int) -> dict:
     parallel.initialize(_layout(world=tp, tp=tp), seed=3)
     cross_entropy.CHUNK_ROWS = 5
     config = _config(tp=tp, sp=tp > 1)
+    config.final_logit_softcapping = cap
     model = cross_entropy.LanguageModel(config, spec.get_block_spec(config), vocab_size=VOCAB, max_sequence_length=64,
                                         position_embedding_type="rope", rotary_base=10000)
     _mask_vocab_padding(model, VOCAB - 5)
@@ -944,27 +961,33 @@ def _chunked_loss_run(tp: int) -> dict:
     handed = []
     model.output_layer.register_forward_hook(lambda module, inputs, output: handed.append(type(output[0]).__name__))
     res = {}
-    for chunked in (False, True):
+    for chunked in (False, True) + (("megatron",) if cap else ()):
         model.zero_grad()
-        config.chunked_cross_entropy = chunked
+        config.chunked_cross_entropy = chunked is True
+        config.native_cross_entropy = chunked != "megatron"
         loss = model(tokens, _positions(tokens), None, labels=labels)
         (loss * weights).sum().backward()
         grads = _grads(model)
         if tp > 1:  # sequence-parallel norms' gradients are partial per rank until the optimizer reduces them
             grads = {n: g for n, g in grads.items() if "layernorm" not in n and "norm" not in n.split(".")[-2]}
         res[chunked] = (loss.detach(), grads)
-    plain, fused = res[False], res[True]
-    return {"loss": _rel_diff(fused[0], plain[0]), "same_params": sorted(fused[1]) == sorted(plain[1]),
-            "grads": max(_rel_diff(fused[1][n], plain[1][n]) for n in plain[1]),
-            "output_grad": _rel_diff(fused[1]["output_layer.weight"], plain[1]["output_layer.weight"]),
-            "handed": handed, "rank": ps.get_tensor_model_parallel_rank()}
+    out = {"handed": handed, "rank": ps.get_tensor_model_parallel_rank()}
+    for name, (a, b) in {"chunked": (res[True], res[False]), "megatron": (res[True], res.get("megatron"))}.items():
+        if b is not None:
+            out[name] = {"loss": _rel_diff(a[0], b[0]), "same_params": sorted(a[1]) == sorted(b[1]),
+                         "grads": max(_rel_diff(a[1][n], b[1][n]) for n in b[1]),
+                         "output_grad": _rel_diff(a[1]["output_layer.weight"], b[1]["output_layer.weight"])}
+    return out
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_chunked_output_layer_and_loss_equal_the_logits_at_once(tp):
-    for rank_res in run_distributed(_chunked_loss_run, tp, tp):
-        assert rank_res["handed"] == ["Tensor", "DeferredLogits"] and rank_res["same_params"], rank_res
-        assert rank_res["loss"] < 1e-6 and rank_res["grads"] < 1e-5 and rank_res["output_grad"] < 1e-5, rank_res
+@pytest.mark.parametrize("tp,cap", [(1, None), (2, None), (2, 0.1)])
+def test_chunked_output_layer_and_loss_equal_the_logits_at_once(tp, cap):
+    for rank_res in run_distributed(_chunked_loss_run, tp, tp, cap):
+        assert rank_res["handed"][:2] == ["Tensor", "DeferredLogits"], rank_res
+        for name in ("chunked", "megatron") if cap else ("chunked",):
+            got = rank_res[name]
+            assert got["same_params"] and got["loss"] < 1e-6 and got["grads"] < 1e-5 and got["output_grad"] < 1e-5, \
+                rank_res
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

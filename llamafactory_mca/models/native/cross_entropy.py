@@ -5,7 +5,9 @@ the backward: at a 151,936-token vocabulary and 4,096 tokens that is 2.5 GB writ
 held until the backward (perf-notes: 13.9 ms per micro-batch, more than attention). The same loss needs only two
 numbers per token, the row's max and its sum of ``exp(logit - max)``, and the backward only ``softmax - onehot``,
 which can be recomputed from the bf16 logits. On GPUs both are one Triton pass each (``loss_triton.py``: read bf16
-once; write the bf16 gradient once); elsewhere the same math runs eagerly over row chunks.
+once; write the bf16 gradient once); elsewhere the same math runs eagerly over row chunks. Soft-capped logits
+(Gemma's ``final_logit_softcapping``) come raw and are capped inside both passes, in fp32: the capped copy and
+tanh's output would each be as big as the logits, and the loss could not run in chunks without them.
 
 Tensor parallelism: each rank holds a vocabulary slice; per-row (max, sum) pairs are combined across ranks with
 one MAX and one SUM all-reduce, the target's logit with a SUM, as in Megatron's. Labels outside the slice (other
@@ -36,18 +38,29 @@ from .wgrad import placeholder_grad, wgrad_gemm_accum_fp32
 _EAGER_ROWS = 1024  # rows per chunk off GPUs: bounds the fp32 temporary at rows x vocab
 
 
-def _row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: max and sum of exp(logit - max), in fp32."""
+def _capped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """The logits in fp32 as the loss sees them: ``cap * tanh(logit / cap)`` given a cap (-inf padding stays)."""
     x = logits.float()
+    return x if not cap else torch.where(x == float("-inf"), x, torch.tanh(x / cap) * cap)
+
+
+def _row_stats(logits: torch.Tensor, cap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: max and sum of exp(logit - max), in fp32."""
+    x = _capped(logits, cap)
     row_max = x.amax(-1)
     return row_max, (x - row_max.unsqueeze(-1)).exp().sum(-1)
 
 
-def _grad(logits: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """d loss / d logits = (softmax - onehot(target)) * grad, computed in fp32, returned in the logits' dtype."""
-    probs = (logits.float() - lse.unsqueeze(-1)).exp()
+def _grad(logits: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, target: torch.Tensor,
+          cap: float | None = None) -> torch.Tensor:
+    """d loss / d logits = (softmax - onehot(target)) * grad, computed in fp32, returned in the logits' dtype (by the
+    raw logits: times tanh's slope 1 - (capped / cap)^2, given a cap)."""
+    x = _capped(logits, cap)
     hit = torch.arange(logits.size(-1), device=logits.device) == target.unsqueeze(-1)
-    return ((probs - hit.float()) * grad.unsqueeze(-1)).to(logits.dtype)
+    out = ((x - lse.unsqueeze(-1)).exp() - hit.float()) * grad.unsqueeze(-1)
+    if cap:
+        out *= 1 - (torch.where(x == float("-inf"), 0.0, x) / cap) ** 2
+    return out.to(logits.dtype)
 
 
 def _kernels(device: torch.device) -> tuple:
@@ -91,13 +104,13 @@ def _combine(row_max: torch.Tensor, sum_exp: torch.Tensor, hit: torch.Tensor, lo
     return log_sum - predicted, log_sum + row_max
 
 
-def _target_logits(logits: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    return logits.gather(-1, local.clamp(min=0).unsqueeze(-1)).squeeze(-1).float()
+def _target_logits(logits: torch.Tensor, local: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return _capped(logits.gather(-1, local.clamp(min=0).unsqueeze(-1)).squeeze(-1), cap)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group, cap: float | None) -> torch.Tensor:
         shape = target.shape
         logits2d, target = logits.reshape(-1, logits.size(-1)), target.reshape(-1)
         local, world = _local_targets(target, logits2d.size(-1), logits2d.size(-1), group)
@@ -105,9 +118,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         row_max = torch.empty(target.numel(), dtype=torch.float32, device=logits.device)
         sum_exp = torch.empty_like(row_max)
         for a, b in _rows(target.numel(), logits.device):
-            row_max[a:b], sum_exp[a:b] = stats(logits2d[a:b])
-        loss, lse = _combine(row_max, sum_exp, _target_logits(logits2d, local), local, world, group)
+            row_max[a:b], sum_exp[a:b] = stats(logits2d[a:b], cap)
+        loss, lse = _combine(row_max, sum_exp, _target_logits(logits2d, local, cap), local, world, group)
         ctx.save_for_backward(logits, lse, local)
+        ctx.cap = cap
         return loss.reshape(shape)
 
     @staticmethod
@@ -118,8 +132,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         _, grad = _kernels(logits.device)
         out = torch.empty_like(logits2d)
         for a, b in _rows(local.numel(), logits.device):
-            out[a:b] = grad(logits2d[a:b], lse[a:b], grad_loss[a:b], local[a:b])
-        return out.view_as(logits), None, None
+            out[a:b] = grad(logits2d[a:b], lse[a:b], grad_loss[a:b], local[a:b], ctx.cap)
+        return out.view_as(logits), None, None, None
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -130,7 +144,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, valid: int, group,
-                fuse_wgrad: bool) -> torch.Tensor:
+                fuse_wgrad: bool, cap: float | None) -> torch.Tensor:
         local, world = _local_targets(target, weight.size(0), valid, group)
         rows = hidden.size(0)
         row_max = torch.full((rows,), float("-inf"), dtype=torch.float32, device=hidden.device)
@@ -138,11 +152,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         stats, _ = _kernels(hidden.device)
         for a, b in _chunks(rows, valid):
             logits = hidden[a:b] @ weight[:valid].t()
-            row_max[a:b], sum_exp[a:b] = stats(logits)
-            hit[a:b] = _target_logits(logits, local[a:b])
+            row_max[a:b], sum_exp[a:b] = stats(logits, cap)
+            hit[a:b] = _target_logits(logits, local[a:b], cap)
         loss, lse = _combine(row_max, sum_exp, hit, local, world, group)
         ctx.save_for_backward(hidden, weight, lse, local)
-        ctx.valid, ctx.fuse_wgrad = valid, fuse_wgrad
+        ctx.valid, ctx.fuse_wgrad, ctx.cap = valid, fuse_wgrad, cap
         return loss
 
     @staticmethod
@@ -154,14 +168,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         d_weight = None if into_main else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         _, grad = _kernels(hidden.device)
         for a, b in _chunks(hidden.size(0), valid):
-            g = grad(hidden[a:b] @ weight[:valid].t(), lse[a:b], grad_loss[a:b], local[a:b])
+            g = grad(hidden[a:b] @ weight[:valid].t(), lse[a:b], grad_loss[a:b], local[a:b], ctx.cap)
             d_hidden[a:b] = g @ weight[:valid]
             if into_main:
                 wgrad_gemm_accum_fp32(hidden[a:b], g, weight.main_grad[:valid])
             else:
                 d_weight[:valid] += (g.t() @ hidden[a:b]).float()
         d_weight = placeholder_grad(weight, hidden.dtype) if into_main else d_weight.to(weight.dtype)
-        return d_hidden, d_weight, None, None, None, None
+        return d_hidden, d_weight, None, None, None, None, None
 
 
 def _chunks(rows: int, valid: int):
@@ -183,6 +197,7 @@ class FusedLossOutputLayer(ColumnParallelLinear):
     (``LanguageModel._postprocess``, for a training forward that chunks its logits)."""
 
     defer = False
+    loss_caps = False  # the loss caps soft-capped logits itself (``_softcap``)
 
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
         if not self.defer:
@@ -196,10 +211,12 @@ class FusedLossOutputLayer(ColumnParallelLinear):
         return DeferredLogits(input_, weight), None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None,
+                                 cap: float | None = None) -> torch.Tensor:
     """Per-token loss (fp32, ``target``'s shape) of ``logits`` ``[..., vocab / tp]`` against global ``target`` ids;
-    Megatron's ``tensor_parallel.vocab_parallel_cross_entropy`` in value, without its fp32 copy of the logits."""
-    return _VocabParallelCrossEntropy.apply(logits, target, group)
+    Megatron's ``tensor_parallel.vocab_parallel_cross_entropy`` in value, without its fp32 copy of the logits (of
+    ``cap * tanh(logits / cap)``, given a cap)."""
+    return _VocabParallelCrossEntropy.apply(logits, target, group, cap)
 
 
 class NativeCrossEntropy:
@@ -210,25 +227,28 @@ class NativeCrossEntropy:
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor | DeferredLogits
                                     ) -> torch.Tensor:
+        if not self._native_loss():
+            return super().compute_language_model_loss(labels, logits)
+        # raw logits (the output layer's ``loss_caps`` was set: ``_postprocess``), capped here where the model caps
+        cap = getattr(self.config, "final_logit_softcapping", None)
         if isinstance(logits, DeferredLogits):  # [s, b, h] hidden states; the loss comes back [b, s]
             s, b, h = logits.hidden.shape
             loss = _LinearCrossEntropy.apply(logits.hidden.reshape(s * b, h), logits.weight,
                                              labels.transpose(0, 1).reshape(-1), logits.valid, self.pg_collection.tp,
-                                             self.config.gradient_accumulation_fusion)
+                                             self.config.gradient_accumulation_fusion, cap)
             return loss.view(s, b).transpose(0, 1).contiguous()
-        if not getattr(self.config, "native_cross_entropy", True) or self.config.cross_entropy_loss_fusion:
-            return super().compute_language_model_loss(labels, logits)
         # labels [b, s], logits [s, b, v]; the loss comes back [b, s] as Megatron's does
-        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.pg_collection.tp)
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.pg_collection.tp, cap)
         return loss.transpose(0, 1).contiguous()
+
+    def _native_loss(self) -> bool:
+        """The loss above rather than Megatron's (``native_cross_entropy: false``, or its fused kernels)."""
+        return getattr(self.config, "native_cross_entropy", True) and not self.config.cross_entropy_loss_fusion
 
     def _chunks_logits(self, hidden_states: torch.Tensor) -> bool:
         """A training forward's loss through the output layer a chunk at a time (``chunked_cross_entropy``)."""
         # a stage before the last has no output layer (its _postprocess hands the hidden states on)
-        if not isinstance(getattr(self, "output_layer", None), FusedLossOutputLayer) \
-                or getattr(self.config, "final_logit_softcapping", None) \
-                or self.config.cross_entropy_loss_fusion \
-                or not getattr(self.config, "native_cross_entropy", True):
+        if not isinstance(getattr(self, "output_layer", None), FusedLossOutputLayer) or not self._native_loss():
             return False
         tokens = hidden_states.shape[0] * hidden_states.shape[1] * (
             self.pg_collection.tp.size() if self.output_layer.sequence_parallel else 1)
@@ -255,6 +275,8 @@ def _times_layer_scalar(layer: Any, inputs: tuple, output: Any) -> Any:
 
 
 def _softcap(cap: float, module: Any, inputs: tuple, output: Any) -> Any:
+    if getattr(module, "loss_caps", False):  # the native loss caps them itself
+        return output
     logits, *rest = output
     return (torch.tanh(logits / cap) * cap, *rest)
 
@@ -280,7 +302,8 @@ class LanguageModel(NativeCrossEntropy, GPTModel):
     heads, proportional RoPE), laid beside the model's (``native/sublayers.py`` picks); ``padding_idx`` is a row the
     lookups do not train, as in transformers; ``layer_scalars``: each decoder layer's output times its stored
     ``layer_scalar`` (Gemma 4; frozen, as transformers keeps it a buffer); ``final_logit_softcapping``: the logits
-    through cap · tanh(logits / cap) before the loss (which then takes them whole, not in chunks);
+    through cap · tanh(logits / cap), by the native loss inside its passes (a training forward hands it the raw
+    logits, ``_postprocess``), else by a hook on the output layer;
     ``per_layer_inputs``: each layer's own vector per token, made from the decoder's input and handed to the layers
     as their ``context`` (``native/per_layer_inputs.py``); ``kv_sharing``: the last layers attend with the keys and
     values of an earlier layer, kept for them while the forward runs (``native/sublayers.py``)."""
@@ -374,12 +397,15 @@ class LanguageModel(NativeCrossEntropy, GPTModel):
         if getattr(self, "value_head", None) is not None:  # a reward model (models/value_head.py): no logits
             return self.value_head(kwargs["hidden_states"])
         layers = self.config.mtp_num_layers
-        if kwargs.get("labels") is not None and self._chunks_logits(kwargs["hidden_states"]):
-            self.output_layer.defer = True  # the MTP layers' losses too
+        if kwargs.get("labels") is not None and self._native_loss() and self.post_process:
+            # the loss takes the logits raw (it caps soft-capped ones itself), or the output layer's input where it
+            # chunks them; the MTP layers' losses too
+            self.output_layer.loss_caps = True
+            self.output_layer.defer = self._chunks_logits(kwargs["hidden_states"])
             try:
                 return super()._postprocess(*args, **kwargs)
             finally:
-                self.output_layer.defer = False
+                self.output_layer.loss_caps = self.output_layer.defer = False
         if not layers or kwargs.get("labels") is not None:
             return super()._postprocess(*args, **kwargs)
         self.config.mtp_num_layers = None  # the flag _postprocess reads; restored at once
