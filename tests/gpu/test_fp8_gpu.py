@@ -1,13 +1,20 @@
 """FP8 linears on a GPU with FP8 tensor cores: the Triton cast against its torch reference bit for bit, and each
 scaled GEMM (cuBLAS through ``torch._scaled_mm``), forward and backward, against the FP8 operands' fp32 product and
-within the recipe's tolerance of bf16 (the CPU suite's check, tests/models/test_fp8.py, on CUDA).
+within the recipe's tolerance of bf16 (the CPU suite's check, tests/models/test_fp8.py, on CUDA); and a run killed
+with FP8 on resuming through the real command with it off, then on again.
 
 Run: ``python -m pytest tests/gpu/test_fp8_gpu.py -q`` (skipped without CUDA or below compute capability 8.9).
 """
 
+import json
+import subprocess
+import time
+
 import pytest
 import torch
+import yaml
 
+from tests._cli import cli_env, losses, ok, ranks, recipe, train
 from tests.models.test_fp8 import RECIPES, check_scaled_gemms
 
 
@@ -86,3 +93,49 @@ def test_grouped_fp8_gemms_on_cuda(counts):
                 near = exact(e, rows_e)
                 assert ((got[rows_e] - near).norm() / near.norm()) < 0.05, (contracted, e)
             start = end
+
+
+def test_a_killed_fp8_run_resumes_with_fp8_off_and_then_on_again(assets, tmp_path):
+    """FP8 stores nothing of its own (the weights bf16, the master weights and moments fp32): a run with ``fp8: e4m3``
+    killed (SIGKILL to its rank, mid-run) after its checkpoint at step 4 resumes from it with FP8 off, and that
+    run's checkpoint at step 6 with FP8 on again. Each resumed run starts at its checkpoint's step and data position,
+    and its steps' losses are the uninterrupted bf16 run's within FP8's rounding."""
+    base = dict(bf16=True, sequence_packing=True, save_strategy="steps", save_steps=2,
+                include_num_input_tokens_seen=True)
+    fp8 = dict(fp8="e4m3", fp8_recipe="tensorwise")
+    result, output = train(tmp_path, recipe(assets, tmp_path / "ref", max_steps=8, **base), gpu=True, name="ref")
+    ok(result, output)
+    reference = losses(tmp_path / "ref")
+
+    killed = tmp_path / "killed"
+    path = tmp_path / "killed.yaml"
+    path.write_text(yaml.safe_dump(recipe(assets, killed, max_steps=100000, **base, **fp8)))
+    with open(tmp_path / "killed.log", "w") as log:
+        process = subprocess.Popen(["llamafactory-cli", "train", str(path)], env=cli_env(1, None, gpu=True),
+                                   stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (killed / "checkpoint-4").is_dir() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (killed / "checkpoint-4").is_dir(), (tmp_path / "killed.log").read_text()[-3000:]
+        ranks(process.pid)[-1].kill()
+        assert process.wait(timeout=120) != 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    output = (tmp_path / "killed.log").read_text()
+    assert "FP8" in output and "killed by SIGKILL" in output, output[-3000:]
+
+    runs = (("off", killed / "checkpoint-4", 6, {}), ("on", tmp_path / "off" / "checkpoint-6", 8, fp8))
+    for name, checkpoint, steps, extra in runs:
+        config = recipe(assets, tmp_path / name, max_steps=steps, resume_from_checkpoint=str(checkpoint), **base,
+                        **extra)
+        result, output = train(tmp_path, config, gpu=True, name=name)
+        ok(result, output)
+        assert f"Resumed from {checkpoint} at step {steps - 2}" in output, output[-3000:]
+        got = losses(tmp_path / name)
+        for step in (steps - 1, steps):
+            assert got[step] == pytest.approx(reference[step], rel=0.02), (name, step, got, reference)
+        with open(tmp_path / name / "trainer_state.json") as f, \
+                open(tmp_path / "ref" / f"checkpoint-{steps}" / "trainer_state.json") as g:
+            assert json.load(f)["num_input_tokens_seen"] == json.load(g)["num_input_tokens_seen"]
