@@ -434,9 +434,10 @@ def test_triton_kernels_compile_once_for_q_k_directions_and_row_counts():
 
 def test_triton_swiglu_loss_and_combine_against_fp32():
     """SwiGLU (plain at a dense MLP's width, weighted at the experts' 768 with 8k rows), GeGLU at Gemma 4 E2B's double
-    width, the loss's two passes over a 151,936-word vocabulary and over Gemma 4's 262,144 soft-capped at 30, and the
-    MoE combine, Triton in bf16 against eager fp32 (the loss: torch's cross-entropy on the same logits, capped as
-    transformers caps them), forward and backward."""
+    width and on its per-layer inputs (gate and vector apart, the vector strided), the loss's two passes over a
+    151,936-word vocabulary and over Gemma 4's 262,144 soft-capped at 30, and the MoE combine, Triton in bf16 against
+    eager fp32 (the loss: torch's cross-entropy on the same logits, capped as transformers caps them), forward and
+    backward."""
     from llamafactory_mca.models.native import combine_triton, cross_entropy, swiglu_triton
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -455,6 +456,10 @@ def test_triton_swiglu_loss_and_combine_against_fp32():
         return torch.nn.functional.gelu(a, approximate="tanh") * b
 
     close(swiglu_triton.geglu, eager_geglu, torch.randn(4096, 2 * 12288, device="cuda", generator=gen) * 2)
+    vectors = torch.randn(8192, 35, 256, device="cuda", generator=gen)  # E2B's per-layer inputs: one layer's, strided
+    close(lambda g, v: swiglu_triton.gelu_times(g, v[:, 3]),
+          lambda g, v: torch.nn.functional.gelu(g, approximate="tanh") * v[:, 3],
+          torch.randn(8192, 256, device="cuda", generator=gen) * 2, vectors)
     target = torch.randint(0, 151936, (1024,), device="cuda", generator=gen)
     close(lambda x: cross_entropy.vocab_parallel_cross_entropy(x, target),
           lambda x: torch.nn.functional.cross_entropy(x, target, reduction="none"),

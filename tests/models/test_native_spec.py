@@ -786,6 +786,8 @@ for rows, width in ((7, 768), (5, 24), (3, 11)):  # the experts' width (no maske
     same(swiglu_triton.swiglu, eager_swiglu, x)
     same(swiglu_triton.swiglu, eager_swiglu, x, torch.rand(rows, 1, generator=g))
     same(swiglu_triton.geglu, eager_geglu, 3 * x)
+    gate, other = x.chunk(2, -1)  # two tensors (Gemma 4's per-layer inputs)
+    same(swiglu_triton.gelu_times, lambda a, b: eager_geglu(torch.cat([a, b], -1)), 3 * gate.contiguous(), other)
 
 logits = torch.randn(6, 5000, generator=g) * 4  # more than one block of the vocabulary
 logits[1, 4100:] = float("-inf")  # a tensor-parallel slice's vocabulary padding
@@ -815,10 +817,10 @@ def test_triton_kernels_equal_the_eager_ones():
     on CPU against the eager functions, in value and gradient: the norms over per-head and hidden-width rows, the
     (1 + weight) scale, q and k read where the fused QKV split left them (strided), per head and across all heads
     of a token; packed RoPE at each CP rank's positions and padded RoPE, rotary width whole, half and partial; SwiGLU
-    plain and weighted (the weight's gradient too) and GeGLU (GELU's tanh approximation) at widths with and without
-    masked lanes; the loss's row statistics over vocabulary blocks with -inf padding (a row of it alone: max -inf,
-    sum 0) and its gradient at targets inside and outside the slice, both also through a soft cap; the MoE combine.
-    tests/gpu compares them in bf16."""
+    plain and weighted (the weight's gradient too) and GeGLU (GELU's tanh approximation; over halves and over two
+    tensors) at widths with and without masked lanes; the loss's row statistics over vocabulary blocks with -inf
+    padding (a row of it alone: max -inf, sum 0) and its gradient at targets inside and outside the slice, both also
+    through a soft cap; the MoE combine. tests/gpu compares them in bf16."""
     import subprocess
     import sys
 

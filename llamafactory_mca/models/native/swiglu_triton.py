@@ -35,13 +35,13 @@ ELEMENTS_PER_PROGRAM = 4096  # rows x columns of one half a program holds at onc
 
 
 @triton.jit
-def _halves(x_ptr, r, live_r, start, width, stride_x, BLOCK_F: tl.constexpr):
-    """Columns ``start`` .. ``start + BLOCK_F`` of both halves of rows ``r``, in fp32; with their columns and mask."""
+def _halves(a_ptr, b_ptr, r, live_r, start, width, stride_a, stride_b, BLOCK_F: tl.constexpr):
+    """Columns ``start`` .. ``start + BLOCK_F`` of the gate ``a`` and the other factor ``b`` (a row's two halves, or
+    two tensors) of rows ``r``, in fp32; with their columns and mask."""
     f = start + tl.arange(0, BLOCK_F)
     live = live_r[:, None] & (f < width)[None, :]
-    src = x_ptr + r[:, None] * stride_x + f[None, :]
-    a = tl.load(src, mask=live, other=0.0).to(tl.float32)
-    b = tl.load(src + width, mask=live, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + r[:, None] * stride_a + f[None, :], mask=live, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + r[:, None] * stride_b + f[None, :], mask=live, other=0.0).to(tl.float32)
     return a, b, f, live
 
 
@@ -56,14 +56,14 @@ def _gate(a, GELU: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["rows"])
-def _forward(x_ptr, w_ptr, y_ptr, rows, width, stride_x, WEIGHTED: tl.constexpr, GELU: tl.constexpr,
-             BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+def _forward(a_ptr, b_ptr, w_ptr, y_ptr, rows, width, stride_a, stride_b, WEIGHTED: tl.constexpr,
+             GELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     live_r = r < rows
     if WEIGHTED:
         w = tl.load(w_ptr + r, mask=live_r, other=0.0).to(tl.float32)
     for start in range(0, width, BLOCK_F):
-        a, b, f, live = _halves(x_ptr, r, live_r, start, width, stride_x, BLOCK_F)
+        a, b, f, live = _halves(a_ptr, b_ptr, r, live_r, start, width, stride_a, stride_b, BLOCK_F)
         act, _ = _gate(a, GELU)
         y = act * b
         if WEIGHTED:
@@ -72,23 +72,23 @@ def _forward(x_ptr, w_ptr, y_ptr, rows, width, stride_x, WEIGHTED: tl.constexpr,
 
 
 @triton.jit(do_not_specialize=["rows"])
-def _backward(g_ptr, x_ptr, w_ptr, dx_ptr, dw_ptr, rows, width, stride_x, WEIGHTED: tl.constexpr, GELU: tl.constexpr,
-              BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+def _backward(g_ptr, a_ptr, b_ptr, w_ptr, da_ptr, db_ptr, dw_ptr, rows, width, stride_a, stride_b, stride_d,
+              WEIGHTED: tl.constexpr, GELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     live_r = r < rows
     if WEIGHTED:
         w = tl.load(w_ptr + r, mask=live_r, other=0.0).to(tl.float32)
         dw = tl.zeros([BLOCK_R], dtype=tl.float32)
     for start in range(0, width, BLOCK_F):
-        a, b, f, live = _halves(x_ptr, r, live_r, start, width, stride_x, BLOCK_F)
+        a, b, f, live = _halves(a_ptr, b_ptr, r, live_r, start, width, stride_a, stride_b, BLOCK_F)
         g = tl.load(g_ptr + r[:, None] * width + f[None, :], mask=live, other=0.0).to(tl.float32)
         act, slope = _gate(a, GELU)
         if WEIGHTED:
             dw += tl.sum(act * b * g, 1)
             g = g * w[:, None]
-        dst = dx_ptr + r[:, None] * (2 * width) + f[None, :]
-        tl.store(dst, (g * slope * b).to(dx_ptr.dtype.element_ty), mask=live)
-        tl.store(dst + width, (g * act).to(dx_ptr.dtype.element_ty), mask=live)
+        at = r[:, None] * stride_d + f[None, :]
+        tl.store(da_ptr + at, (g * slope * b).to(da_ptr.dtype.element_ty), mask=live)
+        tl.store(db_ptr + at, (g * act).to(db_ptr.dtype.element_ty), mask=live)
     if WEIGHTED:
         tl.store(dw_ptr + r, dw.to(dw_ptr.dtype.element_ty), mask=live_r)
 
@@ -100,43 +100,64 @@ def _blocks(width: int) -> tuple[int, int]:
     return max(1, ELEMENTS_PER_PROGRAM // block_f), block_f
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 class _GLU(torch.autograd.Function):
+    """``act(a) * b`` (times a weight per row): ``b`` None takes ``a`` and ``b`` as the two halves of ``x``'s rows,
+    and the gradient comes back as one tensor of both."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weights: torch.Tensor | None, gelu: bool) -> torch.Tensor:
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        rows, width = x.size(0), x.size(1) // 2
+    def forward(ctx, x: torch.Tensor, b: torch.Tensor | None, weights: torch.Tensor | None, gelu: bool
+                ) -> torch.Tensor:
+        x, halves = _rows(x), b is None
+        width = x.size(1) // 2 if halves else x.size(1)
+        a, b = (x[:, :width], x[:, width:]) if halves else (x, _rows(b))
+        rows = x.size(0)
         w = None if weights is None else weights.reshape(-1).contiguous()
         y = torch.empty(rows, width, dtype=x.dtype, device=x.device)
         block_r, block_f = _blocks(width)
-        _forward[(triton.cdiv(rows, block_r),)](x, w, y, rows, width, x.stride(0), WEIGHTED=w is not None,
-                                                GELU=gelu, BLOCK_R=block_r, BLOCK_F=block_f)
-        ctx.save_for_backward(x, w)
-        ctx.gelu = gelu
+        _forward[(triton.cdiv(rows, block_r),)](a, b, w, y, rows, width, a.stride(0), b.stride(0),
+                                                WEIGHTED=w is not None, GELU=gelu, BLOCK_R=block_r, BLOCK_F=block_f)
+        ctx.save_for_backward(a, b, w)
+        ctx.gelu, ctx.halves = gelu, halves
         ctx.weights_shape = None if weights is None else (weights.shape, weights.dtype)
         return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, w = ctx.saved_tensors
-        rows, width = x.size(0), x.size(1) // 2
-        dx = torch.empty(rows, 2 * width, dtype=x.dtype, device=x.device)
-        dw = None if w is None else torch.empty(rows, dtype=ctx.weights_shape[1], device=x.device)
+        a, b, w = ctx.saved_tensors
+        rows, width = a.shape
+        if ctx.halves:
+            dx = torch.empty(rows, 2 * width, dtype=a.dtype, device=a.device)
+            da, db = dx[:, :width], dx[:, width:]
+        else:
+            dx, da = None, torch.empty(rows, width, dtype=a.dtype, device=a.device)
+            db = torch.empty_like(da)
+        dw = None if w is None else torch.empty(rows, dtype=ctx.weights_shape[1], device=a.device)
         block_r, block_f = _blocks(width)
-        _backward[(triton.cdiv(rows, block_r),)](grad.contiguous(), x, w, dx, dw, rows, width, x.stride(0),
-                                                 WEIGHTED=w is not None, GELU=ctx.gelu, BLOCK_R=block_r,
-                                                 BLOCK_F=block_f)
-        return dx, None if dw is None else dw.view(ctx.weights_shape[0]), None
+        _backward[(triton.cdiv(rows, block_r),)](grad.contiguous(), a, b, w, da, db, dw, rows, width, a.stride(0),
+                                                 b.stride(0), da.stride(0), WEIGHTED=w is not None, GELU=ctx.gelu,
+                                                 BLOCK_R=block_r, BLOCK_F=block_f)
+        dw = None if dw is None else dw.view(ctx.weights_shape[0])
+        return (dx, None, dw, None) if ctx.halves else (da, db, dw, None)
 
 
 def swiglu(x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(a) * b`` of ``x``'s two halves ``[rows, 2 * width]``, times ``weights`` (one per row) if given."""
-    return _GLU.apply(x, weights, False)
+    return _GLU.apply(x, None, weights, False)
 
 
 def geglu(x: torch.Tensor) -> torch.Tensor:
     """``gelu_tanh(a) * b`` of ``x``'s two halves ``[rows, 2 * width]``."""
-    return _GLU.apply(x, None, True)
+    return _GLU.apply(x, None, None, True)
+
+
+def gelu_times(gate: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * other``, both ``[..., width]`` (Gemma 4's per-layer inputs: two launches forward and three
+    backward in eager torch, one each here)."""
+    return _GLU.apply(gate.reshape(-1, gate.size(-1)), other.reshape(-1, other.size(-1)), None, True).view(gate.shape)
 
 
 def _in_rows(fn, x: torch.Tensor, *args) -> torch.Tensor:
