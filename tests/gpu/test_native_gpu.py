@@ -379,10 +379,11 @@ def _close_to_fp32(gen, triton_fn, eager_fn, x, *extra):
 
 
 def test_triton_norm_and_rope_against_fp32():
-    """The q/k norm, the (1 + weight) norm and RoPE as Triton kernels, bf16 on the GPU, against the eager functions in
-    fp32 on the same bf16 inputs and output gradient (forward and backward, q read from a strided view of a fused
-    QKV, packed positions and padded): within bf16 rounding; the weight gradient reduced over 8k-16k rows."""
-    from llamafactory_mca.models.native import norm, norm_triton, rope, rope_triton
+    """The q/k norm, the (1 + weight) norm, the norm without weight and RoPE as Triton kernels, bf16 on the GPU,
+    against the eager functions in fp32 on the same bf16 inputs and output gradient (forward and backward, q read from
+    a strided view of a fused QKV, packed positions and padded): within bf16 rounding; the weight gradient reduced over
+    8k-16k rows."""
+    from llamafactory_mca.models.native import norm, norm_triton, rope, rope_triton, sublayers
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     close = partial(_close_to_fp32, gen)
@@ -400,6 +401,9 @@ def test_triton_norm_and_rope_against_fp32():
         w = 1 + torch.randn(view(wide)[0, 0].numel(), device="cuda", generator=gen) / 4
         close(lambda x, w, view=view: norm_triton.rms_norm(view(x).flatten(-2), w, 1e-6).view_as(view(x)),
               lambda x, w, view=view: norm._across_heads_rms_norm(view(x), w, w.numel(), 1e-6), wide, w)
+    # Gemma 4's values: a norm without weight on a key/value head strided after the split
+    close(lambda x: sublayers._rms(x[..., 512:768], 1e-6),
+          lambda x: torch.nn.functional.rms_norm(x[..., 512:768], (256,), eps=1e-6), qkv)
     cu = torch.tensor([0, 100, 612, 1024], device="cuda")
     positions = rope.thd_positions(cu, 1024, 1, 0, False)
     freqs = torch.randn(2048, 1, 1, 128, device="cuda", generator=gen) * 4

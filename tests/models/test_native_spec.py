@@ -753,6 +753,9 @@ for x, view in ((torch.randn(64, 4, 16, generator=g), "whole"), (torch.randn(9, 
          x, w)
     same(lambda x, w: norm_triton.rms_norm(part(x), w, 1e-6, offset=1.0),
          lambda x, w: norm._zero_centred_rms_norm(part(x), w, 1e-6), x, w / 4)
+    zero = torch.zeros(part(x).size(-1))  # without a weight (Gemma 4's values): no weight gradient asked
+    same(lambda x: norm_triton.rms_norm(part(x), zero, 1e-6, offset=1.0),
+         lambda x: torch.nn.functional.rms_norm(part(x), (zero.numel(),), eps=1e-6), x)
 for view in ("q", "k"):  # MiniMax-M2's norms across all heads of a token, as ProjectionRMSNorm runs them
     part = views[view]
     w = 1 + torch.randn(part(qkv)[0, 0].numel(), generator=g) / 4
@@ -814,8 +817,8 @@ print("triton kernels equal eager")
 
 def test_triton_kernels_equal_the_eager_ones():
     """GPUs run Triton kernels where CPU runs use eager torch (``*_triton.py``); here they run in Triton's interpreter
-    on CPU against the eager functions, in value and gradient: the norms over per-head and hidden-width rows, the
-    (1 + weight) scale, q and k read where the fused QKV split left them (strided), per head and across all heads
+    on CPU against the eager functions, in value and gradient: the norms over per-head and hidden-width rows, the (1 +
+    weight) scale and none, q and k read where the fused QKV split left them (strided), per head and across all heads
     of a token; packed RoPE at each CP rank's positions and padded RoPE, rotary width whole, half and partial; SwiGLU
     plain and weighted (the weight's gradient too) and GeGLU (GELU's tanh approximation; over halves and over two
     tensors) at widths with and without masked lanes; the loss's row statistics over vocabulary blocks with -inf

@@ -110,7 +110,7 @@ class _RMSNorm(torch.autograd.Function):
         partial = torch.empty(programs, width, dtype=torch.float32, device=dy.device)
         _backward[(programs,)](dy.contiguous(), view, weight, rstd, dx, partial, rows, heads, view.stride(0),
                                view.stride(1), width, ctx.offset, per_program, BLOCK_R=block_r, BLOCK_D=block_d)
-        return dx, partial.sum(0).to(weight.dtype), None, None
+        return dx, partial.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None, None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:

@@ -21,6 +21,7 @@ recomputation (``plan.check_model_fits``).
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.utils import is_layer_window_attention, sharded_state_dict_default
 
+from . import norm_triton
 from .norm import NativeNorm
 
 
@@ -131,8 +133,16 @@ class NativeSelfAttention(SelfAttention):
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm without a weight, in fp32 (Gemma 4's values)."""
+    """RMSNorm without a weight, in fp32 (Gemma 4's values): on GPUs the Triton norm's one launch each way, its scale
+    1 + a zero weight (eager torch: a cast, the norm and a cast back, each way)."""
+    if x.is_cuda:
+        return norm_triton.rms_norm(x, _zeros(x.size(-1), x.dtype, x.device), eps, offset=1.0)
     return torch.nn.functional.rms_norm(x.float(), (x.size(-1),), eps=eps).to(x.dtype)
+
+
+@cache
+def _zeros(width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.zeros(width, dtype=dtype, device=device)
 
 
 class PostNormMLP(MLP):
