@@ -379,10 +379,10 @@ def _close_to_fp32(gen, triton_fn, eager_fn, x, *extra):
 
 
 def test_triton_norm_and_rope_against_fp32():
-    """The q/k norm, the (1 + weight) norm, the norm without weight and RoPE as Triton kernels, bf16 on the GPU,
-    against the eager functions in fp32 on the same bf16 inputs and output gradient (forward and backward, q read from
-    a strided view of a fused QKV, packed positions and padded): within bf16 rounding; the weight gradient reduced over
-    8k-16k rows."""
+    """The q/k norm, the (1 + weight) norm and RoPE as Triton kernels, bf16 on the GPU, against the eager functions in
+    fp32 on the same bf16 inputs and output gradient (forward and backward, q read from a strided view of a fused
+    QKV, packed positions and padded): within bf16 rounding; the weight gradient reduced over 8k-16k rows. Also
+    Gemma 4's norm without weight, CUDA's fused kernel taking bf16 as it is."""
     from llamafactory_mca.models.native import norm, norm_triton, rope, rope_triton, sublayers
 
     gen = torch.Generator(device="cuda").manual_seed(0)

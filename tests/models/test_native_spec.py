@@ -753,9 +753,9 @@ for x, view in ((torch.randn(64, 4, 16, generator=g), "whole"), (torch.randn(9, 
          x, w)
     same(lambda x, w: norm_triton.rms_norm(part(x), w, 1e-6, offset=1.0),
          lambda x, w: norm._zero_centred_rms_norm(part(x), w, 1e-6), x, w / 4)
-    zero = torch.zeros(part(x).size(-1))  # without a weight (Gemma 4's values): no weight gradient asked
-    same(lambda x: norm_triton.rms_norm(part(x), zero, 1e-6, offset=1.0),
-         lambda x: torch.nn.functional.rms_norm(part(x), (zero.numel(),), eps=1e-6), x)
+    frozen = torch.zeros(part(x).size(-1))  # a frozen weight (LoRA's base): no weight gradient asked
+    same(lambda x: norm_triton.rms_norm(part(x), frozen, 1e-6, offset=1.0),
+         lambda x: torch.nn.functional.rms_norm(part(x), (frozen.numel(),), eps=1e-6), x)
 for view in ("q", "k"):  # MiniMax-M2's norms across all heads of a token, as ProjectionRMSNorm runs them
     part = views[view]
     w = 1 + torch.randn(part(qkv)[0, 0].numel(), generator=g) / 4

@@ -21,7 +21,6 @@ recomputation (``plan.check_model_fits``).
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any
 
 import torch
@@ -29,7 +28,6 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.utils import is_layer_window_attention, sharded_state_dict_default
 
-from . import norm_triton
 from .norm import NativeNorm
 
 
@@ -133,16 +131,12 @@ class NativeSelfAttention(SelfAttention):
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm without a weight, in fp32 (Gemma 4's values): on GPUs the Triton norm's one launch each way, its scale
-    1 + a zero weight (eager torch: a cast, the norm and a cast back, each way)."""
+    """RMSNorm without a weight, in fp32 (Gemma 4's values). CUDA's fused kernel sums in fp32 and rounds once, so a
+    half-precision input goes in as it is: one launch each way, not a cast, the norm and a cast back (and no Triton
+    call, whose host time the narrow models that have these norms would wait on: ``auto._engine_fields``)."""
     if x.is_cuda:
-        return norm_triton.rms_norm(x, _zeros(x.size(-1), x.dtype, x.device), eps, offset=1.0)
+        return torch.nn.functional.rms_norm(x, (x.size(-1),), eps=eps)
     return torch.nn.functional.rms_norm(x.float(), (x.size(-1),), eps=eps).to(x.dtype)
-
-
-@cache
-def _zeros(width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.zeros(width, dtype=dtype, device=device)
 
 
 class PostNormMLP(MLP):
