@@ -818,10 +818,10 @@ print("triton kernels equal eager")
 def test_triton_kernels_equal_the_eager_ones():
     """GPUs run Triton kernels where CPU runs use eager torch (``*_triton.py``); here they run in Triton's interpreter
     on CPU against the eager functions, in value and gradient: the norms over per-head and hidden-width rows, the (1 +
-    weight) scale and none, q and k read where the fused QKV split left them (strided), per head and across all heads
-    of a token; packed RoPE at each CP rank's positions and padded RoPE, rotary width whole, half and partial; SwiGLU
-    plain and weighted (the weight's gradient too) and GeGLU (GELU's tanh approximation; over halves and over two
-    tensors) at widths with and without masked lanes; the loss's row statistics over vocabulary blocks with -inf
+    weight) scale, a frozen weight, q and k read where the fused QKV split left them (strided), per head and across all
+    heads of a token; packed RoPE at each CP rank's positions and padded RoPE, rotary width whole, half and partial;
+    SwiGLU plain and weighted (the weight's gradient too) and GeGLU (GELU's tanh approximation; over halves and over
+    two tensors) at widths with and without masked lanes; the loss's row statistics over vocabulary blocks with -inf
     padding (a row of it alone: max -inf, sum 0) and its gradient at targets inside and outside the slice, both also
     through a soft cap; the MoE combine. tests/gpu compares them in bf16."""
     import subprocess
