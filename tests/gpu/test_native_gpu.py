@@ -402,8 +402,8 @@ def test_triton_norm_and_rope_against_fp32():
         close(lambda x, w, view=view: norm_triton.rms_norm(view(x).flatten(-2), w, 1e-6).view_as(view(x)),
               lambda x, w, view=view: norm._across_heads_rms_norm(view(x), w, w.numel(), 1e-6), wide, w)
     # Gemma 4's values: a norm without weight on a key/value head strided after the split
-    close(lambda x: sublayers._rms(x[..., 512:768], 1e-6),
-          lambda x: torch.nn.functional.rms_norm(x[..., 512:768], (256,), eps=1e-6), qkv)
+    close(lambda x: sublayers._rms(x[..., 384:], 1e-6),
+          lambda x: torch.nn.functional.rms_norm(x[..., 384:], (128,), eps=1e-6), qkv)
     cu = torch.tensor([0, 100, 612, 1024], device="cuda")
     positions = rope.thd_positions(cu, 1024, 1, 0, False)
     freqs = torch.randn(2048, 1, 1, 128, device="cuda", generator=gen) * 4

@@ -33,8 +33,12 @@ def _capped(x, CAP: tl.constexpr):
     """The logits as the loss sees them, and their derivative by the raw ones (-inf stays -inf, derivative 0)."""
     if CAP > 0:
         t = _tanh(x / CAP)
-        return tl.where(x == float("-inf"), x, CAP * t), 1 - t * t
-    return x, 1.0
+        y = tl.where(x == float("-inf"), x, CAP * t)
+        slope = 1 - t * t
+    else:
+        y = x
+        slope = tl.full(x.shape, 1.0, tl.float32)
+    return y, slope
 
 
 @triton.jit
