@@ -191,8 +191,8 @@ def _layer_activations(s: dict[str, int], tokens: float, layout: ParallelLayout,
     # sparse attention keeps which keys each query attends (a byte per query and earlier key of its sequence: at
     # most a micro-batch of one sequence, whole on every TP rank)
     attention += s.get("dsa", 0) * tokens * tokens / 2
-    if s.get("ple"):  # Gemma 4's per-layer input: its gate's output, the activation's, the product, the norm's input
-        hidden += 2 * tokens * (3 * s["ple"] / tp + s["h"] / sp)
+    if s.get("ple"):  # Gemma 4's per-layer input: its gate's output, the product (fc2's input), the norm's input
+        hidden += 2 * tokens * (2 * s["ple"] / tp + s["h"] / sp)
     if not moe:
         mlp = 0 if "mlp" in rebuilt else 2 * tokens * (s["glu"] + 1) * s.get("fa", s["f"]) / tp
         return hidden + attention + mlp

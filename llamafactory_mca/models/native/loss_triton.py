@@ -83,8 +83,8 @@ def row_stats(logits: torch.Tensor, cap: float | None = None) -> tuple[torch.Ten
     row_max = torch.empty(rows, dtype=torch.float32, device=logits.device)
     sum_exp = torch.empty_like(row_max)
     if rows:
-        _row_stats[(rows,)](logits, row_max, sum_exp, logits.stride(0), vocab, CAP=float(cap or 0),
-                         BLOCK_V=BLOCK_V, num_warps=8)
+        _row_stats[(rows,)](logits, row_max, sum_exp, logits.stride(0), vocab, CAP=float(cap or 0), BLOCK_V=BLOCK_V,
+                            num_warps=8)
     return row_max, sum_exp
 
 
