@@ -182,8 +182,9 @@ def _layer_activations(s: dict[str, int], tokens: float, layout: ParallelLayout,
                        frozen_experts: bool, rebuilt: tuple[str, ...] = ()) -> float:
     """Bytes autograd keeps for one layer and one micro-batch of ``tokens`` (after the CP split); ``rebuilt``:
     selective recompute's modules, which keep only their inputs. LoRA's adapters on the dense MLP keep nothing of
-    fc1's size beside it (they did while Megatron's compiled SwiGLU ran: 50.1 GiB on the LoRA benchmark of the
-    Qwen3-8B shape then, 40.8 since the Triton one)."""
+    fc1's size beside it: the LoRA benchmark of the Qwen3-8B shape peaked at 50.1 GiB with the code of late November
+    (one more copy of fc1's output, which this counted), at 40.8 GiB with December's (which change removed the copy
+    was not established)."""
     tp, sp = layout.tp, layout.tp if sequence_parallel else 1
     hidden = 2 * tokens * s["h"] * 4 / sp  # the inputs of both norms, of QKV and of the MLP
     core = 0 if "core_attn" in rebuilt else s["q"]  # the attention kernel's output (also out-projection's input)
