@@ -118,6 +118,19 @@ def test_a_forked_rank_waits_for_the_last_fork_before_it_connects(tmp_path, monk
     assert not waiter.is_alive() and sorted(os.listdir(tmp_path / "forked-2")) == ["0", "1", "2"]
 
 
+def test_a_rank_stopped_mid_print_leaves_no_half_line(tmp_path):
+    """A rank's streams (``torchrun.whole_lines``), unbuffered as the tests and many launchers run Python: a line
+    printed whole is in the log, one cut short by a kill is not there at all (the launcher's last line joined half a
+    step line that way: seen once on CI)."""
+    code = ("import os, signal, sys\nfrom llamafactory_mca.launch.torchrun import whole_lines\nwhole_lines()\n"
+            "print('step 1 | loss 1.0')\nsys.stdout.write('step 2 | loss')\nsys.stderr.write('half')\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    with open(tmp_path / "log", "w") as log:
+        subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log,
+                       stderr=subprocess.STDOUT, timeout=120)
+    assert (tmp_path / "log").read_text() == "step 1 | loss 1.0\n"
+
+
 def test_a_taken_rendezvous_port_is_replaced_unless_the_user_chose_it(tmp_path):
     """LLaMA-Factory's launcher picks a free port and lets it go before torchrun listens on it, and a run started at
     the same moment took it (EADDRINUSE, seen with parallel runs): the launcher tries a new one before any worker

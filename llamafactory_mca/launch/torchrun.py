@@ -373,8 +373,7 @@ def _forked_rank(script: str, *script_args: str) -> None:
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))  # the process forking us imported torch before main set it
-    for stream in (sys.stdout, sys.stderr):
-        stream.reconfigure(line_buffering=True)
+    whole_lines()
     quiet_worker()
     parallel.leave_by_returning()
     try:
@@ -385,6 +384,14 @@ def _forked_rank(script: str, *script_args: str) -> None:
     except Exception:
         traceback.print_exc()
         raise
+
+
+def whole_lines() -> None:
+    """A rank's stdout and stderr go out a line at a time, each line in one write. Written through (Python's
+    unbuffered mode), ``print`` writes its text and then its newline: a rank stopped between the two (torchrun's
+    SIGTERM, kill -9) left half a step line in the log, and the launcher's last line joined it."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True, write_through=False)
 
 
 def _torch_at_least(major: int, minor: int) -> bool:
