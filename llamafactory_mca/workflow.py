@@ -112,10 +112,9 @@ def _describe_loss(plan: RunPlan, transformer_config: Any) -> str:
     if plan.stage == "rm":  # no logits: the value head scores each sequence's last token
         return "loss: -logsigmoid(chosen - rejected) over the value head's scores (no logits)"
     layout = plan.layout
-    native = getattr(transformer_config, "native_cross_entropy", True) is not False and \
-        not transformer_config.cross_entropy_loss_fusion
     return logit_chunks.describe(plan.cutoff_len * layout.micro_batch_size // layout.cp,
-                                 plan.config.padded_vocab_size(layout.tp) // layout.tp, native,
+                                 plan.config.padded_vocab_size(layout.tp) // layout.tp,
+                                 logit_chunks.native_loss(transformer_config),
                                  getattr(transformer_config, "chunked_cross_entropy", None))
 
 

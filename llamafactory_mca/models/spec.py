@@ -68,6 +68,7 @@ from .native.experts import NativeGroupedMLP, describe_experts
 from .native.gated_delta import NativeGatedDeltaNet
 from .native.gated_delta import describe_kernel as describe_delta_rule
 from .native.kernels import cudnn_attention_device, varlen_attn_available, varlen_windows_available
+from .native.logit_chunks import native_loss
 from .native.moe_block import MoEBlockRouter, moe_block
 from .native.norm import (
     NativeNorm,
@@ -300,8 +301,7 @@ def describe_kernels(config: TransformerConfig) -> str:
                  + (", their MLP twice as wide" if sharing.get("double_wide_mlp") else ""))
     if getattr(config, "final_logit_softcapping", None):
         line += f"; logits soft-capped at {config.final_logit_softcapping:g}" + (
-            " inside the loss's passes, in fp32" if getattr(config, "native_cross_entropy", True)
-            and not config.cross_entropy_loss_fusion else "")
+            " inside the loss's passes, in fp32" if native_loss(config) else "")
     if getattr(config, "image_look_ahead", False):
         where = " on the windowed layers" if config.image_look_ahead == "windowed" else ""
         line += f"; image tokens see their whole image{where}: one SDPA call under a mask"

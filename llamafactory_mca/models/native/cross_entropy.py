@@ -30,7 +30,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from . import loss_triton
-from .logit_chunks import CHUNK_ROWS, chunks_logits
+from .logit_chunks import CHUNK_ROWS, chunks_logits, native_loss
 from .per_layer_inputs import PerLayerInput, PerLayerInputs
 from .wgrad import placeholder_grad, wgrad_gemm_accum_fp32
 
@@ -227,7 +227,7 @@ class NativeCrossEntropy:
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor | DeferredLogits
                                     ) -> torch.Tensor:
-        if not self._native_loss():
+        if not native_loss(self.config):
             return super().compute_language_model_loss(labels, logits)
         # raw logits (the output layer's ``loss_caps`` was set: ``_postprocess``), capped here where the model caps
         cap = getattr(self.config, "final_logit_softcapping", None)
@@ -241,14 +241,10 @@ class NativeCrossEntropy:
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.pg_collection.tp, cap)
         return loss.transpose(0, 1).contiguous()
 
-    def _native_loss(self) -> bool:
-        """The loss above rather than Megatron's (``native_cross_entropy: false``, or its fused kernels)."""
-        return getattr(self.config, "native_cross_entropy", True) and not self.config.cross_entropy_loss_fusion
-
     def _chunks_logits(self, hidden_states: torch.Tensor) -> bool:
         """A training forward's loss through the output layer a chunk at a time (``chunked_cross_entropy``)."""
         # a stage before the last has no output layer (its _postprocess hands the hidden states on)
-        if not isinstance(getattr(self, "output_layer", None), FusedLossOutputLayer) or not self._native_loss():
+        if not isinstance(getattr(self, "output_layer", None), FusedLossOutputLayer) or not native_loss(self.config):
             return False
         tokens = hidden_states.shape[0] * hidden_states.shape[1] * (
             self.pg_collection.tp.size() if self.output_layer.sequence_parallel else 1)
@@ -397,7 +393,7 @@ class LanguageModel(NativeCrossEntropy, GPTModel):
         if getattr(self, "value_head", None) is not None:  # a reward model (models/value_head.py): no logits
             return self.value_head(kwargs["hidden_states"])
         layers = self.config.mtp_num_layers
-        if kwargs.get("labels") is not None and self._native_loss() and self.post_process:
+        if kwargs.get("labels") is not None and native_loss(self.config) and self.post_process:
             # the loss takes the logits raw (it caps soft-capped ones itself), or the output layer's input where it
             # chunks them; the MTP layers' losses too
             self.output_layer.loss_caps = True

@@ -5,6 +5,13 @@ CHUNK_ROWS = 4096  # 4,096 x 151,936 bf16 logits: 1.2 GB per chunk
 AUTO_LOGITS_BYTES = 4 << 30
 
 
+def native_loss(config: object) -> bool:
+    """Whether the language-model loss is ours (``cross_entropy.py``) rather than Megatron's: ``native_cross_entropy:
+    false`` in the recipe, or Megatron's fused kernels (``cross_entropy_loss_fusion``), give it back to Megatron."""
+    return getattr(config, "native_cross_entropy", True) is not False and \
+        not getattr(config, "cross_entropy_loss_fusion", False)
+
+
 def chunks_logits(tokens: int, local_vocab: int, setting: bool | None) -> bool:
     """As the recipe says, else when a micro-batch's bf16 logits on this rank would pass 4 GiB (32k tokens of a
     151,936 vocabulary: 9.3 GiB, with their gradient as much again). Below that, one GEMM for the logits beats
