@@ -119,6 +119,20 @@ def train(tmp_path, config, world=1, env=None, name="run", gpu=False, timeout=30
     return result, log.read_text()
 
 
+def start(tmp_path, config, name: str, world: int = 2, env: dict | None = None, gpu: bool = False
+          ) -> tuple[subprocess.Popen, Path]:
+    """``USE_MCA=1 llamafactory-cli train`` started and left running, in a session of its own (for the tests that
+    kill it or its ranks): the launcher's process and its log, ``tmp_path / f"{name}.log"``. The caller holds
+    ``one_job_at_a_time`` where it must."""
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = tmp_path / f"{name}.log"
+    with open(log, "w") as f:  # the launcher keeps its own copy of the file
+        process = subprocess.Popen(["llamafactory-cli", "train", str(path)], env=cli_env(world, env, gpu), stdout=f,
+                                   stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
+    return process, log
+
+
 def run_default_path(tmp_path, config, name="default", command=("llamafactory-cli",)) -> Path:
     """The recipe through LLaMA-Factory's default path (``llamafactory-cli train`` without USE_MCA, one CPU process;
     ``sequence_packing`` is ours and left out): the run's folder, ``tmp_path / name``. ``command`` stands in for

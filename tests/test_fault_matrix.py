@@ -18,14 +18,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 
 from llamafactory_mca.checkpoints import verify_checkpoint
 from llamafactory_mca.errors import UserError
-from tests._cli import cli_env, command_of, ok, one_error, ranks, recipe, run, train
+from tests._cli import cli_env, command_of, ok, one_error, ranks, recipe, run, start, train
 from tests._dist import one_job_at_a_time
 
 
@@ -485,18 +484,6 @@ def test_more_processes_than_visible_gpus_is_refused_before_any_worker(monkeypat
 
 # ---- killed processes: nothing outlives a run --------------------------------------------------------------------
 
-def _start(tmp_path, config, name: str, env: dict | None = None) -> tuple[subprocess.Popen, Path]:
-    import yaml
-
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    log = tmp_path / f"{name}.log"
-    with open(log, "w") as f:
-        process = subprocess.Popen(["llamafactory-cli", "train", str(path)], env=cli_env(2, env), stdout=f,
-                                   stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
-    return process, log
-
-
 def _wait_for(predicate, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -526,7 +513,7 @@ def test_a_rank_killed_with_sigkill_takes_everything_of_the_run_with_it(assets, 
     config = recipe(assets, out, max_steps=100000, save_strategy="steps", save_steps=2, save_total_limit=1,
                     gradient_accumulation_steps=2, use_distributed_optimizer=True)
     with one_job_at_a_time():
-        process, log = _start(tmp_path, config, "run")
+        process, log = start(tmp_path, config, "run")
         try:
             assert _wait_for(lambda: _saved(out), 120), log.read_text()[-3000:]
             everything = _family(process.pid)
@@ -552,7 +539,7 @@ def test_saves_leave_no_helper_and_a_writer_killed_mid_save_is_one_line_keeping_
     config = recipe(assets, out, max_steps=12, save_strategy="steps", save_steps=6, gradient_accumulation_steps=2,
                     use_distributed_optimizer=True)
     with one_job_at_a_time():
-        process, log = _start(tmp_path, config, "run", env={"LLAMAFACTORY_MCA_FAULT": "writer:12@1"})
+        process, log = start(tmp_path, config, "run", env={"LLAMAFACTORY_MCA_FAULT": "writer:12@1"})
         assert _wait_for(lambda: _saved(out), 120), log.read_text()[-3000:]
         everything = _family(process.pid)
         workers = ranks(process.pid)
@@ -596,7 +583,7 @@ def test_ctrl_c_during_start_up_or_a_save_is_one_line_and_keeps_the_last_checkpo
     for delay in (2, 9):
         with one_job_at_a_time():
             # steps enough that the keypress lands before the run ends, however quick the machine
-            process, log = _start(tmp_path, recipe(assets, tmp_path / f"early{delay}", max_steps=10_000),
+            process, log = start(tmp_path, recipe(assets, tmp_path / f"early{delay}", max_steps=10_000),
                                   f"early{delay}")
             time.sleep(delay)
             os.killpg(process.pid, signal.SIGINT)
@@ -610,7 +597,7 @@ def test_ctrl_c_during_start_up_or_a_save_is_one_line_and_keeps_the_last_checkpo
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(SIGINT_AT_THE_FIRST_FORK)
     with one_job_at_a_time():
-        process, log = _start(tmp_path, recipe(assets, tmp_path / "at_fork_run"), "at_fork",
+        process, log = start(tmp_path, recipe(assets, tmp_path / "at_fork_run"), "at_fork",
                               env={"PYTHONPATH": str(hook)})
         everything = _family(process.pid)
         assert process.wait(timeout=120) == 130, log.read_text()[-3000:]
@@ -622,7 +609,7 @@ def test_ctrl_c_during_start_up_or_a_save_is_one_line_and_keeps_the_last_checkpo
     config = recipe(assets, out, max_steps=8, save_strategy="steps", save_steps=4, gradient_accumulation_steps=2,
                     use_distributed_optimizer=True)
     with one_job_at_a_time():
-        process, log = _start(tmp_path, config, "run", env={"LLAMAFACTORY_MCA_FAULT": "interrupt:8"})
+        process, log = start(tmp_path, config, "run", env={"LLAMAFACTORY_MCA_FAULT": "interrupt:8"})
         assert _wait_for(lambda: _saved(out), 120), log.read_text()[-3000:]
         everything = _family(process.pid)
         assert process.wait(timeout=180) == 130, log.read_text()[-3000:]

@@ -16,7 +16,7 @@ import psutil
 import pytest
 import yaml
 
-from tests._cli import cli_env, fake_hub_cache, losses, ok, one_error, ranks, recipe, run, train
+from tests._cli import cli_env, fake_hub_cache, losses, ok, one_error, ranks, recipe, run, start, train
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -295,19 +295,10 @@ def _workers(launcher: psutil.Process) -> list[psutil.Process]:
     return ranks(launcher.pid)
 
 
-def _start(tmp_path, config, name):
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    log = open(tmp_path / f"{name}.log", "w")
-    process = subprocess.Popen(["llamafactory-cli", "train", str(path)], env=cli_env(2), stdout=log,
-                               stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
-    return process, tmp_path / f"{name}.log"
-
-
 def test_killed_launchers_stop_their_workers_and_one_live_run_per_output_dir(assets, tmp_path):
     out = tmp_path / "out"
     config = recipe(assets, out, max_steps=100000, gradient_accumulation_steps=2)
-    first, first_log = _start(tmp_path, config, "first")
+    first, first_log = start(tmp_path, config, "first")
     launcher = psutil.Process(first.pid)
     try:
         _wait_for(lambda: len(_workers(launcher)) == 2 and (out / "trainer_log.jsonl").exists(), 120, "training")
@@ -328,7 +319,7 @@ def test_killed_launchers_stop_their_workers_and_one_live_run_per_output_dir(ass
             p.kill()
 
     # the launcher killed outright: its workers see it gone and stop; its lock stays behind, stale
-    third, _ = _start(tmp_path, config, "third")
+    third, _ = start(tmp_path, config, "third")
     launcher = psutil.Process(third.pid)
     _wait_for(lambda: len(_workers(launcher)) == 2, 120, "workers")
     workers = _workers(launcher)

@@ -7,14 +7,12 @@ Run: ``python -m pytest tests/gpu/test_fp8_gpu.py -q`` (skipped without CUDA or 
 """
 
 import json
-import subprocess
 import time
 
 import pytest
 import torch
-import yaml
 
-from tests._cli import cli_env, losses, ok, ranks, recipe, train
+from tests._cli import losses, ok, ranks, recipe, start, train
 from tests.models.test_fp8 import RECIPES, check_scaled_gemms
 
 
@@ -108,22 +106,19 @@ def test_a_killed_fp8_run_resumes_with_fp8_off_and_then_on_again(assets, tmp_pat
     reference = losses(tmp_path / "ref")
 
     killed = tmp_path / "killed"
-    path = tmp_path / "killed.yaml"
-    path.write_text(yaml.safe_dump(recipe(assets, killed, max_steps=100000, **base, **fp8)))
-    with open(tmp_path / "killed.log", "w") as log:
-        process = subprocess.Popen(["llamafactory-cli", "train", str(path)], env=cli_env(1, None, gpu=True),
-                                   stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
+    process, log = start(tmp_path, recipe(assets, killed, max_steps=100000, **base, **fp8), "killed", world=1,
+                         gpu=True)
     try:
         deadline = time.monotonic() + 240
         while not (killed / "checkpoint-4").is_dir() and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert (killed / "checkpoint-4").is_dir(), (tmp_path / "killed.log").read_text()[-3000:]
+        assert (killed / "checkpoint-4").is_dir(), log.read_text()[-3000:]
         ranks(process.pid)[-1].kill()
         assert process.wait(timeout=120) != 0
     finally:
         if process.poll() is None:
             process.kill()
-    output = (tmp_path / "killed.log").read_text()
+    output = log.read_text()
     assert "FP8" in output and "killed by SIGKILL" in output, output[-3000:]
 
     runs = (("off", killed / "checkpoint-4", 6, {}), ("on", tmp_path / "off" / "checkpoint-6", 8, fp8))
