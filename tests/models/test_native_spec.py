@@ -995,6 +995,50 @@ def test_chunked_output_layer_and_loss_equal_the_logits_at_once(tp, cap):
                 rank_res
 
 
+def _embedding_rows_run(tp: int) -> dict:
+    """The model's word embeddings with a ``main_grad`` (as DDP gives one) against the same lookup without: the
+    rows' gradients added into it must equal torch's dense gradient, under TP with sequence parallelism (other
+    ranks' tokens masked, the output reduce-scattered), a repeated token added up, and the pad row left out."""
+    from llamafactory_mca import parallel
+    from llamafactory_mca.models import spec
+    from llamafactory_mca.models.native import cross_entropy, embedding
+
+    parallel.initialize(_layout(world=tp, tp=tp), seed=3)
+    config = _config(tp=tp, sp=tp > 1)
+    model = cross_entropy.LanguageModel(config, spec.get_block_spec(config), vocab_size=VOCAB, max_sequence_length=64,
+                                        position_embedding_type="rope", rotary_base=10000)
+    table = model.embedding.word_embeddings
+    tokens = _inputs()[0]
+    tokens[1, :4] = tokens[0, 0]  # one token five times
+    grad = torch.randn(table(tokens).shape, generator=torch.Generator().manual_seed(9))
+    start = torch.randn(table.weight.shape, generator=torch.Generator().manual_seed(8))
+    table.weight.main_grad = start.clone()
+    table.weight.grad_added_to_main_grad = False
+    (table(tokens) * grad).sum().backward()
+    rows = (table.weight.main_grad - start, table.weight.grad_added_to_main_grad, tuple(table.weight.grad.shape))
+    del table.weight.main_grad, table.weight.grad_added_to_main_grad
+    table.weight.grad = None
+    (table(tokens) * grad).sum().backward()
+    res = {"class": type(table).__name__, "rows": _rel_diff(rows[0], table.weight.grad), "flag": rows[1],
+           "placeholder": rows[2] == tuple(table.weight.shape)}
+    # the pad row: not trained, as torch's embedding with padding_idx (the per-layer inputs' table)
+    weight = torch.nn.Parameter(torch.randn(VOCAB, 8))
+    weight.main_grad, weight.grad_added_to_main_grad = torch.zeros(VOCAB, 8), False
+    out_grad = torch.randn(*tokens.shape, 8)
+    (embedding.lookup(tokens, weight, padding_idx=int(tokens[0, 0])) * out_grad).sum().backward()
+    dense = weight.detach().clone().requires_grad_()
+    (F.embedding(tokens, dense, padding_idx=int(tokens[0, 0])) * out_grad).sum().backward()
+    res["padded"] = _rel_diff(weight.main_grad, dense.grad)
+    return res
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_embedding_adds_its_rows_into_main_grad(tp):
+    for rank_res in run_distributed(_embedding_rows_run, tp, tp):
+        assert rank_res["class"] == "RowGradEmbedding" and rank_res["flag"] and rank_res["placeholder"], rank_res
+        assert rank_res["rows"] < 1e-6 and rank_res["padded"] < 1e-6, rank_res
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_zero_centred_rmsnorm_is_qwen3_nexts(dtype):
     """``layernorm_zero_centered_gamma``: scale 1 + weight, as transformers' Qwen3-Next / Qwen3.5 norms: equal

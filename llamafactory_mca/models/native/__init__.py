@@ -9,6 +9,8 @@
 - ``cross_entropy.py``: the language-model loss from bf16 logits (no fp32 copy), and GPTModel with it
 - ``wgrad.py``: weight-gradient accumulation into fp32 main_grad without apex (torch's addmm with out_dtype; for
   the MoE experts ``grouped_wgrad.py``'s Triton GEMM on GPUs, torch's grouped GEMM and an add elsewhere)
+- ``embedding.py``: the word embeddings' (and Gemma 4's per-layer table's) backward adds the looked-up rows into
+  DDP's main_grad instead of a dense gradient as large as the table
 - ``tower_attention.py``: the HF vision towers' attention in one ``varlen_attn`` call per block
 - ``fp8.py``: FP8 GEMMs without TE (``fp8``/``fp8_recipe``): the parallel linears' matmul function on
   ``torch._scaled_mm``, the grouped experts' on ``torch._scaled_grouped_mm``; ``fp8_triton.py`` its cast

@@ -23,13 +23,14 @@ import torch
 import torch.distributed as dist
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
-from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
 
 from . import loss_triton
+from .embedding import RowGradEmbedding
 from .logit_chunks import CHUNK_ROWS, chunks_logits, native_loss
 from .per_layer_inputs import PerLayerInput, PerLayerInputs
 from .wgrad import placeholder_grad, wgrad_gemm_accum_fp32
@@ -308,6 +309,8 @@ class LanguageModel(NativeCrossEntropy, GPTModel):
         super().__init__(*args, **kwargs)
         if self.post_process and type(self.output_layer) is ColumnParallelLinear:
             self.output_layer.__class__ = FusedLossOutputLayer  # behaviour only: the same module, parameters, keys
+        if self.pre_process and type(self.embedding.word_embeddings) is VocabParallelEmbedding:
+            self.embedding.word_embeddings.__class__ = RowGradEmbedding  # the same: its gradient rows into main_grad
         multiplier = getattr(self.config, "embedding_multiplier", None)
         if multiplier and self.pre_process:
             self.embedding.register_forward_hook(

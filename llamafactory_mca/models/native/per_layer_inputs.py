@@ -30,6 +30,7 @@ from megatron.core.tensor_parallel import (
 )
 from megatron.core.transformer.module import MegatronModule
 
+from .embedding import lookup
 from .norm import NativeNorm
 from .swiglu_triton import gelu_times
 
@@ -64,7 +65,8 @@ class PerLayerInputs(MegatronModule):
         projected = gather_from_tensor_model_parallel_region(projected) * self.config.hidden_size ** -0.5
         projected = self.norm(projected.view(s, b, self.layers, self.width))
         scale = torch.tensor(self.width ** 0.5, dtype=self.embedding.weight.dtype)
-        tokens = (self.embedding(input_ids.t()) * scale).view(s, b, self.layers, self.width)
+        tokens = lookup(input_ids.t(), self.embedding.weight, self.embedding.padding_idx) * scale
+        tokens = tokens.view(s, b, self.layers, self.width)
         vectors = scatter_to_tensor_model_parallel_region((projected + tokens) * 2 ** -0.5)
         return vectors.permute(2, 0, 1, 3)
 
