@@ -53,23 +53,27 @@ def test_breakdown_by_hand(monkeypatch):
     assert got["activations"] == pytest.approx(4 * per_layer / GIB, abs=0.006)
     assert got["logits"] == pytest.approx(tokens * vocab * memory.LOGIT_BYTES / GIB, abs=0.006)
     # FP8 tensorwise (layers 2 and 3 of 4): QKV's and fc1's inputs and fc2's kept in one byte instead of two,
-    # out-projection's beside the attention output; the step's weight casts (two bytes per weight element of
-    # layers 2 and 3) and one linear's FP8 copies (fc1's dy both ways). A million tokens: the estimate is rounded
-    # to 0.01 GiB
+    # out-projection's beside the attention output; the weight casts of the forward (a byte per weight element of
+    # layers 2 and 3: the input gradient's come as the backward frees far more) and one linear's FP8 copies (fc1's
+    # dy both ways). A million tokens: the estimate is rounded to 0.01 GiB
     tokens = 2**20
     per_layer = 2 * tokens * (4 * h + (q + 2 * kv) + 2 * (q + kv) + 2 * q + 3 * f)
     change = -2 * tokens * h + tokens * q - tokens * f
-    buffers = 2 * 2 * layer + 2 * tokens * 2 * f
+    buffers = 2 * layer + 2 * tokens * 2 * f
     fp8 = estimate(_dense(), _layout(), Training(tokens=tokens, fp8=Fp8Training()))
     assert fp8["activations"] == pytest.approx((4 * per_layer + 2 * change + buffers) / GIB, abs=0.006)
     rowwise = estimate(_dense(), _layout(), Training(tokens=tokens, fp8=Fp8Training(recipe="rowwise")))
     assert rowwise["activations"] == pytest.approx((4 * per_layer + buffers) / GIB, abs=0.006)
     assert fp8["activations"] < rowwise["activations"]
-    # the weight casts alone (no tokens): two bytes per element of the covered layers (q/k norms left out, as
-    # above); none where CUDA graphs cast inside each replay
-    shapes, covered = memory._shapes(_dense()), [False, True, True, False]
-    assert memory._fp8_buffers(shapes, 0, _layout(), covered, [False] * 4, False) == 2 * 2 * (layer - 2 * 16)
-    assert memory._fp8_buffers(shapes, 0, _layout(), covered, [False] * 4, True) == 0
+    # the weight casts alone (no tokens; q/k norms left out, as above): both layouts' bytes where the backward frees
+    # no activations or the pipeline has begun it at the peak, the forward's where it frees more; none where CUDA
+    # graphs cast inside each replay
+    shapes, covered, dense = memory._shapes(_dense()), [False, True, True, False], [False] * 4
+    weights = 2 * (layer - 2 * 16)
+    assert memory._fp8_buffers(shapes, 0, _layout(), covered, dense, False, [0.0] * 4, 1) == 2 * weights
+    assert memory._fp8_buffers(shapes, 0, _layout(), covered, dense, False, [weights] * 4, 1) == weights
+    assert memory._fp8_buffers(shapes, 0, _layout(), covered, dense, False, [weights] * 4, 2) == 2 * weights
+    assert memory._fp8_buffers(shapes, 0, _layout(), covered, dense, True, [0.0] * 4, 1) == 0
 
 
 def test_layouts_divide_what_they_should():

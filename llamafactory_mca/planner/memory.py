@@ -225,29 +225,39 @@ def _fp8_saved(s: dict[str, int], tokens: float, layout: ParallelLayout, sequenc
 
 
 def _fp8_buffers(s: dict[str, int], tokens: float, layout: ParallelLayout, covered: list[bool], mine: list[bool],
-                 cuda_graphs: bool) -> float:
-    """FP8's copies: the step's weight casts (``fp8.WeightCasts``: two bytes per weight element of the ``covered``
-    layers, the forward's layout and the input gradient's, held from the first micro-batch to the step's end; a
-    graphed layer casts inside its graph and keeps none) and what the largest covered linear (fc1 or fc2) casts
-    during its backward: its output's gradient in both layouts (its input's, for rowwise, after them)."""
+                 cuda_graphs: bool, kept: list[float], in_flight: float) -> float:
+    """FP8's copies at the peak: the step's weight casts (``fp8.WeightCasts``, held to the step's end; a graphed layer
+    casts inside its graph and keeps none) and what the largest covered linear (fc1 or fc2) casts during its
+    backward: its output's gradient in both layouts (its input's, for rowwise, after them).
+
+    A weight's forward layout is cast at its first forward, its input gradient's at its first backward, while the
+    layers' activations (``kept``, bytes per layer of one micro-batch) are being freed: on one pipeline stage the
+    peak at the end of the first forward holds the first alone, plus whatever the second outgrows the activations
+    freed before it; with micro-batches in flight the backward has begun at the peak and both count."""
     f = s.get("fa", s["f"]) if s["f"] else s["fs"]
     out = max(s["glu"] * f, s["h"]) / layout.tp
-    weights = 0.0
-    if not cuda_graphs:
-        for m in (m for m, c in zip(mine, covered) if c):
-            dense, _ = _layer_params(s, m)
-            weights += 2 * dense / layout.tp + (_expert_casts(s, tokens, layout) if m else 0)
-    return weights + 2 * tokens * out
+    if cuda_graphs:
+        return 2 * tokens * out
+    forward = backward = ahead = outgrown = 0.0
+    for m, c, a in reversed(list(zip(mine, covered, kept))):  # the backward's order
+        if c:
+            dense = _layer_params(s, m)[0] / layout.tp
+            forward += dense + (_expert_casts(s, tokens, layout, forward=True) if m else 0)
+            made = dense + (_expert_casts(s, tokens, layout, forward=False) if m else 0)
+            backward, ahead = backward + made, ahead + made
+        outgrown = max(outgrown, ahead)
+        ahead -= a  # this layer's activations go once its backward is done
+    return forward + (backward if in_flight > 1 else outgrown) + 2 * tokens * out
 
 
-def _expert_casts(s: dict[str, int], tokens: float, layout: ParallelLayout) -> float:
-    """Bytes of a covered MoE layer's expert weight casts: one FP8 copy for each of its four grouped GEMMs (fc1's
-    and fc2's forward and input gradient) that runs in FP8 at the rows per expert of a micro-batch of ``tokens``
-    (``fp8.grouped_pays``; the others stay bf16 and cast nothing)."""
+def _expert_casts(s: dict[str, int], tokens: float, layout: ParallelLayout, forward: bool) -> float:
+    """Bytes of a covered MoE layer's expert weight casts for its forward's GEMMs or its input gradient's: one FP8
+    copy for each grouped GEMM (fc1's and fc2's) that runs in FP8 at the rows per expert of a micro-batch of
+    ``tokens`` (``fp8.grouped_pays``; the others stay bf16 and cast nothing)."""
     rows = tokens * s["topk"] * layout.ep / s["experts"]
     h, fc2 = s["h"], s["fm"] / layout.etp
     fc1 = s["glu"] * fc2
-    gemms = ((h, fc1), (fc1, h), (fc2, h), (h, fc2))
+    gemms = ((h, fc1), (fc2, h)) if forward else ((fc1, h), (h, fc2))  # (contracted, out)
     return s["experts"] / layout.ep * sum(k * n for k, n in gemms if grouped_pays(rows, k, n))
 
 
@@ -319,8 +329,10 @@ def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[st
                     if c else a for a, m, c in zip(full, mine, covered)]
         if training.recompute == "full":  # each layer keeps its input; one layer at a time is rebuilt in backward
             sp = layout.tp if training.sequence_parallel else 1
-            activations = len(mine) * 2 * tokens * s["h"] / sp * in_flight + max(full, default=0)
+            kept = [2 * tokens * s["h"] / sp] * len(mine)
+            activations = sum(kept) * in_flight + max(full, default=0)
         else:
+            kept = full
             activations = sum(full) * in_flight
         if training.cuda_graphs:
             # graphed layers keep less; the replay's bf16 copies of the experts' weight gradients come on top. A
@@ -329,7 +341,7 @@ def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[st
                 activations = activations * GRAPH_ACTIVATIONS + 2 * experts / (layout.ep * layout.etp)
         activations += tower_activations * in_flight
         if fp8 is not None:
-            activations += _fp8_buffers(s, tokens, layout, covered, mine, training.cuda_graphs)
+            activations += _fp8_buffers(s, tokens, layout, covered, mine, training.cuda_graphs, kept, in_flight)
         if stage == 0 and s["ple"]:  # the per-layer inputs, made whole on every rank: their norm's input and the sum
             activations += 2 * tokens * s["layers"] * s["ple"] * 2 * in_flight
         logits = 0.0

@@ -111,8 +111,9 @@ def test_weight_gradient_goes_into_main_grad_in_fp32_or_bf16():
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_weights_cast_once_a_step_while_held(recipe, monkeypatch):
     """Inside ``WeightCasts.holding()`` (the trainer's forward and backward of a step) a weight is cast once for
-    every micro-batch, forward and input gradient (tensorwise: both layouts in one pass), with the results of
-    casting it each time; leaving lets the copies go."""
+    every micro-batch in each layout, the input gradient's only at the first backward (the end of the first forward,
+    where activations peak, holds one FP8 copy), with the results of casting it each time; leaving lets the copies
+    go."""
     fp8 = _fp8()
     settings = fp8.Fp8Training(format="hybrid", recipe=recipe)
     gen = torch.Generator().manual_seed(4)
@@ -128,18 +129,20 @@ def test_weights_cast_once_a_step_while_held(recipe, monkeypatch):
     def step(casts, held: bool):
         w.main_grad.zero_()
         cast_of_w.clear()
-        grads = []
+        grads, forward_only = [], None
         with casts.holding() if held else contextlib.nullcontext():
             for x, gx in zip(xs, g):
                 xi = x.clone().requires_grad_()
-                fp8._Fp8Linear.apply(xi, w, None, settings, casts, True, False, False, None).backward(gx)
+                y = fp8._Fp8Linear.apply(xi, w, None, settings, casts, True, False, False, None)
+                forward_only = sum(cast_of_w) if forward_only is None else forward_only  # the first forward's
+                y.backward(gx)
                 grads.append(xi.grad)
-        return grads, w.main_grad.clone(), sum(cast_of_w)
+        return grads, w.main_grad.clone(), (forward_only, sum(cast_of_w))
 
     casts = fp8.WeightCasts()
     each, each_main, each_count = step(casts, held=False)
     once, once_main, once_count = step(casts, held=True)
-    assert each_count == 2 * len(xs) and once_count == (1 if recipe == "tensorwise" else 2)
+    assert each_count == (1, 2 * len(xs)) and once_count == (1, 2)
     assert all(torch.equal(a, b) for a, b in zip(each, once)) and torch.equal(each_main, once_main)
     assert not casts.holds(w)
 
@@ -197,8 +200,9 @@ def test_experts_run_fp8_only_where_torchs_grouped_kernel_beats_bf16():
     shapes, one = memory._shapes(moe), ParallelLayout(world_size=1, tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1, dp=1,
                                                       expert_dp=1, micro_batch_size=1, grad_accum=1)
     expert = 128 * 3 * 2048 * 768
-    assert memory._expert_casts(shapes, 2048, one) == 2 * expert  # 128 rows each: every GEMM's two layouts
-    assert memory._expert_casts(shapes, 4096, one) == 0  # 256 rows each: all bf16
+    for forward in (True, False):  # 128 rows each: every GEMM in FP8, one layout each way; 256: all bf16
+        assert memory._expert_casts(shapes, 2048, one, forward) == expert
+        assert memory._expert_casts(shapes, 4096, one, forward) == 0
 
 
 def test_recipe_keys_become_one_decision():

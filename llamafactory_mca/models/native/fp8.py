@@ -160,12 +160,12 @@ def padded(rows: int) -> int:
     return -(-rows // ALIGN) * ALIGN
 
 
-def per_tensor(x: torch.Tensor, dtype: torch.dtype, rows: bool = True, cols: bool = False
-               ) -> tuple[Operand | None, Operand | None]:
-    """``x`` [m, n] under one scale (from its absolute maximum): as the operand of a GEMM contracting n (``rows``)
-    and of one contracting m (``cols``, its transpose), in one pass, m padded with zero rows to the GEMM's
-    multiple."""
-    data, data_t, inv = _cast(x, _amax(x), 0, dtype, rows, cols, padded(x.shape[0]))
+def per_tensor(x: torch.Tensor, dtype: torch.dtype, rows: bool = True, cols: bool = False,
+               amax: torch.Tensor | None = None) -> tuple[Operand | None, Operand | None]:
+    """``x`` [m, n] under one scale (from its absolute maximum, or ``amax`` taken before): as the operand of a GEMM
+    contracting n (``rows``) and of one contracting m (``cols``, its transpose), in one pass, m padded with zero rows
+    to the GEMM's multiple."""
+    data, data_t, inv = _cast(x, _amax(x) if amax is None else amax, 0, dtype, rows, cols, padded(x.shape[0]))
     return (Operand(data, inv) if rows else None), (Operand(data_t, inv) if cols else None)
 
 
@@ -201,8 +201,9 @@ class WeightCasts:
     keeps its weight casts across micro-batches the same way. Outside it, and while a CUDA graph is captured (a
     replay must cast its own step's weights), every call casts.
 
-    Memory, from the first micro-batch to the step's end: two FP8 bytes per covered weight element (the forward's
-    layout and the input gradient's; the planner counts them).
+    Memory, to the step's end: one FP8 byte per covered weight element from its first forward (the forward's layout)
+    and one more from its first backward (the input gradient's), when the layer's activations are being freed: the
+    peak at the end of the first forward holds half of them (the planner counts them so).
     """
 
     def __init__(self) -> None:
@@ -230,12 +231,11 @@ class WeightCasts:
         return self._held[key]
 
     def tensorwise(self, weight: torch.Tensor, dtype: torch.dtype, rows: bool) -> Operand:
-        """``weight`` under one scale, as the forward's operand (``rows``) or the input gradient's (its transpose):
-        while held, both layouts in the one pass."""
-        if self.holds(weight):
-            return self.get(weight, "tensorwise", lambda: per_tensor(weight, dtype, cols=True))[0 if rows else 1]
-        data_rows, data_cols = per_tensor(weight, dtype, rows=rows, cols=not rows)
-        return data_rows if rows else data_cols
+        """``weight`` under one scale, as the forward's operand (``rows``) or the input gradient's (its transpose),
+        each layout cast when first asked for; while held, both under the one absolute maximum of the step."""
+        amax = self.get(weight, "tensorwise amax", lambda: _amax(weight)) if self.holds(weight) else None
+        return self.get(weight, f"tensorwise {rows}",
+                        lambda: per_tensor(weight, dtype, rows=rows, cols=not rows, amax=amax)[0 if rows else 1])
 
 
 def stacked_operand(w: torch.Tensor, dtype: torch.dtype, contracted: int) -> tuple[torch.Tensor, torch.Tensor]:
