@@ -161,6 +161,29 @@ def test_wgrad_accumulation_fusion_without_apex():
     assert res["added"] and res["err"] < 1e-2, res
 
 
+def test_embedding_rows_into_main_grad_on_cuda():
+    """The word embeddings' backward on CUDA (``native/embedding.py``): a bf16 table of Qwen3's vocabulary, two
+    micro-batches' rows added into an fp32 main_grad (one token repeated) against the fp32 sum of torch's dense
+    gradients; the placeholder gradient made, nothing else."""
+    from llamafactory_mca.models.native.embedding import lookup
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    weight = torch.nn.Parameter(torch.randn(151936, 256, device="cuda", generator=gen).to(torch.bfloat16))
+    weight.main_grad = torch.zeros(weight.shape, device="cuda")
+    weight.grad_added_to_main_grad = False
+    dense, expected = weight.detach().clone().requires_grad_(), torch.zeros(weight.shape, device="cuda")
+    for _ in range(2):
+        ids = torch.randint(0, 151936, (2, 2048), device="cuda", generator=gen)
+        ids[1, :100] = ids[0, 0]
+        grad = torch.randn(2, 2048, 256, device="cuda", generator=gen).to(torch.bfloat16)
+        lookup(ids, weight).backward(grad)
+        F.embedding(ids, dense).backward(grad)
+        expected += dense.grad.float()
+        dense.grad = None
+    assert weight.grad_added_to_main_grad and weight.grad.shape == weight.shape
+    assert _rel(weight.main_grad, expected) < 1e-2
+
+
 def test_bf16_parity_native_vs_local():
     res = run_distributed(_parity_suite, 1)[0]
     for name in ("dense", "moe"):
