@@ -54,8 +54,8 @@ def test_breakdown_by_hand(monkeypatch):
     assert got["logits"] == pytest.approx(tokens * vocab * memory.LOGIT_BYTES / GIB, abs=0.006)
     # FP8 tensorwise (layers 2 and 3 of 4): QKV's and fc1's inputs and fc2's kept in one byte instead of two,
     # out-projection's beside the attention output; the weight casts of the forward (a byte per weight element of
-    # layers 2 and 3: the input gradient's come as the backward frees far more) and one linear's FP8 copies (fc1's
-    # dy both ways). A million tokens: the estimate is rounded to 0.01 GiB
+    # layers 2 and 3: in a step of one micro-batch the input gradient's come as the backward frees far more) and
+    # one linear's FP8 copies (fc1's dy both ways). A million tokens: the estimate is rounded to 0.01 GiB
     tokens = 2**20
     per_layer = 2 * tokens * (4 * h + (q + 2 * kv) + 2 * (q + kv) + 2 * q + 3 * f)
     change = -2 * tokens * h + tokens * q - tokens * f
@@ -66,14 +66,15 @@ def test_breakdown_by_hand(monkeypatch):
     assert rowwise["activations"] == pytest.approx((4 * per_layer + buffers) / GIB, abs=0.006)
     assert fp8["activations"] < rowwise["activations"]
     # the weight casts alone (no tokens; q/k norms left out, as above): both layouts' bytes where the backward frees
-    # no activations or the pipeline has begun it at the peak, the forward's where it frees more; none where CUDA
-    # graphs cast inside each replay
+    # no activations, the pipeline has begun it at the peak or a second micro-batch's forward follows; the
+    # forward's where one micro-batch's backward frees more; none where CUDA graphs cast inside each replay
     shapes, covered, dense = memory._shapes(_dense()), [False, True, True, False], [False] * 4
     weights = 2 * (layer - 2 * 16)
-    assert memory._fp8_buffers(shapes, 0, _layout(), covered, dense, False, [0.0] * 4, 1) == 2 * weights
-    assert memory._fp8_buffers(shapes, 0, _layout(), covered, dense, False, [weights] * 4, 1) == weights
-    assert memory._fp8_buffers(shapes, 0, _layout(), covered, dense, False, [weights] * 4, 2) == 2 * weights
-    assert memory._fp8_buffers(shapes, 0, _layout(), covered, dense, True, [0.0] * 4, 1) == 0
+    cases = (([0.0] * 4, 1, 1, 2 * weights), ([weights] * 4, 1, 1, weights), ([weights] * 4, 2, 2, 2 * weights),
+             ([weights] * 4, 1, 8, 2 * weights))  # (kept, in flight, micro-batches, held)
+    for kept, in_flight, micro_batches, held in cases:
+        assert memory._fp8_buffers(shapes, 0, _layout(), covered, dense, False, kept, in_flight, micro_batches) == held
+    assert memory._fp8_buffers(shapes, 0, _layout(), covered, dense, True, [0.0] * 4, 1, 1) == 0
 
 
 def test_layouts_divide_what_they_should():

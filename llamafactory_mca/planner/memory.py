@@ -225,15 +225,17 @@ def _fp8_saved(s: dict[str, int], tokens: float, layout: ParallelLayout, sequenc
 
 
 def _fp8_buffers(s: dict[str, int], tokens: float, layout: ParallelLayout, covered: list[bool], mine: list[bool],
-                 cuda_graphs: bool, kept: list[float], in_flight: float) -> float:
+                 cuda_graphs: bool, kept: list[float], in_flight: float, micro_batches: int) -> float:
     """FP8's copies at the peak: the step's weight casts (``fp8.WeightCasts``, held to the step's end; a graphed layer
     casts inside its graph and keeps none) and what the largest covered linear (fc1 or fc2) casts during its
     backward: its output's gradient in both layouts (its input's, for rowwise, after them).
 
     A weight's forward layout is cast at its first forward, its input gradient's at its first backward, while the
-    layers' activations (``kept``, bytes per layer of one micro-batch) are being freed: on one pipeline stage the
-    peak at the end of the first forward holds the first alone, plus whatever the second outgrows the activations
-    freed before it; with micro-batches in flight the backward has begun at the peak and both count."""
+    layers' activations (``kept``, bytes per layer of one micro-batch) are being freed. A step of one micro-batch
+    peaks at the end of its forward with the first alone, plus whatever the second outgrows the activations freed
+    before it; where a second micro-batch's forward follows (``micro_batches`` > 1: the end of its forward is the
+    peak, measured so under LoRA, ``h200_fp8/``) or micro-batches are in flight (``in_flight`` > 1: the backward
+    has begun at the peak), both count."""
     f = s.get("fa", s["f"]) if s["f"] else s["fs"]
     out = max(s["glu"] * f, s["h"]) / layout.tp
     if cuda_graphs:
@@ -247,7 +249,7 @@ def _fp8_buffers(s: dict[str, int], tokens: float, layout: ParallelLayout, cover
             backward, ahead = backward + made, ahead + made
         outgrown = max(outgrown, ahead)
         ahead -= a  # this layer's activations go once its backward is done
-    return forward + (backward if in_flight > 1 else outgrown) + 2 * tokens * out
+    return forward + (backward if in_flight > 1 or micro_batches > 1 else outgrown) + 2 * tokens * out
 
 
 def _expert_casts(s: dict[str, int], tokens: float, layout: ParallelLayout, forward: bool) -> float:
@@ -341,7 +343,8 @@ def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[st
                 activations = activations * GRAPH_ACTIVATIONS + 2 * experts / (layout.ep * layout.etp)
         activations += tower_activations * in_flight
         if fp8 is not None:
-            activations += _fp8_buffers(s, tokens, layout, covered, mine, training.cuda_graphs, kept, in_flight)
+            activations += _fp8_buffers(s, tokens, layout, covered, mine, training.cuda_graphs, kept, in_flight,
+                                        layout.grad_accum)
         if stage == 0 and s["ple"]:  # the per-layer inputs, made whole on every rank: their norm's input and the sum
             activations += 2 * tokens * s["layers"] * s["ple"] * 2 * in_flight
         logits = 0.0

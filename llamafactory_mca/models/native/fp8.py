@@ -202,8 +202,9 @@ class WeightCasts:
     replay must cast its own step's weights), every call casts.
 
     Memory, to the step's end: one FP8 byte per covered weight element from its first forward (the forward's layout)
-    and one more from its first backward (the input gradient's), when the layer's activations are being freed: the
-    peak at the end of the first forward holds half of them (the planner counts them so).
+    and one more from its first backward (the input gradient's), made while the layer's activations are being
+    freed. A step of one micro-batch peaks at the end of its forward with the first byte alone; where a second
+    micro-batch's forward follows, it peaks there with both (the planner counts them so).
     """
 
     def __init__(self) -> None:
