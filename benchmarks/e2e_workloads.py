@@ -553,6 +553,9 @@ def workloads(smoke: bool) -> dict[str, Workload]:
 FP8 = {"tensorwise": dict(fp8="hybrid"), "rowwise": dict(fp8="e4m3", fp8_recipe="rowwise")}
 
 
+FUSIONS = {"gradient_accumulation_fusion": True, "apply_rope_fusion": True, "qk_norm_fusion": True}
+
+
 def _fp8_runs(grad_accum: int = 8) -> list[Run]:
     return [Run("ours_fp8", "ours", 1, True, 1, grad_accum, "1 GPU, FP8 tensorwise (hybrid)", FP8["tensorwise"]),
             Run("ours_fp8_rowwise", "ours", 1, True, 1, grad_accum, "1 GPU, FP8 rowwise (e4m3)", FP8["rowwise"])]
@@ -568,11 +571,15 @@ def _fp8_workloads(smoke: bool, cut: int, packed: tuple, lora: dict) -> list[Wor
                  _pair(1, 8, "1 GPU") + _fp8_runs()
                  + [Run("ours_graphs", "ours", 1, True, 1, 8, "1 GPU, CUDA graphs", {"cuda_graphs": True}),
                     Run("ours_graphs_fp8", "ours", 1, True, 1, 8, "1 GPU, CUDA graphs, FP8 tensorwise (hybrid)",
-                        dict(FP8["tensorwise"], cuda_graphs=True))], steps=8, warmup=3,
+                        dict(FP8["tensorwise"], cuda_graphs=True)),
+                    Run("ours_fused", "ours", 1, True, 1, 8, "1 GPU, fusions on", FUSIONS),
+                    Run("ours_fp8_fused", "ours", 1, True, 1, 8, "1 GPU, fusions on, FP8 tensorwise (hybrid)",
+                        dict(FP8["tensorwise"], **FUSIONS))], steps=8, warmup=3,
                  layers=2 if smoke else 8,
                  about=f"full fine-tuning of 8 of the 36 layers (with the embedding and output layer and their Adam "
                        f"states, about what one 80 GB GPU holds), {cut}-token packed micro-batches, global batch 8; "
-                       + about + "; `ours_graphs*`: every layer replayed as a CUDA graph"),
+                       + about + "; `ours_graphs*`: every layer replayed as a CUDA graph; `*_fused`: the three "
+                       "fusions eager dense runs leave off (weight gradients into main_grad, RoPE, q/k norms)"),
         Workload("fp8_lora", "dense8b", cut, packed, _pair(1, 8, "1 GPU", lf_layout="1 GPU, gradient checkpointing "
                                                             "(LF default)") + _fp8_runs(),
                  steps=8, warmup=3, layers=None if smoke else 36, tuning=lora,

@@ -111,12 +111,13 @@ class DistributingParallelArguments:
     bias_activation_fusion: bool | None = field(default=None, metadata={"help": "Fuse bias + activation."})
     gradient_accumulation_fusion: bool | None = field(
         default=None, metadata={"help": "GEMM each weight gradient straight into the fp32 main_grad (apex, TE, or on "
-                                        "GPUs torch's addmm with out_dtype); default on with cuda_graphs and for MoE "
-                                        "models."}
+                                        "GPUs torch's addmm with out_dtype); default on on GPUs unless only LoRA "
+                                        "adapters train."}
     )
     apply_rope_fusion: bool | None = field(
-        default=None, metadata={"help": "Fused RoPE: Transformer Engine's, or without it the same rotation compiled "
-                                        "(models/native/rope.py); default on with cuda_graphs and for MoE models."}
+        default=None, metadata={"help": "Fused RoPE: Transformer Engine's, or without it the same rotation as a "
+                                        "Triton kernel (models/native/rope.py); default on on GPUs unless only LoRA "
+                                        "adapters train."}
     )
     moe_token_dispatcher_type: str | None = field(default=None, metadata={"help": "allgather or alltoall."})
     moe_router_load_balancing_type: str | None = field(default=None, metadata={"help": f"{LOAD_BALANCING}."})
@@ -135,8 +136,8 @@ class DistributingParallelArguments:
     )
     qk_norm_fusion: bool | None = field(
         default=None, metadata={"help": "The per-head q/k RMSNorms, and every (1 + weight) norm (Gemma 3, Qwen3-Next, "
-                                        "Qwen3.5), compiled on GPUs (models/native/norm.py); default on with "
-                                        "cuda_graphs and for MoE models (a compiled call costs host time)."}
+                                        "Qwen3.5), as Triton kernels on GPUs (models/native/norm.py); default on "
+                                        "unless only LoRA adapters train."}
     )
     native_cross_entropy: bool | None = field(
         default=None, metadata={"help": "The language-model loss from the bf16 logits without Megatron's fp32 copy of "

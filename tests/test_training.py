@@ -111,7 +111,7 @@ def test_freeze_tuning_leaves_what_transformers_never_trains(assets, tmp_path):
 
 
 def test_fusion_keys_train_what_the_plain_path_trains(assets, tmp_path):
-    """``apply_rope_fusion`` and ``qk_norm_fusion`` (on by default on GPUs for graphed and MoE runs) through the real
+    """``apply_rope_fusion`` and ``qk_norm_fusion`` (on by default on GPUs unless only adapters train) through the real
     command: packed, with evaluation between steps, the losses equal the unfused run's (on CPU the fused functions run
     eagerly: the same math through megatron-core's fused-RoPE slots), and the startup summary names them."""
     runs = {}

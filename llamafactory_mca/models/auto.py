@@ -202,13 +202,14 @@ def _engine_fields(config: McaConfig, args: Any, frozen_base: bool = False) -> d
     dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
     graphs = getattr(args, "run_cuda_graphs", lambda: False)()
     # Fusions without TE: each weight gradient GEMMed into main_grad (torch's addmm with out_dtype, native/wgrad.py),
-    # RoPE and the q/k norms fused (Triton: native/rope_triton.py, native/norm_triton.py; torch.compile when measured
-    # below). They cut GPU time but a call costs more host time, so they are on where a step waits on the GPU (graphed
-    # layers, MoE) and off where it waits on the host (eager dense; LoRA, whose frozen base computes no weight
-    # gradients): on one H200, dense graphed +15%, MoE eager +8% (+16% since the experts' gradients go into main_grad
-    # too), dense eager -7% (benchmarks/results/h200_fusions), LoRA MoE -8% (h200_expert_grads/lora_moe). Multi-latent
-    # attention and multimodal RoPE keep the unfused rotation by default; a recipe may set each key.
-    fused = not cpu_mode_needed() and (graphs or (bool(config.num_experts) and not frozen_base))
+    # RoPE and the q/k norms fused (Triton: native/rope_triton.py, native/norm_triton.py). On one H200, dense graphed
+    # +15%, MoE eager +8% (+16% since the experts' gradients go into main_grad too; benchmarks/results/h200_fusions);
+    # dense eager -7% there while RoPE and the norms were torch.compile'd graphs, whose calls cost host time, and
+    # +12.8% with them as Triton kernels (one H100, the Qwen3-8B shape: h100_fp8/call9; launches a step 7.0k -> 4.1k,
+    # the 536 mixed-dtype adds of bf16 weight gradients into main_grad gone). Off where only adapters train eagerly:
+    # the frozen base computes no weight gradients, and LoRA MoE measured -8% (h200_expert_grads/lora_moe).
+    # Multi-latent attention and multimodal RoPE keep the unfused rotation by default; a recipe may set each key.
+    fused = not cpu_mode_needed() and (graphs or not frozen_base)
     fields: dict[str, Any] = dict(
         bf16=bf16, fp16=fp16, params_dtype=dtype, pipeline_dtype=dtype,
         use_cpu_initialization=cpu_mode_needed(),

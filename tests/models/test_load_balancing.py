@@ -82,13 +82,14 @@ def test_dense_models_have_no_load_balancing():
 
 
 @pytest.mark.parametrize("name, graphs, frozen_base, on", [
-    ("qwen3", False, False, False),  # eager dense: the step waits on the host
+    ("qwen3", False, False, True),  # eager dense, full: its weight gradients into main_grad, fewer launches
     ("qwen3", True, False, True),  # graphed layers
+    ("qwen3", False, True, False),  # LoRA: a frozen base computes no weight gradients
     ("qwen3_moe", False, False, True),  # MoE: the step waits on the GPU
     ("qwen3_moe", False, True, False),  # LoRA on MoE: a frozen base, the step waits on the host again
 ])
 def test_fusion_defaults_follow_where_the_step_waits(name, graphs, frozen_base, on, monkeypatch):
-    """The three fusions' defaults on a GPU (the CPU keeps them off): on where a step waits on the GPU."""
+    """The three fusions' defaults on a GPU (the CPU keeps them off): on unless only adapters train eagerly."""
     from types import SimpleNamespace
 
     from llamafactory_mca.models import auto
