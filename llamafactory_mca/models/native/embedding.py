@@ -2,11 +2,12 @@
 
 torch's embedding backward makes a dense gradient as large as the table, zeroed and then scattered into, for the
 few thousand rows a micro-batch reads; DDP's hook then adds all of it into the fp32 ``main_grad`` (torch's
-mixed-dtype add, which does not vectorise). At Qwen3-8B's 151,936 x 4,096 table that is 2.5 GB of fp32 read and
-written per micro-batch for 4,096 rows that changed (about a tenth of a dense step's GPU time on an H100,
-``benchmarks/results/h100_fp8/call8/``), and Gemma 4's per-layer table (262,144 x 8,960) is five times the size.
-Here the rows go into ``main_grad`` with one ``index_add_`` in its dtype and the weight gets the placeholder
-Megatron's fused linears give (``wgrad.placeholder_grad``), so DDP's hook adds nothing.
+mixed-dtype add, which does not vectorise). At Gemma 4 E2B's per-layer table (262,144 x 8,960) that is a 4.7 GB
+gradient made and 9.4 GB of fp32 read and written every micro-batch, for 8,192 tokens' rows (with this and three
+smaller changes E2B went from 2.8x to 3.4x LLaMA-Factory's tokens/s on an H200, and 128 to 121 GiB:
+``benchmarks/results/h200_gemma4_e2b/``). Here the rows go into ``main_grad`` with one ``index_add_`` in its dtype
+and the weight gets the placeholder Megatron's fused linears give (``wgrad.placeholder_grad``), so DDP's hook adds
+nothing.
 
 Where there is no ``main_grad`` (no DDP: a reference model, a frozen table) or Megatron's ``deterministic_mode`` is on
 (``index_add_`` adds a repeated token's rows in no fixed order), the lookup is torch's, dense gradient and all.
