@@ -103,13 +103,17 @@ def cli_env(world: int | None = 1, env: dict | None = None, gpu: bool = False) -
     return full
 
 
+def _recipe(tmp_path, config, name: str) -> tuple[Path, Path]:
+    """``config`` written as ``tmp_path / f"{name}.yaml"``, and where its run's log goes (``{name}.log`` beside)."""
+    path = Path(tmp_path) / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path, path.with_suffix(".log")
+
+
 def train(tmp_path, config, world=1, env=None, name="run", gpu=False, timeout=300, args=(), alone=True):
     """``USE_MCA=1 llamafactory-cli train`` with ``world`` processes (CPU processes unless ``gpu``). ``alone=False``
     for a run the launcher refuses before any worker starts: one process, which need not wait its turn."""
-    tmp_path = Path(tmp_path)
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    log = tmp_path / f"{name}.log"
+    path, log = _recipe(tmp_path, config, name)
     with open(log, "w") as f:  # a file, not a pipe: a killed run's leftovers cannot hold it open
         try:
             result = _run_alone(["llamafactory-cli", "train", str(path), *args], env=cli_env(world, env, gpu),
@@ -124,9 +128,7 @@ def start(tmp_path, config, name: str, world: int = 2, env: dict | None = None, 
     """``USE_MCA=1 llamafactory-cli train`` started and left running, in a session of its own (for the tests that
     kill it or its ranks): the launcher's process and its log, ``tmp_path / f"{name}.log"``. The caller holds
     ``one_job_at_a_time`` where it must."""
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    log = tmp_path / f"{name}.log"
+    path, log = _recipe(tmp_path, config, name)
     with open(log, "w") as f:  # the launcher keeps its own copy of the file
         process = subprocess.Popen(["llamafactory-cli", "train", str(path)], env=cli_env(world, env, gpu), stdout=f,
                                    stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
@@ -139,9 +141,9 @@ def run_default_path(tmp_path, config, name="default", command=("llamafactory-cl
     ``llamafactory-cli`` (``DEFAULT_PATH_EAGER``)."""
     tmp_path = Path(tmp_path)
     config = {k: v for k, v in config.items() if k != "sequence_packing"} | {"output_dir": str(tmp_path / name)}
-    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(config))
+    path, _ = _recipe(tmp_path, config, name)
     env = {k: v for k, v in cli_env(None).items() if k != "USE_MCA"}
-    result, output = run([*command, "train", str(tmp_path / f"{name}.yaml")], env=env, timeout=300, cwd=tmp_path)
+    result, output = run([*command, "train", str(path)], env=env, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, output[-4000:]
     return tmp_path / name
 
