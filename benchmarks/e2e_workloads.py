@@ -335,8 +335,8 @@ def workloads(smoke: bool) -> dict[str, Workload]:
     graphs = {"cuda_graphs": True}  # every layer replayed as a CUDA graph (packs of one size)
     fused = dict(apply_rope_fusion=True, qk_norm_fusion=True, gradient_accumulation_fusion=True)  # graphs' defaults
     unfused = {key: False for key in fused}
-    fused_run = Run("ours_fused", "ours", 1, True, 1, 8, "1 GPU, Triton RoPE and q/k norms, wgrad into main_grad",
-                    fused)
+    # full and freeze runs turn the fusions on by default: this is the plain path beside them
+    unfused_run = Run("ours_unfused", "ours", 1, True, 1, 8, "1 GPU, no fusions", unfused)
     graph_runs = [Run("ours_graphs", "ours", 1, True, 1, 8, "1 GPU, CUDA graphs", graphs),
                   Run("ours_graphs_fused", "ours", 1, True, 1, 8, "1 GPU, CUDA graphs, wgrad into main_grad",
                       dict(graphs, gradient_accumulation_fusion=True)),  # weight gradients GEMMed into main_grad
@@ -353,7 +353,7 @@ def workloads(smoke: bool) -> dict[str, Workload]:
         Workload("dense", "dense", cut, packed,
                  _pair(1, 8, "1 GPU")
                  + [Run("lf_liger", "lf", 1, True, 1, 8, "1 GPU, Liger, no checkpointing", liger),
-                    fused_run] + graph_runs,
+                    unfused_run] + graph_runs,
                  about=f"{cut}-token packed micro-batches, global batch 8; `lf_liger`: LLaMA-Factory with "
                        "`enable_liger_kernel` and gradient checkpointing off"),
         Workload("dp2", "dense", cut, packed, _pair(2, 4, "DP2", lf_layout="DDP, 2 GPUs"),
@@ -367,10 +367,7 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                                              dict(recompute, store_param_remainders=True)),
                                          Run("lf_liger", "lf", 1, True, 1, 8, "1 GPU, Liger, checkpointing",
                                              liger_gc),
-                                         Run(**vars(fused_run)),
-                                         # MoE's defaults turn the fusions on: this is the plain path beside them
-                                         Run("ours_unfused", "ours", 1, True, 1, 8, "1 GPU, no fusions",
-                                             unfused),
+                                         Run(**vars(unfused_run)),
                                          Run("ours_mb2", "ours", 1, True, 2, 4, "1 GPU, 2 packs per micro-batch"),
                                          # 12 bytes per parameter: remainders and Adam's moments in bf16
                                          Run("ours_saving", "ours", 1, True, 1, 8,
@@ -394,7 +391,6 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                  [Run("lf", "lf", 1, False, 1, 2, "1 GPU, gradient checkpointing (LF default)"),
                   Run("lf_liger", "lf", 1, False, 1, 2, "1 GPU, Liger, gradient checkpointing", liger_gc),
                   Run("ours", "ours", 1, True, 1, 2, "1 GPU, recompute full", recompute),
-                  Run("ours_fused", "ours", 1, True, 1, 2, "1 GPU, recompute full, fusions", dict(recompute, **fused)),
                   Run("ours_selective", "ours", 1, True, 1, 2, "1 GPU, recompute core attention, fusions",
                       dict(fused, recompute_granularity="selective")),
                   Run("ours_no_recompute", "ours", 1, True, 1, 2, "1 GPU, no recompute, fusions", fused),
@@ -553,9 +549,6 @@ def workloads(smoke: bool) -> dict[str, Workload]:
 FP8 = {"tensorwise": dict(fp8="hybrid"), "rowwise": dict(fp8="e4m3", fp8_recipe="rowwise")}
 
 
-FUSIONS = {"gradient_accumulation_fusion": True, "apply_rope_fusion": True, "qk_norm_fusion": True}
-
-
 def _fp8_runs(grad_accum: int = 8) -> list[Run]:
     return [Run("ours_fp8", "ours", 1, True, 1, grad_accum, "1 GPU, FP8 tensorwise (hybrid)", FP8["tensorwise"]),
             Run("ours_fp8_rowwise", "ours", 1, True, 1, grad_accum, "1 GPU, FP8 rowwise (e4m3)", FP8["rowwise"])]
@@ -571,15 +564,12 @@ def _fp8_workloads(smoke: bool, cut: int, packed: tuple, lora: dict) -> list[Wor
                  _pair(1, 8, "1 GPU") + _fp8_runs()
                  + [Run("ours_graphs", "ours", 1, True, 1, 8, "1 GPU, CUDA graphs", {"cuda_graphs": True}),
                     Run("ours_graphs_fp8", "ours", 1, True, 1, 8, "1 GPU, CUDA graphs, FP8 tensorwise (hybrid)",
-                        dict(FP8["tensorwise"], cuda_graphs=True)),
-                    Run("ours_fused", "ours", 1, True, 1, 8, "1 GPU, fusions on", FUSIONS),
-                    Run("ours_fp8_fused", "ours", 1, True, 1, 8, "1 GPU, fusions on, FP8 tensorwise (hybrid)",
-                        dict(FP8["tensorwise"], **FUSIONS))], steps=8, warmup=3,
+                        dict(FP8["tensorwise"], cuda_graphs=True))], steps=8, warmup=3,
                  layers=2 if smoke else 8,
-                 about=f"full fine-tuning of 8 of the 36 layers (with the embedding and output layer and their Adam "
-                       f"states, about what one 80 GB GPU holds), {cut}-token packed micro-batches, global batch 8; "
-                       + about + "; `ours_graphs*`: every layer replayed as a CUDA graph; `*_fused`: the three "
-                       "fusions eager dense runs leave off (weight gradients into main_grad, RoPE, q/k norms)"),
+                 about=f"full fine-tuning of the first layers of 36 (8 by default: with the embedding and output "
+                       f"layer and their Adam states, about what one 80 GB GPU holds; 18 on an H200), {cut}-token "
+                       "packed micro-batches, global batch 8; "
+                       + about + "; `ours_graphs*`: every layer replayed as a CUDA graph"),
         Workload("fp8_lora", "dense8b", cut, packed, _pair(1, 8, "1 GPU", lf_layout="1 GPU, gradient checkpointing "
                                                             "(LF default)") + _fp8_runs(),
                  steps=8, warmup=3, layers=None if smoke else 36, tuning=lora,
