@@ -448,9 +448,9 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                        f"{cut}-token packed micro-batches, global batch 8"),
         Workload("gemma4", "gemma4", cut, packed, _pair(1, 8, "1 GPU"), steps=10, warmup=3,
                  layers=2 if smoke else 6,
-                 about=f"full fine-tuning of the first 6 layers (5 windowed, the last full attention; with the "
-                       f"262,144-token embedding about what one H200 holds with Adam states), {cut}-token packed "
-                       "micro-batches, global batch 8"),
+                 about=f"full fine-tuning of the first layers (6 by default: five of every six windowed, the last "
+                       f"full attention; with the 262,144-token tied embedding), {cut}-token packed micro-batches, "
+                       "global batch 8"),
         Workload("gemma4_moe", "gemma4_moe", cut, packed, _pair(1, 8, "1 GPU"), steps=8, warmup=3,
                  layers=2 if smoke else 4,
                  about=f"full fine-tuning of the first 4 layers (3 windowed, the last full attention; each a dense "
