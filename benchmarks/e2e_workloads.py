@@ -567,8 +567,8 @@ def _fp8_workloads(smoke: bool, cut: int, packed: tuple, lora: dict) -> list[Wor
                         dict(FP8["tensorwise"], cuda_graphs=True))], steps=8, warmup=3,
                  layers=2 if smoke else 8,
                  about=f"full fine-tuning of the first layers of 36 (8 by default: with the embedding and output "
-                       f"layer and their Adam states, about what one 80 GB GPU holds; 18 on an H200), {cut}-token "
-                       "packed micro-batches, global batch 8; "
+                       f"layer and their Adam states, about what one 80 GB GPU holds), {cut}-token packed "
+                       "micro-batches, global batch 8; "
                        + about + "; `ours_graphs*`: every layer replayed as a CUDA graph"),
         Workload("fp8_lora", "dense8b", cut, packed, _pair(1, 8, "1 GPU", lf_layout="1 GPU, gradient checkpointing "
                                                             "(LF default)") + _fp8_runs(),
