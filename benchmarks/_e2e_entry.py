@@ -11,7 +11,10 @@ more than one GPU, else a plain process), with these variables:
 - ``E2E_BENCH_PROFILE_STEP=N``: step N runs under torch.profiler, from its ``on_step_begin`` to its ``on_step_end``,
   and its record holds the kernel launches and GPU busy share counted as ``profile_step.py`` counts them
   (``kernels_rank<N>.txt`` beside it: the step's top kernels by GPU time). The bench profiles one step after the
-  measured ones, so the profiler's overhead stays out of tokens/s.
+  measured ones, so the profiler's overhead stays out of tokens/s;
+- ``E2E_BENCH_OPS=1`` (the bench's ``--ops``): that step records the host's ops too, with their input shapes and
+  Python stacks (``ops_rank<N>.txt``: which op spent the GPU time, by shape and by stack). The step is slower for it,
+  so its GPU busy share reads low.
 
 LLaMA-Factory path: the HF Trainer's ``training_step`` is wrapped to note, per micro-batch, which positions hold a
 real token (2-D ``attention_mask``, or the diagonal of ``neat_packing``'s 4-D mask) and the sequence lengths the
@@ -149,6 +152,7 @@ class _StepProfiler:
 
         self.step, self.kernels = step, kernels
         self.cuda = torch.cuda.is_available()
+        self.ops = os.environ.get("E2E_BENCH_OPS") == "1"
         self.profile = None
         self.start = 0.0
 
@@ -160,9 +164,14 @@ class _StepProfiler:
         # on a GPU the CUDA activity alone: it holds the kernels and the runtime's launch calls, and recording every
         # CPU op besides slowed LLaMA-Factory's profiled step past a minute
         activities = [torch.profiler.ProfilerActivity.CUDA if self.cuda else torch.profiler.ProfilerActivity.CPU]
+        if self.ops and self.cuda:
+            activities.append(torch.profiler.ProfilerActivity.CPU)
         if self.cuda:
             torch.cuda.synchronize()
-        self.profile = torch.profiler.profile(activities=activities)
+        # Python stacks reach the events only with the verbose experimental config (torch 2.11)
+        extra = {"record_shapes": True, "with_stack": True,
+                 "experimental_config": torch._C._profiler._ExperimentalConfig(verbose=True)} if self.ops else {}
+        self.profile = torch.profiler.profile(activities=activities, **extra)
         self.profile.start()
         self.start = time.perf_counter()
 
@@ -176,12 +185,24 @@ class _StepProfiler:
         self.profile.stop()
         events = self.profile.key_averages()
         counts = step_counts(events, 1, seconds, self.cuda)
-        self.profile = None
         if self.kernels:  # where the step's GPU time goes, beside its counts
             with open(self.kernels, "w", encoding="utf-8") as f:
                 f.write(events.table(sort_by="self_device_time_total" if self.cuda else "self_cpu_time_total",
                                      row_limit=40, max_name_column_width=90))
+        if self.ops and self.kernels:
+            self._write_ops(self.kernels.replace("kernels_rank", "ops_rank"))
+        self.profile = None
         return counts
+
+    def _write_ops(self, path: str) -> None:
+        """The host's ops by the GPU time of the kernels they launched: grouped by input shapes, then by stack."""
+        sort = "self_device_time_total" if self.cuda else "self_cpu_time_total"
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.profile.key_averages(group_by_input_shape=True).table(
+                sort_by=sort, row_limit=60, max_name_column_width=50, max_shapes_column_width=100))
+            f.write("\n")
+            f.write(self.profile.key_averages(group_by_stack_n=6).table(
+                sort_by=sort, row_limit=40, max_name_column_width=50, max_src_column_width=100))
 
 
 def _callback(recorder: _Recorder):

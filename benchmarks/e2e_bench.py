@@ -48,6 +48,10 @@ def main(argv: list | None = None) -> None:
                                                    "smoke: benchmarks/results/smoke)")
     parser.add_argument("--work", default=os.path.join(ROOT, "benchmarks", "runs", "e2e"),
                         help="models, data and run logs (cached between invocations)")
+    parser.add_argument("--ops", action="store_true",
+                        help="the profiled step also records the host's ops, their input shapes and Python stacks: "
+                             "ops_rank<N>.txt beside kernels_rank<N>.txt says which op launched which kernel time "
+                             "(slows that step only, which no rate counts)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (gloo, fp32): checks the harness")
     parser.add_argument("--merge", nargs="+", default=None, metavar="E2E_JSON",
                         help="run nothing: merge these e2e.json files (later ones win) into --out, redraw the table")
@@ -60,6 +64,8 @@ def main(argv: list | None = None) -> None:
     unknown = sorted(set(chosen) - set(names))
     if unknown:
         parser.error(f"unknown workloads {unknown}; choose from {names}")
+    if args.ops:  # read by the launched runs' _e2e_entry.py
+        os.environ["E2E_BENCH_OPS"] = "1"
     args.paths = {p.strip() for p in args.paths.split(",") if p.strip()}
     args.runs = {r.strip() for r in args.runs.split(",") if r.strip()}
     args.out = args.out or os.path.join(ROOT, "benchmarks", "results", *(["smoke"] if args.smoke else []))

@@ -181,8 +181,9 @@ def launch(run: Run, recipe_path: str, run_dir: str, timeout: int, smoke: bool, 
                ENTRY, recipe_path]
     else:
         cmd = [sys.executable, ENTRY, recipe_path]
-    # LLAMAFACTORY_MCA_DEBUG passes (tracebacks, which kernels compiled and how long); our other switches do not
-    env = {k: v for k, v in os.environ.items() if k == "LLAMAFACTORY_MCA_DEBUG"
+    # LLAMAFACTORY_MCA_DEBUG passes (tracebacks, which kernels compiled and how long), and the bench's --ops; our other
+    # switches do not
+    env = {k: v for k, v in os.environ.items() if k in ("LLAMAFACTORY_MCA_DEBUG", "E2E_BENCH_OPS")
            or not k.startswith(("USE_MCA", "LLAMAFACTORY_MCA_", "E2E_BENCH_"))}
     env.update(NPROC_PER_NODE=str(run.gpus), CUDA_VISIBLE_DEVICES=_visible_devices(run.gpus, smoke),
                HF_DATASETS_CACHE=os.path.join(run_dir, "datasets_cache"),  # every run tokenizes from scratch

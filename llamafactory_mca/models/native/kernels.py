@@ -324,6 +324,10 @@ def _wide_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torc
     g key/value heads serves h / g query heads in turn, as SDPA's ``enable_gqa``), ``allowed`` [lq, lk]."""
     h, lq, _ = q.shape
     g = k.size(0)
+    pad = -k.size(1) % 8
+    if pad:  # keys to a multiple of 8, never attended: a segment of odd length put every GEMM on cuBLAS's unaligned
+        # kernels (sm75 CUTLASS, align1: in Gemma 4's H100 profiles)
+        k, v, allowed = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad)), F.pad(allowed, (0, pad))
     out = _WideHeads.apply(q.reshape(g, h // g * lq, -1), k, v, allowed, scale)
     return out.view(h, lq, -1)
 
