@@ -1039,6 +1039,46 @@ def test_embedding_adds_its_rows_into_main_grad(tp):
         assert rank_res["rows"] < 1e-6 and rank_res["padded"] < 1e-6, rank_res
 
 
+def _tied_table_run() -> dict:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from llamafactory_mca import parallel
+    from llamafactory_mca.models import spec
+    from llamafactory_mca.models.native import cross_entropy
+
+    parallel.initialize(_layout(), seed=3)
+    config = _config()
+    tokens = _inputs()[0]
+    positions = torch.arange(tokens.size(1)).expand_as(tokens)
+    vocab = VOCAB + 8  # a table shape no other weight has
+    grads, table_adds = [], 0
+    for ddp in (False, True):
+        torch.manual_seed(0)
+        model = cross_entropy.LanguageModel(config, spec.get_block_spec(config), vocab_size=vocab,
+                                            max_sequence_length=64, position_embedding_type="rope",
+                                            rotary_base=10000, share_embeddings_and_output_weights=True)
+        table = model.embedding.word_embeddings.weight
+        if ddp:
+            model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+            for _ in range(2):  # two micro-batches
+                model(tokens, positions, None, labels=tokens).sum().backward()
+        grads.append(table.main_grad if ddp else table.grad)
+        if ddp:
+            table_adds = sum(e.name in ("aten::add", "aten::add_") and bool(e.input_shapes)
+                             and list(e.input_shapes[0]) == list(table.shape) for e in prof.events())
+    return {"rel": _rel_diff(grads[1], grads[0]), "table_adds": table_adds}
+
+
+def test_tied_table_takes_one_gradient_per_micro_batch():
+    """A table the output layer also multiplies by: under DDP its ``main_grad`` is autograd's gradient of both uses,
+    and the lookup hands autograd nothing (its rows went into ``main_grad``), so the only table-sized add per
+    micro-batch is DDP's of the output layer's gradient (none where that layer fuses: on GPUs); a placeholder from the
+    lookup besides cost one more, summed by autograd."""
+    res = run_distributed(_tied_table_run, 1)[0]
+    assert res["rel"] < 1e-6 and res["table_adds"] == 2, res
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_zero_centred_rmsnorm_is_qwen3_nexts(dtype):
     """``layernorm_zero_centered_gamma``: scale 1 + weight, as transformers' Qwen3-Next / Qwen3.5 norms: equal

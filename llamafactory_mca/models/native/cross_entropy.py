@@ -30,7 +30,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from . import loss_triton
-from .embedding import RowGradEmbedding
+from .embedding import RowGradEmbedding, mark_output_use
 from .logit_chunks import CHUNK_ROWS, chunks_logits, native_loss
 from .per_layer_inputs import PerLayerInput, PerLayerInputs
 from .wgrad import placeholder_grad, wgrad_gemm_accum_fp32
@@ -201,6 +201,7 @@ class FusedLossOutputLayer(ColumnParallelLinear):
     loss_caps = False  # the loss caps soft-capped logits itself (``_softcap``)
 
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
+        mark_output_use(self.weight if weight is None else weight)  # a tied table's lookup leaves it the gradient
         if not self.defer:
             return super().forward(input_, weight, runtime_gather_output)
         weight = self.weight if weight is None else weight
