@@ -53,6 +53,9 @@ class MicroBatch:
     is_padding: bool = False  # a stand-in that keeps ranks in step (an epoch's last step); it adds to no loss
     rope_positions: torch.Tensor | None = None  # [b, s, 3] vision-language models' 3-D positions (mrope)
     vision: dict[str, torch.Tensor] | None = None  # pixel_values, image_grid_thw, ... (data/multimodal.py)
+    # [n] int64: the positions whose target counts, sequence-major (as the model's [s, b] hidden states flatten):
+    # the only rows the output layer and the loss compute. ``to`` finds them on the host, where the mask is.
+    loss_rows: torch.Tensor | None = None
 
     def model_inputs(self, first_stage: bool) -> tuple[torch.Tensor, dict[str, Any]]:
         """(positions, extra keyword arguments) for the model chunk: 3-D positions [3, b, s] for multimodal RoPE, the
@@ -93,15 +96,25 @@ class MicroBatch:
         )
 
     def to(self, device: str | torch.device, non_blocking: bool = True) -> MicroBatch:
-        """A copy whose tensors live on ``device`` (pinned-memory copies may overlap with compute)."""
+        """A copy whose tensors live on ``device`` (pinned-memory copies may overlap with compute), ``loss_rows``
+        found first where the mask is still on the host (on the device, finding them would wait for the GPU)."""
+        batch = self
+        if batch.loss_rows is None and not batch.loss_mask.is_cuda:
+            batch = replace(batch, loss_rows=self._loss_rows())
         moved = {
-            f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
-            for f in fields(self)
-            if isinstance(getattr(self, f.name), torch.Tensor)
+            f.name: getattr(batch, f.name).to(device, non_blocking=non_blocking)
+            for f in fields(batch)
+            if isinstance(getattr(batch, f.name), torch.Tensor)
         }
         if self.vision:
             moved["vision"] = {k: v.to(device, non_blocking=non_blocking) for k, v in self.vision.items()}
-        return replace(self, **moved)
+        return replace(batch, **moved)
+
+    def _loss_rows(self) -> torch.Tensor:
+        """At least one row: a micro-batch with no target (a stand-in, ``without_loss``) computes position 0, whose
+        loss its mask zeroes, rather than GEMMs of no rows."""
+        rows = self.loss_mask.t().reshape(-1).nonzero().squeeze(1)
+        return rows if rows.numel() else torch.zeros(1, dtype=torch.int64)
 
     def padded_to(self, length: int) -> MicroBatch:
         """Lengthened with loss-free padding to ``length`` positions: packed, the last sequence grows; padded, every

@@ -175,6 +175,8 @@ class McaTrainer:
         positions, extra = batch.model_inputs(first_stage=has_tower)
         if self.model.transformer_config.mtp_num_layers:  # multi-token prediction's loss counts these targets
             extra = {**extra, "loss_mask": batch.loss_mask}
+        if not self.reward:  # the output layer and the loss compute these positions alone
+            extra = {**extra, "loss_rows": batch.loss_rows}
         output = model_chunk(batch.tokens, positions, None, labels=None if self.reward else batch.model_labels,
                              packed_seq_params=batch.packed_seq_params(), **extra)
         if self._inject_nan:

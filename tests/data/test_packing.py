@@ -127,6 +127,14 @@ def test_micro_batch_to_moves_every_tensor():
     masked = batch.without_loss()
     assert masked.is_padding and masked.num_loss_tokens == 0 and masked.loss_mask.sum() == 0
     assert torch.equal(masked.tokens, batch.tokens)
+    # the positions whose target counts, found on the host, sequence-major ([s, b] flattened: p * b + row); a
+    # micro-batch without any computes position 0 (its mask zeroes the loss)
+    padded = collate_padded([make_sample(sft_row(i, 3 + 2 * i), SFT, 8) for i in range(2)], 1, 0)
+    mask = padded.loss_mask
+    expected = [p * 2 + r for p in range(mask.shape[1]) for r in range(2) if mask[r, p] > 0]
+    assert padded.to("cpu").loss_rows.tolist() == expected and len(expected) == padded.num_loss_tokens
+    assert moved.loss_rows.tolist() == batch.loss_mask[0].nonzero().squeeze(1).tolist()
+    assert masked.to("cpu").loss_rows.tolist() == [0]
 
 
 def test_padded_to_a_step_length_then_cut_for_context_parallel_ranks():

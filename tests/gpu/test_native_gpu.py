@@ -184,6 +184,16 @@ def test_embedding_rows_into_main_grad_on_cuda():
     assert _rel(weight.main_grad, expected) < 1e-2
 
 
+def test_tied_table_makes_no_table_sized_op_under_fused_accumulation():
+    """The CPU suite's tied table (``test_tied_table_takes_one_gradient_per_micro_batch``) where the output layer fuses
+    its weight gradient into ``main_grad``: the same gradient in bf16, and the backward makes no table-sized op at
+    all (the output layer's placeholder is not zeroed, the lookup hands autograd nothing, DDP's hook adds nothing)."""
+    from tests.models.test_native_spec import _tied_table_run
+
+    res = run_distributed(_tied_table_run, 1, True)[0]
+    assert res["rel"] < 1e-2 and res["table_ops"] == [] and not res["zero_out"], res
+
+
 def test_bf16_parity_native_vs_local():
     res = run_distributed(_parity_suite, 1)[0]
     for name in ("dense", "moe"):

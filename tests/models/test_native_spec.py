@@ -944,7 +944,8 @@ def _chunked_loss_run(tp: int, cap: float | None) -> dict:
     """The output layer and loss fused over row chunks against the logits at once, on one model: per-token losses
     and every parameter's gradient, under TP with sequence parallelism, the vocabulary padding masked (part of the
     last slice) and chunks that do not divide the rows. With soft-capped logits, both against Megatron's loss over
-    the logits capped by the output layer's hook."""
+    the logits capped by the output layer's hook. And both computing only the rows whose target counts
+    (``loss_rows``): the same losses where the loss mask counts them, and the same gradients."""
     from megatron.core import parallel_state as ps
 
     from llamafactory_mca import parallel
@@ -962,22 +963,28 @@ def _chunked_loss_run(tp: int, cap: float | None) -> dict:
     tokens = _inputs()[0]
     labels = torch.roll(tokens, -1, dims=1) % (VOCAB - 5)
     labels[0, :3] = -100
-    weights = torch.randn(labels.shape, generator=torch.Generator().manual_seed(7))
+    labels[1, -4:] = -100
+    counts = labels != -100  # the loss mask: training multiplies the per-token losses by it
+    rows = counts.t().reshape(-1).nonzero().squeeze(1)  # sequence-major, as MicroBatch.loss_rows
+    weights = torch.randn(labels.shape, generator=torch.Generator().manual_seed(7)) * counts
     handed = []
     model.output_layer.register_forward_hook(lambda module, inputs, output: handed.append(type(output[0]).__name__))
     res = {}
-    for chunked in (False, True) + (("megatron",) if cap else ()):
+    for chunked in (False, True, "rows", "rows_chunked") + (("megatron",) if cap else ()):
         model.zero_grad()
-        config.chunked_cross_entropy = chunked is True
+        config.chunked_cross_entropy = chunked in (True, "rows_chunked")
         config.native_cross_entropy = chunked != "megatron"
-        loss = model(tokens, _positions(tokens), None, labels=labels)
+        kept = {"loss_rows": rows} if chunked in ("rows", "rows_chunked") else {}
+        loss = model(tokens, _positions(tokens), None, labels=labels, **kept)
         (loss * weights).sum().backward()
         grads = _grads(model)
         if tp > 1:  # sequence-parallel norms' gradients are partial per rank until the optimizer reduces them
             grads = {n: g for n, g in grads.items() if "layernorm" not in n and "norm" not in n.split(".")[-2]}
-        res[chunked] = (loss.detach(), grads)
+        res[chunked] = ((loss * counts).detach(), grads)
     out = {"handed": handed, "rank": ps.get_tensor_model_parallel_rank()}
-    for name, (a, b) in {"chunked": (res[True], res[False]), "megatron": (res[True], res.get("megatron"))}.items():
+    pairs = {"chunked": (res[True], res[False]), "megatron": (res[True], res.get("megatron")),
+             "rows": (res["rows"], res[False]), "rows_chunked": (res["rows_chunked"], res[True])}
+    for name, (a, b) in pairs.items():
         if b is not None:
             out[name] = {"loss": _rel_diff(a[0], b[0]), "same_params": sorted(a[1]) == sorted(b[1]),
                          "grads": max(_rel_diff(a[1][n], b[1][n]) for n in b[1]),
@@ -989,7 +996,7 @@ def _chunked_loss_run(tp: int, cap: float | None) -> dict:
 def test_chunked_output_layer_and_loss_equal_the_logits_at_once(tp, cap):
     for rank_res in run_distributed(_chunked_loss_run, tp, tp, cap):
         assert rank_res["handed"][:2] == ["Tensor", "DeferredLogits"], rank_res
-        for name in ("chunked", "megatron") if cap else ("chunked",):
+        for name in ("chunked", "rows", "rows_chunked") + (("megatron",) if cap else ()):
             got = rank_res[name]
             assert got["same_params"] and got["loss"] < 1e-6 and got["grads"] < 1e-5 and got["output_grad"] < 1e-5, \
                 rank_res
@@ -1039,7 +1046,10 @@ def test_embedding_adds_its_rows_into_main_grad(tp):
         assert rank_res["rows"] < 1e-6 and rank_res["padded"] < 1e-6, rank_res
 
 
-def _tied_table_run() -> dict:
+def _tied_table_run(cuda: bool = False) -> dict:
+    """Two micro-batches through a model whose output layer multiplies by its word embeddings, under Megatron's DDP
+    and without: the table's gradients, and the table-sized ops (adds, fills) the DDP run's backward made. On CUDA in
+    bf16 with gradient accumulation fused (the output layer's weight gradient into ``main_grad`` by its GEMM)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from llamafactory_mca import parallel
@@ -1048,35 +1058,40 @@ def _tied_table_run() -> dict:
 
     parallel.initialize(_layout(), seed=3)
     config = _config()
-    tokens = _inputs()[0]
-    positions = torch.arange(tokens.size(1)).expand_as(tokens)
+    if cuda:
+        config = dataclasses.replace(config, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+                                     gradient_accumulation_fusion=True)
+    device = "cuda" if cuda else "cpu"
+    tokens = _inputs()[0].to(device)
+    positions = torch.arange(tokens.size(1), device=device).expand_as(tokens)
     vocab = VOCAB + 8  # a table shape no other weight has
-    grads, table_adds = [], 0
+    grads, table_ops, zero_out = [], [], None
     for ddp in (False, True):
         torch.manual_seed(0)
         model = cross_entropy.LanguageModel(config, spec.get_block_spec(config), vocab_size=vocab,
                                             max_sequence_length=64, position_embedding_type="rope",
-                                            rotary_base=10000, share_embeddings_and_output_weights=True)
+                                            rotary_base=10000, share_embeddings_and_output_weights=True).to(device)
         table = model.embedding.word_embeddings.weight
         if ddp:
             model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
-            for _ in range(2):  # two micro-batches
+            for _ in range(2):
                 model(tokens, positions, None, labels=tokens).sum().backward()
-        grads.append(table.main_grad if ddp else table.grad)
+        grads.append((table.main_grad if ddp else table.grad).float())
         if ddp:
-            table_adds = sum(e.name in ("aten::add", "aten::add_") and bool(e.input_shapes)
-                             and list(e.input_shapes[0]) == list(table.shape) for e in prof.events())
-    return {"rel": _rel_diff(grads[1], grads[0]), "table_adds": table_adds}
+            zero_out = getattr(table, "zero_out_wgrad", False)
+            table_ops = [e.name for e in prof.events() if e.name in ("aten::add", "aten::add_", "aten::fill_")
+                         and e.input_shapes and list(e.input_shapes[0]) == list(table.shape)]
+    return {"rel": _rel_diff(grads[1], grads[0]), "table_ops": table_ops, "zero_out": zero_out}
 
 
 def test_tied_table_takes_one_gradient_per_micro_batch():
-    """A table the output layer also multiplies by: under DDP its ``main_grad`` is autograd's gradient of both uses,
-    and the lookup hands autograd nothing (its rows went into ``main_grad``), so the only table-sized add per
-    micro-batch is DDP's of the output layer's gradient (none where that layer fuses: on GPUs); a placeholder from the
-    lookup besides cost one more, summed by autograd."""
+    """A table the output layer also multiplies by: under DDP its ``main_grad`` is autograd's gradient of both uses.
+    The lookup adds its rows into ``main_grad`` and hands autograd nothing, so Megatron's zeroed placeholder
+    (``zero_out_wgrad``, for a dense embedding gradient added beside it) is off, and the only table-sized op per
+    micro-batch is DDP's add of the output layer's unfused gradient (none on GPUs: ``tests/gpu``)."""
     res = run_distributed(_tied_table_run, 1)[0]
-    assert res["rel"] < 1e-6 and res["table_adds"] == 2, res
+    assert res["rel"] < 1e-6 and res["table_ops"] == ["aten::add_"] * 2 and not res["zero_out"], res
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -194,15 +194,17 @@ class DeferredLogits:
 
 
 class FusedLossOutputLayer(ColumnParallelLinear):
-    """Megatron's output layer, which hands the loss its input instead of the logits while ``defer`` is set
-    (``LanguageModel._postprocess``, for a training forward that chunks its logits)."""
+    """Megatron's output layer, which computes the positions of ``rows`` alone where it is set (those whose target
+    counts: ``LanguageModel._postprocess``), and hands the loss its input instead of the logits while ``defer`` is
+    set (a training forward that chunks its logits)."""
 
     defer = False
     loss_caps = False  # the loss caps soft-capped logits itself (``_softcap``)
+    rows: torch.Tensor | None = None  # [n] positions of the [s, b] input, flattened, on the input's device
 
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
         mark_output_use(self.weight if weight is None else weight)  # a tied table's lookup leaves it the gradient
-        if not self.defer:
+        if not (self.defer or self.rows is not None):
             return super().forward(input_, weight, runtime_gather_output)
         weight = self.weight if weight is None else weight
         if self.sequence_parallel:  # the whole sequence on each rank, its gradient reduce-scattered back
@@ -210,7 +212,15 @@ class FusedLossOutputLayer(ColumnParallelLinear):
                                                           group=self.tp_group)
         else:  # each rank's input gradient covers its vocabulary slice: summed over TP in the backward
             input_ = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
-        return DeferredLogits(input_, weight), None
+        if self.rows is not None:
+            input_ = input_.flatten(0, 1).index_select(0, self.rows).unsqueeze(1)  # [n, 1, h]
+        if self.defer:
+            return DeferredLogits(input_, weight), None
+        # Megatron's linear on an input already gathered (or marked for the gradient's sum) as its own would be
+        return self._forward_impl(input=input_, weight=weight, bias=None,
+                                  gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+                                  allreduce_dgrad=False, sequence_parallel=False, grad_output_buffer=None,
+                                  wgrad_deferral_limit=None, tp_group=self.tp_group), None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None,
@@ -233,15 +243,21 @@ class NativeCrossEntropy:
             return super().compute_language_model_loss(labels, logits)
         # raw logits (the output layer's ``loss_caps`` was set: ``_postprocess``), capped here where the model caps
         cap = getattr(self.config, "final_logit_softcapping", None)
-        if isinstance(logits, DeferredLogits):  # [s, b, h] hidden states; the loss comes back [b, s]
-            s, b, h = logits.hidden.shape
-            loss = _LinearCrossEntropy.apply(logits.hidden.reshape(s * b, h), logits.weight,
-                                             labels.transpose(0, 1).reshape(-1), logits.valid, self.pg_collection.tp,
+        # labels [b, s]; logits (or the output layer's input) [s, b, ...] flattened sequence-major, or the output
+        # layer's ``rows`` of them alone; the loss comes back [b, s] as Megatron's does, 0 where no row was computed
+        target = labels.transpose(0, 1).reshape(-1)
+        rows = self.output_layer.rows if self.post_process else None
+        if rows is not None:
+            target = target.index_select(0, rows)
+        if isinstance(logits, DeferredLogits):
+            hidden = logits.hidden.flatten(0, 1)
+            loss = _LinearCrossEntropy.apply(hidden, logits.weight, target, logits.valid, self.pg_collection.tp,
                                              self.config.gradient_accumulation_fusion, cap)
-            return loss.view(s, b).transpose(0, 1).contiguous()
-        # labels [b, s], logits [s, b, v]; the loss comes back [b, s] as Megatron's does
-        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.pg_collection.tp, cap)
-        return loss.transpose(0, 1).contiguous()
+        else:
+            loss = vocab_parallel_cross_entropy(logits.flatten(0, 1), target, self.pg_collection.tp, cap)
+        if rows is not None:
+            loss = loss.new_zeros(labels.numel()).index_copy(0, rows, loss)
+        return loss.view(labels.size(1), labels.size(0)).transpose(0, 1).contiguous()
 
     def _chunks_logits(self, hidden_states: torch.Tensor) -> bool:
         """A training forward's loss through the output layer a chunk at a time (``chunked_cross_entropy``)."""
@@ -312,6 +328,7 @@ class LanguageModel(NativeCrossEntropy, GPTModel):
             self.output_layer.__class__ = FusedLossOutputLayer  # behaviour only: the same module, parameters, keys
         if self.pre_process and type(self.embedding.word_embeddings) is VocabParallelEmbedding:
             self.embedding.word_embeddings.__class__ = RowGradEmbedding  # the same: its gradient rows into main_grad
+            RowGradEmbedding.own_rows_only(self.embedding.word_embeddings)
         multiplier = getattr(self.config, "embedding_multiplier", None)
         if multiplier and self.pre_process:
             self.embedding.register_forward_hook(
@@ -321,6 +338,7 @@ class LanguageModel(NativeCrossEntropy, GPTModel):
             self.embedding.word_embeddings.register_forward_hook(partial(_untrained_lookups, pad))
         self.other_rotary_pos_emb = self._other_rope(kwargs.get("rotary_percent", 1.0))
         self.per_layer_inputs = None
+        self._loss_rows: torch.Tensor | None = None  # while a forward runs: its ``loss_rows``
         if (getattr(self.config, "per_layer_inputs", None) or getattr(self.config, "kv_sharing", None)) and not (
                 self.pre_process and self.post_process):  # refused before any worker starts: parallel.check_layout
             raise ValueError("per-layer inputs and shared keys and values need the whole model on one pipeline stage")
@@ -347,7 +365,11 @@ class LanguageModel(NativeCrossEntropy, GPTModel):
             self.output_layer.register_forward_hook(partial(_softcap, float(cap)))
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                decoder_input: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> torch.Tensor:
+                decoder_input: torch.Tensor | None = None, *args: Any, loss_rows: torch.Tensor | None = None,
+                **kwargs: Any) -> torch.Tensor:
+        """``loss_rows``: the positions whose target counts (``MicroBatch.loss_rows``), the only ones whose logits a
+        training forward computes (``_postprocess``)."""
+        self._loss_rows = loss_rows  # for _postprocess, which Megatron's forward calls with arguments of its own
         if self.per_layer_inputs is not None:
             if decoder_input is None:
                 decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
@@ -357,6 +379,7 @@ class LanguageModel(NativeCrossEntropy, GPTModel):
             return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
         finally:
             self.shared_kv.clear()
+            self._loss_rows = None
 
     def per_layer_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The ids the per-layer embedding looks up (a vision-language model's image tokens: the padding id)."""
@@ -402,10 +425,16 @@ class LanguageModel(NativeCrossEntropy, GPTModel):
             # chunks them; the MTP layers' losses too
             self.output_layer.loss_caps = True
             self.output_layer.defer = self._chunks_logits(kwargs["hidden_states"])
+            # the positions whose target counts alone (the rest would be multiplied by a zero loss mask); not with
+            # MTP, whose layers' logits go through the same output layer for targets of their own
+            if isinstance(self.output_layer, FusedLossOutputLayer) and not layers and \
+                    not self.output_layer.gather_output:
+                self.output_layer.rows = self._loss_rows
             try:
                 return super()._postprocess(*args, **kwargs)
             finally:
                 self.output_layer.loss_caps = self.output_layer.defer = False
+                self.output_layer.rows = None
         if not layers or kwargs.get("labels") is not None:
             return super()._postprocess(*args, **kwargs)
         self.config.mtp_num_layers = None  # the flag _postprocess reads; restored at once

@@ -10,10 +10,12 @@ and the weight gets the placeholder Megatron's fused linears give (``wgrad.place
 nothing.
 
 A table the output layer also multiplies by (tied embeddings on one stage) gets its gradient from that layer's
-backward as well, a placeholder where it fuses gradient accumulation: autograd adds the gradients of a leaf's uses
-before DDP's hook reads them, so a second placeholder cost a table-sized bf16 add (and two table-sized allocations)
-every micro-batch, 262,144 x 5,376 at Gemma 4 31B. The output layer marks the table it used (``used_by_output_layer``)
-and the lookup's backward then adds its rows alone, handing autograd nothing.
+backward too, where it fuses gradient accumulation as a placeholder that Megatron zeroes (``zero_out_wgrad``) so that
+DDP's hook can add a dense embedding gradient beside it. Autograd sums a leaf's gradients before the hook reads them,
+so at Gemma 4 31B's 262,144 x 5,376 every micro-batch paid two table-sized fills, a bf16 add of the two placeholders
+and the hook's fp32 add of their zeros. The output layer marks the table it used (``used_by_output_layer``), the
+lookup's backward then adds its rows alone and hands autograd nothing, and the zeroing is off
+(``RowGradEmbedding.own_rows_only``).
 
 Where there is no ``main_grad`` (no DDP: a reference model, a frozen table) or Megatron's ``deterministic_mode`` is on
 (``index_add_`` adds a repeated token's rows in no fixed order), the lookup is torch's, dense gradient and all.
@@ -77,6 +79,16 @@ def lookup(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = No
 class RowGradEmbedding(VocabParallelEmbedding):
     """Megatron's vocabulary-parallel embedding (same parameter, keys and tensor parallelism) looking up through
     ``lookup``; the model gives its word embeddings this class (``cross_entropy.LanguageModel``)."""
+
+    @staticmethod
+    def own_rows_only(table: VocabParallelEmbedding) -> None:
+        """Megatron zeroes the placeholder gradient of a table tied to the output layer on the same stage
+        (``zero_out_wgrad``) so that DDP's hook can add the embedding's dense gradient beside it; this lookup adds
+        its rows itself and hands autograd nothing, so the zeros (a table-sized fill) and the hook's fp32 add are
+        left out: the add alone took 6 ms of every micro-batch at Gemma 4 31B's 262,144 x 5,376 on an H100. Torch's
+        lookup (``deterministic_mode``) keeps them."""
+        if not table.deterministic_mode:
+            table.weight.zero_out_wgrad = False
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         tp = self.tp_group.size()
