@@ -349,7 +349,9 @@ class _WideHeads(torch.autograd.Function):
     def forward(ctx, q, k, v, allowed, scale):
         g, m, _ = q.shape
         lk = k.size(1)
-        scores = _scores_gemm(q, k.transpose(1, 2)).view(g, -1, allowed.size(0), lk) * scale
+        scores = _scores_gemm(q, k.transpose(1, 2)).view(g, -1, allowed.size(0), lk)
+        if scale != 1.0:  # Gemma 4's normed heads take none: a pass over the fp32 scores saved
+            scores.mul_(scale)
         probs = scores.masked_fill_(~allowed, float("-inf")).softmax(-1).to(q.dtype).view(g, m, lk)
         ctx.save_for_backward(q, k, v, probs)
         ctx.scale = scale
@@ -361,8 +363,10 @@ class _WideHeads(torch.autograd.Function):
         grad = grad.contiguous()
         grad_v = torch.bmm(probs.transpose(1, 2), grad)
         grad_probs = _scores_gemm(grad, v.transpose(1, 2))
-        p = probs.float()
-        grad_scores = (p * (grad_probs - (grad_probs * p).sum(-1, keepdim=True)) * ctx.scale).to(q.dtype)
+        if ctx.scale != 1.0:
+            grad_probs.mul_(ctx.scale)
+        # p * (g - sum(g * p)) in one kernel, torch's own softmax backward, in fp32
+        grad_scores = torch._softmax_backward_data(grad_probs, probs.float(), -1, torch.float32).to(q.dtype)
         return torch.bmm(grad_scores, k), torch.bmm(grad_scores.transpose(1, 2), q), grad_v, None, None
 
 
