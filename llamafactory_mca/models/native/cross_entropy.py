@@ -131,9 +131,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits2d = logits.reshape(-1, logits.size(-1))
         grad_loss = grad_loss.reshape(-1).float()
         _, grad = _kernels(logits.device)
-        out = torch.empty_like(logits2d)
-        for a, b in _rows(local.numel(), logits.device):
-            out[a:b] = grad(logits2d[a:b], lse[a:b], grad_loss[a:b], local[a:b], ctx.cap)
+        # one piece in Triton, kept as it comes (copied into a buffer, it cost a logits-sized copy each backward)
+        pieces = [grad(logits2d[a:b], lse[a:b], grad_loss[a:b], local[a:b], ctx.cap)
+                  for a, b in _rows(local.numel(), logits.device)]
+        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         return out.view_as(logits), None, None, None
 
 
