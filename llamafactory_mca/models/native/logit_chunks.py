@@ -29,6 +29,6 @@ def describe(tokens: int, local_vocab: int, native: bool, setting: bool | None) 
     if not native:
         return "loss: Megatron's cross-entropy (fp32 logits)"
     if chunks_logits(tokens, local_vocab, setting):
-        return (f"loss: output layer and cross-entropy fused, {CHUNK_ROWS:,} tokens at a time (no full logits; "
-                "chunked_cross_entropy: false turns it off)")
-    return "loss: cross-entropy over the bf16 logits"
+        return (f"loss: output layer and cross-entropy fused, {CHUNK_ROWS:,} tokens with a target at a time (no full "
+                "logits; chunked_cross_entropy: false turns it off)")
+    return "loss: cross-entropy over the bf16 logits of the tokens with a target (no others are computed)"
