@@ -1057,10 +1057,12 @@ def _tied_table_run(cuda: bool = False) -> dict:
     from llamafactory_mca.models.native import cross_entropy
 
     parallel.initialize(_layout(), seed=3)
-    config = _config()
+    reference = _config()
     if cuda:
-        config = dataclasses.replace(config, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
-                                     gradient_accumulation_fusion=True)
+        reference = dataclasses.replace(reference, bf16=True, params_dtype=torch.bfloat16,
+                                        pipeline_dtype=torch.bfloat16)
+    # fused accumulation needs DDP's main_grad: the reference without DDP computes its gradient as autograd does
+    fused = dataclasses.replace(reference, gradient_accumulation_fusion=True) if cuda else reference
     device = "cuda" if cuda else "cpu"
     tokens = _inputs()[0].to(device)
     positions = torch.arange(tokens.size(1), device=device).expand_as(tokens)
@@ -1068,6 +1070,7 @@ def _tied_table_run(cuda: bool = False) -> dict:
     grads, table_ops, zero_out = [], [], None
     for ddp in (False, True):
         torch.manual_seed(0)
+        config = fused if ddp else reference
         model = cross_entropy.LanguageModel(config, spec.get_block_spec(config), vocab_size=vocab,
                                             max_sequence_length=64, position_embedding_type="rope",
                                             rotary_base=10000, share_embeddings_and_output_weights=True).to(device)
