@@ -185,18 +185,17 @@ class _StepProfiler:
         self.profile.stop()
         events = self.profile.key_averages()
         counts = step_counts(events, 1, seconds, self.cuda)
+        sort = "self_device_time_total" if self.cuda else "self_cpu_time_total"
         if self.kernels:  # where the step's GPU time goes, beside its counts
             with open(self.kernels, "w", encoding="utf-8") as f:
-                f.write(events.table(sort_by="self_device_time_total" if self.cuda else "self_cpu_time_total",
-                                     row_limit=40, max_name_column_width=90))
+                f.write(events.table(sort_by=sort, row_limit=40, max_name_column_width=90))
         if self.ops and self.kernels:
-            self._write_ops(self.kernels.replace("kernels_rank", "ops_rank"))
+            self._write_ops(self.kernels.replace("kernels_rank", "ops_rank"), sort)
         self.profile = None
         return counts
 
-    def _write_ops(self, path: str) -> None:
+    def _write_ops(self, path: str, sort: str) -> None:
         """The host's ops by the GPU time of the kernels they launched: grouped by input shapes, then by stack."""
-        sort = "self_device_time_total" if self.cuda else "self_cpu_time_total"
         with open(path, "w", encoding="utf-8") as f:
             f.write(self.profile.key_averages(group_by_input_shape=True).table(
                 sort_by=sort, row_limit=60, max_name_column_width=50, max_shapes_column_width=100))

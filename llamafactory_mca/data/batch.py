@@ -98,17 +98,16 @@ class MicroBatch:
     def to(self, device: str | torch.device, non_blocking: bool = True) -> MicroBatch:
         """A copy whose tensors live on ``device`` (pinned-memory copies may overlap with compute), ``loss_rows``
         found first where the mask is still on the host (on the device, finding them would wait for the GPU)."""
-        batch = self
-        if batch.loss_rows is None and not batch.loss_mask.is_cuda:
-            batch = replace(batch, loss_rows=self._loss_rows())
         moved = {
-            f.name: getattr(batch, f.name).to(device, non_blocking=non_blocking)
-            for f in fields(batch)
-            if isinstance(getattr(batch, f.name), torch.Tensor)
+            f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
         }
+        if self.loss_rows is None and not self.loss_mask.is_cuda:
+            moved["loss_rows"] = self._loss_rows().to(device, non_blocking=non_blocking)
         if self.vision:
             moved["vision"] = {k: v.to(device, non_blocking=non_blocking) for k, v in self.vision.items()}
-        return replace(batch, **moved)
+        return replace(self, **moved)
 
     def _loss_rows(self) -> torch.Tensor:
         """At least one row: a micro-batch with no target (a stand-in, ``without_loss``) computes position 0, whose

@@ -1065,7 +1065,7 @@ def _tied_table_run(cuda: bool = False) -> dict:
     fused = dataclasses.replace(reference, gradient_accumulation_fusion=True) if cuda else reference
     device = "cuda" if cuda else "cpu"
     tokens = _inputs()[0].to(device)
-    positions = torch.arange(tokens.size(1), device=device).expand_as(tokens)
+    positions = _positions(tokens).to(device)
     vocab = VOCAB + 8  # a table shape no other weight has
     grads, table_ops, zero_out = [], [], None
     for ddp in (False, True):

@@ -204,10 +204,10 @@ class FusedLossOutputLayer(ColumnParallelLinear):
     rows: torch.Tensor | None = None  # [n] positions of the [s, b] input, flattened, on the input's device
 
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
-        mark_output_use(self.weight if weight is None else weight)  # a tied table's lookup leaves it the gradient
+        weight = self.weight if weight is None else weight
+        mark_output_use(weight)  # a tied table's lookup leaves it the gradient
         if not (self.defer or self.rows is not None):
             return super().forward(input_, weight, runtime_gather_output)
-        weight = self.weight if weight is None else weight
         if self.sequence_parallel:  # the whole sequence on each rank, its gradient reduce-scattered back
             input_ = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True,
                                                           group=self.tp_group)
