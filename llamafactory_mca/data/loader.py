@@ -191,7 +191,8 @@ class DataPlan:
         samples = fetch_samples(self._dataset, list(group), self.kind, config.cutoff_len, self.reference)
         if config.packing or config.padding_free:
             total = None if config.variable_seq_lengths else self.capacity
-            batch = collate_packed(samples, config.pad_multiple, config.pad_token_id, self.pairwise, total)
+            batch = collate_packed(samples, config.pad_multiple, config.pad_token_id, self.pairwise, total,
+                                   capacity=self.capacity)
         else:
             fixed = None if config.variable_seq_lengths else config.fixed_length
             rows = config.micro_batch_size if config.equal_rows or fixed else None

@@ -3,7 +3,8 @@
 Packed (THD): first-fit-decreasing inside a bounded window of consecutive rows, so a pack only mixes rows
 that lie near each other in the (shuffled) order and the stream stays close to the dataset's order. Every
 sequence is padded up to ``pad_multiple`` (2·cp·tp-style, ``ParallelLayout.pad_multiple``): context parallel
-cuts each sequence into 2·cp load-balanced chunks, and sequence parallel splits tokens over TP.
+cuts each sequence into 2·cp load-balanced chunks, and sequence parallel splits tokens over TP. A pack's length then
+rounds up to a multiple of ``TILE`` (within its capacity), the last sequence's padding taking the difference.
 
 Padded (BSHD): consecutive rows, padded to the longest row of the micro-batch rounded up to
 lcm(pad_multiple, 8), never to cutoff_len, unless one fixed length is required (MoE allgather dispatcher).
@@ -19,6 +20,12 @@ import torch
 
 from .batch import IGNORE_INDEX, MicroBatch
 from .rows import Sample
+
+
+# The weight gradients' GEMMs reduce over a micro-batch's tokens; cuBLAS runs them fastest when that count is a
+# multiple of its 64-deep tiles (on an H100, Gemma 4 31B's fc2 weight gradient at 4,006 tokens takes 1.59 ms, at
+# 4,032 1.28 ms), far more than the padding costs.
+TILE = 64
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -125,15 +132,19 @@ def _finish(tokens: np.ndarray, labels: np.ndarray, positions: np.ndarray, num_r
 
 
 def collate_packed(samples: list[Sample], pad_multiple: int, pad_token_id: int, pairwise: bool = False,
-                   total_length: int | None = None) -> MicroBatch:
+                   total_length: int | None = None, capacity: int | None = None) -> MicroBatch:
     """One THD row: every sequence padded to ``pad_multiple``, a pair's two sequences adjacent.
 
-    ``total_length`` (fixed-length mode) lengthens the last sequence's padding so every pack has one size.
+    ``total_length`` (fixed-length mode) lengthens the last sequence's padding so every pack has one size; else
+    ``capacity`` (the pack's most tokens) lets it round the pack up to a multiple of ``TILE``. Causal attention keeps
+    the real tokens of that sequence blind to the padding after them.
     """
     sequences = [seq for sample in samples for seq in sample.sequences]
     real = [len(tokens) for tokens, _ in sequences]
     padded = [round_up(n, pad_multiple) for n in real]
-    if total_length is not None:
+    if total_length is None and capacity is not None:
+        total_length = max(min(round_up(sum(padded), math.lcm(pad_multiple, TILE)), capacity), sum(padded))
+    if total_length is not None and padded:
         if sum(padded) > total_length:
             raise ValueError(f"Pack of {sum(padded)} tokens exceeds the fixed length {total_length}.")
         padded[-1] += total_length - sum(padded)

@@ -75,6 +75,15 @@ def test_packed_collation_fixed_length_pads_the_last_sequence():
         collate_packed(samples, pad_multiple=2, pad_token_id=0, total_length=6)
 
 
+def test_packed_collation_rounds_the_pack_to_a_tile_within_its_capacity():
+    samples = [make_sample(sft_row(i, 41), SFT, cutoff_len=128) for i in range(3)]  # 40 positions each
+    batch = collate_packed(samples, pad_multiple=4, pad_token_id=0, capacity=256)
+    assert batch.cu_seqlens.tolist() == [0, 40, 80, 128] and batch.num_real_tokens == 120  # 120 -> 128
+    assert batch.loss_mask[0, 120:].eq(0).all() and batch.position_ids[0, 80:].tolist() == list(range(48))
+    capped = collate_packed(samples, pad_multiple=4, pad_token_id=0, capacity=124)
+    assert capped.cu_seqlens.tolist() == [0, 40, 80, 124]  # never past the pack's capacity
+
+
 def test_padded_collation_pads_to_the_longest_row_rounded():
     samples = [make_sample(sft_row(i, n), SFT, cutoff_len=100) for i, n in enumerate([5, 14, 9])]
     batch = collate_padded(samples, pad_multiple=4, pad_token_id=0)  # lcm(4, 8) = 8; longest 13 -> 16
