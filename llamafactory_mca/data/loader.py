@@ -31,6 +31,7 @@ from .packing import (
     chunk,
     collate_packed,
     collate_padded,
+    pack_length,
     pack_window_ffd,
     padded_multiple,
     round_up,
@@ -256,7 +257,10 @@ class DataPlan:
         if self._packs is not None and not config.variable_seq_lengths:
             padded_tokens = len(self._packs) * self.capacity
         elif self._packs is not None or config.padding_free:
-            padded_tokens = int(round_up_array(kept_lengths, config.pad_multiple).sum())
+            sizes = round_up_array(table.lengths, config.pad_multiple).sum(axis=1)
+            groups = self._packs if self._packs is not None else self.epoch_groups(0)
+            padded_tokens = sum(pack_length(int(sizes[list(group)].sum()), config.pad_multiple, self.capacity)
+                                for group in groups)
         else:
             padded_tokens = sum(self._padded_size(group) for group in self.epoch_groups(0))
         return {

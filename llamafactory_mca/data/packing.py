@@ -36,6 +36,12 @@ def round_up_array(values: np.ndarray, multiple: int) -> np.ndarray:
     return -(-values // multiple) * multiple
 
 
+def pack_length(tokens: int, pad_multiple: int, capacity: int) -> int:
+    """A pack's length: its sequences' ``tokens`` (each padded to ``pad_multiple``) rounded up to a multiple of
+    ``TILE``, never past its ``capacity``."""
+    return max(min(round_up(tokens, math.lcm(pad_multiple, TILE)), capacity), tokens)
+
+
 def padded_multiple(pad_multiple: int) -> int:
     """Rows of a padded batch round up to this: the parallel layout's multiple, and 8 for tensor cores."""
     return math.lcm(pad_multiple, 8)
@@ -143,7 +149,7 @@ def collate_packed(samples: list[Sample], pad_multiple: int, pad_token_id: int, 
     real = [len(tokens) for tokens, _ in sequences]
     padded = [round_up(n, pad_multiple) for n in real]
     if total_length is None and capacity is not None:
-        total_length = max(min(round_up(sum(padded), math.lcm(pad_multiple, TILE)), capacity), sum(padded))
+        total_length = pack_length(sum(padded), pad_multiple, capacity)
     if total_length is not None and padded:
         if sum(padded) > total_length:
             raise ValueError(f"Pack of {sum(padded)} tokens exceeds the fixed length {total_length}.")
