@@ -133,11 +133,12 @@ class DataPlan:
         self.table: RowTable = scan_rows(dataset, self.kind, config.cutoff_len, template_tokens=template_tokens)
         self._dataset = dataset.select_columns(columns_for(self.kind, dataset.column_names))
         self._kept = np.flatnonzero(self.table.keep)
+        # tokens each row takes in a THD row: its sequences, each padded to pad_multiple
+        self._sizes = round_up_array(self.table.lengths, config.pad_multiple).sum(axis=1)
         self._packs: list[tuple[int, ...]] | None = None
         if config.packing:
-            sizes = round_up_array(self.table.lengths, config.pad_multiple).sum(axis=1)
             order = _rng(config.seed, _PACK_STREAM).permutation(self._kept) if config.shuffle else self._kept
-            self._packs = pack_window_ffd(sizes, order, self.capacity, config.pack_window)
+            self._packs = pack_window_ffd(self._sizes, order, self.capacity, config.pack_window)
         self._epochs: dict[int, list[tuple[int, ...]]] = {}  # the last two epochs asked for
         self._stand_in: MicroBatch | None = None
         self.reference: tuple[np.ndarray, np.ndarray] | None = None  # DPO: per row (chosen, rejected) log-probs
@@ -257,10 +258,8 @@ class DataPlan:
         if self._packs is not None and not config.variable_seq_lengths:
             padded_tokens = len(self._packs) * self.capacity
         elif self._packs is not None or config.padding_free:
-            sizes = round_up_array(table.lengths, config.pad_multiple).sum(axis=1)
             groups = self._packs if self._packs is not None else self.epoch_groups(0)
-            padded_tokens = sum(pack_length(int(sizes[list(group)].sum()), config.pad_multiple, self.capacity)
-                                for group in groups)
+            padded_tokens = sum(self._packed_size(group) for group in groups)
         else:
             padded_tokens = sum(self._padded_size(group) for group in self.epoch_groups(0))
         return {
@@ -285,6 +284,9 @@ class DataPlan:
             "capacity": self.capacity if config.packing else None,
             "packing_efficiency": tokens / padded_tokens if padded_tokens else 0.0,
         }
+
+    def _packed_size(self, group: tuple[int, ...]) -> int:
+        return pack_length(int(self._sizes[list(group)].sum()), self.config.pad_multiple, self.capacity)
 
     def _padded_size(self, group: tuple[int, ...]) -> int:
         lengths = self.table.lengths[list(group)]
