@@ -453,9 +453,9 @@ def workloads(smoke: bool) -> dict[str, Workload]:
                        "global batch 8"),
         Workload("gemma4_moe", "gemma4_moe", cut, packed, _pair(1, 8, "1 GPU"), steps=8, warmup=3,
                  layers=2 if smoke else 4,
-                 about=f"full fine-tuning of the first layers (4 by default: 3 windowed, the last full attention; each "
-                       f"a dense MLP beside 128 experts: with the embedding about what one H200 holds with Adam "
-                       f"states; 3 on an 80 GB GPU), "
+                 about=f"full fine-tuning of the first layers (4 by default: 3 windowed, the last full attention; "
+                       f"each a dense MLP beside 128 experts: with the embedding about what one H200 holds with "
+                       f"Adam states; 3 on an 80 GB GPU), "
                        f"{cut}-token packed micro-batches, global batch 8"),
         Workload("gemma4_e2b", "gemma4_e2b", cut, packed,
                  _pair(1, 8, "1 GPU") + [Run("ours_unmerged", "ours", 1, True, 1, 8, "1 GPU, packs one by one",
