@@ -547,19 +547,22 @@ def workloads(smoke: bool) -> dict[str, Workload]:
     return {w.name: w for w in found}
 
 
-FP8 = {"tensorwise": dict(fp8="hybrid"), "rowwise": dict(fp8="e4m3", fp8_recipe="rowwise")}
+FP8 = {"tensorwise": dict(fp8="hybrid"), "rowwise": dict(fp8="e4m3", fp8_recipe="rowwise"),
+       "delayed": dict(fp8="hybrid", fp8_recipe="delayed")}
 
 
 def _fp8_runs(grad_accum: int = 8) -> list[Run]:
     return [Run("ours_fp8", "ours", 1, True, 1, grad_accum, "1 GPU, FP8 tensorwise (hybrid)", FP8["tensorwise"]),
-            Run("ours_fp8_rowwise", "ours", 1, True, 1, grad_accum, "1 GPU, FP8 rowwise (e4m3)", FP8["rowwise"])]
+            Run("ours_fp8_rowwise", "ours", 1, True, 1, grad_accum, "1 GPU, FP8 rowwise (e4m3)", FP8["rowwise"]),
+            Run("ours_fp8_delayed", "ours", 1, True, 1, grad_accum, "1 GPU, FP8 delayed (hybrid)", FP8["delayed"])]
 
 
 def _fp8_workloads(smoke: bool, cut: int, packed: tuple, lora: dict) -> list[Workload]:
     """FP8 on torch's scaled matmuls (models/native/fp8.py) beside our bf16 and LLaMA-Factory's default path: speed
     and memory on the Qwen3-8B and Qwen3-30B-A3B shapes, the loss over 200 steps on the Qwen3-1.7B shape."""
     about = ("`ours_fp8`: `fp8: hybrid` (tensorwise scaling, gradients in E5M2); `ours_fp8_rowwise`: `fp8: e4m3`, "
-             "`fp8_recipe: rowwise`; both keep the first and last layer in bf16 (the default)")
+             "`fp8_recipe: rowwise`; `ours_fp8_delayed`: `fp8: hybrid`, `fp8_recipe: delayed`; all keep the first "
+             "and last layer in bf16 (the default)")
     return [
         Workload("fp8_dense", "dense8b", cut, packed,
                  _pair(1, 8, "1 GPU") + _fp8_runs()

@@ -27,7 +27,8 @@ RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("tensorwise", "rowwise", "delayed", "mxfp8", "blockwise", "custom")  # rowwise: ours (torchao's)
-FP8_NATIVE_RECIPES = ("tensorwise", "rowwise")  # what runs without Transformer Engine (models/native/fp8.py)
+FP8_NATIVE_RECIPES = ("tensorwise", "rowwise", "delayed")  # what runs without TE (models/native/fp8.py)
+FP8_AMAX_ALGOS = ("most_recent", "max")
 ROUTER_DTYPES = ("fp32", "fp64")
 DROP_POLICIES = ("probs", "position")
 LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
@@ -184,6 +185,16 @@ class DistributingParallelArguments:
     num_layers_at_end_in_bf16: int | None = field(
         default=None, metadata={"help": "Layers kept in bf16 at the end under first_last_layers_bf16 (default 1)."}
     )
+    fp8_amax_history_len: int | None = field(
+        default=None, metadata={"help": "fp8_recipe delayed: steps of absolute maxima kept (default 1)."}
+    )
+    fp8_amax_compute_algo: str | None = field(
+        default=None, metadata={"help": f"fp8_recipe delayed, {FP8_AMAX_ALGOS}: the scale from the last step's "
+                                        "maximum (default) or the largest in the history."}
+    )
+    fp8_margin: int | None = field(
+        default=None, metadata={"help": "fp8_recipe delayed: scales 2^margin below the FP8 range (default 0)."}
+    )
     attention_backend: str | None = field(
         default=None, metadata={"help": f"{ATTENTION_BACKENDS}; auto picks TE or the native kernels."}
     )
@@ -218,6 +229,7 @@ class DistributingParallelArguments:
         self._read_fp8_spelling()
         _one_of("fp8", self.fp8, FP8_FORMATS)
         _one_of("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
+        _one_of("fp8_amax_compute_algo", self.fp8_amax_compute_algo, FP8_AMAX_ALGOS)
         _one_of("moe_router_dtype", self.moe_router_dtype, ROUTER_DTYPES)
         _one_of("moe_token_drop_policy", self.moe_token_drop_policy, DROP_POLICIES)
         _one_of("moe_router_load_balancing_type", self.moe_router_load_balancing_type, LOAD_BALANCING)
@@ -320,15 +332,17 @@ class DistributingParallelArguments:
 
     def _check_fp8(self) -> None:
         keys = ("fp8_recipe", "fp8_param", "fp8_wgrad", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
-                "num_layers_at_end_in_bf16")
+                "num_layers_at_end_in_bf16", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin")
         if self.fp8 is None:
             for name in keys:
                 _require(getattr(self, name) is None or getattr(self, name) is False,
                          f"{name}={getattr(self, name)!r} needs fp8 set to e4m3 or hybrid (got fp8=None).")
             return
-        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16", "fp8_margin"):
             value = getattr(self, name)
             _require(value is None or (isinstance(value, int) and value >= 0), f"{name}={value!r} must be >= 0.")
+        _require(self.fp8_amax_history_len is None or self.fp8_amax_history_len >= 1,
+                 f"fp8_amax_history_len={self.fp8_amax_history_len!r} must be >= 1.")
         from .compat import fp8_unsupported, has_transformer_engine
 
         if has_transformer_engine():
@@ -339,7 +353,11 @@ class DistributingParallelArguments:
         self.fp8_recipe = self.fp8_recipe or "tensorwise"
         _require(self.fp8_recipe in FP8_NATIVE_RECIPES,
                  f"fp8_recipe={self.fp8_recipe!r} needs Transformer Engine, which is not installed; without it FP8 "
-                 f"runs on torch's scaled matmuls. Set fp8_recipe: tensorwise or rowwise.")
+                 f"runs on torch's scaled matmuls. Set fp8_recipe: tensorwise, delayed or rowwise.")
+        for name in ("fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin"):
+            _require(getattr(self, name) is None or self.fp8_recipe == "delayed",
+                     f"{name}={getattr(self, name)!r} sets delayed scaling, but fp8_recipe={self.fp8_recipe!r}. Set "
+                     f"fp8_recipe: delayed, or drop {name}.")
         _require(not self.fp8_param,
                  "fp8_param=True keeps the weights in Transformer Engine's FP8 tensors, which is not installed. Drop "
                  "fp8_param: without it the weights stay bf16 and each GEMM casts its own FP8 copy.")

@@ -139,8 +139,11 @@ INVALID = [
     ({"fp8_param": True}, ["fp8_param", "fp8"]),
     ({"fp8": "e5m2"}, ["fp8", "e5m2"]),
     ({"fp8": "hybrid"}, ["fp8='hybrid' needs GPUs with FP8 tensor cores", "no NVIDIA GPU", "Drop fp8"]),  # CPU
-    ({"fp8": "e4m3", "fp8_recipe": "delayed"}, ["fp8_recipe='delayed' needs Transformer Engine", "tensorwise or "
-                                                                                                 "rowwise"]),
+    ({"fp8": "e4m3", "fp8_recipe": "blockwise"}, ["fp8_recipe='blockwise' needs Transformer Engine",
+                                                  "tensorwise, delayed or rowwise"]),
+    ({"fp8": "e4m3", "fp8_amax_history_len": 16}, ["fp8_amax_history_len=16 sets delayed scaling",
+                                                    "fp8_recipe='tensorwise'", "Set fp8_recipe: delayed"]),
+    ({"fp8_amax_compute_algo": "mean"}, ["fp8_amax_compute_algo='mean' is not one of most_recent, max"]),
     ({"fp8": "e4m3", "fp8_param": True}, ["fp8_param=True", "Transformer Engine", "Drop fp8_param"]),
     ({"first_last_layers_bf16": True}, ["first_last_layers_bf16=True needs fp8"]),
     ({"fp8": "e4m3", "num_layers_at_end_in_bf16": -1}, ["num_layers_at_end_in_bf16=-1 must be >= 0"]),

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests._cli import losses, ok, ranks, recipe, start, train
-from tests.models.test_fp8 import RECIPES, check_scaled_gemms
+from tests.models.test_fp8 import RECIPES, _rel, check_scaled_gemms
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
@@ -134,3 +134,36 @@ def test_a_killed_fp8_run_resumes_with_fp8_off_and_then_on_again(assets, tmp_pat
         with open(tmp_path / name / "trainer_state.json") as f, \
                 open(tmp_path / "ref" / f"checkpoint-{steps}" / "trainer_state.json") as g:
             assert json.load(f)["num_input_tokens_seen"] == json.load(g)["num_input_tokens_seen"]
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_weight_gradient_accumulates_inside_the_cublaslt_gemm(fmt, monkeypatch):
+    """``main_grad += dy^T x`` in one cuBLASLt GEMM (beta = 1) against ``torch._scaled_mm``'s fp32 product added
+    after it: the same sum to fp32 rounding, into a ``main_grad`` that is a view at an address only 16-byte aligned
+    (as inside DDP's gradient buffer), twice (two micro-batches); and a linear's backward takes that way."""
+    from llamafactory_mca.models.native import fp8, fp8_cublaslt
+
+    settings = fp8.Fp8Training(format=fmt)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(200, 384, device="cuda", dtype=torch.bfloat16, generator=gen)
+    g = torch.randn(200, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
+    _, x_cols = fp8.per_tensor(x, settings.dtype(), rows=False, cols=True)
+    _, g_cols = fp8.per_tensor(g, settings.dtype(gradient=True), rows=False, cols=True)
+    buffer = torch.randn(256 * 384 + 4, device="cuda", generator=gen)
+    main_grad = buffer[4:].view(256, 384)
+    want, edge = main_grad.clone(), buffer[:4].clone()
+    for _ in range(2):
+        assert fp8_cublaslt.accumulate(g_cols.data, g_cols.scale_inv, x_cols.data, x_cols.scale_inv, main_grad)
+        want += fp8.mm(g_cols, x_cols, torch.float32, fast_accum=False)
+    assert (main_grad - want).abs().max() <= 1e-4 * want.abs().max()
+    assert torch.equal(buffer[:4], edge)
+
+    taken = []
+    real = fp8_cublaslt.accumulate
+    monkeypatch.setattr(fp8_cublaslt, "accumulate", lambda *args: taken.append(real(*args)) or taken[-1])
+    w = torch.nn.Parameter(torch.randn(256, 384, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.05)
+    w.main_grad, w.grad_added_to_main_grad = torch.zeros(256, 384, device="cuda"), False
+    fp8._Fp8Linear.apply(x.clone().requires_grad_(), w, None, settings, fp8.WeightCasts(), True, False, False,
+                         None).backward(g)
+    assert taken == [True] and w.grad_added_to_main_grad
+    assert _rel(w.main_grad, g.float().t() @ x.float()) < 0.08

@@ -214,6 +214,10 @@ def test_recipe_keys_become_one_decision():
     assert kwargs == {"num_layers": 8, "fp8_training": fp8.Fp8Training("hybrid", "rowwise", True, 1, 2)}
     settings = fp8.from_fields({"fp8": "e4m3", "first_last_layers_bf16": False, "fp8_wgrad": False})
     assert settings == fp8.Fp8Training("e4m3", "tensorwise", False, 0, 0)
+    delayed = fp8.from_fields({"fp8": "e4m3", "fp8_recipe": "delayed", "fp8_amax_history_len": 16,
+                               "fp8_amax_compute_algo": "max", "fp8_margin": 1})
+    assert (delayed.delayed, delayed.amax_history, delayed.amax_algo, delayed.margin) == (True, 16, "max", 1)
+    assert "largest maximum of 16 steps before" in delayed.describe(36, experts=False, hidden=4096)
     assert [n for n in range(1, 9) if fp8.Fp8Training().covers(n, 8)] == list(range(2, 8))
     line = fp8.Fp8Training("hybrid").describe(36, experts=False, hidden=4096)
     assert "layers 2-35 of 36" in line and "E5M2" in line and "router" in line and "experts" not in line
@@ -241,7 +245,8 @@ def _tp_run(tp: int) -> dict:
     parallel.initialize(_layout(world=tp, tp=tp), seed=11)
     out = {}
     for name, settings in (("bf16", None), ("tensorwise", fp8.Fp8Training()),
-                           ("rowwise", fp8.Fp8Training("hybrid", "rowwise"))):
+                           ("rowwise", fp8.Fp8Training("hybrid", "rowwise")), ("delayed", fp8.Fp8Training("e4m3",
+                                                                                                       "delayed"))):
         config = dataclasses.replace(_config(tp=tp, sp=tp > 1), num_layers=4, bf16=True, params_dtype=torch.bfloat16)
         torch.manual_seed(5)
         model = _model(config, block=True).to(torch.bfloat16)
@@ -256,6 +261,11 @@ def _tp_run(tp: int) -> dict:
             out[f"{name}_kinds"] = kinds
             model.decoder.layers[1].mlp.linear_fc1.weight.requires_grad_(False)  # a frozen base (LoRA's)
         tokens, _, weights, _ = _inputs()
+        if name == "delayed":  # a first step records the maxima the measured step is scaled by
+            with casts.holding():
+                (gather_from_tensor_model_parallel_region(_forward(model, tokens)).float() * weights).sum().backward()
+            model.zero_grad(set_to_none=True)
+            out["delayed_primed"] = casts.scales.primed and bool((casts.scales.used > 0).all())
         passes = []  # FP8: a second micro-batch of the step on the first's weight casts (held, as the trainer holds)
         with casts.holding() if casts is not None else contextlib.nullcontext():
             for _ in range(1 if casts is None else 2):
@@ -338,3 +348,41 @@ def test_fp8_model_near_bf16_and_tp2_sequence_parallel_equal_one_rank(one_rank):
             rows = bf16["embedding"].shape[0] // 2  # the input gradients' reduce-scatter reaches the embedding
             assert _rel(out[recipe]["embedding"], bf16["embedding"][rank * rows:(rank + 1) * rows]) < 0.1
             assert _rel(out["bf16"]["logits"], bf16["logits"]) < 0.01, rank
+    # delayed scaling, its second step on the same data scaled by the first's maxima: tensorwise's numbers exactly
+    for out in (one_rank, *per_rank):
+        assert out["delayed_primed"] and out["delayed_routed"] == 8
+        assert all(torch.equal(out["delayed"][k], out["tensorwise"][k]) for k in ("logits", "fc2", "embedding"))
+        assert "delayed (activations and gradients scaled by the last maximum of 1 step before" in \
+            out["delayed_summary"]
+
+
+def test_delayed_scales_come_from_the_steps_before():
+    """The first step scales each tensor by its own maximum and records it; later steps by the record (a larger
+    value saturates at it); a place that saw nothing (or only zeros) keeps its scale; ``max`` over a history of
+    two, and a margin."""
+    fp8 = _fp8()
+    e4m3, fmax = torch.float8_e4m3fn, torch.finfo(torch.float8_e4m3fn).max
+
+    def inv(scales, x, place=0):
+        return float(scales.cast(x.to(torch.bfloat16), e4m3, place, rows=True, cols=False)[0].scale_inv)
+
+    x = torch.zeros(20, 16)
+    scales = fp8.DelayedScales(fp8.Fp8Training(recipe="delayed"))
+    assert scales.place(2) == 0 and scales.place(2) == 2
+    assert inv(scales, x + 3) == pytest.approx(3 / fmax) and float(scales.seen[0]) == 3  # current, recorded
+    inv(scales, x + 0.5, place=1)
+    scales.roll()
+    big = x.clone()
+    big[0, 0] = 6
+    op, _ = scales.cast(big.to(torch.bfloat16), e4m3, 0, rows=True, cols=False)
+    assert float(op.scale_inv) == pytest.approx(3 / fmax) and float(op.data.float().max() * op.scale_inv) == 3
+    assert float(scales.seen[0]) == 6 and float(scales.seen[1]) == 0
+    inv(scales, x, place=1)  # all zeros
+    scales.roll()
+    assert scales.used.tolist()[:2] == [6, 0.5] and scales.used.tolist()[2:] == [0, 0]
+    history = fp8.DelayedScales(fp8.Fp8Training(recipe="delayed", amax_history=2, amax_algo="max", margin=1))
+    history.place()
+    for value in (3, 6, 1):
+        inv(history, x + value)
+        history.roll()
+    assert float(history.used[0]) == 12  # max(6, 1) * 2^1
