@@ -146,6 +146,19 @@ def test_weights_cast_once_a_step_while_held(recipe, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(each, once)) and torch.equal(each_main, once_main)
     assert not casts.holds(w)
 
+    # frozen (LoRA's base): cast once for the run, in and out of held steps, again once the weight is written
+    w.requires_grad_(False)
+    frozen = fp8.WeightCasts()
+    counts = []
+    for held in (True, False, True):
+        counts.append(step(frozen, held)[2][1])
+    assert counts == [2, 0, 0] and frozen.holds(w)
+    before = step(frozen, True)[0]
+    with torch.no_grad():
+        w.mul_(2)
+    after, _, (_, recast) = step(frozen, True)
+    assert recast == 2 and _rel(after[0], 2 * before[0]) < 0.01
+
 
 def test_unaligned_features_run_the_bf16_function():
     fp8 = _fp8()

@@ -275,12 +275,17 @@ class WeightCasts:
     and one more from its first backward (the input gradient's), made while the layer's activations are being
     freed. A step of one micro-batch peaks at the end of its forward with the first byte alone; where a second
     micro-batch's forward follows, it peaks there with both (the planner counts them so).
+
+    A frozen weight (LoRA's base, freeze tuning's frozen layers) does not change at the optimizer step: its casts are
+    kept for the run, read by every step and by CUDA graphs (captured once, they replay reading the same copies),
+    and made again only if the weight is written (its version counter moves: an adapter merged into it).
     """
 
     def __init__(self, scales: DelayedScales | None = None) -> None:
         self.routed = 0  # the linears and grouped experts that read their operands here
         self.scales = scales  # delayed scaling's maxima, rolled at each step's end
         self._held: dict[tuple[int, str], Any] | None = None
+        self._frozen: dict[tuple[int, str], tuple[torch.Tensor, int, Any]] = {}  # (weight, its version, casts)
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:
@@ -293,10 +298,18 @@ class WeightCasts:
                 self.scales.roll()
 
     def holds(self, weight: torch.Tensor) -> bool:
-        return self._held is not None and not (weight.is_cuda and torch.cuda.is_current_stream_capturing())
+        return not weight.requires_grad or (
+            self._held is not None and not (weight.is_cuda and torch.cuda.is_current_stream_capturing()))
 
     def get(self, weight: torch.Tensor, layout: str, cast: Callable[[], Any]) -> Any:
-        """``cast()``, or what it returned for ``weight`` and ``layout`` earlier in this step."""
+        """``cast()``, or what it returned for ``weight`` and ``layout`` earlier in this step (for a frozen weight:
+        in this run, while the weight is unchanged)."""
+        if not weight.requires_grad:
+            key = (id(weight), layout)
+            kept = self._frozen.get(key)
+            if kept is None or kept[1] != weight._version:
+                kept = self._frozen[key] = (weight, weight._version, cast())
+            return kept[2]
         if not self.holds(weight):
             return cast()
         key = (id(weight), layout)
