@@ -557,6 +557,9 @@ def _fp8_runs(grad_accum: int = 8) -> list[Run]:
             Run("ours_fp8_delayed", "ours", 1, True, 1, grad_accum, "1 GPU, FP8 delayed (hybrid)", FP8["delayed"])]
 
 
+SMALL_STATES = dict(store_param_remainders=True, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+
+
 def _graphed_fp8_runs(with_tensorwise: bool = False) -> list[Run]:
     """bf16 and FP8 with every layer replayed as a CUDA graph: the launches of a step out of the host's way."""
     graphs = [Run("ours_graphs", "ours", 1, True, 1, 8, "1 GPU, CUDA graphs", {"cuda_graphs": True}),
@@ -583,6 +586,14 @@ def _fp8_workloads(smoke: bool, cut: int, packed: tuple, lora: dict) -> list[Wor
                        f"layer and their Adam states, about what one 80 GB GPU holds), {cut}-token packed "
                        "micro-batches, global batch 8; "
                        + about + "; `ours_graphs*`: every layer replayed as a CUDA graph"),
+        Workload("fp8_dense_deep", "dense8b", cut, packed,
+                 [Run(r.name, r.path, r.gpus, r.packing, r.micro_batch, r.grad_accum, r.layout + ", 16-bit states",
+                      dict(r.extra, **SMALL_STATES)) for r in _pair(1, 8, "1 GPU")[1:] + _fp8_runs()],
+                 steps=8, warmup=3, layers=2 if smoke else 18,
+                 about=f"full fine-tuning of the first 18 layers of 36 with the 16-bit optimizer states "
+                       f"(`store_param_remainders`, bf16 Adam moments: what lets that many fit one 80 GB GPU), "
+                       f"{cut}-token packed micro-batches, global batch 8: deeper, the output layer and the bf16 "
+                       f"first and last layers weigh less in the step; " + about),
         Workload("fp8_lora", "dense8b", cut, packed, _pair(1, 8, "1 GPU", lf_layout="1 GPU, gradient checkpointing "
                                                             "(LF default)") + _fp8_runs() + _graphed_fp8_runs(),
                  steps=8, warmup=3, layers=None if smoke else 36, tuning=lora,
