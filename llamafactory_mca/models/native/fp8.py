@@ -433,10 +433,9 @@ class _Fp8Linear(torch.autograd.Function):
             into = main_grad is not None
             if ctx.fuse_wgrad:
                 weight.main_grad = main_grad
-            if wgrad_fp8 and not fp8.rowwise and into and \
-                    fp8_cublaslt.accumulate(g_cols.data, g_cols.scale_inv, *kept, main_grad):
-                pass  # added inside the GEMM
-            elif wgrad_fp8:
+            in_gemm = wgrad_fp8 and not fp8.rowwise and into and \
+                fp8_cublaslt.accumulate(g_cols.data, g_cols.scale_inv, *kept, main_grad)  # main_grad += dW in one
+            if wgrad_fp8 and not in_gemm:
                 if fp8.rowwise:  # rowwise GEMMs write bf16 only
                     dw = mm(per_row(g, gdt, 0), per_row(total_x, fp8.dtype(), 0), g.dtype, fast_accum=False)
                 else:
@@ -446,9 +445,9 @@ class _Fp8Linear(torch.autograd.Function):
                     main_grad.add_(dw)
                 else:
                     grad_weight = dw.to(weight.dtype)
-            elif into:
+            elif not wgrad_fp8 and into:
                 wgrad.wgrad_gemm_accum_fp32(total_x, g, main_grad)
-            else:
+            elif not wgrad_fp8:
                 grad_weight = g.t().matmul(total_x)
             if into:
                 grad_weight = wgrad.placeholder_grad(weight, g.dtype)
