@@ -162,7 +162,7 @@ def cast_torch(x: torch.Tensor, amax: torch.Tensor, axis: int, dtype: torch.dtyp
                ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """The Triton kernel's cast (``fp8_triton.cast``) in torch ops: what CPUs run, and its reference."""
     if seen is not None:
-        torch.maximum(seen, _amax(x).float(), out=seen)
+        torch.maximum(seen[:1], _amax(x).float(), out=seen[:1])
     fmax, m = torch.finfo(dtype).max, x.shape[-2]
     m_out = m if m_out is None else m_out
     a = amax.float().clamp(min=EPS)
@@ -205,9 +205,11 @@ class DelayedScales:
     Transformer Engine's recipe does. The first step, with no history yet, scales each tensor by its own maximum
     (current scaling) while recording it. Values past a delayed scale's range saturate."""
 
+    SLOTS = 64  # per place: the cast kernel's blocks spread their atomic maxima over these
+
     def __init__(self, fp8: Fp8Training) -> None:
         self.fp8, self.places, self.primed = fp8, 0, False
-        self.seen: torch.Tensor | None = None  # [places]: this step's maxima
+        self.seen: torch.Tensor | None = None  # [places, SLOTS]: this step's maxima
         self.history: torch.Tensor | None = None  # [amax_history, places]: the steps' before, newest first
         self.used: torch.Tensor | None = None  # [places]: what the casts scale by
 
@@ -219,7 +221,7 @@ class DelayedScales:
     def cast(self, x: torch.Tensor, dtype: torch.dtype, place: int, rows: bool, cols: bool
              ) -> tuple[Operand | None, Operand | None]:
         if self.seen is None:
-            self.seen = torch.zeros(self.places, dtype=torch.float32, device=x.device)
+            self.seen = torch.zeros(self.places, self.SLOTS, dtype=torch.float32, device=x.device)
             self.history = torch.zeros(self.fp8.amax_history, self.places, dtype=torch.float32, device=x.device)
             self.used = torch.zeros(self.places, dtype=torch.float32, device=x.device)
         delayed = self.primed or (x.is_cuda and torch.cuda.is_current_stream_capturing())
@@ -229,10 +231,11 @@ class DelayedScales:
     def roll(self) -> None:
         if self.seen is None:
             return
-        fresh = torch.isfinite(self.seen) & (self.seen > 0)
+        seen = self.seen.amax(1)
+        fresh = torch.isfinite(seen) & (seen > 0)
         if self.history.shape[0] > 1:
             self.history.copy_(torch.roll(self.history, 1, 0))
-        self.history[0].copy_(torch.where(fresh, self.seen, self.history[1 if self.history.shape[0] > 1 else 0]))
+        self.history[0].copy_(torch.where(fresh, seen, self.history[1 if self.history.shape[0] > 1 else 0]))
         known = self.history.amax(0) if self.fp8.amax_algo == "max" else self.history[0]
         self.used.copy_(torch.where(known > 0, known * 2.0 ** self.fp8.margin, self.used))
         self.seen.zero_()

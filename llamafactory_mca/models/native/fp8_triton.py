@@ -25,7 +25,7 @@ BLOCK = 64
 @triton.jit(do_not_specialize=["m", "m_out"])
 def _cast(x_ptr, amax_ptr, out_ptr, out_t_ptr, inv_ptr, seen_ptr, m, m_out, n, stride_x, stride_batch,
           FP8_MAX: tl.constexpr, EPS: tl.constexpr, AXIS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-          SEEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+          SEEN: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     batch = tl.program_id(2).to(tl.int64)  # a stack of matrices (the experts' weights): one after the other
     x_ptr += batch * stride_batch
     out_ptr += batch * m_out * n
@@ -35,8 +35,10 @@ def _cast(x_ptr, amax_ptr, out_ptr, out_t_ptr, inv_ptr, seen_ptr, m, m_out, n, s
     live = (rm < m)[:, None] & (rn < n)[None, :]
     kept = (rm < m_out)[:, None] & (rn < n)[None, :]  # rows m .. m_out: zeros (the GEMMs' alignment)
     x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_x + rn[None, :], mask=live, other=0.0).to(tl.float32)
-    if SEEN:  # delayed scaling: this tensor's absolute maximum, for the scales of the steps to come
-        tl.atomic_max(seen_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+    if SEEN:  # delayed scaling: this tensor's absolute maximum, for the scales of the steps to come, spread over
+        # SLOTS addresses (thousands of blocks on one address wait on each other's atomics)
+        slot = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) % SLOTS
+        tl.atomic_max(seen_ptr + slot, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
     # the scale FP8_MAX / amax and its inverse, correctly rounded as torch divides (the fallback's bits)
     if AXIS == 0:  # one scale for the tensor
         a = tl.maximum(tl.load(amax_ptr).to(tl.float32), EPS)
@@ -68,8 +70,9 @@ def cast(x: torch.Tensor, amax: torch.Tensor, axis: int, dtype: torch.dtype, row
     """``x`` [m, n] or [batch, m, n] (unit stride along n) scaled to ``dtype``'s range by its absolute maximum
     ``amax`` (axis 0: one, 1: [(batch,) m] per row, 2: [(batch,) n] per column), saturated and rounded:
     ([m_out, n] if ``rows``, [n, m_out] if ``cols``) per matrix, contiguous, rows from m to ``m_out`` (default m)
-    zeros; and the inverse scales (0-dim, [(batch,) m_out] or [(batch,) n] fp32). ``seen`` (fp32, one element; axis
-    0): raised to x's own absolute maximum in the same pass (delayed scaling's record)."""
+    zeros; and the inverse scales (0-dim, [(batch,) m_out] or [(batch,) n] fp32). ``seen`` (fp32, contiguous; axis
+    0): its elements raised so that their maximum is at least x's own absolute maximum, in the same pass (delayed
+    scaling's record)."""
     *batch, m, n = x.shape
     m_out = m if m_out is None else m_out
     count = batch[0] if batch else 1
@@ -80,7 +83,8 @@ def cast(x: torch.Tensor, amax: torch.Tensor, axis: int, dtype: torch.dtype, row
     grid = (triton.cdiv(m_out, BLOCK), triton.cdiv(n, BLOCK), count)
     _cast[grid](x, amax, out if rows else out_t, out_t if cols else out, inv, inv if seen is None else seen, m,
                 m_out, n, x.stride(-2), x.stride(0) if batch else 0, FP8_MAX=torch.finfo(dtype).max, EPS=eps,
-                AXIS=axis, ROWS=rows, COLS=cols, SEEN=seen is not None, BLOCK_M=BLOCK, BLOCK_N=BLOCK)
+                AXIS=axis, ROWS=rows, COLS=cols, SEEN=seen is not None, SLOTS=1 if seen is None else seen.numel(),
+                BLOCK_M=BLOCK, BLOCK_N=BLOCK)
     return out, out_t, inv
 
 
