@@ -393,6 +393,7 @@ def test_delayed_scales_come_from_the_steps_before():
     inv(scales, x, place=1)  # all zeros
     scales.roll()
     assert scales.used.tolist()[:2] == [6, 0.5] and scales.used.tolist()[2:] == [0, 0]
+    assert scales.unknown == {2, 3} and inv(scales, x + 5, place=2) == pytest.approx(5 / fmax)  # its own maximum
     history = fp8.DelayedScales(fp8.Fp8Training(recipe="delayed", amax_history=2, amax_algo="max", margin=1))
     history.place()
     for value in (3, 6, 1):

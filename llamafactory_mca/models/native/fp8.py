@@ -203,12 +203,15 @@ class DelayedScales:
     scales the next step uses (``used``) are taken from it, in place (a CUDA graph captured at step 1 reads and
     writes the same tensors every replay). A place that saw no finite non-zero maximum keeps the scale it had, as
     Transformer Engine's recipe does. The first step, with no history yet, scales each tensor by its own maximum
-    (current scaling) while recording it. Values past a delayed scale's range saturate."""
+    (current scaling) while recording it, and so does every later step at a place with no maximum yet (``unknown``,
+    read at the step's end while there are any: a small copy to the host). Values past a delayed scale's range
+    saturate."""
 
     SLOTS = 64  # per place: the cast kernel's blocks spread their atomic maxima over these
 
     def __init__(self, fp8: Fp8Training) -> None:
         self.fp8, self.places, self.primed = fp8, 0, False
+        self.unknown: set[int] = set()  # places without a scale yet
         self.seen: torch.Tensor | None = None  # [places, SLOTS]: this step's maxima
         self.history: torch.Tensor | None = None  # [amax_history, places]: the steps' before, newest first
         self.used: torch.Tensor | None = None  # [places]: what the casts scale by
@@ -224,7 +227,8 @@ class DelayedScales:
             self.seen = torch.zeros(self.places, self.SLOTS, dtype=torch.float32, device=x.device)
             self.history = torch.zeros(self.fp8.amax_history, self.places, dtype=torch.float32, device=x.device)
             self.used = torch.zeros(self.places, dtype=torch.float32, device=x.device)
-        delayed = self.primed or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        delayed = (self.primed and place not in self.unknown) or capturing
         return per_tensor(x, dtype, rows, cols, amax=self.used[place] if delayed else None, seen=self.seen[place])
 
     @torch.no_grad()
@@ -239,6 +243,8 @@ class DelayedScales:
         known = self.history.amax(0) if self.fp8.amax_algo == "max" else self.history[0]
         self.used.copy_(torch.where(known > 0, known * 2.0 ** self.fp8.margin, self.used))
         self.seen.zero_()
+        if self.unknown or not self.primed:  # a known place stays known: once all are, no more copies to the host
+            self.unknown = set(torch.nonzero(self.used == 0).flatten().tolist())
         self.primed = True
 
 
