@@ -137,10 +137,12 @@ def _lt() -> _Lt | None:
     if "lt" not in _state:
         try:
             lib = _library()
+            why = "torch has not loaded it"
         except OSError as error:
-            lib = None
+            lib, why = None, str(error)
+        if lib is None:
             logger.warning("FP8: cuBLASLt could not be opened (%s); weight gradients are added to main_grad after "
-                           "their GEMM.", error)
+                           "their GEMM.", why)
         _state["lt"] = _Lt(lib) if lib is not None else None
     return _state["lt"]
 
