@@ -13,7 +13,8 @@
   DDP's main_grad instead of a dense gradient as large as the table
 - ``tower_attention.py``: the HF vision towers' attention in one ``varlen_attn`` call per block
 - ``fp8.py``: FP8 GEMMs without TE (``fp8``/``fp8_recipe``): the parallel linears' matmul function on
-  ``torch._scaled_mm``, the grouped experts' on ``torch._scaled_grouped_mm``; ``fp8_triton.py`` its cast
+  ``torch._scaled_mm``, the grouped experts' on ``torch._scaled_grouped_mm``; ``fp8_triton.py`` its cast;
+  ``fp8_cublaslt.py`` the weight gradient added into main_grad inside cuBLASLt's GEMM
 - ``routing.py``: group-limited routing (DeepSeek-V3) with transformers' group score; a frozen router's backward
 
 - ``norm_triton.py``, ``rope_triton.py``, ``swiglu_triton.py``, ``loss_triton.py``, ``combine_triton.py``: the q/k
