@@ -13,7 +13,7 @@ import math
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -587,8 +587,8 @@ def _fp8_workloads(smoke: bool, cut: int, packed: tuple, lora: dict) -> list[Wor
                        "micro-batches, global batch 8; "
                        + about + "; `ours_graphs*`: every layer replayed as a CUDA graph"),
         Workload("fp8_dense_deep", "dense8b", cut, packed,
-                 [Run(r.name, r.path, r.gpus, r.packing, r.micro_batch, r.grad_accum, r.layout + ", 16-bit states",
-                      dict(r.extra, **SMALL_STATES)) for r in _pair(1, 8, "1 GPU")[1:] + _fp8_runs()],
+                 [replace(r, layout=r.layout + ", 16-bit states", extra=dict(r.extra, **SMALL_STATES))
+                  for r in _pair(1, 8, "1 GPU")[1:] + _fp8_runs()],
                  steps=8, warmup=3, layers=2 if smoke else 18,
                  about=f"full fine-tuning of the first 18 layers of 36 with the 16-bit optimizer states "
                        f"(`store_param_remainders`, bf16 Adam moments: what lets that many fit one 80 GB GPU), "

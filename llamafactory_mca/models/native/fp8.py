@@ -114,9 +114,9 @@ class Fp8Training:
                 f"{where}{moe}; embedding, output layer, router, norms and attention scores in bf16{narrow}")
 
 
+# Megatron's TransformerConfig keys this reads
 FIELDS = ("fp8", "fp8_recipe", "fp8_wgrad", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
           "num_layers_at_end_in_bf16", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin")
-# Megatron's TransformerConfig keys this reads
 
 
 def from_fields(fields: dict[str, Any]) -> Fp8Training:
@@ -227,8 +227,9 @@ class DelayedScales:
             self.seen = torch.zeros(self.places, self.SLOTS, dtype=torch.float32, device=x.device)
             self.history = torch.zeros(self.fp8.amax_history, self.places, dtype=torch.float32, device=x.device)
             self.used = torch.zeros(self.places, dtype=torch.float32, device=x.device)
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        delayed = (self.primed and place not in self.unknown) or capturing
+        # a capture records the delayed cast: the graph replays once the history exists (asked only when needed)
+        delayed = (self.primed and place not in self.unknown) or (
+            x.is_cuda and torch.cuda.is_current_stream_capturing())
         return per_tensor(x, dtype, rows, cols, amax=self.used[place] if delayed else None, seen=self.seen[place])
 
     @torch.no_grad()
@@ -236,10 +237,10 @@ class DelayedScales:
         if self.seen is None:
             return
         seen = self.seen.amax(1)
-        fresh = torch.isfinite(seen) & (seen > 0)
+        newest = torch.where(torch.isfinite(seen) & (seen > 0), seen, self.history[0])  # else the step before's
         if self.history.shape[0] > 1:
             self.history.copy_(torch.roll(self.history, 1, 0))
-        self.history[0].copy_(torch.where(fresh, seen, self.history[1 if self.history.shape[0] > 1 else 0]))
+        self.history[0].copy_(newest)
         known = self.history.amax(0) if self.fp8.amax_algo == "max" else self.history[0]
         self.used.copy_(torch.where(known > 0, known * 2.0 ** self.fp8.margin, self.used))
         self.seen.zero_()
