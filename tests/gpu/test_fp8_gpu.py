@@ -172,3 +172,53 @@ def test_weight_gradient_accumulates_inside_the_cublaslt_gemm(fmt, monkeypatch):
                          None).backward(g)
     assert taken == [True] and w.grad_added_to_main_grad
     assert _rel(w.main_grad, g.float().t() @ x.float()) < 0.08
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_a_replayed_graph_reads_the_weight_as_the_optimizer_left_it(recipe):
+    """A linear's forward and backward captured as one CUDA graph inside step 1 (as megatron-core captures, after
+    the step ran eagerly), replayed in step 2 after the weight changed: the output, input gradient and the weight
+    gradient accumulated into main_grad are what an eager step computes from the changed weight (the graph reads the
+    weight's casts, made again as the step began; a stale cast would give the old weight's)."""
+    from llamafactory_mca.models.native import fp8
+
+    settings = fp8.Fp8Training(format="hybrid", recipe=recipe)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    g = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.nn.Parameter(torch.randn(64, 128, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.05)
+    w.main_grad, w.grad_added_to_main_grad = torch.zeros(64, 128, device="cuda"), False
+    casts = fp8.WeightCasts(fp8.DelayedScales(settings) if settings.delayed else None)
+    place = casts.scales.place(2) if settings.delayed else 0
+    static_x = x.clone().requires_grad_()
+
+    def run(casts, inputs, place):
+        y = fp8._Fp8Linear.apply(inputs, w, None, settings, casts, True, False, False, None, place)
+        y.backward(g)
+        return y
+
+    with casts.holding():  # step 1: eager, then the warm-up torch asks for on a side stream, then the capture
+        run(casts, static_x, place)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run(casts, static_x, place)
+        torch.cuda.current_stream().wait_stream(side)
+        static_x.grad = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = run(casts, static_x, place)
+    assert len(casts._graphed) == 3  # the weight's maximum and its two layouts
+
+    with torch.no_grad():
+        w.mul_(-3)  # the optimizer step
+    w.main_grad.zero_()
+    with casts.holding():  # step 2: the replay (delayed: x's and g's maxima from step 1, their own again)
+        graph.replay()
+    torch.cuda.synchronize()
+    replayed = (static_y.clone(), static_x.grad.clone(), w.main_grad.clone())
+    w.main_grad.zero_()
+    eager_x = x.clone().requires_grad_()
+    eager = (run(fp8.WeightCasts(), eager_x, 0), eager_x.grad, w.main_grad)
+    for got, want in zip(replayed, eager):
+        assert _rel(got, want) < 1e-3, (_rel(got, want), recipe)
