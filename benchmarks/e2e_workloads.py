@@ -588,13 +588,12 @@ def _fp8_workloads(smoke: bool, cut: int, packed: tuple, lora: dict) -> list[Wor
                        + about + "; `ours_graphs*`: every layer replayed as a CUDA graph"),
         Workload("fp8_dense_deep", "dense8b", cut, packed,
                  [replace(r, layout=r.layout + ", 16-bit states", extra=dict(r.extra, **SMALL_STATES))
-                  for r in _pair(1, 8, "1 GPU")[1:] + _fp8_runs() + _graphed_fp8_runs()],
+                  for r in _pair(1, 8, "1 GPU")[1:] + _fp8_runs()],
                  steps=8, warmup=3, layers=2 if smoke else 18,
                  about=f"full fine-tuning of the first 18 layers of 36 with the 16-bit optimizer states "
                        f"(`store_param_remainders`, bf16 Adam moments: what lets that many fit one 80 GB GPU), "
                        f"{cut}-token packed micro-batches, global batch 8: deeper, the output layer and the bf16 "
-                       f"first and last layers weigh less in the step; " + about
-                       + "; `ours_graphs*`: every layer replayed as a CUDA graph"),
+                       f"first and last layers weigh less in the step; " + about),
         Workload("fp8_lora", "dense8b", cut, packed, _pair(1, 8, "1 GPU", lf_layout="1 GPU, gradient checkpointing "
                                                             "(LF default)") + _fp8_runs() + _graphed_fp8_runs(),
                  steps=8, warmup=3, layers=None if smoke else 36, tuning=lora,

@@ -67,8 +67,8 @@ def test_breakdown_by_hand(monkeypatch):
     assert fp8["activations"] < rowwise["activations"]
     # the weight casts alone (no tokens; q/k norms left out, as above): both layouts' bytes where the backward frees
     # no activations, the pipeline has begun it at the peak or a second micro-batch's forward follows; the
-    # forward's where one micro-batch's backward frees more; both where CUDA graphs read them or for a frozen base,
-    # kept for the run
+    # forward's where one micro-batch's backward frees more; none where CUDA graphs cast inside each replay; a frozen
+    # base's both, kept for the run, graphed or not
     shapes, covered, dense = memory._shapes(_dense()), [False, True, True, False], [False] * 4
     weights = 2 * (layer - 2 * 16)
     cases = (([0.0] * 4, 1, 1, 2 * weights), ([weights] * 4, 1, 1, weights), ([weights] * 4, 2, 2, 2 * weights),
@@ -76,9 +76,10 @@ def test_breakdown_by_hand(monkeypatch):
     for kept, in_flight, micro_batches, held in cases:
         assert memory._fp8_buffers(shapes, 0, _layout(), covered, dense, False, kept, in_flight, micro_batches,
                                    False) == held
-    for graphs, frozen in ((False, True), (True, False), (True, True)):
+    assert memory._fp8_buffers(shapes, 0, _layout(), covered, dense, True, [0.0] * 4, 1, 1, False) == 0
+    for graphs in (False, True):
         assert memory._fp8_buffers(shapes, 0, _layout(), covered, dense, graphs, [weights] * 4, 1, 1,
-                                   frozen) == 2 * weights
+                                   True) == 2 * weights
 
 
 def test_layouts_divide_what_they_should():

@@ -226,10 +226,10 @@ def _fp8_saved(s: dict[str, int], tokens: float, layout: ParallelLayout, sequenc
 
 def _fp8_buffers(s: dict[str, int], tokens: float, layout: ParallelLayout, covered: list[bool], mine: list[bool],
                  cuda_graphs: bool, kept: list[float], in_flight: float, micro_batches: int, frozen: bool) -> float:
-    """FP8's copies at the peak: the step's weight casts (``fp8.WeightCasts``, held to the step's end; those CUDA
-    graphs read, ``cuda_graphs``, and a frozen base's, ``frozen``, are kept for the run in both layouts) and what the
-    largest covered linear (fc1 or fc2) casts during its backward: its output's gradient in both layouts (its
-    input's, for rowwise, after them).
+    """FP8's copies at the peak: the step's weight casts (``fp8.WeightCasts``, held to the step's end; a graphed layer
+    casts inside its graph and keeps none; a frozen base's, ``frozen``, are kept for the run in both layouts, graphed
+    or not) and what the largest covered linear (fc1 or fc2) casts during its backward: its output's gradient in both
+    layouts (its input's, for rowwise, after them).
 
     A weight's forward layout is cast at its first forward, its input gradient's at its first backward, while the
     layers' activations (``kept``, bytes per layer of one micro-batch) are being freed. A step of one micro-batch
@@ -239,6 +239,8 @@ def _fp8_buffers(s: dict[str, int], tokens: float, layout: ParallelLayout, cover
     has begun at the peak), both count."""
     f = s.get("fa", s["f"]) if s["f"] else s["fs"]
     out = max(s["glu"] * f, s["h"]) / layout.tp
+    if cuda_graphs and not frozen:
+        return 2 * tokens * out
     forward = backward = ahead = outgrown = 0.0
     for m, c, a in reversed(list(zip(mine, covered, kept))):  # the backward's order
         if c:
@@ -248,8 +250,7 @@ def _fp8_buffers(s: dict[str, int], tokens: float, layout: ParallelLayout, cover
             backward, ahead = backward + made, ahead + made
         outgrown = max(outgrown, ahead)
         ahead -= a  # this layer's activations go once its backward is done
-    held = frozen or cuda_graphs or in_flight > 1 or micro_batches > 1
-    return forward + (backward if held else outgrown) + 2 * tokens * out
+    return forward + (backward if frozen or in_flight > 1 or micro_batches > 1 else outgrown) + 2 * tokens * out
 
 
 def _expert_casts(s: dict[str, int], tokens: float, layout: ParallelLayout, forward: bool) -> float:

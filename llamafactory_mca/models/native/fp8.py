@@ -177,11 +177,6 @@ def cast_torch(x: torch.Tensor, amax: torch.Tensor, axis: int, dtype: torch.dtyp
     return (y.contiguous() if rows else None), (y.transpose(-2, -1).contiguous() if cols else None), inv
 
 
-def capturing(x: torch.Tensor) -> bool:
-    """Whether ``x``'s work is being recorded into a CUDA graph rather than run."""
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 def padded(rows: int) -> int:
     """Rows rounded up to ``_scaled_mm``'s multiple (the casts write the extra rows as zeros)."""
     return -(-rows // ALIGN) * ALIGN
@@ -233,7 +228,8 @@ class DelayedScales:
             self.history = torch.zeros(self.fp8.amax_history, self.places, dtype=torch.float32, device=x.device)
             self.used = torch.zeros(self.places, dtype=torch.float32, device=x.device)
         # a capture records the delayed cast: the graph replays once the history exists (asked only when needed)
-        delayed = (self.primed and place not in self.unknown) or capturing(x)
+        delayed = (self.primed and place not in self.unknown) or (
+            x.is_cuda and torch.cuda.is_current_stream_capturing())
         return per_tensor(x, dtype, rows, cols, amax=self.used[place] if delayed else None, seen=self.seen[place])
 
     @torch.no_grad()
@@ -282,13 +278,8 @@ class WeightCasts:
     and output gradients of its linears at 4,096 tokens, 260M). Inside ``holding()`` (the trainer's forward and
     backward of one step) the first cast of each weight and layout is kept for the step's other micro-batches, and
     for activation recomputation; leaving frees them, before the optimizer changes the weights. Transformer Engine
-    keeps its weight casts across micro-batches the same way. Outside it every call casts.
-
-    A CUDA graph captured inside it (at step 1's end, once step 1 cast every weight eagerly) reads the casts step 1
-    made instead of casting inside the graph: those are kept for the run and cast again, in place, as each later
-    step begins (``holding``), before any replay reads them. A replay would otherwise cast the weights again for
-    every micro-batch: for the Qwen3-8B shape, three bytes moved per weight element and layout, 4% of an FP8 layer's
-    time a micro-batch.
+    keeps its weight casts across micro-batches the same way. Outside it, and while a CUDA graph is captured (a
+    replay must cast its own step's weights), every call casts.
 
     Memory, to the step's end: one FP8 byte per covered weight element from its first forward (the forward's layout)
     and one more from its first backward (the input gradient's), made while the layer's activations are being
@@ -305,12 +296,10 @@ class WeightCasts:
         self.scales = scales  # delayed scaling's maxima, rolled at each step's end
         self._held: dict[tuple[int, str], Any] | None = None
         self._frozen: dict[tuple[int, str], tuple[torch.Tensor, int, Any]] = {}  # (weight, its version, casts)
-        self._graphed: dict[tuple[int, str], tuple[Any, Callable[[], Any]]] = {}  # (casts, how to cast again)
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:
         self._held = {}
-        self._recast_graphed()
         try:
             yield
         finally:
@@ -318,34 +307,22 @@ class WeightCasts:
             if self.scales is not None:
                 self.scales.roll()
 
-    @torch.no_grad()
-    def _recast_graphed(self) -> None:
-        """The weights changed at the optimizer step: the casts the graphs read, made again into the same memory (in
-        the order they were first asked for: a weight's absolute maximum before the layouts cast by it)."""
-        for kept, cast in self._graphed.values():
-            _copy_into(kept, cast())
-
     def holds(self, weight: torch.Tensor) -> bool:
-        return not weight.requires_grad or self._held is not None
+        return not weight.requires_grad or (
+            self._held is not None and not (weight.is_cuda and torch.cuda.is_current_stream_capturing()))
 
     def get(self, weight: torch.Tensor, layout: str, cast: Callable[[], Any]) -> Any:
         """``cast()``, or what it returned for ``weight`` and ``layout`` earlier in this step (for a frozen weight:
-        in this run, while the weight is unchanged; for one a CUDA graph reads: in this run, cast again each step)."""
-        key = (id(weight), layout)
+        in this run, while the weight is unchanged)."""
         if not weight.requires_grad:
+            key = (id(weight), layout)
             kept = self._frozen.get(key)
             if kept is None or kept[1] != weight._version:
                 kept = self._frozen[key] = (weight, weight._version, cast())
             return kept[2]
-        if self._held is None:
+        if not self.holds(weight):
             return cast()
-        if capturing(weight):
-            graphed = self._graphed.get(key)
-            if graphed is None:
-                if key not in self._held:  # not cast eagerly before the capture: the graph casts it each replay
-                    return cast()
-                graphed = self._graphed[key] = (self._held[key], cast)
-            return graphed[0]
+        key = (id(weight), layout)
         if key not in self._held:
             self._held[key] = cast()
         return self._held[key]
@@ -356,15 +333,6 @@ class WeightCasts:
         amax = self.get(weight, "tensorwise amax", lambda: _amax(weight)) if self.holds(weight) else None
         return self.get(weight, f"tensorwise {rows}",
                         lambda: per_tensor(weight, dtype, rows=rows, cols=not rows, amax=amax)[0 if rows else 1])
-
-
-def _copy_into(kept: Any, fresh: Any) -> None:
-    """A cast's tensors (one, or a tuple of them: an ``Operand``) written into those it made before."""
-    if isinstance(kept, torch.Tensor):
-        kept.copy_(fresh)
-    else:
-        for a, b in zip(kept, fresh, strict=True):
-            _copy_into(a, b)
 
 
 def stacked_operand(w: torch.Tensor, dtype: torch.dtype, contracted: int) -> tuple[torch.Tensor, torch.Tensor]:
