@@ -289,6 +289,9 @@ class WeightCasts:
     A frozen weight (LoRA's base, freeze tuning's frozen layers) does not change at the optimizer step: its casts are
     kept for the run, read by every step and by CUDA graphs (captured once, they replay reading the same copies),
     and made again only if the weight is written (its version counter moves: an adapter merged into it).
+
+    What happens under a capture is kept for when graphs run FP8 again: for now runs refuse ``cuda_graphs`` with
+    FP8 (``plan.check_cuda_graphs``), a graphed run's loss having left the eager one's.
     """
 
     def __init__(self, scales: DelayedScales | None = None) -> None:
