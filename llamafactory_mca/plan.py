@@ -225,7 +225,7 @@ def check_cuda_graphs(stage: str, finetuning_args: Any, packing: bool, config: M
         # ours (models/native/fp8.py; Transformer Engine's is megatron-core's to graph), measured on one H100
         # (benchmarks/results/h100_fp8_graphs): the graphed run's loss left the eager FP8 run's by up to 1.6% within
         # 5 steps of the Qwen3-8B shape, where eager FP8 kept within 0.1% of bf16
-        ("fp8 unset", not getattr(args, "fp8", None) or has_transformer_engine(),
+        ("fp8 unset", not args.fp8 or has_transformer_engine(),
          "graphed FP8 layers without Transformer Engine are not yet shown to train what eager ones train"),
     ]
     if config.num_experts:
