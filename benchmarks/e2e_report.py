@@ -228,7 +228,8 @@ def _fp8_targets(name: str, runs: dict) -> list[dict | None]:
     """Each FP8 run against our bf16 run: speed (against the goal where one is set), peak memory, loss curve within
     1% at every step; and against LLaMA-Factory's default path for reference."""
     found: list[dict | None] = []
-    for run, base in (("ours_fp8", "ours"), ("ours_fp8_rowwise", "ours"), ("ours_fp8_delayed", "ours")):
+    for run, base in (("ours_fp8", "ours"), ("ours_fp8_rowwise", "ours"), ("ours_fp8_delayed", "ours"),
+                      ("ours_graphs_fp8", "ours_graphs"), ("ours_graphs_fp8_delayed", "ours_graphs")):
         fp8, ours = runs.get(run), runs.get(base)
         if fp8 is None:
             continue

@@ -560,6 +560,17 @@ def _fp8_runs(grad_accum: int = 8) -> list[Run]:
 SMALL_STATES = dict(store_param_remainders=True, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
 
 
+def _graphed_fp8_runs(with_tensorwise: bool = False) -> list[Run]:
+    """bf16 and FP8 with every layer replayed as a CUDA graph: the launches of a step out of the host's way."""
+    graphs = [Run("ours_graphs", "ours", 1, True, 1, 8, "1 GPU, CUDA graphs", {"cuda_graphs": True}),
+              Run("ours_graphs_fp8_delayed", "ours", 1, True, 1, 8, "1 GPU, CUDA graphs, FP8 delayed (hybrid)",
+                  dict(FP8["delayed"], cuda_graphs=True))]
+    if with_tensorwise:
+        graphs.append(Run("ours_graphs_fp8", "ours", 1, True, 1, 8, "1 GPU, CUDA graphs, FP8 tensorwise (hybrid)",
+                          dict(FP8["tensorwise"], cuda_graphs=True)))
+    return graphs
+
+
 def _fp8_workloads(smoke: bool, cut: int, packed: tuple, lora: dict) -> list[Workload]:
     """FP8 on torch's scaled matmuls (models/native/fp8.py) beside our bf16 and LLaMA-Factory's default path: speed
     and memory on the Qwen3-8B and Qwen3-30B-A3B shapes, the loss over 200 steps on the Qwen3-1.7B shape."""
@@ -568,11 +579,12 @@ def _fp8_workloads(smoke: bool, cut: int, packed: tuple, lora: dict) -> list[Wor
              "and last layer in bf16 (the default)")
     return [
         Workload("fp8_dense", "dense8b", cut, packed,
-                 _pair(1, 8, "1 GPU") + _fp8_runs(), steps=8, warmup=3,
+                 _pair(1, 8, "1 GPU") + _fp8_runs() + _graphed_fp8_runs(with_tensorwise=True), steps=8, warmup=3,
                  layers=2 if smoke else 8,
                  about=f"full fine-tuning of the first layers of 36 (8 by default: with the embedding and output "
                        f"layer and their Adam states, about what one 80 GB GPU holds), {cut}-token packed "
-                       "micro-batches, global batch 8; " + about),
+                       "micro-batches, global batch 8; " + about
+                       + "; `ours_graphs*`: every layer replayed as a CUDA graph"),
         Workload("fp8_dense_deep", "dense8b", cut, packed,
                  [replace(r, layout=r.layout + ", 16-bit states", extra=dict(r.extra, **SMALL_STATES))
                   for r in _pair(1, 8, "1 GPU")[1:] + _fp8_runs()],
@@ -582,10 +594,11 @@ def _fp8_workloads(smoke: bool, cut: int, packed: tuple, lora: dict) -> list[Wor
                        f"{cut}-token packed micro-batches, global batch 8: deeper, the output layer and the bf16 "
                        f"first and last layers weigh less in the step; " + about),
         Workload("fp8_lora", "dense8b", cut, packed, _pair(1, 8, "1 GPU", lf_layout="1 GPU, gradient checkpointing "
-                                                            "(LF default)") + _fp8_runs(),
+                                                            "(LF default)") + _fp8_runs() + _graphed_fp8_runs(),
                  steps=8, warmup=3, layers=None if smoke else 36, tuning=lora,
                  about=f"LoRA rank 16 on `lora_target: all` of all 36 layers (the frozen base's GEMMs in FP8: forward "
-                       f"and input gradient), {cut}-token packed micro-batches, global batch 8; " + about),
+                       f"and input gradient), {cut}-token packed micro-batches, global batch 8; " + about
+                       + "; `ours_graphs*`: every layer, adapters included, replayed as a CUDA graph"),
         Workload("fp8_moe", "moe", cut, packed, _pair(1, 8, "1 GPU") + _fp8_runs(), steps=8, warmup=3,
                  layers=2 if smoke else 4,
                  about=f"full fine-tuning of 4 of the 48 layers, {cut}-token packed micro-batches, global batch 8; "

@@ -64,37 +64,13 @@ def test_fixed_shapes_train_what_the_plain_path_trains(tuning, assets, tmp_path)
         assert runs[True][step] == pytest.approx(loss, rel=1e-5), (step, runs)
 
 
-def test_fp8_layers_are_not_graphed_until_shown_to_train_as_eager_ones(monkeypatch):
-    """CPUs refuse FP8 itself before graphs are asked about (``test_args``): the plan's check, as a GPU run meets
-    it. Transformer Engine's FP8 is megatron-core's to graph."""
-    from types import SimpleNamespace
-
-    from llamafactory_mca import plan
-    from llamafactory_mca.errors import UserError
-    from llamafactory_mca.parallel import ParallelLayout
-    from llamafactory_mca.plan import check_cuda_graphs
-
-    monkeypatch.setattr(plan, "has_transformer_engine", lambda: False)
-
-    config = SimpleNamespace(vision_language=False, transformer={}, on_one_stage=False, num_experts=None)
-    args = SimpleNamespace(recompute_granularity=None, variable_seq_lengths=None, fp8="hybrid")
-    tuning = SimpleNamespace(finetuning_type="full", lora_dropout=0)
-    layout = ParallelLayout(world_size=1, tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1, dp=1, expert_dp=1,
-                            micro_batch_size=1, grad_accum=1)
-    with pytest.raises(UserError, match=r"cuda_graphs=True needs fp8 unset \(graphed FP8 layers without Transformer "
-                                        r"Engine are not yet shown to train what eager ones train\)\. Set "
-                                        r"cuda_graphs: false\."):
-        check_cuda_graphs("sft", tuning, True, config, layout, args)
-    check_cuda_graphs("sft", tuning, True, config, layout, SimpleNamespace(**{**vars(args), "fp8": None}))
-    monkeypatch.setattr(plan, "has_transformer_engine", lambda: True)
-    check_cuda_graphs("sft", tuning, True, config, layout, args)
-
-
 @pytest.mark.parametrize("overrides, fragment", [
     (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size: 1"),
     (dict(recompute_granularity="full"), "recompute_granularity: selective"),
     (dict(sequence_packing=False), "packing: true"),
     (dict(finetuning_type="lora", lora_target="all", lora_dropout=0.1), "lora_dropout: 0"),
+    (dict(finetuning_type="lora", lora_target="all", use_distributed_optimizer=True, overlap_grad_reduce=True,
+          overlap_param_gather=True), "overlap_param_gather: false"),
     (dict(model="qwen3_moe"), "moe_grouped_gemm: true"),
     (dict(model="qwen3_moe", moe_grouped_gemm=True, expert_model_parallel_size=2), "expert_model_parallel_size: 1"),
     (dict(model="qwen3_next", moe_grouped_gemm=True), "without linear-attention layers"),

@@ -14,17 +14,23 @@ from tests._cli import losses, ok, recipe, train
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.mark.parametrize("model, fused, lora, merge", [("qwen3", True, None, 1), ("qwen3_moe", True, None, 1),
-                                                      ("qwen3_moe", True, None, 2), ("qwen3", True, "all", 1),
-                                                      ("qwen3_moe", True, "all,experts", 1)])
-def test_graphed_layers_train_what_eager_layers_train(model, fused, lora, merge, assets, tmp_path):
+@pytest.mark.parametrize("model, fused, lora, merge, fp8", [
+    ("qwen3", True, None, 1, None), ("qwen3_moe", True, None, 1, None), ("qwen3_moe", True, None, 2, None),
+    ("qwen3", True, "all", 1, None), ("qwen3_moe", True, "all,experts", 1, None), ("qwen3", True, None, 1, "delayed"),
+    ("qwen3", True, "all", 1, "tensorwise")])
+def test_graphed_layers_train_what_eager_layers_train(model, fused, lora, merge, fp8, assets, tmp_path):
     """``fused``: both runs GEMM weight gradients into main_grad and run the Triton RoPE and q/k norms (the graphed
     default); without it both run without them, so that the first, eager, step of each is the same computation.
     ``lora``: the base frozen, the adapters (on the grouped experts too) inside the graphed layers. ``merge``: both
-    runs' micro-batches merged as given (graphs capture the merged packs)."""
+    runs' micro-batches merged as given (graphs capture the merged packs). ``fp8``: both runs' middle layers in FP8
+    under that recipe (a replay casts its trained weights; a frozen base's casts, made once, serve every replay)."""
+    if fp8 and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 tensor cores")
     curves = {}
     tuning = dict(finetuning_type="lora", lora_target=lora, learning_rate=1e-3) if lora else dict(learning_rate=1e-4)
     tuning["merge_micro_batches"] = merge  # both runs the same computation: auto would merge the eager one alone
+    if fp8:
+        tuning.update(fp8="hybrid", fp8_recipe=fp8)
     for graphs in (False, True):
         name = f"{model}_graphs_{graphs}"
         config = recipe(assets, tmp_path / name, model_name_or_path=assets["models"][model], bf16=True,
@@ -37,6 +43,7 @@ def test_graphed_layers_train_what_eager_layers_train(model, fused, lora, merge,
         result, output = train(tmp_path, config, gpu=True, name=name)
         ok(result, output)
         assert ("every layer a CUDA graph" in output) == graphs, output[-3000:]
+        assert (f"FP8 {fp8}" in output) == bool(fp8), output[-3000:]
         assert output.count("eval loss") == 2, output[-3000:]
         curves[graphs] = losses(tmp_path / name)
     assert curves[True].keys() == curves[False].keys() == set(range(1, 7))

@@ -290,8 +290,8 @@ class WeightCasts:
     kept for the run, read by every step and by CUDA graphs (captured once, they replay reading the same copies),
     and made again only if the weight is written (its version counter moves: an adapter merged into it).
 
-    What happens under a capture is kept for when graphs run FP8 again: for now runs refuse ``cuda_graphs`` with
-    FP8 (``plan.check_cuda_graphs``), a graphed run's loss having left the eager one's.
+    Graphed, a replay casts its step's trained weights inside the graph: on the Qwen3-8B shape (8 layers, one H100,
+    ``h100_fp8_graphs/call4``) graphed FP8 delayed kept within 0.22% of eager FP8 over 8 steps at 2.2 GiB less.
     """
 
     def __init__(self, scales: DelayedScales | None = None) -> None:
