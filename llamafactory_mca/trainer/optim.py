@@ -154,7 +154,6 @@ class OptimizerStep:
                 adam.grad_scale = None
         return ok, grad_norm
 
-
     def rewrite_weights(self) -> None:
         """The 16-bit weights written again from the fp32 main weights, as an update writes them, without one: after
         a step that did not update, where FP8 lent those weights' memory to its casts (``fp8.casts_take_weights``)."""
