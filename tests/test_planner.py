@@ -2,6 +2,7 @@
 and ``llamafactory-mca plan`` on a recipe as a user runs it."""
 
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -53,15 +54,20 @@ def test_breakdown_by_hand(monkeypatch):
     assert got["activations"] == pytest.approx(4 * per_layer / GIB, abs=0.006)
     assert got["logits"] == pytest.approx(tokens * vocab * memory.LOGIT_BYTES / GIB, abs=0.006)
     # FP8 tensorwise (layers 2 and 3 of 4): QKV's and fc1's inputs and fc2's kept in one byte instead of two,
-    # out-projection's beside the attention output; the weight casts of the forward (a byte per weight element of
-    # layers 2 and 3: in a step of one micro-batch the input gradient's come as the backward frees far more) and
-    # one linear's FP8 copies (fc1's dy both ways). A million tokens: the estimate is rounded to 0.01 GiB
+    # out-projection's beside the attention output; one linear's FP8 copies (fc1's dy both ways); the weights' casts
+    # in the weights' own memory (fp32 main weights apart: the optimizer writes the weights again), else those of
+    # the forward (a byte per weight element of layers 2 and 3: in a step of one micro-batch the input gradient's
+    # come as the backward frees far more). A million tokens: the estimate is rounded to 0.01 GiB
     tokens = 2**20
     per_layer = 2 * tokens * (4 * h + (q + 2 * kv) + 2 * (q + kv) + 2 * q + 3 * f)
     change = -2 * tokens * h + tokens * q - tokens * f
-    buffers = 2 * layer + 2 * tokens * 2 * f
+    buffers = 2 * tokens * 2 * f
     fp8 = estimate(_dense(), _layout(), Training(tokens=tokens, fp8=Fp8Training()))
     assert fp8["activations"] == pytest.approx((4 * per_layer + 2 * change + buffers) / GIB, abs=0.006)
+    for held in (dict(param_remainders=True), dict(cpu_offload=True)):
+        held = estimate(_dense(), _layout(), Training(tokens=tokens, fp8=Fp8Training(), **held))
+        assert held["activations"] == pytest.approx((4 * per_layer + 2 * change + buffers + 2 * layer) / GIB,
+                                                    abs=0.006)
     rowwise = estimate(_dense(), _layout(), Training(tokens=tokens, fp8=Fp8Training(recipe="rowwise")))
     assert rowwise["activations"] == pytest.approx((4 * per_layer + buffers) / GIB, abs=0.006)
     assert fp8["activations"] < rowwise["activations"]
@@ -74,12 +80,13 @@ def test_breakdown_by_hand(monkeypatch):
     cases = (([0.0] * 4, 1, 1, 2 * weights), ([weights] * 4, 1, 1, weights), ([weights] * 4, 2, 2, 2 * weights),
              ([weights] * 4, 1, 8, 2 * weights))  # (kept, in flight, micro-batches, held)
     for kept, in_flight, micro_batches, held in cases:
-        assert memory._fp8_buffers(shapes, 0, _layout(), covered, dense, False, kept, in_flight, micro_batches,
-                                   False) == held
-    assert memory._fp8_buffers(shapes, 0, _layout(), covered, dense, True, [0.0] * 4, 1, 1, False) == 0
-    for graphs in (False, True):
+        for in_weights in (False, True):
+            assert memory._fp8_buffers(shapes, 0, _layout(), covered, dense, False, kept, in_flight, micro_batches,
+                                       False, in_weights) == (0 if in_weights else held)
+    assert memory._fp8_buffers(shapes, 0, _layout(), covered, dense, True, [0.0] * 4, 1, 1, False, False) == 0
+    for graphs, in_weights in itertools.product((False, True), (False, True)):
         assert memory._fp8_buffers(shapes, 0, _layout(), covered, dense, graphs, [weights] * 4, 1, 1,
-                                   True) == 2 * weights
+                                   True, in_weights) == 2 * weights
 
 
 def test_layouts_divide_what_they_should():

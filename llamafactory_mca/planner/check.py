@@ -59,6 +59,7 @@ def training_of(plan: Planned, training_args: Any, finetuning_args: Any) -> Trai
                     chunked_cross_entropy=training_args.chunked_cross_entropy,
                     half=bool(training_args.bf16 or training_args.fp16),
                     param_remainders=bool(training_args.store_param_remainders),
+                    overlap_param_gather=bool(training_args.overlap_param_gather),
                     moment_bytes=moment_bytes(training_args.exp_avg_dtype, training_args.exp_avg_sq_dtype),
                     cuda_graphs=bool(training_args.cuda_graphs),  # the recipe's, also planned on a CPU
                     freeze_vision_tower=bool(finetuning_args.freeze_vision_tower),

@@ -23,7 +23,7 @@ from typing import Any
 from ..models.config import attention_shape
 from ..models.cost import attention_layer_kinds, attention_sizes, indexer_weights, small_gemma4_weights
 from ..models.mapping import is_moe_layer
-from ..models.native.fp8 import Fp8Training, grouped_pays
+from ..models.native.fp8 import Fp8Training, casts_take_weights, grouped_pays
 from ..models.native.logit_chunks import logit_rows
 from ..parallel import ParallelLayout
 
@@ -63,6 +63,7 @@ class Training:
     chunked_cross_entropy: bool | None = None  # None: models/native/logit_chunks.py decides by size
     half: bool = True  # bf16 / fp16 weights with fp32 main weights; False: fp32 throughout (no main copy)
     param_remainders: bool = False  # store_param_remainders: the fp32 main weights as 16-bit remainders
+    overlap_param_gather: bool = False  # the distributed optimizer's all-gather overlapped with the next forward
     moment_bytes: int = 8  # Adam's two moments per trained parameter: 8 in fp32, 4 with exp_avg(_sq)_dtype bf16
     cuda_graphs: bool = False
     freeze_vision_tower: bool = True  # LLaMA-Factory's defaults: the tower and its projector frozen
@@ -225,11 +226,13 @@ def _fp8_saved(s: dict[str, int], tokens: float, layout: ParallelLayout, sequenc
 
 
 def _fp8_buffers(s: dict[str, int], tokens: float, layout: ParallelLayout, covered: list[bool], mine: list[bool],
-                 cuda_graphs: bool, kept: list[float], in_flight: float, micro_batches: int, frozen: bool) -> float:
+                 cuda_graphs: bool, kept: list[float], in_flight: float, micro_batches: int, frozen: bool,
+                 in_weights: bool) -> float:
     """FP8's copies at the peak: the step's weight casts (``fp8.WeightCasts``, held to the step's end; a graphed layer
     casts inside its graph and keeps none; a frozen base's, ``frozen``, are kept for the run in both layouts, graphed
-    or not) and what the largest covered linear (fc1 or fc2) casts during its backward: its output's gradient in both
-    layouts (its input's, for rowwise, after them).
+    or not; trained dense weights', ``in_weights``, sit in the weights' own memory) and what the largest covered
+    linear (fc1 or fc2) casts during its backward: its output's gradient in both layouts (its input's, for rowwise,
+    after them).
 
     A weight's forward layout is cast at its first forward, its input gradient's at its first backward, while the
     layers' activations (``kept``, bytes per layer of one micro-batch) are being freed. A step of one micro-batch
@@ -244,7 +247,7 @@ def _fp8_buffers(s: dict[str, int], tokens: float, layout: ParallelLayout, cover
     forward = backward = ahead = outgrown = 0.0
     for m, c, a in reversed(list(zip(mine, covered, kept))):  # the backward's order
         if c:
-            dense = _layer_params(s, m)[0] / layout.tp
+            dense = 0 if in_weights and not frozen else _layer_params(s, m)[0] / layout.tp
             forward += dense + (_expert_casts(s, tokens, layout, forward=True) if m else 0)
             made = dense + (_expert_casts(s, tokens, layout, forward=False) if m else 0)
             backward, ahead = backward + made, ahead + made
@@ -344,8 +347,10 @@ def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[st
                 activations = activations * GRAPH_ACTIVATIONS + 2 * experts / (layout.ep * layout.etp)
         activations += tower_activations * in_flight
         if fp8 is not None:
+            in_weights = casts_take_weights(training.half, training.param_remainders, training.cpu_offload,
+                                            training.overlap_param_gather and layout.dp * layout.cp > 1)
             activations += _fp8_buffers(s, tokens, layout, covered, mine, training.cuda_graphs, kept, in_flight,
-                                        layout.grad_accum, bool(training.lora_rank))
+                                        layout.grad_accum, bool(training.lora_rank), in_weights)
         if stage == 0 and s["ple"]:  # the per-layer inputs, made whole on every rank: their norm's input and the sum
             activations += 2 * tokens * s["layers"] * s["ple"] * 2 * in_flight
         logits = 0.0

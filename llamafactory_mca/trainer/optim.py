@@ -154,6 +154,15 @@ class OptimizerStep:
                 adam.grad_scale = None
         return ok, grad_norm
 
+    def rewrite_weights(self) -> None:
+        """The 16-bit weights written again from the fp32 main weights, as an update writes them, without one: after
+        a step that did not update, where FP8 lent those weights' memory to its casts (``fp8.casts_take_weights``)."""
+        for inner in getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]:
+            inner._copy_main_params_to_model_params()  # megatron-core's, as its step_with_ready_grads calls it
+        for chunk in self.wrapped:  # the other data-parallel ranks' shards
+            if chunk.ddp_config.use_distributed_optimizer:
+                chunk.start_param_sync(force_sync=True)
+
 
 class _StepTokens:
     """The step's loss tokens, from Megatron's finalize to the optimizer step."""

@@ -44,6 +44,7 @@ from ..models.cost import flops_per_sequence_set, peak_flops
 from ..models.export import export_hf
 from ..models.lora.layers import set_lora_enabled
 from ..models.lora.peft_io import export_adapter
+from ..models.native.fp8 import casts_take_weights
 from ..parallel import ParallelLayout
 from . import checkpoint as ckpt
 from .faults import maybe_crash, maybe_hang, nan_loss
@@ -128,6 +129,11 @@ class McaTrainer:
         self.wrapped = wrap_ddp(model.chunks, tc, args)
         self.optimizer = build_optimizer(self.wrapped, tc, args)
         self.optimizer_step = OptimizerStep(self.optimizer, self.wrapped, tc)
+        if model.fp8_weights is not None:  # whether the optimizer writes every 16-bit weight again at each step
+            model.fp8_weights.in_weights = casts_take_weights(
+                half=bool(args.bf16 or args.fp16), param_remainders=bool(args.store_param_remainders),
+                cpu_offload=bool(args.optimizer_cpu_offload),
+                gather_overlapped=bool(args.overlap_param_gather) and layout.dp * layout.cp > 1)
         self.max_steps, self.num_epochs = self._plan_steps()
         self.schedule = LRSchedule(self.optimizer, args, self.max_steps)
         self.state = TrainerState(is_local_process_zero=args.local_process_index == 0,
@@ -264,6 +270,8 @@ class McaTrainer:
             if ok:
                 self.schedule.step()
             logged["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        if skipped and self.model.fp8_weights is not None and self.model.fp8_weights.in_weights:
+            self.optimizer_step.rewrite_weights()  # the step's FP8 casts sit in the weights: no update wrote them
         logged["skipped"] = float(skipped)
         logged.update(self._moe_metrics(len(micro_batches)))
         logged.update(self._mtp_metrics(len(micro_batches)))

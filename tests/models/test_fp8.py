@@ -160,6 +160,53 @@ def test_weights_cast_once_a_step_while_held(recipe, monkeypatch):
     assert recast == 2 and _rel(after[0], 2 * before[0]) < 0.01
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_casts_written_into_the_trained_weights_train_what_held_casts_train(recipe):
+    """``in_weights`` (fp32 main weights apart: the optimizer writes the 16-bit weights again): a step's casts of a
+    trained weight take the weight's own bytes, both layouts from its first forward, and give every micro-batch
+    the gradients held casts give; a frozen weight (LoRA's base) and one whose bytes are not two per element keep
+    theirs apart."""
+    fp8 = _fp8()
+    settings = fp8.Fp8Training(format="hybrid", recipe=recipe)
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(rows, 64, generator=gen).to(torch.bfloat16) for rows in (48, 37)]
+    gs = [torch.randn(x.shape[0], 32, generator=gen).to(torch.bfloat16) for x in xs]
+    master = (torch.randn(32, 64, generator=gen) * 0.1).to(torch.bfloat16)
+
+    def step(w, in_weights: bool):
+        casts = fp8.WeightCasts()
+        casts.in_weights = in_weights
+        if hasattr(w, "main_grad"):
+            w.main_grad.zero_()
+        grads, during = [], None
+        with casts.holding():
+            for x, g in zip(xs, gs):
+                xi = x.clone().requires_grad_()
+                fp8._Fp8Linear.apply(xi, w, None, settings, casts, True, False, False, None).backward(g)
+                grads.append(xi.grad)
+                during = w.detach().clone() if during is None else during
+        return grads, (w.main_grad.clone() if hasattr(w, "main_grad") else None), during
+
+    w = torch.nn.Parameter(master.clone())
+    w.main_grad, w.grad_added_to_main_grad = torch.zeros(32, 64), False
+    held, held_main, unchanged = step(w, in_weights=False)
+    assert torch.equal(unchanged, master)
+    lent, lent_main, during = step(w, in_weights=True)
+    assert all(torch.equal(a, b) for a, b in zip(held, lent)) and torch.equal(held_main, lent_main)
+    rows = fp8._both_layouts(master, settings)[0]
+    assert torch.equal(during.view(-1).view(rows.data.dtype)[: w.numel()].view(w.shape), rows.data)
+    w.data.copy_(master)  # what the optimizer step writes
+    assert all(torch.equal(a, b) for a, b in zip(held, step(w, in_weights=True)[0]))
+
+    frozen = torch.nn.Parameter(master.clone(), requires_grad=False)
+    assert all(torch.equal(a, b) for a, b in zip(held, step(frozen, in_weights=True)[0]))
+    assert torch.equal(frozen, master)
+    wide = torch.nn.Parameter(master.float())
+    wide.main_grad, wide.grad_added_to_main_grad = torch.zeros(32, 64), False
+    step(wide, in_weights=True)
+    assert torch.equal(wide, master.float())
+
+
 def test_unaligned_features_run_the_bf16_function():
     fp8 = _fp8()
     calls = []

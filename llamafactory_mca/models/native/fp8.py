@@ -25,7 +25,8 @@ Megatron's with ``torch._scaled_mm`` for its matmuls and one Triton kernel (``fp
 Memory: tensorwise keeps the input for the weight gradient in FP8, already transposed (half of what bf16 keeps; under
 sequence parallelism the gathered input, which at TP2 is as many bytes as bf16's local share);
 rowwise keeps it in bf16 (its weight gradient needs it scaled along the other dimension); a frozen weight (LoRA's
-base) keeps no input at all. A weight's FP8 copies are cast once per optimizer step (``WeightCasts``).
+base) keeps no input at all. A weight's FP8 copies are cast once per optimizer step (``WeightCasts``), into the
+trained weight's own memory where the optimizer writes it again from fp32 main weights.
 
 ``_scaled_mm`` takes dimensions in multiples of 16: the casts pad the tokens with zero rows (a pack of any length
 runs in FP8); a linear whose features are not multiples of 16 runs Megatron's bf16 function instead.
@@ -284,7 +285,11 @@ class WeightCasts:
     Memory, to the step's end: one FP8 byte per covered weight element from its first forward (the forward's layout)
     and one more from its first backward (the input gradient's), made while the layer's activations are being
     freed. A step of one micro-batch peaks at the end of its forward with the first byte alone; where a second
-    micro-batch's forward follows, it peaks there with both (the planner counts them so).
+    micro-batch's forward follows, it peaks there with both (the planner counts them so). Where the optimizer step
+    writes every 16-bit weight again from fp32 main weights (``casts_take_weights``, the trainer's decision), the
+    step needs no bytes of its own for them (``in_weights``): a trained weight's first forward casts both layouts and
+    copies them over the weight's own two bytes per element, which nothing reads again before that write (a step
+    that does not update has the trainer write them again, as an update would).
 
     A frozen weight (LoRA's base, freeze tuning's frozen layers) does not change at the optimizer step: its casts are
     kept for the run, read by every step and by CUDA graphs (captured once, they replay reading the same copies),
@@ -297,6 +302,7 @@ class WeightCasts:
     def __init__(self, scales: DelayedScales | None = None) -> None:
         self.routed = 0  # the linears and grouped experts that read their operands here
         self.scales = scales  # delayed scaling's maxima, rolled at each step's end
+        self.in_weights = False  # a held step's trained-weight casts written into the weights' own memory
         self._held: dict[tuple[int, str], Any] | None = None
         self._frozen: dict[tuple[int, str], tuple[torch.Tensor, int, Any]] = {}  # (weight, its version, casts)
 
@@ -330,12 +336,54 @@ class WeightCasts:
             self._held[key] = cast()
         return self._held[key]
 
+    def operand(self, weight: torch.Tensor, fp8: Fp8Training, rows: bool) -> Operand:
+        """``weight`` as the forward's operand (``rows``) or the input gradient's (its transpose), under the recipe's
+        weight scaling: held as ``get`` holds it, or, ``in_weights``, both layouts written into the weight itself."""
+        if self.in_weights and weight.requires_grad and self.holds(weight) and _fits_in(weight):
+            return self.get(weight, "in weight", lambda: _written_into(weight, _both_layouts(weight, fp8)))[
+                0 if rows else 1]
+        if fp8.rowwise:
+            return self.get(weight, "rows" if rows else "cols", lambda: per_row(weight, fp8.dtype(), 1 if rows else 0))
+        return self.tensorwise(weight, fp8.dtype(), rows)
+
     def tensorwise(self, weight: torch.Tensor, dtype: torch.dtype, rows: bool) -> Operand:
         """``weight`` under one scale, as the forward's operand (``rows``) or the input gradient's (its transpose),
         each layout cast when first asked for; while held, both under the one absolute maximum of the step."""
         amax = self.get(weight, "tensorwise amax", lambda: _amax(weight)) if self.holds(weight) else None
         return self.get(weight, f"tensorwise {rows}",
                         lambda: per_tensor(weight, dtype, rows=rows, cols=not rows, amax=amax)[0 if rows else 1])
+
+
+def casts_take_weights(half: bool, param_remainders: bool, cpu_offload: bool, gather_overlapped: bool) -> bool:
+    """Whether a step's casts of the trained weights may take the weights' own 16-bit memory
+    (``WeightCasts.in_weights``): only where the optimizer step writes every 16-bit weight again from fp32 main
+    weights kept apart. Not where the 16-bit weight is half of its main weight (``store_param_remainders``), not
+    under the CPU-offloading optimizer, and not where the other data-parallel ranks' shards arrive after the step
+    (``overlap_param_gather`` over more than one rank): an evaluation between steps reads them."""
+    return half and not param_remainders and not cpu_offload and not gather_overlapped
+
+
+def _fits_in(weight: torch.Tensor) -> bool:
+    """A 16-bit weight has the bytes of both FP8 layouts (its rows need no padding: ``aligned`` routed it here)."""
+    return weight.element_size() == 2 and weight.is_contiguous() and weight.shape[0] % ALIGN == 0
+
+
+def _both_layouts(weight: torch.Tensor, fp8: Fp8Training) -> tuple[Operand, Operand]:
+    if fp8.rowwise:
+        return per_row(weight, fp8.dtype(), 1), per_row(weight, fp8.dtype(), 0)
+    rows, cols = per_tensor(weight, fp8.dtype(), rows=True, cols=True)  # one pass, one absolute maximum
+    return rows, cols
+
+
+def _written_into(weight: torch.Tensor, layouts: tuple[Operand, Operand]) -> tuple[Operand, Operand]:
+    """The two FP8 layouts copied over the weight's own bytes (its 16-bit values are gone until the optimizer step
+    writes them again from the main weights), through ``.data``: autograd's record of the weight stays as it is."""
+    rows, cols = layouts
+    flat = weight.data.view(-1).view(rows.data.dtype)
+    n = weight.numel()
+    into_rows = flat[:n].view(rows.data.shape).copy_(rows.data)
+    into_cols = flat[n:].view(cols.data.shape).copy_(cols.data)
+    return Operand(into_rows, rows.scale_inv), Operand(into_cols, cols.scale_inv)
 
 
 def stacked_operand(w: torch.Tensor, dtype: torch.dtype, contracted: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -396,10 +444,9 @@ class _Fp8Linear(torch.autograd.Function):
         keep_t = trainable and fp8.wgrad and not fp8.rowwise  # the input for dW, transposed in FP8, from this pass
         if fp8.rowwise:
             x_rows, x_cols = per_row(x, fp8.dtype(), 1), None
-            w_rows = casts.get(weight, "rows", lambda: per_row(weight, fp8.dtype(), 1))
         else:
             x_rows, x_cols = _activation(x, fp8.dtype(), casts, place, cols=keep_t)
-            w_rows = casts.tensorwise(weight, fp8.dtype(), rows=True)
+        w_rows = casts.operand(weight, fp8, rows=True)
         out = mm(x_rows, w_rows, x.dtype, fast_accum=True)[: x.shape[0]].view(*total.shape[:-1], weight.shape[0])
         if bias is not None:
             out = out + bias
@@ -420,10 +467,9 @@ class _Fp8Linear(torch.autograd.Function):
         wgrad_fp8 = ctx.trainable and fp8.wgrad
         if fp8.rowwise:
             g_rows, g_cols = per_row(g, gdt, 1), None
-            w_cols = casts.get(weight, "cols", lambda: per_row(weight, fp8.dtype(), 0))
         else:
             g_rows, g_cols = _activation(g, gdt, casts, ctx.place + 1, cols=wgrad_fp8)
-            w_cols = casts.tensorwise(weight, fp8.dtype(), rows=False)
+        w_cols = casts.operand(weight, fp8, rows=False)
         total_x = None
         if ctx.trainable and not ctx.keep_t:  # the bf16 input, gathered again under sequence parallelism
             total_x = kept[0]
