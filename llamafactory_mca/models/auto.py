@@ -271,9 +271,10 @@ class McaModel:
         self.lora = None  # a lora.LoraRun once apply_lora put adapters on the chunks
         self.fp8_weights = fp8_weights
 
-    def weights_held(self) -> contextlib.AbstractContextManager:
-        """Where the weights do not change (one step's forward and backward): FP8 casts each weight once."""
-        return self.fp8_weights.holding() if self.fp8_weights is not None else contextlib.nullcontext()
+    def weights_held(self, updates: bool) -> contextlib.AbstractContextManager:
+        """Where the weights do not change (one step's forward and backward, or an evaluation's forward): FP8 casts
+        each weight once. ``updates``: an optimizer step follows."""
+        return self.fp8_weights.holding(updates) if self.fp8_weights is not None else contextlib.nullcontext()
 
     def parameters(self):
         for chunk in self.chunks:

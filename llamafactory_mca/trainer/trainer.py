@@ -202,7 +202,8 @@ class McaTrainer:
         # the whole sequence: Megatron divides by the context-parallel size itself (and by TP under SP)
         seq_length = max(b.tokens.shape[-1] for b in micro_batches) * ps.get_context_parallel_world_size()
         # graphs replay training's shapes only; the weights hold still until the optimizer step
-        with eager_layers(chunks) if forward_only else nullcontext(), self.model.weights_held():
+        held = self.model.weights_held(updates=not forward_only)  # an optimizer step follows a training pass
+        with eager_layers(chunks) if forward_only else nullcontext(), held:
             return get_forward_backward_func()(
                 forward_step_func=partial(self._forward_step, collect_reference=collect_reference),
                 data_iterator=iterators if len(iterators) > 1 else iterators[0],

@@ -141,16 +141,20 @@ def test_a_killed_fp8_run_resumes_with_fp8_off_and_then_on_again(assets, tmp_pat
             assert json.load(f)["num_input_tokens_seen"] == json.load(g)["num_input_tokens_seen"]
 
 
-def test_a_skipped_fp8_step_leaves_the_weights_as_they_were(assets, tmp_path):
+def test_a_skipped_fp8_step_and_an_evaluation_leave_the_weights_as_they_were(assets, tmp_path):
     """FP8's casts take the trained weights' own memory during a step (the optimizer writes the weights again from
-    the fp32 main weights): a step skipped for a NaN loss writes them back without an update, so the next steps
-    train on as a bf16 run that skipped the same step, within FP8's rounding."""
+    the fp32 main weights): a step skipped for a NaN loss writes them back without an update, and an evaluation
+    between steps (no update follows it) casts apart, so the next steps train on as a bf16 run that skipped the same
+    step and evaluated at the same ones, within FP8's rounding."""
     curves = {}
     for name, extra in (("bf16", {}), ("fp8", dict(fp8="hybrid", fp8_recipe="delayed"))):
-        config = recipe(assets, tmp_path / name, bf16=True, sequence_packing=True, max_steps=5, **extra)
+        config = recipe(assets, tmp_path / name, bf16=True, sequence_packing=True, max_steps=5,
+                        eval_dataset="tiny_alpaca", eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2,
+                        **extra)
         result, output = train(tmp_path, config, gpu=True, name=name, env={"LLAMAFACTORY_MCA_FAULT": "nan:2"})
-        ok(result, output)
+        ok(result, output, nonfinite=True)
         assert "step 2: inf/nan loss or gradients, step skipped" in output, output[-3000:]
+        assert output.count("eval loss") == 3, output[-3000:]  # steps 2 and 4, and the run's end
         curves[name] = losses(tmp_path / name)
     for step in (3, 4, 5):
         assert curves["fp8"][step] == pytest.approx(curves["bf16"][step], rel=0.02), (step, curves)

@@ -164,8 +164,8 @@ def test_weights_cast_once_a_step_while_held(recipe, monkeypatch):
 def test_casts_written_into_the_trained_weights_train_what_held_casts_train(recipe):
     """``in_weights`` (fp32 main weights apart: the optimizer writes the 16-bit weights again): a step's casts of a
     trained weight take the weight's own bytes, both layouts from its first forward, and give every micro-batch
-    the gradients held casts give; a frozen weight (LoRA's base) and one whose bytes are not two per element keep
-    theirs apart."""
+    the gradients held casts give; a pass that no update follows (an evaluation, a reference model's), a frozen
+    weight (LoRA's base) and one whose bytes are not two per element keep theirs apart."""
     fp8 = _fp8()
     settings = fp8.Fp8Training(format="hybrid", recipe=recipe)
     gen = torch.Generator().manual_seed(5)
@@ -173,13 +173,13 @@ def test_casts_written_into_the_trained_weights_train_what_held_casts_train(reci
     gs = [torch.randn(x.shape[0], 32, generator=gen).to(torch.bfloat16) for x in xs]
     master = (torch.randn(32, 64, generator=gen) * 0.1).to(torch.bfloat16)
 
-    def step(w, in_weights: bool):
+    def step(w, in_weights: bool, updates: bool = True):
         casts = fp8.WeightCasts()
         casts.in_weights = in_weights
         if hasattr(w, "main_grad"):
             w.main_grad.zero_()
         grads, during = [], None
-        with casts.holding():
+        with casts.holding(updates):
             for x, g in zip(xs, gs):
                 xi = x.clone().requires_grad_()
                 fp8._Fp8Linear.apply(xi, w, None, settings, casts, True, False, False, None).backward(g)
@@ -197,6 +197,10 @@ def test_casts_written_into_the_trained_weights_train_what_held_casts_train(reci
     assert torch.equal(during.view(-1).view(rows.data.dtype)[: w.numel()].view(w.shape), rows.data)
     w.data.copy_(master)  # what the optimizer step writes
     assert all(torch.equal(a, b) for a, b in zip(held, step(w, in_weights=True)[0]))
+    w.data.copy_(master)
+    evaluated = step(w, in_weights=True, updates=False)
+    assert all(torch.equal(a, b) for a, b in zip(held, evaluated[0])) and torch.equal(evaluated[2], master)
+    assert torch.equal(w, master)
 
     frozen = torch.nn.Parameter(master.clone(), requires_grad=False)
     assert all(torch.equal(a, b) for a, b in zip(held, step(frozen, in_weights=True)[0]))

@@ -289,7 +289,8 @@ class WeightCasts:
     writes every 16-bit weight again from fp32 main weights (``casts_take_weights``, the trainer's decision), the
     step needs no bytes of its own for them (``in_weights``): a trained weight's first forward casts both layouts and
     copies them over the weight's own two bytes per element, which nothing reads again before that write (a step
-    that does not update has the trainer write them again, as an update would).
+    that does not update has the trainer write them again, as an update would). Only a pass that an update follows
+    lends them (``holding(updates=True)``): an evaluation or a reference model's pass holds its casts apart.
 
     A frozen weight (LoRA's base, freeze tuning's frozen layers) does not change at the optimizer step: its casts are
     kept for the run, read by every step and by CUDA graphs (captured once, they replay reading the same copies),
@@ -304,15 +305,18 @@ class WeightCasts:
         self.scales = scales  # delayed scaling's maxima, rolled at each step's end
         self.in_weights = False  # a held step's trained-weight casts written into the weights' own memory
         self._held: dict[tuple[int, str], Any] | None = None
+        self._lending = False  # inside a held pass that an optimizer step follows, with ``in_weights``
         self._frozen: dict[tuple[int, str], tuple[torch.Tensor, int, Any]] = {}  # (weight, its version, casts)
 
     @contextlib.contextmanager
-    def holding(self) -> Iterator[None]:
-        self._held = {}
+    def holding(self, updates: bool = False) -> Iterator[None]:
+        """``updates``: an optimizer step follows, writing the trained weights again, so ``in_weights`` may lend
+        their bytes; an evaluation's or a reference model's pass reads weights that must come out as they went in."""
+        self._held, self._lending = {}, updates and self.in_weights
         try:
             yield
         finally:
-            self._held = None
+            self._held, self._lending = None, False
             if self.scales is not None:
                 self.scales.roll()
 
@@ -339,7 +343,7 @@ class WeightCasts:
     def operand(self, weight: torch.Tensor, fp8: Fp8Training, rows: bool) -> Operand:
         """``weight`` as the forward's operand (``rows``) or the input gradient's (its transpose), under the recipe's
         weight scaling: held as ``get`` holds it, or, ``in_weights``, both layouts written into the weight itself."""
-        if self.in_weights and weight.requires_grad and self.holds(weight) and _fits_in(weight):
+        if self._lending and weight.requires_grad and self.holds(weight) and _fits_in(weight):
             return self.get(weight, "in weight", lambda: _written_into(weight, _both_layouts(weight, fp8)))[
                 0 if rows else 1]
         if fp8.rowwise:
