@@ -100,10 +100,8 @@ def recipe(w: Workload, run: Run, model_dir: str, data_dir: str, out_dir: str, s
         # no moe_aux_loss_coef: LLaMA-Factory's default trains MoE without the load-balancing loss (and with it,
         # neat_packing's 4-D mask breaks transformers' load_balancing_loss_func); ours keeps the config's 0.001
     else:
-        # graphed LoRA layers take no gather overlap (plan.check_cuda_graphs): one GPU gathers nothing anyway
-        graphed_lora = run.extra.get("cuda_graphs") and r["finetuning_type"] == "lora"
         r.update(sequence_packing=run.packing, use_distributed_optimizer=True, overlap_grad_reduce=True,
-                 overlap_param_gather=not graphed_lora)
+                 overlap_param_gather=True)
         if w.model in MOE_KINDS:
             r.update(moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall")
     r.update(run.extra)

@@ -215,10 +215,6 @@ def check_cuda_graphs(stage: str, finetuning_args: Any, packing: bool, config: M
         ("stage: sft or pt", stage in ("sft", "pt"), "DPO's reference pass and pairs run other shapes"),
         ("lora_dropout: 0", finetuning_args.finetuning_type != "lora" or not finetuning_args.lora_dropout,
          "LoRA's dropout inside a replayed graph is not verified yet"),
-        # trainer/optim.py's hook (the adapters' all-gather awaited) is one megatron-core's replays refuse
-        ("overlap_param_gather: false", finetuning_args.finetuning_type != "lora" or not args.overlap_param_gather,
-         "a LoRA layer waits for its adapters' all-gather in a forward pre-hook, and megatron-core replays no layer "
-         "with a pre-hook other than its DDP's"),
         ("a text model", not config.vision_language,
          "a vision-language model's 3-D positions or image blocks cover the whole pack"),
         ("a model without linear-attention layers", not config.transformer.get("linear_attention_freq"),

@@ -69,8 +69,6 @@ def test_fixed_shapes_train_what_the_plain_path_trains(tuning, assets, tmp_path)
     (dict(recompute_granularity="full"), "recompute_granularity: selective"),
     (dict(sequence_packing=False), "packing: true"),
     (dict(finetuning_type="lora", lora_target="all", lora_dropout=0.1), "lora_dropout: 0"),
-    (dict(finetuning_type="lora", lora_target="all", use_distributed_optimizer=True, overlap_grad_reduce=True,
-          overlap_param_gather=True), "overlap_param_gather: false"),
     (dict(model="qwen3_moe"), "moe_grouped_gemm: true"),
     (dict(model="qwen3_moe", moe_grouped_gemm=True, expert_model_parallel_size=2), "expert_model_parallel_size: 1"),
     (dict(model="qwen3_next", moe_grouped_gemm=True), "without linear-attention layers"),

@@ -16,7 +16,7 @@ import torch
 from megatron.core.pipeline_parallel import schedules
 
 
-_MANAGER = "cudagraph_manager"  # the attribute megatron-core's layers test to route a call through their graphs
+MANAGER = "cudagraph_manager"  # the attribute megatron-core's layers test to route a call through their graphs
 _CAPTURE = {"seconds": 0.0}
 
 
@@ -44,11 +44,11 @@ def capture_seconds() -> float:
 @contextmanager
 def eager_layers(chunks: Iterable[torch.nn.Module]) -> Iterator[None]:
     """Run the chunks' layers eagerly inside the block (a no-op for a run without graphs)."""
-    held = [(module, module._modules.pop(_MANAGER)) for chunk in chunks for module in chunk.modules()
-            if _MANAGER in module._modules]
+    held = [(module, module._modules.pop(MANAGER)) for chunk in chunks for module in chunk.modules()
+            if MANAGER in module._modules]
     try:
         yield
     finally:
         for module, manager in held:
-            module._modules[_MANAGER] = manager
+            module._modules[MANAGER] = manager
 

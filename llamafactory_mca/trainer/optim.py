@@ -18,6 +18,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel.utils import get_pp_last_rank
 
+from .graphs import MANAGER as _GRAPHS
 from .param_remainders import MOMENT_DTYPES, megatron_builds_remainder_adam, precision_aware
 
 
@@ -53,12 +54,17 @@ def _wait_for_adapters(ddp: DistributedDataParallel) -> None:
     """Megatron's forward pre-hook makes a module wait for the all-gather of its own parameters (overlapped with the
     forward after each step); a LoRA layer's adapters are the parameters of its ``lora_A`` / ``lora_B`` children,
     which are never called, so the layer's own forward waits for them too. Without it a rank computed with the other
-    ranks' adapter shards of the step before (and an interleaved pipeline's next step found the gather pending)."""
+    ranks' adapter shards of the step before (and an interleaved pipeline's next step found the gather pending).
+
+    Not inside a layer replayed as a CUDA graph: megatron-core's replay calls the DDP hook of every module in the
+    layer, the adapters' included, and refuses a layer holding any other pre-hook. Such a layer runs eagerly only
+    in the first step (no gather is pending yet) and in evaluations (``McaTrainer`` lands the gathers before)."""
     hook = ddp._make_forward_pre_hook()  # the one Megatron registers on every module (DDP.enable_forward_pre_hook)
+    graphed = {id(m) for layer in ddp.module.modules() if _GRAPHS in layer._modules for m in layer.modules()}
     for module in ddp.module.modules():
         adapters = [child for name in ("lora_A", "lora_B")
                     if isinstance(child := module._modules.get(name), torch.nn.ParameterDict)]
-        if adapters:
+        if adapters and id(module) not in graphed:
             module.register_forward_pre_hook(functools.partial(_wait_for, hook, tuple(adapters)))
 
 

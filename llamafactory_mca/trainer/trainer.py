@@ -202,6 +202,8 @@ class McaTrainer:
         # the whole sequence: Megatron divides by the context-parallel size itself (and by TP under SP)
         seq_length = max(b.tokens.shape[-1] for b in micro_batches) * ps.get_context_parallel_world_size()
         # graphs replay training's shapes only; the weights hold still until the optimizer step
+        if forward_only:
+            self._land_param_gathers()
         held = self.model.weights_held(updates=not forward_only)  # an optimizer step follows a training pass
         with eager_layers(chunks) if forward_only else nullcontext(), held:
             return get_forward_backward_func()(
@@ -440,10 +442,15 @@ class McaTrainer:
     def _saved_at(self, step: int) -> bool:
         return os.path.isdir(checkpoint_path(self.args.output_dir, step))
 
-    def _save(self, consumed: int) -> str:
-        for wrapped in self.wrapped:  # make sure overlapped parameter all-gathers have landed
-            if self.args.overlap_param_gather:
+    def _land_param_gathers(self) -> None:
+        """The overlapped parameter all-gathers of the last optimizer step waited for: a checkpoint or an evaluation
+        reads every parameter, LoRA's adapters (whose modules are never called) and graphed layers' included."""
+        if self.args.overlap_param_gather:
+            for wrapped in self.wrapped:
                 wrapped.start_param_sync(force_sync=True)
+
+    def _save(self, consumed: int) -> str:
+        self._land_param_gathers()
         step = self.state.global_step
         path = ckpt.save_checkpoint(
             self.args.output_dir, step, self.model, self.optimizer,

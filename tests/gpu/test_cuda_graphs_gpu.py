@@ -21,13 +21,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_graphed_layers_train_what_eager_layers_train(model, fused, lora, merge, fp8, assets, tmp_path):
     """``fused``: both runs GEMM weight gradients into main_grad and run the Triton RoPE and q/k norms (the graphed
     default); without it both run without them, so that the first, eager, step of each is the same computation.
-    ``lora``: the base frozen, the adapters (on the grouped experts too) inside the graphed layers. ``merge``: both
+    ``lora``: the base frozen, the adapters (on the grouped experts too) inside the graphed layers, gathered after
+    each step overlapped with the next forward (a replay waits for them in megatron-core's DDP hooks). ``merge``: both
     runs' micro-batches merged as given (graphs capture the merged packs). ``fp8``: both runs' middle layers in FP8
     under that recipe (a replay casts its trained weights; a frozen base's casts, made once, serve every replay)."""
     if fp8 and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs FP8 tensor cores")
     curves = {}
-    tuning = dict(finetuning_type="lora", lora_target=lora, learning_rate=1e-3) if lora else dict(learning_rate=1e-4)
+    tuning = dict(finetuning_type="lora", lora_target=lora, learning_rate=1e-3, use_distributed_optimizer=True,
+                  overlap_grad_reduce=True, overlap_param_gather=True) if lora else dict(learning_rate=1e-4)
     tuning["merge_micro_batches"] = merge  # both runs the same computation: auto would merge the eager one alone
     if fp8:
         tuning.update(fp8="hybrid", fp8_recipe=fp8)
