@@ -84,18 +84,43 @@ def test_grad_norm_and_clip_are_megatrons_without_per_tensor_syncs():
     assert all(torch.equal(a, b) for a, b in zip(grads, reference))
 
 
+def _gpt_under_the_distributed_optimizer(clip: float, bf16: bool = False):
+    """A 2-layer GPT model under Megatron's DDP and distributed optimizer (fused AdamW), seeded alike on every call."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    torch.manual_seed(11)
+    model_parallel_cuda_manual_seed(11)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                               use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+                               gradient_accumulation_fusion=False, bias_activation_fusion=False,
+                               masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+                               calculate_per_token_loss=True, bf16=bf16, params_dtype=dtype)
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16)
+    if bf16:
+        model = Float16Module(config, model)  # every parameter bf16, as Megatron-LM wraps its models
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=3e-3, clip_grad=clip, weight_decay=0.1, bf16=bf16,
+                                                       params_dtype=dtype, use_distributed_optimizer=True),
+                                       [model])
+    use_fused_adam(optimizer)
+    config.finalize_model_grads_func = finalize_model_grads
+    return config, model, optimizer
+
+
 def _folded_and_megatrons_steps() -> list:
     """Two equal GPT models under DDP and the distributed optimizer, trained on per-token losses whose token counts
     differ by rank: one stepped by Megatron (finalize divides the gradients, clipping multiplies them), the other by
     ``OptimizerStep`` (both inside fused AdamW). Per clip setting: each step's two gradient norms and the final
     parameters' largest difference."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
 
     from llamafactory_mca import parallel
     from llamafactory_mca.trainer.optim import OptimizerStep, _fused_adams
@@ -104,23 +129,7 @@ def _folded_and_megatrons_steps() -> list:
                                      micro_batch_size=2, grad_accum=2)
     parallel.initialize(layout, seed=7)
     rank = torch.distributed.get_rank()
-
-    def build(clip: float):
-        torch.manual_seed(11)
-        model_parallel_cuda_manual_seed(11)
-        config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
-                                   use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-                                   gradient_accumulation_fusion=False, bias_activation_fusion=False,
-                                   masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-                                   calculate_per_token_loss=True)
-        model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16)
-        model = DistributedDataParallel(config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
-        optimizer = get_megatron_optimizer(OptimizerConfig(lr=3e-3, clip_grad=clip, weight_decay=0.1,
-                                                           use_distributed_optimizer=True), [model])
-        use_fused_adam(optimizer)
-        config.finalize_model_grads_func = finalize_model_grads
-        return config, model, optimizer
+    build = _gpt_under_the_distributed_optimizer
 
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, 64, (2, 16), generator=g) for _ in range(2)]
@@ -166,3 +175,29 @@ def test_token_division_and_clipping_inside_adam_step_as_megatron_does():
         # 4 steps at lr 3e-3 move a parameter up to 1.2e-2; g / N and g * (1 / N) differ in the last bit, which
         # Adam's g / sqrt(v) carries into the update where v is tiny
         assert gap < 2e-5, (clip, gap)
+
+
+def _weights_written_again() -> bool:
+    """bf16 weights under the distributed optimizer at DP2, overwritten (as FP8's casts overwrite them during a step,
+    ``fp8.casts_take_weights``), then written again without an update (``OptimizerStep.rewrite_weights``): each rank
+    writes its shard from the fp32 main weights and gathers the other's."""
+    from llamafactory_mca import parallel
+    from llamafactory_mca.trainer.optim import OptimizerStep
+
+    layout = parallel.ParallelLayout(world_size=2, tp=1, pp=1, vpp=None, cp=1, ep=1, etp=1, dp=2, expert_dp=2,
+                                     micro_batch_size=2, grad_accum=1)
+    parallel.initialize(layout, seed=7)
+    config, model, optimizer = _gpt_under_the_distributed_optimizer(0.0, bf16=True)
+    for param in model.parameters():  # main weights apart from the bf16 ones
+        param.data.add_(torch.randn_like(param) * 1e-2)
+    optimizer.reload_model_params()
+    before = [param.detach().clone() for param in model.parameters()]
+    assert all(param.dtype == torch.bfloat16 for param in before)
+    for param in model.parameters():
+        param.data.view(torch.int16).fill_(0x7F7F)  # not what the main weights hold
+    OptimizerStep(optimizer, [model], config).rewrite_weights()
+    return all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_weights_lent_for_a_step_are_written_again_from_the_main_weights():
+    assert run_distributed(_weights_written_again, 2) == [True, True]
