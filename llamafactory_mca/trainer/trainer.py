@@ -203,8 +203,6 @@ class McaTrainer:
         # the whole sequence: Megatron divides by the context-parallel size itself (and by TP under SP)
         seq_length = max(b.tokens.shape[-1] for b in micro_batches) * ps.get_context_parallel_world_size()
         # graphs replay training's shapes only; the weights hold still until the optimizer step
-        if forward_only:
-            self._land_param_gathers()
         held = self.model.weights_held(updates=not forward_only)  # an optimizer step follows a training pass
         with eager_layers(chunks) if forward_only else nullcontext(), held:
             return get_forward_backward_func()(
@@ -470,6 +468,7 @@ class McaTrainer:
     # ---- evaluation ------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
+        self._land_param_gathers()  # once: every evaluation step reads the weights the last optimizer step wrote
         self.model.eval()
         outputs = []
         for micro_batches in self.eval_feed.eval_steps():
