@@ -348,8 +348,7 @@ def estimate(config: Any, layout: ParallelLayout, training: Training) -> dict[st
         activations += tower_activations * in_flight
         if fp8 is not None:
             in_weights = casts_take_weights(training.half, training.param_remainders, training.cpu_offload,
-                                            training.overlap_param_gather and layout.dp * layout.cp > 1,
-                                            training.cuda_graphs)
+                                            training.overlap_param_gather, layout.dp * layout.cp, training.cuda_graphs)
             activations += _fp8_buffers(s, tokens, layout, covered, mine, training.cuda_graphs, kept, in_flight,
                                         layout.grad_accum, bool(training.lora_rank), in_weights)
         if stage == 0 and s["ple"]:  # the per-layer inputs, made whole on every rank: their norm's input and the sum

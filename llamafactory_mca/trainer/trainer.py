@@ -133,7 +133,7 @@ class McaTrainer:
             model.fp8_weights.in_weights = casts_take_weights(
                 half=bool(args.bf16 or args.fp16), param_remainders=bool(args.store_param_remainders),
                 cpu_offload=bool(args.optimizer_cpu_offload),
-                gather_overlapped=bool(args.overlap_param_gather) and layout.dp * layout.cp > 1,
+                overlap_param_gather=bool(args.overlap_param_gather), gathering_ranks=layout.dp * layout.cp,
                 graphed=args.run_cuda_graphs())
         self.max_steps, self.num_epochs = self._plan_steps()
         self.schedule = LRSchedule(self.optimizer, args, self.max_steps)

@@ -358,15 +358,17 @@ class WeightCasts:
                         lambda: per_tensor(weight, dtype, rows=rows, cols=not rows, amax=amax)[0 if rows else 1])
 
 
-def casts_take_weights(half: bool, param_remainders: bool, cpu_offload: bool, gather_overlapped: bool,
-                       graphed: bool) -> bool:
+def casts_take_weights(half: bool, param_remainders: bool, cpu_offload: bool, overlap_param_gather: bool,
+                       gathering_ranks: int, graphed: bool) -> bool:
     """Whether a step's casts of the trained weights may take the weights' own 16-bit memory
     (``WeightCasts.in_weights``): only where the optimizer step writes every 16-bit weight again from fp32 main
     weights kept apart. Not where the 16-bit weight is half of its main weight (``store_param_remainders``), not
     under the CPU-offloading optimizer, and not where the other data-parallel ranks' shards arrive after the step
-    (``overlap_param_gather`` over more than one rank): an evaluation between steps reads them. Not under
+    (``overlap_param_gather`` over ``gathering_ranks``, dp x cp, of more than one): an evaluation between steps reads
+    them. Not under
     ``cuda_graphs`` either: replays cast inside their graphs and hold nothing, so only the eager first step would
     lend, and the graphs are captured from that step's layers before the optimizer writes the weights again."""
+    gather_overlapped = overlap_param_gather and gathering_ranks > 1
     return half and not param_remainders and not cpu_offload and not gather_overlapped and not graphed
 
 
